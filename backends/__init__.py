@@ -1,0 +1,10 @@
+"""One file per device family; each registers here with one line.
+
+Higher priority wins auto-detection (``XPU_BACKEND`` unset): an NPU, then a CUDA GPU, else
+the cpu reference backend.
+"""
+from xpu.registry import register_backend
+
+register_backend("npu", "backends.npu:NpuBackend", priority=30)
+register_backend("cuda", "backends.cuda:CudaBackend", priority=20)
+register_backend("cpu", "backends.cpu:CpuBackend", priority=0)

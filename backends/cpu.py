@@ -1,0 +1,361 @@
+"""The cpu reference backend: virtual devices with memory capacities, on host memory.
+
+Every strategy runs and is tested on it in CI, where there is no accelerator. A virtual
+device is a slice of host memory with a capacity: tensors created while it is current
+(``with backend.device_scope(i)``) or by ``empty``/``to_device`` are counted against it until
+they are freed, and an allocation past the capacity raises ``torch.OutOfMemoryError``, as a
+real device would. Copies between virtual devices and the host are real copies (synchronous).
+Streams run work immediately; events record wall-clock time.
+
+Configuration (environment):
+    ``XPU_CPU_DEVICES``     number of virtual devices (default 4)
+    ``XPU_CPU_DEVICE_MEM``  capacity of each, e.g. ``2GB`` (default), or a comma list per device
+    ``XPU_CPU_HOST_GBPS``   declared host-link rate per device (default 25)
+    ``XPU_CPU_PEER_GBPS``   declared peer-link rate between devices (default 100; 0: no peers)
+    ``XPU_CPU_TOPOLOGY``    a topology preset name (``dgx-h100``...) or a JSON file; replaces
+                            the declared links (and sets the device count and capacities)
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import weakref
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from xpu.backend import Backend, MemoryStats
+from xpu.capabilities import Capabilities
+from xpu.errors import DeviceOutOfMemoryError
+from xpu.topology import Topology, preset
+from xpu.units import format_bytes, parse_bytes
+
+__all__ = ["CpuBackend", "CpuStream", "CpuEvent"]
+
+
+class CpuEvent:
+    """An event on the cpu backend: work is synchronous, so recording notes the time."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.enable_timing = enable_timing
+        self._t: float | None = None
+
+    def record(self, stream: "CpuStream | None" = None) -> None:
+        """Mark this point (all earlier work is already done)."""
+        self._t = time.perf_counter()
+
+    def query(self) -> bool:
+        """Always True: nothing runs asynchronously."""
+        return True
+
+    def synchronize(self) -> None:
+        """No-op: nothing runs asynchronously."""
+
+    def wait(self, stream: "CpuStream | None" = None) -> None:
+        """No-op: nothing runs asynchronously."""
+
+    def elapsed_time(self, end: "CpuEvent") -> float:
+        """Milliseconds from this event's record to ``end``'s."""
+        if self._t is None or end._t is None:
+            raise RuntimeError("elapsed_time needs both events recorded first")
+        return (end._t - self._t) * 1e3
+
+
+class CpuStream:
+    """A stream on the cpu backend: work queued on it runs immediately."""
+
+    def __init__(self, device_index: int, priority: int = 0) -> None:
+        self.device_index = device_index
+        self.priority = priority
+
+    def wait_event(self, event: CpuEvent) -> None:
+        """No-op: the event's work is done."""
+
+    def wait_stream(self, stream: "CpuStream") -> None:
+        """No-op: the other stream's work is done."""
+
+    def record_event(self, event: CpuEvent | None = None) -> CpuEvent:
+        """Record (and return) an event on this stream."""
+        event = event or CpuEvent()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        """Always True."""
+        return True
+
+    def synchronize(self) -> None:
+        """No-op."""
+
+    def __enter__(self) -> "CpuStream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return f"CpuStream(device={self.device_index}, priority={self.priority})"
+
+
+class _Device:
+    """Accounting for one virtual device."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.limit = capacity  # capacity, or a smaller cap
+        self.allocated = 0
+        self.peak = 0
+
+
+class _Tracker(TorchDispatchMode):
+    """Attributes storages created by ops to the current virtual device."""
+
+    def __init__(self, backend: "CpuBackend") -> None:
+        super().__init__()
+        self.backend = backend
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        device = self.backend._current()
+        if device is None or self.backend._untracked_depth():
+            return out
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in inputs:
+                    self.backend._track(storage, device)
+        return out
+
+
+class CpuBackend(Backend):
+    """Virtual devices on host memory; see the module docstring for configuration."""
+
+    name = "cpu"
+    device_type = "cpu"
+    dist_backend = "gloo"
+    visible_devices_env = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._topology = self._build_topology()
+        self._devices = [_Device(d.total_bytes) for d in self._topology.devices]
+        self._live: dict[int, tuple[int, int]] = {}  # storage data_ptr -> (device, nbytes)
+        self._pinned: set[int] = set()  # data_ptrs of pinned/registered host storages
+        self._lock = threading.Lock()
+        self._tls = threading.local()
+        self._default_streams = [CpuStream(i) for i in range(len(self._devices))]
+
+    # ------------------------------------------------------------------ configuration
+    @staticmethod
+    def _build_topology() -> Topology:
+        chosen = os.environ.get("XPU_CPU_TOPOLOGY")
+        if chosen:
+            if os.path.exists(chosen):
+                with open(chosen) as fh:
+                    return Topology.from_json(fh.read())
+            count = int(os.environ.get("XPU_CPU_DEVICES", "8"))
+            return preset(chosen, count)
+        count = int(os.environ.get("XPU_CPU_DEVICES", "4"))
+        if count < 1:
+            raise ValueError(f"XPU_CPU_DEVICES must be at least 1, got {count}")
+        mems = [parse_bytes(m) for m in os.environ.get("XPU_CPU_DEVICE_MEM", "2GB").split(",")]
+        if len(mems) == 1:
+            mems *= count
+        if len(mems) != count:
+            raise ValueError(f"XPU_CPU_DEVICE_MEM lists {len(mems)} capacities for {count} devices; give one or {count}")
+        host = float(os.environ.get("XPU_CPU_HOST_GBPS", "25"))
+        peer = float(os.environ.get("XPU_CPU_PEER_GBPS", "100"))
+        topo = Topology.uniform(count, device_bytes=mems[0], host=("virtual", host),
+                                peer=("virtual", peer) if peer > 0 and count > 1 else None,
+                                device_name="cpu virtual device", source="declared")
+        if len(set(mems)) > 1:
+            from xpu.topology import DeviceSpec
+
+            devices = tuple(DeviceSpec(i, "cpu virtual device", m) for i, m in enumerate(mems))
+            topo = Topology(devices, topo.links, topo.host_mem_GBps, topo.source)
+        return topo
+
+    def _detect_caps(self) -> Capabilities:
+        return Capabilities(dha=True, peer_access=any(not l.is_host_link for l in self._topology.links),
+                            ipc=True, async_copy=False, host_register=True, timing_events=True)
+
+    # ------------------------------------------------------------------ identity
+    def device_count(self) -> int:
+        return len(self._devices)
+
+    def device(self, index: int | None = None) -> torch.device:
+        """Always ``torch.device("cpu")``: virtual devices share host memory; the backend knows which is which."""
+        if index is not None:
+            self.index_of(index)
+        return torch.device("cpu")
+
+    def index_of(self, device: Any) -> int:
+        if isinstance(device, torch.device) and device.type == "cpu":
+            return self.current_device()
+        return super().index_of(device)
+
+    def _stack(self) -> list[int]:
+        if not hasattr(self._tls, "stack"):
+            self._tls.stack = []
+            self._tls.untracked = 0
+        return self._tls.stack
+
+    def _current(self) -> int | None:
+        stack = self._stack()
+        return stack[-1] if stack else None
+
+    def _untracked_depth(self) -> int:
+        self._stack()
+        return self._tls.untracked
+
+    def current_device(self) -> int:
+        current = self._current()
+        return 0 if current is None else current
+
+    @contextlib.contextmanager
+    def device_scope(self, index: Any) -> Iterator[None]:
+        """Make virtual device ``index`` current: tensors created inside count against it."""
+        i = self.index_of(index)
+        stack = self._stack()
+        stack.append(i)
+        try:
+            if len(stack) == 1:
+                with _Tracker(self):
+                    yield
+            else:
+                yield
+        finally:
+            stack.pop()
+
+    @contextlib.contextmanager
+    def host_scope(self) -> Iterator[None]:
+        """Inside a device scope, make tensors created here host memory (not counted)."""
+        self._stack()
+        self._tls.untracked += 1
+        try:
+            yield
+        finally:
+            self._tls.untracked -= 1
+
+    def device_of(self, tensor: torch.Tensor) -> int | None:
+        """The virtual device holding ``tensor``'s memory, or None for host memory."""
+        entry = self._live.get(tensor.untyped_storage().data_ptr())
+        return None if entry is None else entry[0]
+
+    # ------------------------------------------------------------------ accounting
+    def _track(self, storage: torch.UntypedStorage, device: int) -> None:
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        if ptr == 0 or nbytes == 0:
+            return
+        with self._lock:
+            if ptr in self._live:
+                return
+            dev = self._devices[device]
+            if dev.allocated + nbytes > dev.limit:
+                raise DeviceOutOfMemoryError(
+                    f"cpu virtual device {device} is out of memory: tried to allocate {format_bytes(nbytes)} with "
+                    f"{format_bytes(dev.allocated)} of {format_bytes(dev.limit)} in use"
+                )
+            dev.allocated += nbytes
+            dev.peak = max(dev.peak, dev.allocated)
+            self._live[ptr] = (device, nbytes)
+        weakref.finalize(storage, self._untrack, ptr)
+
+    def _untrack(self, ptr: int) -> None:
+        with self._lock:
+            entry = self._live.pop(ptr, None)
+            if entry is not None:
+                self._devices[entry[0]].allocated -= entry[1]
+
+    # ------------------------------------------------------------------ streams and events
+    def stream(self, device: Any = None, priority: int = 0) -> CpuStream:
+        return CpuStream(self.index_of(device), priority)
+
+    def current_stream(self, device: Any = None) -> CpuStream:
+        return self._default_streams[self.index_of(device)]
+
+    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext(stream)
+
+    def event(self, timing: bool = False) -> CpuEvent:
+        return CpuEvent(enable_timing=timing)
+
+    def synchronize(self, device: Any = None) -> None:
+        self.index_of(device)
+
+    def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
+        """No-op: cpu work is synchronous, so memory is never reused under a pending copy."""
+
+    # ------------------------------------------------------------------ host memory
+    def alloc_pinned(self, nbytes: int) -> torch.Tensor:
+        with self.host_scope():
+            buf = torch.empty(int(nbytes), dtype=torch.uint8)
+        self.register_host(buf)
+        return buf
+
+    def free_pinned(self, buffer: torch.Tensor) -> None:
+        self._pinned.discard(buffer.untyped_storage().data_ptr())
+
+    def register_host(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError("register_host needs a contiguous host tensor")
+        if self.device_of(tensor) is not None:
+            raise ValueError(f"register_host got memory of virtual device {self.device_of(tensor)}, not host memory")
+        ptr = tensor.untyped_storage().data_ptr()
+        self._pinned.add(ptr)
+        weakref.finalize(tensor.untyped_storage(), self._pinned.discard, ptr)
+
+    def unregister_host(self, tensor: torch.Tensor) -> None:
+        self._pinned.discard(tensor.untyped_storage().data_ptr())
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() in self._pinned
+
+    def device_view(self, host_tensor: torch.Tensor, device: Any = None) -> torch.Tensor:
+        """The host tensor itself: a virtual device reads host memory directly."""
+        self.index_of(device)
+        if not self.is_pinned(host_tensor):
+            raise ValueError("device_view needs pinned host memory; allocate it from host_arena or register_host it first")
+        return host_tensor.view(host_tensor.shape)
+
+    # ------------------------------------------------------------------ copies and device memory
+    def empty(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32, device: Any = None) -> torch.Tensor:
+        index = self.index_of(device)
+        with self.host_scope():
+            out = torch.empty(shape, dtype=dtype)
+        self._track(out.untyped_storage(), index)
+        return out
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any = None) -> None:
+        if dst.shape != src.shape:
+            raise ValueError(f"copy needs equal shapes, got dst {tuple(dst.shape)} and src {tuple(src.shape)}")
+        with self.host_scope():
+            dst.copy_(src)
+
+    def can_access_peer(self, a: Any, b: Any) -> bool:
+        return self._topology.peer_link(self.index_of(a), self.index_of(b)) is not None
+
+    # ------------------------------------------------------------------ memory and topology
+    def _raw_mem_info(self, index: int) -> tuple[int, int]:
+        dev = self._devices[index]
+        return dev.capacity - dev.allocated, dev.capacity
+
+    def memory_stats(self, device: Any = None) -> MemoryStats:
+        dev = self._devices[self.index_of(device)]
+        return MemoryStats(dev.allocated, dev.allocated, dev.peak, dev.peak)
+
+    def reset_peak_memory(self, device: Any = None) -> None:
+        dev = self._devices[self.index_of(device)]
+        dev.peak = dev.allocated
+
+    def _apply_memory_cap(self, index: int, nbytes: int | None) -> None:
+        dev = self._devices[index]
+        dev.limit = dev.capacity if nbytes is None else nbytes
+
+    def topology(self) -> Topology:
+        return self._topology

@@ -1,0 +1,39 @@
+"""Shared fixtures: the conformance suite runs once per backend available here.
+
+The cpu reference backend runs everywhere; ``cuda`` runs on the GPU machine under
+``pytest -m gpu``; the npu backend is checked against a stand-in torch_npu in
+``test_npu_backend.py``.
+"""
+from __future__ import annotations
+
+import pytest
+
+import xpu
+
+
+def _backend_params():
+    return ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=_backend_params())
+def backend(request, monkeypatch):
+    """A fresh backend of each kind, selected through XPU_BACKEND as a user would."""
+    monkeypatch.setenv("XPU_BACKEND", request.param)
+    xpu.reset_backend()
+    try:
+        b = xpu.get_backend()
+    except xpu.BackendUnavailableError as exc:
+        pytest.skip(str(exc))
+    yield b
+    for i in range(b.device_count()):
+        b.set_memory_cap(i, None)
+    xpu.reset_backend()
+
+
+@pytest.fixture
+def cpu_backend(monkeypatch):
+    """The cpu reference backend with its default four virtual devices."""
+    monkeypatch.setenv("XPU_BACKEND", "cpu")
+    xpu.reset_backend()
+    yield xpu.get_backend()
+    xpu.reset_backend()

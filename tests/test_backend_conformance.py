@@ -1,0 +1,194 @@
+"""The Backend contract, written once and run for every backend available here."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import xpu
+from xpu import Capabilities, CapabilityError, MemoryStats, Topology
+
+
+# ---------------------------------------------------------------- identity
+def test_identity(backend):
+    assert backend.name == xpu.get_backend().name
+    assert backend.device_count() >= 1
+    assert backend.device(0).type == backend.device_type
+    assert isinstance(backend.caps, Capabilities)
+    assert backend.dist_backend in ("nccl", "hccl", "gloo")
+    described = backend.describe()
+    assert described["device_count"] == backend.device_count()
+    assert json.loads(json.dumps(described))["caps"] == backend.caps.as_dict()
+
+
+def test_bad_device_index_names_the_range(backend):
+    n = backend.device_count()
+    with pytest.raises(ValueError, match=rf"device index {n} is out of range.*0\.\.{n - 1}"):
+        backend.device(n)
+    with pytest.raises(TypeError):
+        backend.device("zero")
+
+
+def test_device_scope_sets_current_device(backend):
+    last = backend.device_count() - 1
+    with backend.device_scope(last):
+        assert backend.current_device() == last
+
+
+# ---------------------------------------------------------------- streams and events
+def test_stream_event_ordering_and_timing(backend):
+    s = backend.stream(0)
+    src = backend.host_arena.empty(1 << 20)
+    src.copy_(torch.randint(0, 255, (1 << 20,), dtype=torch.uint8))
+    dst = backend.empty(1 << 20, torch.uint8, 0)
+    start, end = backend.event(timing=True), backend.event(timing=True)
+    start.record(s)
+    backend.copy(dst, src, s)
+    end.record(s)
+    consumer = backend.stream(0)
+    consumer.wait_event(end)
+    end.synchronize()
+    assert end.query()
+    assert start.elapsed_time(end) >= 0
+    backend.synchronize(0)
+    assert torch.equal(dst.cpu(), src)
+    backend.host_arena.release(src)
+
+
+# ---------------------------------------------------------------- host memory
+@pytest.mark.parametrize("nbytes", [1, 4097, 3 << 20])
+def test_alloc_pinned_is_exact_and_pinned(backend, nbytes):
+    buf = backend.alloc_pinned(nbytes)
+    assert buf.numel() == nbytes and buf.dtype == torch.uint8 and buf.device.type == "cpu"
+    assert backend.is_pinned(buf)
+    backend.free_pinned(buf)
+
+
+def test_register_host_pins_in_place(backend):
+    if not backend.caps.host_register:
+        with pytest.raises(CapabilityError):
+            backend.register_host(torch.empty(10))
+        return
+    t = torch.randn(1 << 16)
+    before = t.clone()
+    assert not backend.is_pinned(t)
+    backend.register_host(t)
+    assert backend.is_pinned(t) and torch.equal(t, before)
+    backend.unregister_host(t)
+    assert not backend.is_pinned(t)
+    with pytest.raises(ValueError, match="contiguous host tensor"):
+        backend.register_host(torch.randn(8, 8).t())
+
+
+def test_device_view_aliases_host_memory(backend):
+    host = backend.host_arena.empty((64, 33), torch.float32)
+    host.copy_(torch.randn(64, 33))
+    if not backend.caps.dha:
+        with pytest.raises(CapabilityError, match="Direct Host Access"):
+            backend.device_view(host, 0)
+        return
+    view = backend.device_view(host[:, 1:], 0)
+    assert view.device.type == backend.device_type and view.shape == (64, 32)
+    # A device kernel reads host memory through the view ...
+    assert torch.allclose((view * 2).cpu(), host[:, 1:] * 2)
+    # ... and its writes land in host memory.
+    view.mul_(0).add_(7)
+    backend.synchronize(0)
+    assert torch.all(host[:, 1:] == 7) and not torch.all(host[:, 0] == 7)
+    del view
+    with pytest.raises(ValueError, match="pinned host memory"):
+        backend.device_view(torch.randn(4), 0)
+    backend.host_arena.release(host)
+
+
+# ---------------------------------------------------------------- copies
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool])
+@pytest.mark.parametrize("numel", [0, 1, 1023, 65537])
+def test_round_trip_is_byte_exact(backend, dtype, numel):
+    ref = torch.randint(0, 2 if dtype == torch.bool else 100, (numel,)).to(dtype)
+    host = backend.host_arena.empty(numel, dtype)
+    host.copy_(ref)
+    s = backend.stream(0)
+    dev = backend.empty(numel, dtype, 0)
+    backend.copy(dev, host, s)
+    back = backend.host_arena.empty(numel, dtype)
+    back.zero_()
+    backend.copy(back, dev, s)
+    s.synchronize()
+    assert torch.equal(back, ref)
+    pageable = torch.zeros(numel, dtype=dtype)
+    backend.copy(pageable, dev, s)
+    s.synchronize()
+    assert torch.equal(pageable, ref)
+    backend.host_arena.release(host)
+    backend.host_arena.release(back)
+
+
+def test_copy_refuses_shape_mismatch(backend):
+    with pytest.raises(ValueError, match="equal shapes"):
+        backend.copy(backend.empty(4, torch.float32, 0), torch.zeros(5))
+
+
+def test_device_to_device_and_peer(backend):
+    src = backend.to_device(torch.arange(1000, dtype=torch.float32), 0)
+    same = backend.empty(1000, torch.float32, 0)
+    backend.copy(same, src)
+    assert torch.equal(same.cpu(), torch.arange(1000, dtype=torch.float32))
+    if backend.device_count() < 2 or not backend.can_access_peer(0, 1):
+        pytest.skip("no peer pair here")
+    assert backend.caps.peer_access and backend.enable_peer_access(0, 1)
+    other = backend.empty(1000, torch.float32, 1)
+    backend.copy(other, src)
+    backend.synchronize(1)
+    assert torch.equal(other.cpu(), torch.arange(1000, dtype=torch.float32))
+
+
+# ---------------------------------------------------------------- memory
+def test_memory_stats_follow_allocations(backend):
+    backend.reset_peak_memory(0)
+    before = backend.memory_stats(0)
+    assert isinstance(before, MemoryStats)
+    t = backend.empty(1 << 20, torch.float32, 0)
+    during = backend.memory_stats(0)
+    assert during.allocated >= before.allocated + (4 << 20)
+    del t
+    after = backend.memory_stats(0)
+    assert after.allocated == before.allocated
+    assert after.peak_allocated >= before.allocated + (4 << 20)
+
+
+def test_memory_cap_makes_a_smaller_device(backend):
+    free, total = backend.mem_info(0)
+    assert 0 <= free <= total
+    cap = 64 << 20
+    backend.set_memory_cap(0, cap)
+    assert backend.memory_cap(0) == cap
+    free_capped, total_capped = backend.mem_info(0)
+    assert total_capped == cap and free_capped <= cap
+    with pytest.raises(torch.OutOfMemoryError):
+        backend.empty(cap * 2, torch.uint8, 0)
+    ok = backend.empty(cap // 4, torch.uint8, 0)  # under the cap still works
+    del ok
+    backend.set_memory_cap(0, None)
+    assert backend.mem_info(0)[1] == total
+    assert backend.empty(cap * 2, torch.uint8, 0).numel() == cap * 2
+
+
+@pytest.mark.parametrize("bad", [0, -1, "lots"])
+def test_bad_memory_cap_is_refused_before_any_change(backend, bad):
+    with pytest.raises(ValueError):
+        backend.set_memory_cap(0, bad)
+    assert backend.memory_cap(0) is None
+    with pytest.raises(ValueError, match="at most the device"):
+        backend.set_memory_cap(0, backend.mem_info(0)[1] * 2)
+
+
+# ---------------------------------------------------------------- topology
+def test_topology_has_a_host_link_per_device_and_round_trips(backend):
+    topo = backend.topology()
+    assert topo.device_count == backend.device_count()
+    for d in topo.devices:
+        link = topo.host_link(d.index)
+        assert link is not None and link.GBps > 0 and link.kind
+    assert Topology.from_json(topo.to_json()) == topo

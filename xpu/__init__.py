@@ -1,0 +1,34 @@
+"""xpu: a small device-agnostic transfer-and-compute interface.
+
+    import xpu
+    backend = xpu.get_backend()          # XPU_BACKEND=cuda|npu|cpu, or auto-detected
+    if backend.caps.dha:
+        w_dev = backend.device_view(backend.host_arena.empty((4096, 4096), torch.bfloat16))
+
+Strategies and the scaleup copier talk to a :class:`Backend` only, and branch on
+:class:`Capabilities`, never on a backend's name.
+"""
+from .arena import ArenaStats, HostArena
+from .backend import Backend, MemoryStats
+from .capabilities import Capabilities
+from .errors import (
+    BackendUnavailableError,
+    CapabilityError,
+    DeviceOutOfMemoryError,
+    HostMemoryBudgetError,
+    UnknownBackendError,
+    XpuError,
+)
+from .registry import backend_status, get_backend, register_backend, registered_backends, reset_backend
+from .topology import HOST, DeviceSpec, Link, Topology, preset
+from .units import format_bytes, parse_bytes
+
+__all__ = [
+    "ArenaStats", "HostArena", "Backend", "MemoryStats", "Capabilities",
+    "BackendUnavailableError", "CapabilityError", "DeviceOutOfMemoryError", "HostMemoryBudgetError",
+    "UnknownBackendError", "XpuError",
+    "backend_status", "get_backend", "register_backend", "registered_backends", "reset_backend",
+    "HOST", "DeviceSpec", "Link", "Topology", "preset", "format_bytes", "parse_bytes",
+]
+
+__version__ = "0.1.0"

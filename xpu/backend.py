@@ -1,0 +1,320 @@
+"""The ``Backend`` interface: the one surface strategies use to reach a device.
+
+About twenty verbs in five groups (DESIGN.md §4):
+
+* identity: ``name``, ``device_type``, ``dist_backend``, ``visible_devices_env``, ``caps``,
+  ``device_count``, ``device``, ``device_scope``, ``current_device``;
+* streams and events: ``stream``, ``current_stream``, ``use_stream``, ``event``,
+  ``synchronize``, ``keep_alive``;
+* host memory: ``alloc_pinned``/``free_pinned`` (exact size), ``host_arena`` (reusable,
+  budgeted), ``register_host``/``unregister_host``, ``is_pinned``, ``device_view``;
+* copies and device memory: ``empty``, ``copy``, ``to_device``, ``can_access_peer``,
+  ``enable_peer_access``;
+* memory and topology: ``mem_info``, ``memory_stats``, ``reset_peak_memory``,
+  ``set_memory_cap``, ``memory_cap``, ``topology``.
+
+Where torch already abstracts a verb (``torch.accelerator``, ``torch.Stream``,
+``torch.Event``) this base class implements it once for every accelerator backend; a backend
+file overrides only what its hardware does differently.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
+
+import torch
+
+from .capabilities import Capabilities
+from .errors import CapabilityError
+from .topology import Topology
+from .units import parse_bytes
+
+__all__ = ["Backend", "MemoryStats"]
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """This process's allocator figures for one device, in bytes.
+
+    Attributes:
+        allocated: bytes held by live tensors.
+        reserved: bytes the allocator holds from the device (allocated plus its cache).
+        peak_allocated: the most ``allocated`` has been since the last reset.
+        peak_reserved: the most ``reserved`` has been since the last reset.
+    """
+
+    allocated: int
+    reserved: int
+    peak_allocated: int
+    peak_reserved: int
+
+
+class Backend(abc.ABC):
+    """A device family (CUDA GPUs, Ascend NPUs, or the cpu reference's virtual devices).
+
+    Instances are made by the registry (``xpu.get_backend()``), one per process.
+    """
+
+    #: Registry name, the value ``XPU_BACKEND`` takes.
+    name: ClassVar[str]
+    #: torch device type of device tensors (``"cuda"``, ``"npu"``, ``"cpu"``).
+    device_type: ClassVar[str]
+    #: torch.distributed backend for collectives between devices of this kind.
+    dist_backend: ClassVar[str]
+    #: Environment variable that restricts and orders visible devices, if any.
+    visible_devices_env: ClassVar[str | None] = None
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """None if this backend can run in this process, else a sentence saying why not.
+
+        Must not initialise devices or change state: the registry calls it while choosing.
+        """
+        return None
+
+    def __init__(self) -> None:
+        self._caps: Capabilities | None = None
+        self._arena = None
+        self._caps_bytes: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def caps(self) -> Capabilities:
+        """What this backend can do here; computed once."""
+        if self._caps is None:
+            self._caps = self._detect_caps()
+        return self._caps
+
+    @abc.abstractmethod
+    def _detect_caps(self) -> Capabilities:
+        """Work out :attr:`caps` (called once, lazily)."""
+
+    @abc.abstractmethod
+    def device_count(self) -> int:
+        """Number of devices visible to this process."""
+
+    def device(self, index: int | None = None) -> torch.device:
+        """The ``torch.device`` of device ``index`` (the current device if None).
+
+        Raises:
+            ValueError: ``index`` is not in ``0..device_count()-1``.
+        """
+        i = self.current_device() if index is None else self.index_of(index)
+        return torch.device(self.device_type, i)
+
+    def index_of(self, device: Any) -> int:
+        """Normalise an index, ``torch.device`` or None to a checked device index."""
+        if device is None:
+            return self.current_device()
+        if isinstance(device, torch.device):
+            if device.type != self.device_type:
+                raise ValueError(f"{device} is not a {self.name} device; expected type '{self.device_type}'")
+            device = device.index if device.index is not None else self.current_device()
+        if not isinstance(device, int) or isinstance(device, bool):
+            raise TypeError(f"expected a device index, torch.device or None, got {device!r}")
+        count = self.device_count()
+        if not 0 <= device < count:
+            raise ValueError(f"device index {device} is out of range: backend '{self.name}' has {count} device(s), 0..{count - 1}")
+        return device
+
+    def device_scope(self, index: Any) -> contextlib.AbstractContextManager:
+        """Context in which ``index`` is the current device (allocations, kernels, streams)."""
+        return torch.accelerator.device_index(self.index_of(index))
+
+    def current_device(self) -> int:
+        """Index of the current device."""
+        return torch.accelerator.current_device_index()
+
+    # ------------------------------------------------------------------ streams and events
+    def stream(self, device: Any = None, priority: int = 0) -> torch.Stream:
+        """A new stream on ``device``; lower ``priority`` numbers run first, as in CUDA."""
+        return torch.Stream(self.device(device), priority=priority)
+
+    def current_stream(self, device: Any = None) -> torch.Stream:
+        """The stream work is queued on now for ``device``."""
+        return torch.accelerator.current_stream(self.index_of(device))
+
+    def use_stream(self, stream: torch.Stream) -> contextlib.AbstractContextManager:
+        """Context that makes ``stream`` current for its device."""
+        return stream
+
+    def event(self, timing: bool = False) -> torch.Event:
+        """A new event; ``timing=True`` lets ``elapsed_time`` measure between two records."""
+        return torch.Event(self.device_type, enable_timing=timing)
+
+    def synchronize(self, device: Any = None) -> None:
+        """Block the host until all work queued on ``device`` has finished."""
+        torch.accelerator.synchronize(self.index_of(device))
+
+    def keep_alive(self, tensor: torch.Tensor, stream: torch.Stream) -> None:
+        """Keep ``tensor``'s memory from reuse until work queued so far on ``stream`` ends."""
+        if tensor.device.type == self.device_type:
+            tensor.record_stream(stream)
+
+    # ------------------------------------------------------------------ host memory
+    @abc.abstractmethod
+    def alloc_pinned(self, nbytes: int) -> torch.Tensor:
+        """A new pinned host buffer of exactly ``nbytes`` bytes, as a uint8 CPU tensor.
+
+        Fast DMA source/target; device-mapped too where ``caps.dha``. Prefer
+        :attr:`host_arena`, which reuses buffers and enforces the host-memory budget; this is
+        the raw allocation it builds on. Free with :meth:`free_pinned`.
+        """
+
+    def free_pinned(self, buffer: torch.Tensor) -> None:
+        """Release a buffer from :meth:`alloc_pinned` (no-op where freeing is automatic)."""
+
+    def register_host(self, tensor: torch.Tensor) -> None:
+        """Pin an existing, contiguous host tensor in place (page-locked and device-mapped).
+
+        Raises:
+            CapabilityError: ``caps.host_register`` is false.
+            ValueError: the tensor is not a contiguous CPU tensor.
+        """
+        raise CapabilityError(f"backend '{self.name}' cannot register host memory here; use alloc_pinned or host_arena")
+
+    def unregister_host(self, tensor: torch.Tensor) -> None:
+        """Undo :meth:`register_host`; call before the tensor's memory is freed."""
+        raise CapabilityError(f"backend '{self.name}' cannot register host memory here")
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives in pinned (or registered) host memory."""
+        return tensor.device.type == "cpu" and tensor.is_pinned()
+
+    def device_view(self, host_tensor: torch.Tensor, device: Any = None) -> torch.Tensor:
+        """A device tensor aliasing pinned ``host_tensor``: kernels read and write host memory.
+
+        No bytes are copied; each kernel access crosses the host link. The view keeps
+        ``host_tensor`` alive.
+
+        Raises:
+            CapabilityError: ``caps.dha`` is false.
+            ValueError: ``host_tensor`` is not pinned host memory.
+        """
+        raise CapabilityError(
+            f"backend '{self.name}' has no Direct Host Access here (caps.dha is False); "
+            f"copy the tensor to the device with copy()/to_device() instead"
+        )
+
+    @property
+    def host_arena(self):
+        """This backend's shared :class:`~xpu.arena.HostArena` (budget from ``XPU_HOST_MEM_BUDGET``)."""
+        if self._arena is None:
+            from .arena import HostArena
+
+            budget = os.environ.get("XPU_HOST_MEM_BUDGET")
+            self._arena = HostArena(self, budget=parse_bytes(budget) if budget else None)
+        return self._arena
+
+    # ------------------------------------------------------------------ copies and device memory
+    def empty(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32, device: Any = None) -> torch.Tensor:
+        """An uninitialised tensor in device memory (counted against the device's cap)."""
+        return torch.empty(shape, dtype=dtype, device=self.device(device))
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.Stream | None = None) -> None:
+        """Copy ``src`` into ``dst`` (same shape), ordered on ``stream``.
+
+        Host→device, device→host, device→device and peer copies all go through here. The
+        copy is asynchronous when the host side is pinned (or both sides are devices); the
+        caller records an event on ``stream`` to know when it is done and must keep both
+        tensors alive until then (see :meth:`keep_alive`).
+        """
+        if dst.shape != src.shape:
+            raise ValueError(f"copy needs equal shapes, got dst {tuple(dst.shape)} and src {tuple(src.shape)}")
+        non_blocking = all(t.device.type != "cpu" or self.is_pinned(t) for t in (dst, src))
+        if stream is None:
+            dst.copy_(src, non_blocking=non_blocking)
+            return
+        with self.use_stream(stream):
+            dst.copy_(src, non_blocking=non_blocking)
+
+    def to_device(self, tensor: torch.Tensor, device: Any = None, stream: torch.Stream | None = None) -> torch.Tensor:
+        """A copy of ``tensor`` in device memory (see :meth:`copy` for ordering)."""
+        out = self.empty(tensor.shape, tensor.dtype, device)
+        self.copy(out, tensor, stream)
+        return out
+
+    def can_access_peer(self, a: Any, b: Any) -> bool:
+        """Whether device ``a`` can read and write device ``b``'s memory directly."""
+        return False
+
+    def enable_peer_access(self, a: Any, b: Any) -> bool:
+        """Enable direct access between ``a`` and ``b`` (both ways); return whether it holds."""
+        return self.can_access_peer(a, b)
+
+    # ------------------------------------------------------------------ memory and topology
+    @abc.abstractmethod
+    def _raw_mem_info(self, index: int) -> tuple[int, int]:
+        """Device-wide (free, total) bytes, before any cap."""
+
+    def mem_info(self, device: Any = None) -> tuple[int, int]:
+        """``(free, total)`` bytes of ``device``; under a cap, total is the cap and free what is left of it."""
+        index = self.index_of(device)
+        free, total = self._raw_mem_info(index)
+        cap = self._caps_bytes.get(index)
+        if cap is None:
+            return free, total
+        return max(0, min(free, cap - self.memory_stats(index).reserved)), cap
+
+    def memory_stats(self, device: Any = None) -> MemoryStats:
+        """This process's allocator figures for ``device``."""
+        i = self.index_of(device)
+        mem = torch.accelerator.memory
+        return MemoryStats(mem.memory_allocated(i), mem.memory_reserved(i),
+                           mem.max_memory_allocated(i), mem.max_memory_reserved(i))
+
+    def reset_peak_memory(self, device: Any = None) -> None:
+        """Start the peaks of :meth:`memory_stats` afresh."""
+        torch.accelerator.memory.reset_peak_memory_stats(self.index_of(device))
+
+    def set_memory_cap(self, device: Any, nbytes: int | str | None) -> None:
+        """Limit this process to ``nbytes`` of ``device``'s memory (None lifts the cap).
+
+        Allocations past the cap raise ``torch.OutOfMemoryError``, as on a smaller device.
+
+        Raises:
+            ValueError: the cap is larger than the device or not positive.
+        """
+        index = self.index_of(device)
+        if nbytes is None:
+            self._caps_bytes.pop(index, None)
+            self._apply_memory_cap(index, None)
+            return
+        nbytes = parse_bytes(nbytes)
+        total = self._raw_mem_info(index)[1]
+        if not 0 < nbytes <= total:
+            raise ValueError(f"memory cap {nbytes} B for device {index} must be positive and at most the device's {total} B")
+        self._apply_memory_cap(index, nbytes)
+        self._caps_bytes[index] = nbytes
+
+    @abc.abstractmethod
+    def _apply_memory_cap(self, index: int, nbytes: int | None) -> None:
+        """Make the allocator of device ``index`` enforce ``nbytes`` (None: no cap)."""
+
+    def memory_cap(self, device: Any = None) -> int | None:
+        """The cap set by :meth:`set_memory_cap`, or None."""
+        return self._caps_bytes.get(self.index_of(device))
+
+    @abc.abstractmethod
+    def topology(self) -> Topology:
+        """Devices, host links and peer links with kinds and nominal rates."""
+
+    # ------------------------------------------------------------------ misc
+    def describe(self) -> dict[str, Any]:
+        """A JSON-friendly summary used by ``xpu info``."""
+        return {
+            "backend": self.name,
+            "device_type": self.device_type,
+            "dist_backend": self.dist_backend,
+            "visible_devices_env": self.visible_devices_env,
+            "visible_devices": os.environ.get(self.visible_devices_env) if self.visible_devices_env else None,
+            "device_count": self.device_count(),
+            "caps": self.caps.as_dict(),
+        }
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} name={self.name!r} devices={self.device_count()}>"
+

@@ -1,0 +1,42 @@
+"""Exceptions raised by the xpu layer.
+
+Each one says what was wrong and what would work; strategies catch them by type, never by
+message.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "XpuError",
+    "UnknownBackendError",
+    "BackendUnavailableError",
+    "CapabilityError",
+    "HostMemoryBudgetError",
+    "DeviceOutOfMemoryError",
+]
+
+
+class XpuError(RuntimeError):
+    """Base class of every error raised by the xpu layer."""
+
+
+class UnknownBackendError(XpuError, ValueError):
+    """A backend name (usually from ``XPU_BACKEND``) that no registered backend has."""
+
+
+class BackendUnavailableError(XpuError):
+    """A known backend that cannot run in this process; the message says why."""
+
+
+class CapabilityError(XpuError, NotImplementedError):
+    """A verb the backend does not support here (for example ``device_view`` without DHA)."""
+
+
+class HostMemoryBudgetError(XpuError, MemoryError):
+    """A pinned-host allocation that would exceed the arena's host-memory budget."""
+
+
+#: Out-of-memory on a device. It *is* ``torch.OutOfMemoryError`` (the type torch.cuda and
+#: torch_npu raise), so code that handles a real device's OOM handles a virtual one's too.
+DeviceOutOfMemoryError = torch.OutOfMemoryError
