@@ -220,6 +220,8 @@ def _nvml_topology(n: int) -> Topology:
             handle = pynvml.nvmlDeviceGetHandleByIndex(int(ids[d.index]) if d.index < len(ids) else d.index)
         handles.append(handle)
         numa = _try(lambda: pynvml.nvmlDeviceGetNumaNodeId(handle))
+        if numa is None:
+            numa = _sysfs_numa(_try(lambda: pynvml.nvmlDeviceGetPciInfo(handle).busId))
         specs.append(DeviceSpec(d.index, d.name, d.total_bytes, numa_node=numa, uuid=_try(lambda: str(pynvml.nvmlDeviceGetUUID(handle)))))
         # The current link generation drops at idle; the maximum is what a transfer gets.
         gen = _try(lambda: pynvml.nvmlDeviceGetMaxPcieLinkGeneration(handle)) or 4
@@ -263,6 +265,19 @@ def _nvml_topology(n: int) -> Topology:
                 rate = min(links[i].GBps, links[j].GBps)
                 links.append(Link(i, j, "pcie", rate, detail="PCIe peer-to-peer"))
     return Topology(tuple(specs), tuple(links), source="nvml")
+
+
+def _sysfs_numa(bus: Any) -> int | None:
+    """NUMA node of a PCI device from sysfs (older NVML lacks nvmlDeviceGetNumaNodeId)."""
+    if bus is None:
+        return None
+    path = f"/sys/bus/pci/devices/{_norm_bus(bus)}/numa_node"
+    try:
+        with open(path) as fh:
+            node = int(fh.read().strip())
+    except (OSError, ValueError):
+        return None
+    return node if node >= 0 else None
 
 
 def _norm_bus(bus: Any) -> str:

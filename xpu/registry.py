@@ -127,7 +127,7 @@ def get_backend(name: str | None = None) -> Backend:
             reason = _why_unusable(_entries[candidate])
             if reason is None:
                 _active = _load_class(_entries[candidate])()
-                if reasons:
+                if reasons and _entries[candidate].priority <= 0:  # a last-resort backend: say so
                     _log.warning("xpu: no %s usable; using the '%s' backend (`xpu info` says why)",
                                  " or ".join(reasons), candidate)
                 return _active

@@ -1,0 +1,1 @@
+"""Memory-saving training strategies (MemFerry, MPress), each written once against ``xpu``."""
