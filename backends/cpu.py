@@ -144,7 +144,8 @@ class CpuBackend(Backend):
         super().__init__()
         self._topology = self._build_topology()
         self._devices = [_Device(d.total_bytes) for d in self._topology.devices]
-        self._live: dict[int, tuple[int, int]] = {}  # storage data_ptr -> (device, nbytes)
+        self._live: dict[int, list] = {}  # storage data_ptr -> record [device, ptr, nbytes]
+        self._records: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storage -> record
         self._pinned: set[int] = set()  # data_ptrs of pinned/registered host storages
         self._lock = threading.Lock()
         self._tls = threading.local()
@@ -257,20 +258,32 @@ class CpuBackend(Backend):
                 return
             dev = self._devices[device]
             if dev.allocated + nbytes > dev.limit:
-                raise DeviceOutOfMemoryError(
-                    f"cpu virtual device {device} is out of memory: tried to allocate {format_bytes(nbytes)} with "
-                    f"{format_bytes(dev.allocated)} of {format_bytes(dev.limit)} in use"
-                )
+                raise self._oom(device, nbytes)
             dev.allocated += nbytes
             dev.peak = max(dev.peak, dev.allocated)
-            self._live[ptr] = (device, nbytes)
-        weakref.finalize(storage, self._untrack, ptr)
+            record = self._records.get(storage)
+            if record is None:
+                # One record per storage object, so a storage freed and reallocated in place
+                # (free_storage/realloc_storage) is followed, and its death untracks it once.
+                record = self._records[storage] = [device, 0, 0]
+                weakref.finalize(storage, self._untrack, record)
+            record[:] = [device, ptr, nbytes]
+            self._live[ptr] = record
 
-    def _untrack(self, ptr: int) -> None:
+    def _oom(self, index: int, nbytes: int) -> DeviceOutOfMemoryError:
+        dev = self._devices[index]
+        return DeviceOutOfMemoryError(
+            f"cpu virtual device {index} is out of memory: tried to allocate {format_bytes(nbytes)} with "
+            f"{format_bytes(dev.allocated)} of {format_bytes(dev.limit)} in use"
+        )
+
+    def _untrack(self, record: list) -> None:
         with self._lock:
-            entry = self._live.pop(ptr, None)
-            if entry is not None:
-                self._devices[entry[0]].allocated -= entry[1]
+            device, ptr, nbytes = record
+            if nbytes and self._live.get(ptr) is record:
+                del self._live[ptr]
+                self._devices[device].allocated -= nbytes
+            record[1:] = [0, 0]
 
     # ------------------------------------------------------------------ streams and events
     def stream(self, device: Any = None, priority: int = 0) -> CpuStream:
@@ -336,6 +349,24 @@ class CpuBackend(Backend):
             raise ValueError(f"copy needs equal shapes, got dst {tuple(dst.shape)} and src {tuple(src.shape)}")
         with self.host_scope():
             dst.copy_(src)
+
+    def free_storage(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        record = self._records.get(storage)
+        if record is not None:
+            self._untrack(record)
+        storage.resize_(0)
+
+    def realloc_storage(self, tensor: torch.Tensor, device: Any = None) -> None:
+        index = self.index_of(device)
+        storage = tensor.untyped_storage()
+        nbytes = tensor.numel() * tensor.element_size()
+        dev = self._devices[index]
+        if dev.allocated + nbytes > dev.limit:  # refuse before touching the storage
+            raise self._oom(index, nbytes)
+        with self.host_scope():
+            storage.resize_(nbytes)
+        self._track(storage, index)
 
     def can_access_peer(self, a: Any, b: Any) -> bool:
         return self._topology.peer_link(self.index_of(a), self.index_of(b)) is not None

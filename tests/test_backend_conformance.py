@@ -192,3 +192,18 @@ def test_topology_has_a_host_link_per_device_and_round_trips(backend):
         link = topo.host_link(d.index)
         assert link is not None and link.GBps > 0 and link.kind
     assert Topology.from_json(topo.to_json()) == topo
+
+
+def test_free_and_realloc_storage_keep_views_valid(backend):
+    flat = backend.empty(4096, torch.float32, 0)
+    weight = flat[1024:].view(64, 48)  # a parameter-like view into a flat buffer
+    base = backend.memory_stats(0).allocated
+    backend.free_storage(flat)
+    assert backend.memory_stats(0).allocated == base - 4096 * 4
+    assert weight.shape == (64, 48)
+    backend.realloc_storage(flat, 0)
+    assert backend.memory_stats(0).allocated == base
+    src = torch.randn(64, 48)
+    backend.copy(weight, src)
+    backend.synchronize(0)
+    assert torch.equal(weight.cpu(), src) and torch.equal(flat[1024:].cpu().view(64, 48), src)

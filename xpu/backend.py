@@ -8,8 +8,8 @@ About twenty verbs in five groups (DESIGN.md §4):
   ``synchronize``, ``keep_alive``;
 * host memory: ``alloc_pinned``/``free_pinned`` (exact size), ``host_arena`` (reusable,
   budgeted), ``register_host``/``unregister_host``, ``is_pinned``, ``device_view``;
-* copies and device memory: ``empty``, ``copy``, ``to_device``, ``can_access_peer``,
-  ``enable_peer_access``;
+* copies and device memory: ``empty``, ``free_storage``/``realloc_storage``, ``copy``,
+  ``to_device``, ``can_access_peer``, ``enable_peer_access``;
 * memory and topology: ``mem_info``, ``memory_stats``, ``reset_peak_memory``,
   ``set_memory_cap``, ``memory_cap``, ``topology``.
 
@@ -230,6 +230,22 @@ class Backend(abc.ABC):
             return
         with self.use_stream(stream):
             dst.copy_(src, non_blocking=non_blocking)
+
+    def free_storage(self, tensor: torch.Tensor) -> None:
+        """Give back ``tensor``'s device memory but keep the tensor (and every view of it).
+
+        The tensor's shape and the views' metadata stay valid, so autograd's saved references
+        and ``nn.Parameter`` objects survive; reading it before :meth:`realloc_storage` is an
+        error. Call :meth:`keep_alive` first for streams still using the memory.
+        """
+        tensor.untyped_storage().resize_(0)
+
+    def realloc_storage(self, tensor: torch.Tensor, device: Any = None) -> None:
+        """Give a tensor emptied by :meth:`free_storage` fresh (uninitialised) device memory.
+
+        Memory comes from the current stream's pool; every view of the tensor sees it.
+        """
+        tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
 
     def to_device(self, tensor: torch.Tensor, device: Any = None, stream: torch.Stream | None = None) -> torch.Tensor:
         """A copy of ``tensor`` in device memory (see :meth:`copy` for ordering)."""
