@@ -1,0 +1,96 @@
+"""MemFerry's settings: the optimizer and the per-unit execution plan."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["AdamW", "UnitPlan", "Plan", "MODES"]
+
+#: Where a unit's weights are read from during a pass:
+#: ``resident``: a device copy kept between steps (refreshed after each update);
+#: ``prefetch``: copied to the device ahead of use on a copy stream, freed after use;
+#: ``dha``: kernels read the pinned host copy directly (no device memory, link-bound).
+MODES = ("resident", "prefetch", "dha")
+Mode = Literal["resident", "prefetch", "dha"]
+
+
+@dataclass(frozen=True)
+class AdamW:
+    """AdamW settings, as ``torch.optim.AdamW`` takes them (decoupled weight decay).
+
+    Attributes:
+        lr: learning rate.
+        betas: moment decay rates.
+        eps: denominator term.
+        weight_decay: decoupled weight decay, applied to every parameter.
+        max_grad_norm: clip the global gradient 2-norm to this (None: no clipping). Clipping
+            needs every gradient before any update, so updates then wait for backward to end.
+    """
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    max_grad_norm: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"AdamW lr must be positive, got {self.lr}")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"AdamW betas must lie in [0, 1), got {self.betas}")
+        if self.eps <= 0 or self.weight_decay < 0:
+            raise ValueError(f"AdamW needs eps > 0 and weight_decay >= 0, got eps={self.eps}, weight_decay={self.weight_decay}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be positive or None, got {self.max_grad_norm}")
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """How one unit runs.
+
+    Attributes:
+        forward: weight source in forward (see :data:`MODES`).
+        backward: weight source in backward (and recomputation).
+        recompute: drop the unit's activations after forward and recompute them in backward.
+    """
+
+    forward: Mode = "prefetch"
+    backward: Mode = "prefetch"
+    recompute: bool = False
+
+    def __post_init__(self) -> None:
+        for phase in (self.forward, self.backward):
+            if phase not in MODES:
+                raise ValueError(f"unknown mode {phase!r}; modes are {', '.join(MODES)}")
+        if (self.forward == "resident") != (self.backward == "resident"):
+            raise ValueError("a resident unit is resident in both passes; give forward='resident', backward='resident'")
+
+
+@dataclass
+class Plan:
+    """A plan for every block unit (the ``rest`` unit is always resident).
+
+    Attributes:
+        units: one :class:`UnitPlan` per block, in forward order.
+        prefetch_depth: how many prefetch units may be in flight ahead of compute.
+        predicted_step_s: the scheduler's prediction, when it made the plan.
+        notes: the scheduler's explanation lines.
+    """
+
+    units: list[UnitPlan]
+    prefetch_depth: int = 1
+    predicted_step_s: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def uniform(cls, n_blocks: int, unit: UnitPlan | None = None, prefetch_depth: int = 1) -> "Plan":
+        """The same plan for every block."""
+        return cls([unit or UnitPlan()] * n_blocks, prefetch_depth)
+
+    def describe(self) -> str:
+        """One line per block, then notes."""
+        lines = [f"{i:3d}: forward={u.forward:8s} backward={u.backward:8s} recompute={'yes' if u.recompute else 'no'}"
+                 for i, u in enumerate(self.units)]
+        if self.predicted_step_s is not None:
+            lines.append(f"predicted step: {self.predicted_step_s * 1e3:.1f} ms")
+        return "\n".join(lines + self.notes)

@@ -1,0 +1,135 @@
+"""``MemFerry``: the user-facing engine.
+
+    engine = MemFerry(model, optim=AdamW(lr=3e-4, weight_decay=0.1), device_budget="16GB")
+    for batch in data:
+        loss = engine.train_step(batch, targets)
+
+or, step by step: ``loss = loss_fn(engine(batch), targets); engine.backward(loss); engine.step()``.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+import xpu
+from xpu import Backend
+
+from .config import AdamW, Plan, UnitPlan
+from .executor import Executor, check_plan
+from .host_optimizer import HostOptimizer
+from .shadow import ShadowModel
+from .units import split_units
+
+__all__ = ["MemFerry"]
+
+
+class MemFerry:
+    """Train ``model`` with its parameters homed in host memory.
+
+    Args:
+        model: an ordinary module on the host, with a ``ModuleList`` of repeated blocks (or
+            pass ``blocks=``). The engine takes it over: its parameters become views of the
+            engine's buffers (read them with :meth:`state_dict`). All trainable parameters must share one dtype: the compute
+            dtype (bf16 for speed, fp32 for exactness checks).
+        optim: optimizer settings (AdamW).
+        device_budget: most device memory this engine may use, e.g. ``"16GB"`` (None: the
+            whole device). Enforced as a per-process cap, as a smaller device would.
+        plan: per-block execution plan; None makes every block ``prefetch`` with depth 1.
+        loss_fn: ``loss_fn(outputs, targets)`` for :meth:`train_step`; None means the model
+            returns the loss itself.
+        blocks: the repeated blocks, if auto-detection should not choose.
+        device: device index (default: the current device).
+        backend: an xpu backend (default: ``xpu.get_backend()``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optim: AdamW | None = None,
+        device_budget: int | str | None = None,
+        plan: Plan | None = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        blocks: nn.ModuleList | None = None,
+        device: int | None = None,
+        backend: Backend | None = None,
+    ) -> None:
+        self.backend = backend or xpu.get_backend()
+        self.device = self.backend.index_of(device)
+        self.cfg = optim or AdamW()
+        units = split_units(model, blocks)
+        n_blocks = sum(u.is_block for u in units)
+        plan = plan or Plan.uniform(n_blocks, UnitPlan("prefetch", "prefetch"))
+        check_plan(plan, n_blocks, self.backend)  # before anything touches the model
+        if device_budget is not None:
+            self.backend.set_memory_cap(self.device, device_budget)
+        self.model = model
+        self.loss_fn = loss_fn
+        with self.backend.device_scope(self.device):
+            self.shadow = ShadowModel(units, self.backend, self.device)
+        self.optimizer = HostOptimizer(self.cfg, self.shadow.shadows)
+        self.executor = Executor(self.backend, self.device, self.shadow, plan, self.optimizer)
+        self.plan = plan
+
+    # ------------------------------------------------------------------ training
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Forward pass on the device; host tensors in ``inputs`` are copied there first."""
+        with self.backend.device_scope(self.device):
+            inputs = tuple(self._to_device(x) for x in inputs)
+            self.executor.begin_forward()
+            return self.model(*inputs, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward pass; gradients go to host memory and updates start as they land."""
+        with self.backend.device_scope(self.device):
+            self.executor.begin_backward()
+            try:
+                loss.backward()
+            finally:
+                self.executor.end_backward()
+
+    def step(self) -> None:
+        """End the step: with clipping, the held updates run now. Returns without waiting."""
+        self.optimizer.finish_step()
+
+    def train_step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
+        """Forward, backward and step; returns the loss (detached, still on the device)."""
+        out = self(inputs)
+        loss = out if self.loss_fn is None else self.loss_fn(out, self._to_device(targets))
+        self.backward(loss)
+        self.step()
+        return loss.detach()
+
+    def set_lr(self, lr: float) -> None:
+        """Learning rate for the next updates."""
+        self.optimizer.set_lr(lr)
+
+    def synchronize(self) -> None:
+        """Wait for every pending update and transfer."""
+        self.optimizer.wait_all()
+        self.backend.synchronize(self.device)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """``{"model": full host tensors, "optimizer": fp32 masters and moments}``; waits for updates."""
+        self.synchronize()
+        return {"model": self.shadow.state_dict(), "optimizer": self.shadow.optimizer_state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` gave (checked before anything changes)."""
+        self.synchronize()
+        self.shadow.load(state["model"], state.get("optimizer"))
+        self.optimizer.sync_steps_from_shadows()
+        self.executor.invalidate_device_copies()
+
+    def close(self) -> None:
+        """Stop the optimizer thread and remove hooks."""
+        self.optimizer.close()
+        self.executor.close()
+
+    def _to_device(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+            return self.backend.to_device(x, self.device)
+        return x

@@ -1,0 +1,244 @@
+"""Runs a plan: loads, binds, frees and offloads each unit around its use.
+
+Forward: before a block runs, its weights are made available in the planned mode (waiting
+for a prefetch already in flight, or binding the device view of host memory for DHA) and
+the next units' loads are issued on the host→device stream. After it runs, a prefetched
+unit's device memory is given back (kept when backward will need it soon).
+Backward: a hook on each block's output fires before the block's backward (and before any
+recomputation): the unit is loaded or bound for backward and the earlier units' loads are
+issued. When a unit's last gradient has accumulated, its gradients go to host memory on the
+device→host stream and the host optimizer is told; the device memory of weights and
+gradients is given back.
+
+All ordering is by events: the compute stream waits for loads, the copy streams wait for
+compute; the host only waits for the optimizer before reading a unit's working copy.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from xpu import Backend
+
+from .config import Plan, UnitPlan
+from .host_optimizer import HostOptimizer
+from .shadow import ShadowModel, UnitShadow
+
+__all__ = ["Executor", "check_plan"]
+
+
+class Executor:
+    """Hooks a model's units and moves their weights and gradients per the plan.
+
+    Args:
+        backend: the xpu backend.
+        device: device index.
+        shadow: the units' buffers.
+        plan: a plan for every block unit.
+        optimizer: the host optimizer fed with gradients.
+    """
+
+    def __init__(self, backend: Backend, device: int, shadow: ShadowModel, plan: Plan, optimizer: HostOptimizer) -> None:
+        blocks = [s for s in shadow.shadows if s.unit.is_block]
+        check_plan(plan, len(blocks), backend)
+        self.b, self.dev, self.shadow, self.plan, self.opt = backend, device, shadow, plan, optimizer
+        self.blocks = blocks
+        self.rest = shadow.shadows[-1]
+        self.unit_plans: dict[int, UnitPlan] = {s.unit.index: plan.units[i] for i, s in enumerate(blocks)}
+        self.unit_plans[self.rest.unit.index] = UnitPlan("resident", "resident")
+        self.h2d = backend.stream(device)
+        self.d2h = backend.stream(device)
+        self.phase = "idle"
+        self._loaded: dict[int, Any] = {}  # unit index -> event marking its device copy complete
+        self._device_version: dict[int, int] = {}  # resident units: optimizer step their device copy holds
+        self._pending_grads: dict[int, int] = {}
+        self._param_unit: dict[int, tuple[UnitShadow, int]] = {}
+        self._handles: list[Any] = []
+        self.bytes_h2d = 0
+        self.bytes_d2h = 0
+        self._install()
+
+    # ------------------------------------------------------------------ set-up
+    def _install(self) -> None:
+        for s in self.shadow.shadows:
+            for _, p in s.unit.params:
+                self._param_unit[id(p)] = (s, 0)
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        for s in self.blocks:
+            module = s.unit.module
+            self._handles.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, s)))
+            self._handles.append(module.register_forward_hook(functools.partial(self._post_forward, s)))
+            if self.unit_plans[s.unit.index].recompute:
+                module.forward = functools.partial(_checkpointed, module.forward)
+        for s in [self.rest] + [s for s in self.blocks if self.unit_plans[s.unit.index].forward == "resident"]:
+            self.b.realloc_storage(s.device_flat, self.dev)
+
+    def close(self) -> None:
+        """Remove hooks (the model keeps its parameters as they are bound)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # ------------------------------------------------------------------ step boundaries
+    @property
+    def compute(self) -> Any:
+        """The stream the model's kernels run on."""
+        return self.b.current_stream(self.dev)
+
+    def begin_forward(self) -> None:
+        """Refresh resident copies and start the first loads."""
+        self.phase = "forward"
+        self._pending_grads = {s.unit.index: len(s.unit.params) for s in self.shadow.shadows}
+        self._use(self.rest, "resident")
+        upcoming = [s for s in self.blocks if self.unit_plans[s.unit.index].forward != "dha"]
+        for s in upcoming[: self.plan.prefetch_depth]:
+            self._issue_load(s)
+
+    def invalidate_device_copies(self) -> None:
+        """Host copies changed outside the optimizer (a checkpoint load): reload before use."""
+        self._device_version.clear()
+        for index in list(self._loaded):
+            if self.unit_plans[index].forward != "resident":
+                self._release(self.shadow.shadows[index])
+        self._loaded.clear()
+
+    def begin_backward(self) -> None:
+        """Backward starts: the hooks switch to backward modes."""
+        self.phase = "backward"
+
+    def end_backward(self) -> None:
+        """Backward ended: offload units whose gradients did not all arrive (unused parameters)."""
+        for s in self.shadow.shadows:
+            if self._pending_grads.get(s.unit.index):
+                for _, p in s.unit.params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                self._pending_grads[s.unit.index] = 0
+                self._offload_grads(s)
+        self.phase = "idle"
+
+    # ------------------------------------------------------------------ loading and binding
+    def _issue_load(self, s: UnitShadow) -> None:
+        index = s.unit.index
+        if index in self._loaded:
+            return
+        self.opt.wait(index)  # the working copy must hold the latest update before it is read
+        with self.b.device_scope(self.dev), self.b.use_stream(self.h2d):
+            if self.unit_plans[index].forward != "resident":
+                self.b.realloc_storage(s.device_flat, self.dev)
+            self.b.copy(s.device_flat, s.work, self.h2d)
+            ready = self.b.event()
+            ready.record(self.h2d)
+        self.bytes_h2d += s.nbytes_work
+        self._loaded[index] = ready
+        self._device_version[index] = s.step
+
+    def _use(self, s: UnitShadow, mode: str) -> None:
+        index = s.unit.index
+        if mode == "dha":
+            self.opt.wait(index)
+            s.bind(s.dha_views)
+            return
+        if mode == "resident":
+            self.opt.wait(index)
+            if self._device_version.get(index) != s.step:
+                self._loaded.pop(index, None)  # stale: the optimizer updated the host copy since
+        self._issue_load(s)
+        self.compute.wait_event(self._loaded[index])
+        s.bind(s.device_views)
+
+    def _release(self, s: UnitShadow) -> None:
+        if self.unit_plans[s.unit.index].forward == "resident" or s.unit.index not in self._loaded:
+            return
+        self.b.keep_alive(s.device_flat, self.compute)
+        self.b.free_storage(s.device_flat)
+        del self._loaded[s.unit.index]
+
+    def _order(self, s: UnitShadow, backward: bool) -> list[UnitShadow]:
+        """The blocks after ``s`` in the current pass's order."""
+        i = self.blocks.index(s)
+        return list(reversed(self.blocks[:i])) if backward else self.blocks[i + 1:]
+
+    def _prefetch_after(self, s: UnitShadow, backward: bool) -> None:
+        issued = 0
+        for nxt in self._order(s, backward):
+            if issued >= self.plan.prefetch_depth:
+                break
+            mode = self.unit_plans[nxt.unit.index].backward if backward else self.unit_plans[nxt.unit.index].forward
+            if mode == "dha":
+                continue
+            self._issue_load(nxt)
+            issued += 1
+
+    # ------------------------------------------------------------------ hooks
+    def _pre_forward(self, s: UnitShadow, module: torch.nn.Module, args: Any) -> None:
+        if self.phase != "forward":
+            return  # a recomputation inside backward: the backward hook already bound the unit
+        self._use(s, self.unit_plans[s.unit.index].forward)
+        self._prefetch_after(s, backward=False)
+
+    def _post_forward(self, s: UnitShadow, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.phase != "forward":
+            return
+        plan = self.unit_plans[s.unit.index]
+        # The last few blocks run backward right after forward: keep what backward reloads anyway.
+        soon = self.blocks.index(s) >= len(self.blocks) - self.plan.prefetch_depth
+        if plan.forward == "prefetch" and not (soon and plan.backward == "prefetch"):
+            self._release(s)
+        tensors = [t for t in (output if isinstance(output, (tuple, list)) else (output,))
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            tensors[0].register_hook(functools.partial(self._pre_backward, s))
+
+    def _pre_backward(self, s: UnitShadow, grad: torch.Tensor) -> None:
+        self._use(s, self.unit_plans[s.unit.index].backward)
+        self._prefetch_after(s, backward=True)
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        s, _ = self._param_unit[id(param)]
+        index = s.unit.index
+        self._pending_grads[index] -= 1
+        if self._pending_grads[index] == 0:
+            self._offload_grads(s)
+
+    def _offload_grads(self, s: UnitShadow) -> None:
+        computed = self.b.event()
+        computed.record(self.compute)
+        self.d2h.wait_event(computed)
+        with self.b.device_scope(self.dev), self.b.use_stream(self.d2h):
+            for view, (_, p) in zip(s.slices(s.grad_stage), s.unit.params):
+                self.b.copy(view, p.grad, self.d2h)
+                self.b.keep_alive(p.grad, self.d2h)
+            landed = self.b.event()
+            landed.record(self.d2h)
+        self.bytes_d2h += s.grad_stage.numel() * s.grad_stage.element_size()
+        for _, p in s.unit.params:
+            p.grad = None
+        if self.unit_plans[s.unit.index].backward != "dha":
+            self._release(s)
+        self.opt.submit(s.unit.index, landed.synchronize)
+
+
+def check_plan(plan: Plan, n_blocks: int, backend: Backend) -> None:
+    """Raise ValueError, saying what to change, if ``plan`` cannot run on ``n_blocks`` here."""
+    if len(plan.units) != n_blocks:
+        raise ValueError(f"the plan covers {len(plan.units)} blocks, the model has {n_blocks}")
+    if plan.prefetch_depth < 1:
+        raise ValueError(f"prefetch_depth must be at least 1, got {plan.prefetch_depth}")
+    for i, u in enumerate(plan.units):
+        if not u.recompute and u.forward != u.backward:
+            raise ValueError(
+                f"block {i}: without recompute, backward reads the weights forward saved, so backward must use "
+                f"forward's mode ({u.forward!r}); set recompute=True to choose a different backward mode"
+            )
+        if "dha" in (u.forward, u.backward) and not backend.caps.dha:
+            raise ValueError(f"block {i} plans DHA, but backend '{backend.name}' has no Direct Host Access (caps.dha)")
+
+
+def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run ``forward`` without keeping its activations; backward recomputes them."""
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)

@@ -1,0 +1,153 @@
+"""The shadow model: every parameter's homes, on the host and on the device, as flat buffers.
+
+Per unit, in pinned host memory (the backend's arena):
+    ``work``    the compute-dtype copy the device reads (by copy or DHA); updated in place by
+                the optimizer, so the next forward reads new weights with no upload phase;
+    ``master``  fp32 weights the optimizer updates (the same buffer as ``work`` when the
+                compute dtype is fp32);
+    ``exp_avg``, ``exp_avg_sq``  fp32 Adam moments;
+    ``grad``    fp32 gradient the optimizer reads; ``grad_stage`` the compute-dtype landing
+                zone of the device→host copy (the same buffer when fp32).
+On the device, one flat compute-dtype buffer per unit whose storage is given back between
+uses (``free_storage``); the unit's ``nn.Parameter`` objects are views into it (or into the
+device view of ``work`` for DHA), so autograd and user code keep seeing ordinary parameters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from xpu import Backend
+
+from .units import Unit
+
+__all__ = ["UnitShadow", "ShadowModel"]
+
+
+@dataclass
+class UnitShadow:
+    """Host and device buffers of one unit, and the parameters' places in them."""
+
+    unit: Unit
+    work: torch.Tensor
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    grad: torch.Tensor
+    grad_stage: torch.Tensor
+    device_flat: torch.Tensor
+    offsets: list[int]
+    step: int = 0
+    dha_flat: torch.Tensor | None = None
+    device_views: list[torch.Tensor] = field(default_factory=list)
+    dha_views: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def nbytes_work(self) -> int:
+        """Bytes of the compute-dtype copy (what one load moves)."""
+        return self.work.numel() * self.work.element_size()
+
+    def slices(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``flat`` shaped like each parameter."""
+        return [flat[o:o + p.numel()].view(p.shape) for o, (_, p) in zip(self.offsets, self.unit.params)]
+
+    def bind(self, views: list[torch.Tensor]) -> None:
+        """Point every parameter of the unit at ``views`` (its data, not its identity)."""
+        for (_, p), v in zip(self.unit.params, views):
+            p.data = v
+
+
+class ShadowModel:
+    """Homes of every unit's parameters; see the module docstring.
+
+    Args:
+        units: from :func:`~strategies.memferry.units.split_units`, parameters still holding
+            their initial values (on the host).
+        backend: the xpu backend (its arena provides pinned memory).
+        device: device index.
+    """
+
+    def __init__(self, units: list[Unit], backend: Backend, device: int) -> None:
+        self.backend, self.device = backend, device
+        self.units = units
+        self.shadows: list[UnitShadow] = [self._make(u) for u in units]
+
+    def _make(self, unit: Unit) -> UnitShadow:
+        b, arena = self.backend, self.backend.host_arena
+        n = unit.numel
+        dtype = unit.params[0][1].dtype if unit.params else torch.float32
+        work = arena.empty(n, dtype)
+        offsets, o = [], 0
+        for _, p in unit.params:
+            offsets.append(o)
+            work[o:o + p.numel()].copy_(p.detach().reshape(-1))
+            o += p.numel()
+        master = work if dtype == torch.float32 else arena.empty(n, torch.float32)
+        if master is not work:
+            for off, (_, p) in zip(offsets, unit.params):
+                master[off:off + p.numel()].copy_(p.detach().reshape(-1))  # fp32 from the original, not from work
+        exp_avg, exp_avg_sq = arena.empty(n, torch.float32), arena.empty(n, torch.float32)
+        exp_avg.zero_()
+        exp_avg_sq.zero_()
+        grad = arena.empty(n, torch.float32)
+        grad_stage = grad if dtype == torch.float32 else arena.empty(n, dtype)
+        device_flat = b.empty(n, dtype, self.device)
+        shadow = UnitShadow(unit, work, master, exp_avg, exp_avg_sq, grad, grad_stage, device_flat, offsets)
+        shadow.device_views = shadow.slices(device_flat)
+        if b.caps.dha:
+            shadow.dha_flat = b.device_view(work, self.device)
+            shadow.dha_views = shadow.slices(shadow.dha_flat)
+        b.free_storage(device_flat)
+        shadow.bind(shadow.device_views)
+        return shadow
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter as an ordinary host tensor of its own dtype, from the fp32 master."""
+        out = {}
+        for s in self.shadows:
+            for off, (name, p) in zip(s.offsets, s.unit.params):
+                out[name] = s.master[off:off + p.numel()].view(p.shape).to(p.dtype).clone()
+        return out
+
+    def optimizer_state_dict(self) -> dict[str, object]:
+        """fp32 master weights, Adam moments and step counts per parameter name."""
+        state: dict[str, object] = {}
+        for s in self.shadows:
+            for off, (name, p) in zip(s.offsets, s.unit.params):
+                sl = slice(off, off + p.numel())
+                state[name] = {"master": s.master[sl].view(p.shape).clone(), "exp_avg": s.exp_avg[sl].view(p.shape).clone(),
+                               "exp_avg_sq": s.exp_avg_sq[sl].view(p.shape).clone(), "step": s.step}
+        return state
+
+    def load(self, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, object] | None = None) -> None:
+        """Load weights (and optionally optimizer state); checks every name and shape first.
+
+        Raises:
+            KeyError: a parameter is missing from the state, or the state has unknown names.
+            ValueError: a shape differs.
+        """
+        names = {name: (s, off, p) for s in self.shadows for off, (name, p) in zip(s.offsets, s.unit.params)}
+        for label, state in (("model", model_state), ("optimizer", optimizer_state or {})):
+            if not state:
+                continue
+            missing, unknown = set(names) - set(state), set(state) - set(names)
+            if missing or unknown:
+                raise KeyError(f"{label} state does not match the model: missing {sorted(missing)[:5]}, unknown {sorted(unknown)[:5]}")
+        for name, (s, off, p) in names.items():
+            value = model_state[name] if name in model_state else None
+            if value is not None and tuple(value.shape) != tuple(p.shape):
+                raise ValueError(f"{name}: shape {tuple(value.shape)} in the state, {tuple(p.shape)} in the model")
+        for name, (s, off, p) in names.items():
+            sl = slice(off, off + p.numel())
+            opt = (optimizer_state or {}).get(name)
+            if opt is not None:
+                s.master[sl].copy_(opt["master"].reshape(-1))
+                s.exp_avg[sl].copy_(opt["exp_avg"].reshape(-1))
+                s.exp_avg_sq[sl].copy_(opt["exp_avg_sq"].reshape(-1))
+                s.step = int(opt["step"])
+            else:
+                s.master[sl].copy_(model_state[name].reshape(-1))
+            if s.work is not s.master:
+                s.work[sl].copy_(s.master[sl])

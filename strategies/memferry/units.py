@@ -1,0 +1,95 @@
+"""Split a model into units: one per repeated block, plus one for everything else.
+
+A unit is what MemFerry moves and updates as one piece: its parameters share one flat host
+buffer per kind (working copy, master, Adam moments, gradient) and one flat device buffer, so
+a unit crosses the host link in one copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["Unit", "find_blocks", "split_units"]
+
+
+@dataclass
+class Unit:
+    """A group of parameters moved and updated together.
+
+    Attributes:
+        index: position in :func:`split_units` order (blocks first, in forward order).
+        name: the block's qualified name (``"blocks.3"``) or ``"rest"``.
+        module: the block module whose calls mark the unit's use; None for ``rest``, which is
+            used at several places (embeddings before the blocks, head after) and so stays on
+            the device.
+        params: ``(qualified name, parameter)`` pairs, each parameter once.
+    """
+
+    index: int
+    name: str
+    module: nn.Module | None
+    params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        """Elements over all parameters."""
+        return sum(p.numel() for _, p in self.params)
+
+    @property
+    def is_block(self) -> bool:
+        """Whether the unit is a repeated block (not ``rest``)."""
+        return self.module is not None
+
+
+def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The model's repeated blocks: the largest ``ModuleList`` whose children share one class.
+
+    Raises:
+        ValueError: the model has no such list; pass ``blocks=`` to say which modules repeat.
+    """
+    best: tuple[str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) >= 2 and len({type(m) for m in module}) == 1:
+            if best is None or len(module) > len(best[1]):
+                best = (name, module)
+    if best is None:
+        raise ValueError(
+            f"found no repeated blocks in {type(model).__name__}: MemFerry looks for an nn.ModuleList of at least "
+            f"two modules of one class; pass blocks=model.<your list> to name them"
+        )
+    return best
+
+
+def split_units(model: nn.Module, blocks: nn.ModuleList | None = None) -> list[Unit]:
+    """Units for each block (in list order) and a final ``rest`` unit with all other parameters.
+
+    Tied parameters (one tensor reachable under two names) belong to the first unit that
+    reaches them; a parameter shared between a block and ``rest`` stays in the block.
+    """
+    if blocks is None:
+        prefix, blocks = find_blocks(model)
+    else:
+        prefix = next((n for n, m in model.named_modules() if m is blocks), None)
+        if prefix is None:
+            raise ValueError("blocks= must be a module inside the model")
+    seen: set[int] = set()
+    units = []
+    for i, block in enumerate(blocks):
+        unit = Unit(i, f"{prefix}.{i}" if prefix else str(i), block)
+        for name, p in block.named_parameters(prefix=unit.name):
+            if id(p) not in seen and p.requires_grad:
+                seen.add(id(p))
+                unit.params.append((name, p))
+        units.append(unit)
+    rest = Unit(len(units), "rest", None)
+    for name, p in model.named_parameters():
+        if id(p) not in seen and p.requires_grad:
+            seen.add(id(p))
+            rest.params.append((name, p))
+    units.append(rest)
+    dtypes = {p.dtype for u in units for _, p in u.params}
+    if len(dtypes) > 1:
+        raise ValueError(f"all trainable parameters must share one dtype, found {sorted(map(str, dtypes))}; cast the model first")
+    return units

@@ -1,0 +1,149 @@
+"""MemFerry trains exactly like plain PyTorch AdamW (fp32, cpu backend), whatever the plan."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from strategies.memferry import AdamW, MemFerry, Plan, UnitPlan
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        # No qkv bias: attention ignores the key bias, so its gradient is rounding noise that
+        # AdamW (g / sqrt(v)) turns into lr-sized steps in any two implementations alike.
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.ln2 = nn.LayerNorm(d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln(x)).view(b, t, 3, 2, d // 2).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab=64, d=32, layers=4, seq=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx) + self.pos[: idx.shape[1]]
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def batches(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g)) for _ in range(n)]
+
+
+def reference(model, data, cfg):
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    losses = []
+    for x, y in data:
+        loss = lm_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        if cfg.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+PLANS = {
+    "prefetch": lambda n: Plan.uniform(n, UnitPlan("prefetch", "prefetch")),
+    "prefetch-depth2": lambda n: Plan.uniform(n, UnitPlan("prefetch", "prefetch"), prefetch_depth=2),
+    "dha": lambda n: Plan.uniform(n, UnitPlan("dha", "dha")),
+    "mixed": lambda n: Plan([UnitPlan("resident", "resident"), UnitPlan("dha", "prefetch", recompute=True),
+                             UnitPlan("prefetch", "dha", recompute=True), UnitPlan("prefetch", "prefetch", recompute=True)]),
+}
+
+
+@pytest.mark.parametrize("plan_name", list(PLANS))
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_matches_plain_pytorch_adamw(cpu_backend, plan_name, clip):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    cfg = AdamW(lr=3e-3, weight_decay=0.1, max_grad_norm=clip)
+    data = batches(20)
+    ref_losses, ref_params = reference(model, data, cfg)
+    engine = MemFerry(copy.deepcopy(model), optim=cfg, plan=PLANS[plan_name](4), loss_fn=lm_loss, backend=cpu_backend)
+    losses = [engine.train_step(x, y).item() for x, y in data]
+    state = engine.state_dict()["model"]
+    engine.close()
+    assert losses == pytest.approx(ref_losses, abs=1e-5, rel=1e-5)
+    assert set(state) == set(ref_params)
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(state[name], ref, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_checkpoint_at_step_10_resumes_the_same_trajectory(cpu_backend, tmp_path):
+    torch.manual_seed(1)
+    model = TinyGPT()
+    cfg = AdamW(lr=3e-3, weight_decay=0.1)
+    data = batches(20, seed=3)
+    first = MemFerry(copy.deepcopy(model), optim=cfg, loss_fn=lm_loss, backend=cpu_backend)
+    straight = [first.train_step(x, y).item() for x, y in data[:10]]
+    torch.save(first.state_dict(), tmp_path / "ckpt.pt")
+    straight += [first.train_step(x, y).item() for x, y in data[10:]]
+    final = first.state_dict()["model"]
+    first.close()
+
+    resumed = MemFerry(TinyGPT(), optim=cfg, loss_fn=lm_loss, backend=cpu_backend)
+    resumed.load_state_dict(torch.load(tmp_path / "ckpt.pt"))
+    tail = [resumed.train_step(x, y).item() for x, y in data[10:]]
+    state = resumed.state_dict()["model"]
+    resumed.close()
+    assert tail == straight[10:]  # bit-identical: master weights and moments round-trip exactly
+    for name in final:
+        assert torch.equal(state[name], final[name]), name
+
+
+def test_weights_stay_off_the_device_and_bytes_move_per_plan(cpu_backend):
+    torch.manual_seed(0)
+    model = TinyGPT(d=64, layers=4)
+    block_bytes = sum(p.numel() * 4 for p in model.blocks[0].parameters())
+    rest_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("blocks"))
+    engine = MemFerry(model, plan=Plan.uniform(4, UnitPlan("prefetch", "prefetch")), loss_fn=lm_loss, backend=cpu_backend)
+    x, y = batches(1)[0]
+    cpu_backend.reset_peak_memory(0)
+    engine.train_step(x, y)
+    engine.synchronize()
+    # forward loads 4 blocks; backward reloads the first 3 (the last is kept), plus the rest unit once
+    assert engine.executor.bytes_h2d == 7 * block_bytes + rest_bytes
+    assert engine.executor.bytes_d2h == 4 * block_bytes + rest_bytes
+    # between steps only the rest unit's weights hold device memory
+    assert cpu_backend.memory_stats(0).allocated == rest_bytes
+    engine.close()
+
+
+def test_bad_plans_are_refused_before_anything_changes(cpu_backend):
+    model = TinyGPT()
+    with pytest.raises(ValueError, match="covers 2 blocks, the model has 4"):
+        MemFerry(model, plan=Plan.uniform(2), backend=cpu_backend)
+    with pytest.raises(ValueError, match="without recompute, backward reads the weights forward saved"):
+        MemFerry(model, plan=Plan.uniform(4, UnitPlan("dha", "prefetch")), backend=cpu_backend)
+    with pytest.raises(ValueError, match="unknown mode 'disk'"):
+        UnitPlan("disk", "disk")
+    with pytest.raises(ValueError, match="lr must be positive"):
+        AdamW(lr=0)
+    assert all(p.device.type == "cpu" for p in model.parameters())
