@@ -102,6 +102,12 @@ class CudaBackend(Backend):
     def stream(self, device: Any = None, priority: int = 0) -> torch.cuda.Stream:
         return torch.cuda.Stream(self.device(device), priority=priority)
 
+    def current_stream(self, device: Any = None) -> torch.cuda.Stream:
+        # A torch.cuda.Stream, not the generic torch.Stream torch.accelerator returns: the
+        # generic wait_event() does not see a torch.cuda.Event's record (seen on torch 2.11:
+        # the wait was a no-op and a kernel read a buffer still being copied).
+        return torch.cuda.current_stream(self.index_of(device))
+
     def event(self, timing: bool = False) -> torch.cuda.Event:
         return torch.cuda.Event(enable_timing=timing)
 
@@ -166,10 +172,12 @@ class CudaBackend(Backend):
 
     def memory_stats(self, device: Any = None) -> MemoryStats:
         i = self.index_of(device)
+        torch.cuda.init()  # the allocator's counters exist only once CUDA is initialised
         return MemoryStats(torch.cuda.memory_allocated(i), torch.cuda.memory_reserved(i),
                            torch.cuda.max_memory_allocated(i), torch.cuda.max_memory_reserved(i))
 
     def reset_peak_memory(self, device: Any = None) -> None:
+        torch.cuda.init()
         torch.cuda.reset_peak_memory_stats(self.index_of(device))
 
     def _apply_memory_cap(self, index: int, nbytes: int | None) -> None:

@@ -207,3 +207,28 @@ def test_free_and_realloc_storage_keep_views_valid(backend):
     backend.copy(weight, src)
     backend.synchronize(0)
     assert torch.equal(weight.cpu(), src) and torch.equal(flat[1024:].cpu().view(64, 48), src)
+
+
+def test_a_stream_waits_for_an_event_recorded_on_another(backend):
+    """The compute stream must not read a buffer a copy stream is still filling."""
+    n = 64 << 20
+    src = backend.host_arena.empty(n)
+    src.fill_(1)
+    dst = backend.empty(n, torch.uint8, 0)
+    compute = backend.current_stream(0)
+    with backend.use_stream(compute):
+        dst.zero_()
+    cleared = backend.event()
+    cleared.record(compute)
+    side = backend.stream(0)
+    side.wait_event(cleared)
+    for _ in range(4):  # several milliseconds of copying on an accelerator
+        backend.copy(dst, src, side)
+    filled = backend.event()
+    filled.record(side)
+    compute.wait_event(filled)  # no host wait: only the stream waits
+    with backend.use_stream(compute):
+        total = dst.sum(dtype=torch.int64)
+    assert total.item() == n
+    backend.synchronize(0)
+    backend.host_arena.release(src)

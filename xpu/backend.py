@@ -134,7 +134,12 @@ class Backend(abc.ABC):
         return torch.Stream(self.device(device), priority=priority)
 
     def current_stream(self, device: Any = None) -> torch.Stream:
-        """The stream work is queued on now for ``device``."""
+        """The stream work is queued on now for ``device``.
+
+        A backend returns streams and events of one family (all generic, or all its device
+        module's own): a generic stream's ``wait_event`` may not see a device-specific
+        event's record.
+        """
         return torch.accelerator.current_stream(self.index_of(device))
 
     def use_stream(self, stream: torch.Stream) -> contextlib.AbstractContextManager:

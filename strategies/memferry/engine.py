@@ -39,7 +39,7 @@ class MemFerry:
             whole device). Enforced as a per-process cap, as a smaller device would.
         plan: per-block execution plan; None makes every block ``prefetch`` with depth 1.
         loss_fn: ``loss_fn(outputs, targets)`` for :meth:`train_step`; None means the model
-            returns the loss itself.
+            returns the loss itself when called as ``model(inputs, targets)``.
         blocks: the repeated blocks, if auto-detection should not choose.
         device: device index (default: the current device).
         backend: an xpu backend (default: ``xpu.get_backend()``).
@@ -96,8 +96,10 @@ class MemFerry:
 
     def train_step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
         """Forward, backward and step; returns the loss (detached, still on the device)."""
-        out = self(inputs)
-        loss = out if self.loss_fn is None else self.loss_fn(out, self._to_device(targets))
+        if self.loss_fn is not None:
+            loss = self.loss_fn(self(inputs), self._to_device(targets))
+        else:  # the model computes its own loss, e.g. model(idx, targets)
+            loss = self(inputs) if targets is None else self(inputs, targets)
         self.backward(loss)
         self.step()
         return loss.detach()
@@ -125,9 +127,14 @@ class MemFerry:
         self.executor.invalidate_device_copies()
 
     def close(self) -> None:
-        """Stop the optimizer thread and remove hooks."""
+        """Stop the optimizer thread, remove hooks and give the host buffers back.
+
+        The model's parameters are left pointing at freed memory; take :meth:`state_dict`
+        first to keep the weights.
+        """
         self.optimizer.close()
         self.executor.close()
+        self.shadow.release()
 
     def _to_device(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.device.type == "cpu":

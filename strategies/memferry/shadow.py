@@ -102,6 +102,16 @@ class ShadowModel:
         shadow.bind(shadow.device_views)
         return shadow
 
+    def release(self) -> None:
+        """Give every host buffer back to the arena (the engine is closing)."""
+        arena = self.backend.host_arena
+        for s in self.shadows:
+            s.dha_flat, s.dha_views = None, []
+            buffers = {id(t): t for t in (s.work, s.master, s.exp_avg, s.exp_avg_sq, s.grad, s.grad_stage)}
+            for t in buffers.values():
+                arena.release(t)
+        self.shadows = []
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter as an ordinary host tensor of its own dtype, from the fp32 master."""
