@@ -127,9 +127,15 @@ class Executor:
         if index in self._loaded:
             return
         self.opt.wait(index)  # the working copy must hold the latest update before it is read
-        with self.b.device_scope(self.dev), self.b.use_stream(self.h2d):
+        with self.b.device_scope(self.dev):
             if self.unit_plans[index].forward != "resident":
+                # Allocate from the compute stream's pool, where activations live too: a block
+                # allocated on the copy stream could later serve only that stream, and the
+                # device would hold both pools (reserved memory far above what is in use).
                 self.b.realloc_storage(s.device_flat, self.dev)
+            allocated = self.b.event()
+            allocated.record(self.compute)
+            self.h2d.wait_event(allocated)
             self.b.copy(s.device_flat, s.work, self.h2d)
             ready = self.b.event()
             ready.record(self.h2d)
