@@ -73,6 +73,9 @@ PLANS = {
     "prefetch": lambda n: Plan.uniform(n, UnitPlan("prefetch", "prefetch")),
     "prefetch-depth2": lambda n: Plan.uniform(n, UnitPlan("prefetch", "prefetch"), prefetch_depth=2),
     "dha": lambda n: Plan.uniform(n, UnitPlan("dha", "dha")),
+    "device-optimizer": lambda n: Plan([UnitPlan("resident", "resident", optimizer="device"),
+                                        UnitPlan("resident", "resident", recompute=True, optimizer="device"),
+                                        UnitPlan("prefetch", "prefetch"), UnitPlan("dha", "dha")], rest_optimizer="device"),
     "mixed": lambda n: Plan([UnitPlan("resident", "resident"), UnitPlan("dha", "prefetch", recompute=True),
                              UnitPlan("prefetch", "dha", recompute=True), UnitPlan("prefetch", "prefetch", recompute=True)]),
 }
@@ -101,14 +104,15 @@ def test_checkpoint_at_step_10_resumes_the_same_trajectory(cpu_backend, tmp_path
     model = TinyGPT()
     cfg = AdamW(lr=3e-3, weight_decay=0.1)
     data = batches(20, seed=3)
-    first = MemFerry(copy.deepcopy(model), optim=cfg, loss_fn=lm_loss, backend=cpu_backend)
+    plan = PLANS["device-optimizer"](4)
+    first = MemFerry(copy.deepcopy(model), optim=cfg, plan=plan, loss_fn=lm_loss, backend=cpu_backend)
     straight = [first.train_step(x, y).item() for x, y in data[:10]]
     torch.save(first.state_dict(), tmp_path / "ckpt.pt")
     straight += [first.train_step(x, y).item() for x, y in data[10:]]
     final = first.state_dict()["model"]
     first.close()
 
-    resumed = MemFerry(TinyGPT(), optim=cfg, loss_fn=lm_loss, backend=cpu_backend)
+    resumed = MemFerry(TinyGPT(), optim=cfg, plan=plan, loss_fn=lm_loss, backend=cpu_backend)
     resumed.load_state_dict(torch.load(tmp_path / "ckpt.pt"))
     tail = [resumed.train_step(x, y).item() for x, y in data[10:]]
     state = resumed.state_dict()["model"]
@@ -144,6 +148,8 @@ def test_bad_plans_are_refused_before_anything_changes(cpu_backend):
         MemFerry(model, plan=Plan.uniform(4, UnitPlan("dha", "prefetch")), backend=cpu_backend)
     with pytest.raises(ValueError, match="unknown mode 'disk'"):
         UnitPlan("disk", "disk")
+    with pytest.raises(ValueError, match="needs a resident unit"):
+        UnitPlan("prefetch", "prefetch", optimizer="device")
     with pytest.raises(ValueError, match="lr must be positive"):
         AdamW(lr=0)
     assert all(p.device.type == "cpu" for p in model.parameters())

@@ -52,11 +52,15 @@ class UnitPlan:
         forward: weight source in forward (see :data:`MODES`).
         backward: weight source in backward (and recomputation).
         recompute: drop the unit's activations after forward and recompute them in backward.
+        optimizer: ``"host"``: fp32 master and moments in host memory, updated by the CPU as
+            gradients land; ``"device"``: they live on the device and the device updates the
+            unit (needs a resident unit: about 14 bytes per parameter of device memory).
     """
 
     forward: Mode = "prefetch"
     backward: Mode = "prefetch"
     recompute: bool = False
+    optimizer: Literal["host", "device"] = "host"
 
     def __post_init__(self) -> None:
         for phase in (self.forward, self.backward):
@@ -64,6 +68,10 @@ class UnitPlan:
                 raise ValueError(f"unknown mode {phase!r}; modes are {', '.join(MODES)}")
         if (self.forward == "resident") != (self.backward == "resident"):
             raise ValueError("a resident unit is resident in both passes; give forward='resident', backward='resident'")
+        if self.optimizer not in ("host", "device"):
+            raise ValueError(f"optimizer must be 'host' or 'device', got {self.optimizer!r}")
+        if self.optimizer == "device" and self.forward != "resident":
+            raise ValueError("optimizer='device' keeps the unit's weights and states on the device: it needs a resident unit")
 
 
 @dataclass
@@ -73,12 +81,15 @@ class Plan:
     Attributes:
         units: one :class:`UnitPlan` per block, in forward order.
         prefetch_depth: how many prefetch units may be in flight ahead of compute.
+        rest_optimizer: where the ``rest`` unit (embeddings, final norm, head: always
+            resident) is updated, ``"host"`` or ``"device"``.
         predicted_step_s: the scheduler's prediction, when it made the plan.
         notes: the scheduler's explanation lines.
     """
 
     units: list[UnitPlan]
     prefetch_depth: int = 1
+    rest_optimizer: Literal["host", "device"] = "host"
     predicted_step_s: float | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -89,8 +100,8 @@ class Plan:
 
     def describe(self) -> str:
         """One line per block, then notes."""
-        lines = [f"{i:3d}: forward={u.forward:8s} backward={u.backward:8s} recompute={'yes' if u.recompute else 'no'}"
-                 for i, u in enumerate(self.units)]
+        lines = [f"{i:3d}: forward={u.forward:8s} backward={u.backward:8s} recompute={'yes' if u.recompute else 'no':3s} "
+                 f"optimizer={u.optimizer}" for i, u in enumerate(self.units)]
         if self.predicted_step_s is not None:
             lines.append(f"predicted step: {self.predicted_step_s * 1e3:.1f} ms")
         return "\n".join(lines + self.notes)

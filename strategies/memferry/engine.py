@@ -8,7 +8,7 @@ or, step by step: ``loss = loss_fn(engine(batch), targets); engine.backward(loss
 """
 from __future__ import annotations
 
-import contextlib
+import math
 from typing import Any, Callable
 
 import torch
@@ -18,6 +18,7 @@ import xpu
 from xpu import Backend
 
 from .config import AdamW, Plan, UnitPlan
+from .device_optimizer import DeviceOptimizer
 from .executor import Executor, check_plan
 from .host_optimizer import HostOptimizer
 from .shadow import ShadowModel
@@ -67,10 +68,14 @@ class MemFerry:
             self.backend.set_memory_cap(self.device, device_budget)
         self.model = model
         self.loss_fn = loss_fn
+        device_homes = {u.index for u, up in zip(units, plan.units) if up.optimizer == "device"}
+        if plan.rest_optimizer == "device":
+            device_homes.add(units[-1].index)
         with self.backend.device_scope(self.device):
-            self.shadow = ShadowModel(units, self.backend, self.device)
+            self.shadow = ShadowModel(units, self.backend, self.device, device_homes)
         self.optimizer = HostOptimizer(self.cfg, self.shadow.shadows)
-        self.executor = Executor(self.backend, self.device, self.shadow, plan, self.optimizer)
+        self.device_optimizer = DeviceOptimizer(self.cfg, self.shadow.shadows)
+        self.executor = Executor(self.backend, self.device, self.shadow, plan, self.optimizer, self.device_optimizer)
         self.plan = plan
 
     # ------------------------------------------------------------------ training
@@ -91,8 +96,20 @@ class MemFerry:
                 self.executor.end_backward()
 
     def step(self) -> None:
-        """End the step: with clipping, the held updates run now. Returns without waiting."""
-        self.optimizer.finish_step()
+        """End the step: with clipping, the held updates run now (after every gradient is in).
+
+        Without clipping, updates started as gradients landed and this returns at once.
+        """
+        coef = 1.0
+        if self.cfg.max_grad_norm is not None:
+            with self.backend.device_scope(self.device):
+                sq = self.optimizer.grad_sqnorm() + self.device_optimizer.pending_sqnorm()
+            self.last_grad_norm = math.sqrt(sq)
+            # as torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), capped at 1
+            coef = min(1.0, self.cfg.max_grad_norm / (self.last_grad_norm + 1e-6))
+        with self.backend.device_scope(self.device):
+            self.device_optimizer.finish_step(coef)
+        self.optimizer.finish_step(coef)
 
     def train_step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
         """Forward, backward and step; returns the loss (detached, still on the device)."""
@@ -107,6 +124,7 @@ class MemFerry:
     def set_lr(self, lr: float) -> None:
         """Learning rate for the next updates."""
         self.optimizer.set_lr(lr)
+        self.device_optimizer.set_lr(lr)
 
     def synchronize(self) -> None:
         """Wait for every pending update and transfer."""
@@ -124,6 +142,7 @@ class MemFerry:
         self.synchronize()
         self.shadow.load(state["model"], state.get("optimizer"))
         self.optimizer.sync_steps_from_shadows()
+        self.device_optimizer.sync_steps_from_shadows(self.shadow.shadows)
         self.executor.invalidate_device_copies()
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from xpu import Backend
 
 from .config import Plan, UnitPlan
+from .device_optimizer import DeviceOptimizer
 from .host_optimizer import HostOptimizer
 from .shadow import ShadowModel, UnitShadow
 
@@ -39,17 +40,20 @@ class Executor:
         device: device index.
         shadow: the units' buffers.
         plan: a plan for every block unit.
-        optimizer: the host optimizer fed with gradients.
+        optimizer: the host optimizer fed with host-homed units' gradients.
+        device_optimizer: updates the device-homed units.
     """
 
-    def __init__(self, backend: Backend, device: int, shadow: ShadowModel, plan: Plan, optimizer: HostOptimizer) -> None:
+    def __init__(self, backend: Backend, device: int, shadow: ShadowModel, plan: Plan, optimizer: HostOptimizer,
+                 device_optimizer: DeviceOptimizer) -> None:
         blocks = [s for s in shadow.shadows if s.unit.is_block]
         check_plan(plan, len(blocks), backend)
         self.b, self.dev, self.shadow, self.plan, self.opt = backend, device, shadow, plan, optimizer
+        self.device_opt = device_optimizer
         self.blocks = blocks
         self.rest = shadow.shadows[-1]
         self.unit_plans: dict[int, UnitPlan] = {s.unit.index: plan.units[i] for i, s in enumerate(blocks)}
-        self.unit_plans[self.rest.unit.index] = UnitPlan("resident", "resident")
+        self.unit_plans[self.rest.unit.index] = UnitPlan("resident", "resident", optimizer=plan.rest_optimizer)
         self.h2d = backend.stream(device)
         self.d2h = backend.stream(device)
         self.phase = "idle"
@@ -75,7 +79,8 @@ class Executor:
             if self.unit_plans[s.unit.index].recompute:
                 module.forward = functools.partial(_checkpointed, module.forward)
         for s in [self.rest] + [s for s in self.blocks if self.unit_plans[s.unit.index].forward == "resident"]:
-            self.b.realloc_storage(s.device_flat, self.dev)
+            if s.home == "host":  # a device-homed unit's buffer is its home, allocated already
+                self.b.realloc_storage(s.device_flat, self.dev)
 
     def close(self) -> None:
         """Remove hooks (the model keeps its parameters as they are bound)."""
@@ -102,6 +107,8 @@ class Executor:
         """Host copies changed outside the optimizer (a checkpoint load): reload before use."""
         self._device_version.clear()
         for index in list(self._loaded):
+            if self.shadow.shadows[index].home == "device":
+                continue
             if self.unit_plans[index].forward != "resident":
                 self._release(self.shadow.shadows[index])
         self._loaded.clear()
@@ -145,6 +152,9 @@ class Executor:
 
     def _use(self, s: UnitShadow, mode: str) -> None:
         index = s.unit.index
+        if s.home == "device":  # updated in place on the compute stream: always current
+            s.bind(s.device_views)
+            return
         if mode == "dha":
             self.opt.wait(index)
             s.bind(s.dha_views)
@@ -212,6 +222,10 @@ class Executor:
             self._offload_grads(s)
 
     def _offload_grads(self, s: UnitShadow) -> None:
+        if s.home == "device":
+            with self.b.device_scope(self.dev):
+                self.device_opt.grads_ready(s)
+            return
         computed = self.b.event()
         computed.record(self.compute)
         self.d2h.wait_event(computed)

@@ -8,17 +8,19 @@ forward of unit *i* starts as soon as unit *i* is updated.
 
 Global-norm clipping needs every gradient before any update. With ``max_grad_norm`` set,
 the worker still receives, upcasts and measures each unit's gradient during backward, and
-applies all updates once :meth:`finish_step` supplies the global norm: exact, less overlap.
+applies all updates once :meth:`finish_step` supplies the clip coefficient (from
+:meth:`grad_sqnorm` and the device units' norms): exact, less overlap.
 """
 from __future__ import annotations
 
-import math
 import queue
 import threading
+import time
 from typing import Callable
 
 import torch
 
+from .adamw import flat_adamw
 from .config import AdamW
 from .shadow import UnitShadow
 
@@ -36,7 +38,8 @@ class HostOptimizer:
     def __init__(self, cfg: AdamW, shadows: list[UnitShadow]) -> None:
         self.cfg = cfg
         self.shadows = shadows
-        self._optims = [self._make_optimizer(s) for s in shadows]
+        self._optims = [flat_adamw(s.master, s.exp_avg, s.exp_avg_sq, s.step, cfg) if s.home == "host" else None
+                        for s in shadows]
         self._done = [threading.Event() for _ in shadows]
         for ev in self._done:
             ev.set()
@@ -55,11 +58,26 @@ class HostOptimizer:
         self._done[index].clear()
         self._tasks.put(("grad", index, ready))
 
-    def finish_step(self) -> None:
-        """All gradients of this step are submitted; with clipping, release the held updates."""
+    def grad_sqnorm(self) -> float:
+        """Squared 2-norm of this step's host gradients; waits until all submitted ones are in.
+
+        Only with clipping (otherwise updates do not wait and nothing is measured).
+        """
+        result: "queue.Queue[float]" = queue.Queue(maxsize=1)
+        self._tasks.put(("norm", None, result.put))
+        while True:
+            self._raise_if_failed()
+            try:
+                return result.get(timeout=0.5)
+            except queue.Empty:
+                continue
+
+    def finish_step(self, coef: float = 1.0) -> None:
+        """All gradients of this step are submitted; with clipping, apply the held updates
+        with gradients scaled by ``coef``."""
         self._raise_if_failed()
         if self.cfg.max_grad_norm is not None:
-            self._tasks.put(("finish", None, None))
+            self._tasks.put(("finish", coef, None))
 
     def wait(self, index: int) -> None:
         """Block until unit ``index`` holds its latest update."""
@@ -72,24 +90,17 @@ class HostOptimizer:
         for i in range(len(self.shadows)):
             self.wait(i)
 
-    def _make_optimizer(self, s: UnitShadow) -> torch.optim.AdamW:
-        # torch's fused CPU AdamW over the unit's flat master, with the moments living in our
-        # pinned buffers (state given up front is used as is).
-        cfg = self.cfg
-        opt = torch.optim.AdamW([s.master], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                                fused=True)
-        opt.state[s.master] = {"step": torch.tensor(float(s.step)), "exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq}
-        return opt
-
     def sync_steps_from_shadows(self) -> None:
         """Take step counts from the shadows (after loading a checkpoint)."""
         for s, opt in zip(self.shadows, self._optims):
-            opt.state[s.master]["step"] = torch.tensor(float(s.step))
+            if opt is not None:
+                opt.state[s.master]["step"] = torch.tensor(float(s.step))
 
     def set_lr(self, lr: float) -> None:
         """Learning rate for the updates applied from now on (a schedule calls this per step)."""
         for opt in self._optims:
-            opt.param_groups[0]["lr"] = lr
+            if opt is not None:
+                opt.param_groups[0]["lr"] = lr
 
     def close(self) -> None:
         """Stop the worker after the queued work."""
@@ -102,31 +113,29 @@ class HostOptimizer:
             raise RuntimeError("the host optimizer failed; training state is no longer consistent") from self._error
 
     def _run(self) -> None:
+        # Tasks are (kind, argument, callback): ("grad", unit index, wait-for-landing),
+        # ("norm", None, reply), ("finish", clip coefficient, None), ("stop", None, None).
         while True:
-            kind, index, ready = self._tasks.get()
+            kind, arg, callback = self._tasks.get()
             if kind == "stop":
                 return
             try:
-                import time
-
                 t0 = time.perf_counter()
                 if kind == "grad":
-                    ready()
-                    s = self.shadows[index]
+                    callback()
+                    s = self.shadows[arg]
                     if s.grad is not s.grad_stage:
                         s.grad.copy_(s.grad_stage)
                     if self.cfg.max_grad_norm is None:
-                        self._update(index, 1.0)
+                        self._update(arg, 1.0)
                     else:
                         self._sqnorm += float(s.grad.double().square().sum())
-                        self._pending.append(index)
+                        self._pending.append(arg)
+                elif kind == "norm":
+                    callback(self._sqnorm)
                 elif kind == "finish":
-                    norm = math.sqrt(self._sqnorm)
-                    # torch.nn.utils.clip_grad_norm_ scales by max_norm / (norm + 1e-6), capped at 1.
-                    coef = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6))
-                    self.last_grad_norm = norm
                     for i in self._pending:
-                        self._update(i, coef)
+                        self._update(i, arg)
                     self._pending, self._sqnorm = [], 0.0
                 self.busy_s += time.perf_counter() - t0
             except BaseException as exc:  # surface in the training thread, never lose it

@@ -38,6 +38,7 @@ class UnitShadow:
     grad_stage: torch.Tensor
     device_flat: torch.Tensor
     offsets: list[int]
+    home: str = "host"
     step: int = 0
     dha_flat: torch.Tensor | None = None
     device_views: list[torch.Tensor] = field(default_factory=list)
@@ -66,12 +67,37 @@ class ShadowModel:
             their initial values (on the host).
         backend: the xpu backend (its arena provides pinned memory).
         device: device index.
+        device_homes: indices of units homed on the device instead: their weights, fp32
+            master and moments live in device memory and the device updates them.
     """
 
-    def __init__(self, units: list[Unit], backend: Backend, device: int) -> None:
+    def __init__(self, units: list[Unit], backend: Backend, device: int, device_homes: set[int] | frozenset = frozenset()) -> None:
         self.backend, self.device = backend, device
         self.units = units
-        self.shadows: list[UnitShadow] = [self._make(u) for u in units]
+        self.shadows: list[UnitShadow] = [self._make_device_home(u) if u.index in device_homes else self._make(u)
+                                          for u in units]
+
+    def _make_device_home(self, unit: Unit) -> UnitShadow:
+        b, dev = self.backend, self.device
+        n = unit.numel
+        dtype = unit.params[0][1].dtype
+        work = b.empty(n, dtype, dev)
+        master = work if dtype == torch.float32 else b.empty(n, torch.float32, dev)
+        offsets, o = [], 0
+        for _, p in unit.params:
+            offsets.append(o)
+            b.copy(master[o:o + p.numel()], p.detach().reshape(-1).float())  # fp32 from the original
+            o += p.numel()
+        if work is not master:
+            work.copy_(master)
+        exp_avg, exp_avg_sq = b.empty(n, torch.float32, dev), b.empty(n, torch.float32, dev)
+        exp_avg.zero_()
+        exp_avg_sq.zero_()
+        grad = b.empty(n, torch.float32, dev)
+        shadow = UnitShadow(unit, work, master, exp_avg, exp_avg_sq, grad, grad, work, offsets, home="device")
+        shadow.device_views = shadow.slices(work)
+        shadow.bind(shadow.device_views)
+        return shadow
 
     def _make(self, unit: Unit) -> UnitShadow:
         b, arena = self.backend, self.backend.host_arena
@@ -107,6 +133,8 @@ class ShadowModel:
         arena = self.backend.host_arena
         for s in self.shadows:
             s.dha_flat, s.dha_views = None, []
+            if s.home != "host":
+                continue
             buffers = {id(t): t for t in (s.work, s.master, s.exp_avg, s.exp_avg_sq, s.grad, s.grad_stage)}
             for t in buffers.values():
                 arena.release(t)
@@ -118,7 +146,7 @@ class ShadowModel:
         out = {}
         for s in self.shadows:
             for off, (name, p) in zip(s.offsets, s.unit.params):
-                out[name] = s.master[off:off + p.numel()].view(p.shape).to(p.dtype).clone()
+                out[name] = s.master[off:off + p.numel()].view(p.shape).to("cpu", p.dtype, copy=True)
         return out
 
     def optimizer_state_dict(self) -> dict[str, object]:
@@ -127,8 +155,9 @@ class ShadowModel:
         for s in self.shadows:
             for off, (name, p) in zip(s.offsets, s.unit.params):
                 sl = slice(off, off + p.numel())
-                state[name] = {"master": s.master[sl].view(p.shape).clone(), "exp_avg": s.exp_avg[sl].view(p.shape).clone(),
-                               "exp_avg_sq": s.exp_avg_sq[sl].view(p.shape).clone(), "step": s.step}
+                state[name] = {key: getattr(s, key)[sl].view(p.shape).to("cpu", copy=True)
+                               for key in ("master", "exp_avg", "exp_avg_sq")}
+                state[name]["step"] = s.step
         return state
 
     def load(self, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, object] | None = None) -> None:

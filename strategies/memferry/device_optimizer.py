@@ -1,0 +1,78 @@
+"""AdamW on the device for units homed there, run on the compute stream as gradients land.
+
+A device-homed unit keeps its fp32 master and moments in device memory; its update is a few
+fused kernels queued right after the unit's last gradient, so it costs microseconds of device
+time instead of host memory bandwidth. Stream order makes the next forward see the update.
+"""
+from __future__ import annotations
+
+import torch
+
+from .adamw import flat_adamw
+from .config import AdamW
+from .shadow import UnitShadow
+
+__all__ = ["DeviceOptimizer"]
+
+
+class DeviceOptimizer:
+    """Updates device-homed units; with clipping, holds updates until :meth:`finish_step`.
+
+    Args:
+        cfg: optimizer settings.
+        shadows: all units' buffers; only those with ``home == "device"`` are handled.
+    """
+
+    def __init__(self, cfg: AdamW, shadows: list[UnitShadow]) -> None:
+        self.cfg = cfg
+        self._optims = {s.unit.index: flat_adamw(s.master, s.exp_avg, s.exp_avg_sq, s.step, cfg)
+                        for s in shadows if s.home == "device"}
+        self._pending: list[UnitShadow] = []
+        self._sqnorms: list[torch.Tensor] = []
+
+    def __contains__(self, shadow: UnitShadow) -> bool:
+        return shadow.unit.index in self._optims
+
+    def grads_ready(self, s: UnitShadow) -> None:
+        """Gather the unit's gradients (upcast into its flat fp32 buffer) and update it, or
+        hold the update until the clip coefficient is known."""
+        for view, (_, p) in zip(s.slices(s.grad), s.unit.params):
+            view.copy_(p.grad)
+            p.grad = None
+        if self.cfg.max_grad_norm is None:
+            self._update(s, 1.0)
+        else:
+            self._sqnorms.append(s.grad.double().square().sum())
+            self._pending.append(s)
+
+    def pending_sqnorm(self) -> float:
+        """Squared 2-norm of the held gradients (synchronises with the device)."""
+        return float(torch.stack(self._sqnorms).sum()) if self._sqnorms else 0.0
+
+    def finish_step(self, coef: float = 1.0) -> None:
+        """Apply held updates with gradients scaled by ``coef``."""
+        for s in self._pending:
+            self._update(s, coef)
+        self._pending, self._sqnorms = [], []
+
+    def set_lr(self, lr: float) -> None:
+        """Learning rate for the next updates."""
+        for opt in self._optims.values():
+            opt.param_groups[0]["lr"] = lr
+
+    def sync_steps_from_shadows(self, shadows: list[UnitShadow]) -> None:
+        """Take step counts from the shadows (after loading a checkpoint)."""
+        for s in shadows:
+            if s.unit.index in self._optims:
+                self._optims[s.unit.index].state[s.master]["step"].fill_(float(s.step))
+
+    def _update(self, s: UnitShadow, coef: float) -> None:
+        if coef != 1.0:
+            s.grad.mul_(coef)
+        opt = self._optims[s.unit.index]
+        s.master.grad = s.grad
+        opt.step()
+        s.master.grad = None
+        if s.work is not s.master:
+            s.work.copy_(s.master)
+        s.step += 1
