@@ -461,7 +461,7 @@ class NpuBackend(Backend):
         starting the ACL runtime.
         """
         try:
-            import torch_npu  # noqa: F401  (registers torch.npu)
+            import torch_npu  # noqa: F401  -- imported for its side effect: it registers torch.npu
         except Exception as exc:  # ImportError, or OSError from a missing CANN library
             return (f"torch_npu could not be imported ({type(exc).__name__}: {exc}); install torch_npu "
                     f"matching torch {torch.__version__} and source the CANN set_env.sh")

@@ -160,7 +160,7 @@ def run_probe(backend: Backend, cfg: ProbeConfig | None = None, progress: Callab
 
         say("device->device")
         out["d2d_GBps"] = _gbps(2 * n, timer.ms(lambda: b.copy(dbuf2, dbuf, s), s))
-        del dbuf2
+        dbuf2 = None  # free it before the DHA figures
 
         if b.caps.dha:
             say("direct host access")
@@ -170,10 +170,10 @@ def run_probe(backend: Backend, cfg: ProbeConfig | None = None, progress: Callab
             with b.use_stream(s):
                 out["dha_read_GBps"] = _gbps(n, timer.ms(lambda: torch.mul(view, 1.0, out=dev_f), s))
                 out["dha_write_GBps"] = _gbps(n, timer.ms(lambda: torch.mul(dev_f, 1.0, out=view), s))
-            del view
+            view = None
         arena.release(pinned)
         arena.release(pinned2)
-        del dbuf
+        dbuf = None
 
         out["peer_GBps"] = _peer_rates(b, cfg, timer, say)
         if b.device_count() > 1:
@@ -201,7 +201,7 @@ def _peer_rates(b: Backend, cfg: ProbeConfig, timer: _Timer, say: Callable[[str]
                 c = b.empty(cfg.nbytes, torch.uint8, dst)
             with b.device_scope(src):
                 rates[f"{src}->{dst}"] = _gbps(cfg.nbytes, timer.ms(lambda: b.copy(c, a, s), s))
-            del a, c
+            a = c = None  # free before the next pair
     return rates
 
 
@@ -263,6 +263,6 @@ def _matmul_figures(b: Backend, cfg: ProbeConfig, timer: _Timer, s: Any) -> dict
                     row["dha_over_copy"] = round(row["dha_ms"] / row["copy_then_matmul_ms"], 3)
             rows.append(row)
         out["dha_matmul"] = rows
-        del view
+        view = None
         b.host_arena.release(w_host)
     return out

@@ -15,7 +15,6 @@ compute; the host only waits for the optimizer before reading a unit's working c
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 __all__ = ["Unit", "find_blocks", "split_units"]
