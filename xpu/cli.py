@@ -23,15 +23,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``xpu`` console script; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="xpu", description="Train models larger than accelerator memory.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    modules = {}
+    # Only the chosen command's module is imported: one command's heavy or missing imports
+    # (the benchmark harness, DeepSpeed) never break another (``xpu info``).
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    module = None
     for name, (module_name, help_text) in COMMANDS.items():
-        module = modules[name] = importlib.import_module(module_name)
-        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.add_arguments(command_parser)
     args = parser.parse_args(argv)
     try:
-        return int(modules[args.command].run(args) or 0)
+        return int(module.run(args) or 0)
     except XpuError as exc:
         print(f"xpu {args.command}: error: {exc}", file=sys.stderr)
         return 2
