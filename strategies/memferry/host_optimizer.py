@@ -47,7 +47,9 @@ class HostOptimizer:
         self._pending: list[int] = []
         self._sqnorm = 0.0
         self._error: BaseException | None = None
-        self.busy_s = 0.0  # seconds spent updating, for the scheduler's cost model
+        #: seconds spent per phase, for the scheduler's cost model: waiting for gradients to
+        #: land, upcasting them, the AdamW kernel, writing the compute-dtype copy.
+        self.time_s = {"wait": 0.0, "upcast": 0.0, "adamw": 0.0, "writeback": 0.0}
         self._thread = threading.Thread(target=self._run, name="memferry-host-adamw", daemon=True)
         self._thread.start()
 
@@ -120,12 +122,15 @@ class HostOptimizer:
             if kind == "stop":
                 return
             try:
-                t0 = time.perf_counter()
                 if kind == "grad":
+                    t0 = time.perf_counter()
                     callback()
+                    t1 = time.perf_counter()
                     s = self.shadows[arg]
                     if s.grad is not s.grad_stage:
                         s.grad.copy_(s.grad_stage)
+                    self.time_s["wait"] += t1 - t0
+                    self.time_s["upcast"] += time.perf_counter() - t1
                     if self.cfg.max_grad_norm is None:
                         self._update(arg, 1.0)
                     else:
@@ -137,7 +142,6 @@ class HostOptimizer:
                     for i in self._pending:
                         self._update(i, arg)
                     self._pending, self._sqnorm = [], 0.0
-                self.busy_s += time.perf_counter() - t0
             except BaseException as exc:  # surface in the training thread, never lose it
                 self._error = exc
                 for ev in self._done:
@@ -149,10 +153,14 @@ class HostOptimizer:
         if coef != 1.0:
             s.grad.mul_(coef)
         opt = self._optims[index]
+        t0 = time.perf_counter()
         s.master.grad = s.grad
         opt.step()
         s.master.grad = None
         s.step = int(opt.state[s.master]["step"].item())
+        t1 = time.perf_counter()
         if s.work is not s.master:
             s.work.copy_(s.master)
+        self.time_s["adamw"] += t1 - t0
+        self.time_s["writeback"] += time.perf_counter() - t1
         self._done[index].set()
