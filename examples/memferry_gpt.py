@@ -4,7 +4,7 @@
     python examples/memferry_gpt.py --preset design --plans prefetch,prefetch+recompute
 
 Each plan runs in this process one after another on a fresh engine; the last lines are a
-table. ``--plans`` items: ``prefetch``, ``prefetch2`` (depth 2), ``dha``, ``residentN``
+table. ``--plans`` items: ``prefetch``, ``prefetchN`` (depth N), ``dha``, ``residentN``
 (first N blocks resident, the rest prefetched), ``deviceN`` (first N blocks and the
 embeddings/head homed on the device with a device optimizer, the rest prefetched with the
 host optimizer), each optionally ``+recompute``; ``plain``
@@ -25,32 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import xpu  # noqa: E402
 from bench.models import build_model, flops_per_token  # noqa: E402
-from strategies.memferry import AdamW, MemFerry, Plan, UnitPlan  # noqa: E402
+from strategies.memferry import AdamW, MemFerry, Plan  # noqa: E402
 
 PRESETS = {
     "tiny": dict(layers=4, hidden=128, heads=4, vocab=512, seq=64, batch=4),
     "design": dict(layers=24, hidden=2048, heads=16, vocab=32000, seq=1024, batch=8),
 }
-
-
-def make_plan(name: str, layers: int) -> Plan:
-    """A plan from its command-line name (see the module docstring)."""
-    recompute = name.endswith("+recompute")
-    base = name.removesuffix("+recompute")
-    if base in ("prefetch", "prefetch2"):
-        return Plan.uniform(layers, UnitPlan("prefetch", "prefetch", recompute), prefetch_depth=2 if base == "prefetch2" else 1)
-    if base == "dha":
-        return Plan.uniform(layers, UnitPlan("dha", "dha", recompute))
-    if base.startswith("device"):
-        n = int(base.removeprefix("device"))
-        units = ([UnitPlan("resident", "resident", recompute, optimizer="device")] * n
-                 + [UnitPlan("prefetch", "prefetch", recompute)] * (layers - n))
-        return Plan(units, rest_optimizer="device")
-    if base.startswith("resident"):
-        n = int(base.removeprefix("resident"))
-        units = [UnitPlan("resident", "resident", recompute)] * n + [UnitPlan("prefetch", "prefetch", recompute)] * (layers - n)
-        return Plan(units)
-    raise SystemExit(f"unknown plan {name!r}")
 
 
 def run(plan_name: str, args: argparse.Namespace, dims: dict, batch: int, dtype: torch.dtype) -> dict:
@@ -81,7 +61,7 @@ def run(plan_name: str, args: argparse.Namespace, dims: dict, batch: int, dtype:
         engine = None
     else:
         budget = f"{args.budget_gb}GB" if args.budget_gb else None
-        engine = MemFerry(model, optim=cfg, plan=make_plan(plan_name, dims["layers"]), device_budget=budget)
+        engine = MemFerry(model, optim=cfg, plan=Plan.from_spec(plan_name, dims["layers"]), device_budget=budget)
         step = engine.train_step
         finish = engine.synchronize
     setup_s = time.perf_counter() - t_setup

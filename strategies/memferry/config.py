@@ -1,6 +1,7 @@
 """MemFerry's settings: the optimizer and the per-unit execution plan."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -97,6 +98,36 @@ class Plan:
     def uniform(cls, n_blocks: int, unit: UnitPlan | None = None, prefetch_depth: int = 1) -> "Plan":
         """The same plan for every block."""
         return cls([unit or UnitPlan()] * n_blocks, prefetch_depth)
+
+    @classmethod
+    def from_spec(cls, spec: str, n_blocks: int) -> "Plan":
+        """A plan from a short name, as the CLI and benchmark options write it.
+
+        ``prefetch`` / ``prefetchN`` (prefetch depth 1 / N), ``dha``, ``residentN`` (first N
+        blocks resident, the rest prefetched), ``deviceN`` (first N blocks and the embeddings
+        and head homed on the device with a device optimizer, the rest prefetched and updated
+        on the host); any of them with ``+recompute``.
+
+        Raises:
+            ValueError: an unknown name, or N outside ``0..n_blocks``.
+        """
+        match = re.fullmatch(r"(prefetch|dha|resident|device)(\d*)(\+recompute)?", spec)
+        kind, count, recompute = (match.group(1), match.group(2), bool(match.group(3))) if match else ("", "", False)
+        prefetch = UnitPlan("prefetch", "prefetch", recompute)
+        if kind == "prefetch" and int(count or 1) >= 1:
+            return cls([prefetch] * n_blocks, prefetch_depth=int(count or 1))
+        if kind == "dha" and not count:
+            return cls([UnitPlan("dha", "dha", recompute)] * n_blocks)
+        if kind in ("resident", "device") and count and int(count) <= n_blocks:
+            n = int(count)
+            if kind == "resident":
+                return cls([UnitPlan("resident", "resident", recompute)] * n + [prefetch] * (n_blocks - n))
+            return cls([UnitPlan("resident", "resident", recompute, optimizer="device")] * n + [prefetch] * (n_blocks - n),
+                       rest_optimizer="device")
+        raise ValueError(
+            f"unknown plan {spec!r} for {n_blocks} blocks; write prefetch[N], dha, residentN or deviceN "
+            f"(N from 0 to {n_blocks}), optionally with +recompute"
+        )
 
     def describe(self) -> str:
         """One line per block, then notes."""
