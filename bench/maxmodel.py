@@ -1,0 +1,210 @@
+"""Largest-model search: per system, the largest model of the scenario's family that trains.
+
+"Trains" means ``max_model.warmup + max_model.steps`` steps run without error under the
+scenario's device cap (``device_mem_gb``) and host cap (``host_mem_gb``). One size knob
+grows (``layers``, or ``hidden`` in steps of ``heads * 8`` with heads fixed); the rest of
+the model stays as the scenario says. Every trial runs in a fresh worker process.
+
+The search doubles the knob from ``lo`` until a trial fails (or ``hi`` is reached), then
+bisects between the last success and the first failure. It starts from ``lo`` whatever the
+cap, so when "fits" is monotone in the knob (a bigger model never fits where a smaller one
+does not) the result is exactly the largest fitting value, and a larger cap never yields a
+smaller model.
+"""
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+from .scenario import Scenario, load_scenario
+from .systems import get_system, missing_requirement
+
+__all__ = ["search_largest", "max_model_for_system", "run_max_model", "dims_for"]
+
+
+def dims_for(scenario: Scenario, value: int) -> dict[str, Any]:
+    """The scenario's model dimensions with the knob set to ``value`` (layers, or hidden units)."""
+    model = copy.deepcopy(scenario.model)
+    knob = scenario.max_model.knob
+    if knob == "layers":
+        model["layers"] = value
+    elif knob == "hidden":
+        model["hidden"] = value
+        model.pop("ffn", None)  # let the MLP width follow the hidden size
+    return model
+
+
+def knob_values(scenario: Scenario) -> tuple[int, int, int]:
+    """``(lo, hi, unit)``: the search range in knob units and the size of one unit."""
+    mm = scenario.max_model
+    if scenario.family == "hf":
+        raise ValueError("max-model search needs a gpt or llama family (hf configs have no single size knob here)")
+    if mm.knob == "layers":
+        return mm.lo, mm.hi, 1
+    unit = int(scenario.model["heads"]) * 8
+    lo, hi = math.ceil(mm.lo / unit), mm.hi // unit
+    if hi < max(lo, 1):
+        raise ValueError(f"max_model: hidden range [{mm.lo}, {mm.hi}] holds no multiple of heads*8 = {unit}")
+    return max(lo, 1), hi, unit
+
+
+def search_largest(fits: Callable[[int], bool], lo: int, hi: int) -> int | None:
+    """Largest k in [lo, hi] with ``fits(k)``, assuming fits is monotone (True then False); None if not even lo.
+
+    Doubling from ``lo`` then bisection: about 2·log2(answer/lo) calls.
+    """
+    if not fits(lo):
+        return None
+    good, bad = lo, None
+    while good < hi:
+        nxt = min(max(2 * good, good + 1), hi)
+        if fits(nxt):
+            good = nxt
+        else:
+            bad = nxt
+            break
+    while bad is not None and bad - good > 1:
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+def _trial_scenario(scenario: Scenario, label: str, value: int) -> Scenario:
+    mm = scenario.max_model
+    trial = copy.deepcopy(scenario)
+    trial.model = dims_for(scenario, value)
+    trial.steps, trial.warmup, trial.loss_after = mm.steps, mm.warmup, None
+    trial.timeline = False
+    trial.systems = [e for e in trial.systems if e.label == label]
+    entry = trial.systems[0]
+    entry.steps, entry.warmup = None, None
+    trial.validate()
+    return trial
+
+
+def max_model_for_system(scenario: Scenario, label: str, out_dir: Path | None = None, *, spawn: bool = True,
+                         on_trial: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Search the largest trainable model for one system of ``scenario``; return its row.
+
+    Args:
+        spawn: run each trial in a fresh worker process (the default, and what ``xpu bench``
+            does); False runs trials in this process (fast tests on the cpu backend).
+        on_trial: called with each trial's summary as it finishes.
+    """
+    from .models import param_count
+
+    entry = scenario.entry(label)
+    spec = get_system(entry.name)
+    lo, hi, unit = knob_values(scenario)
+    base = {"system": label, "system_name": entry.name, "approximate": spec.approximate, "options": entry.options,
+            "family": scenario.family, "knob": scenario.max_model.knob, "device_mem_gb": scenario.device_mem_gb,
+            "host_mem_gb": scenario.host_mem_gb, "max_params": None, "max_config": None, "max_value": None,
+            "trials": [], "best_row": None, "reason": None}
+    missing = missing_requirement(spec)
+    if missing:
+        return {**base, "status": "missing", "reason": missing}
+    trials: dict[int, dict[str, Any]] = {}
+    stop: dict[str, Any] = {}
+
+    def fits(k: int) -> bool:
+        if stop:
+            return False
+        value = k * unit
+        trial = _trial_scenario(scenario, label, value)
+        if spawn:
+            from .runner import run_system
+
+            row = run_system(trial, label, out_dir or Path("."), timeline=False, log_name=f"maxmodel-{label}-{value}")
+        else:
+            from .worker import run_spec
+
+            row = run_spec({"scenario": trial.to_dict(), "label": label, "timeline_path": None}, in_process=True)
+        params = row.get("params") or param_count(trial.family, **trial.model_dims())
+        summary = {"value": value, "params": params, "status": row["status"], "step_s": row.get("step_s"),
+                   "peak_device_gb": row.get("peak_device_gb"), "peak_host_gb": row.get("peak_host_gb")}
+        if row["status"] != "ok":
+            summary["reason"] = (row.get("reason") or "")[:300]
+        trials[k] = {**summary, "row": row}
+        base["trials"].append(summary)
+        if on_trial:
+            on_trial(summary)
+        if row["status"] == "missing":
+            stop.update(status="missing", reason=row.get("reason"))
+        return row["status"] == "ok"
+
+    best = search_largest(fits, lo, hi)
+    if stop:
+        return {**base, "status": stop["status"], "reason": stop["reason"]}
+    if best is None:
+        first = trials[lo]
+        status = "oom" if first["status"] == "oom" else "error"
+        return {**base, "status": status, "reason": f"even {scenario.max_model.knob}={lo * unit} does not train: "
+                                                    f"{first.get('reason', '')}"}
+    row = trials[best]["row"]
+    keep = ("step_s", "step_mean_s", "tokens_per_s", "tflops", "peak_device_gb", "peak_device_reserved_gb", "peak_host_gb",
+            "loss", "dtype")
+    out = {**base, "status": "ok", "max_value": best * unit, "max_params": trials[best]["params"],
+           "max_config": {k: v for k, v in dims_for(scenario, best * unit).items()},
+           "best_row": {k: row.get(k) for k in keep}}
+    if best == hi:
+        out["reason"] = f"reached the top of the search range ({scenario.max_model.knob}={hi * unit}); raise max_model.hi"
+    return out
+
+
+def run_max_model(scenario: Scenario | str | Path | dict[str, Any], out_dir: str | Path | None = None, *,
+                  systems: list[str] | None = None, progress: bool = True, command: str | None = None,
+                  spawn: bool = True) -> dict[str, Any]:
+    """Run the largest-model search for every system of ``scenario``; write ``max_model.json``/``.md``.
+
+    Returns the result dict: ``{"machine", "date", "command", "scenario", "rows": [...]}`` where
+    each row carries ``max_params``, ``max_config`` and its ``trials``.
+    """
+    from .report import write_outputs
+    from .runner import _progress, default_out_dir, describe_machine
+
+    if not isinstance(scenario, Scenario):
+        scenario = load_scenario(scenario)
+    if systems:
+        scenario = scenario.select(systems)
+    try:
+        knob_values(scenario)
+    except ValueError as exc:
+        from .scenario import ScenarioError
+
+        raise ScenarioError(str(exc)) from None
+    if spawn:
+        info = describe_machine()
+    else:
+        from .worker import describe
+
+        info = describe()
+    date = _dt.date.today().isoformat()
+    out = Path(out_dir) if out_dir else default_out_dir(info["machine"], date)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with _progress(progress) as bars:
+        overall = bars.add_task(f"{scenario.name}: largest model per system", total=len(scenario.systems))
+        for entry in scenario.systems:
+            task = bars.add_task(f"  {entry.label}", total=None)
+
+            def on_trial(t: dict[str, Any], task=task, label=entry.label) -> None:
+                bars.update(task, description=f"  {label}: {scenario.max_model.knob}={t['value']} {t['status']}")
+
+            row = max_model_for_system(scenario, entry.label, out, spawn=spawn, on_trial=on_trial)
+            bars.update(task, total=1, completed=1,
+                        description=f"  {entry.label}: {row['status']}" + (
+                            f" max {row['max_params'] / 1e9:.3g} B params" if row.get("max_params") else ""))
+            bars.advance(overall)
+            rows.append(row)
+    result = {"machine": info["machine"], "date": date, "command": command or f"run_max_model({scenario.name!r})",
+              "scenario": scenario.to_dict(), "machine_info": info, "rows": rows,
+              "finished_at": _dt.datetime.now().isoformat(timespec="seconds")}
+    result["outputs"] = write_outputs(result, out, stem="max_model")
+    result["out_dir"] = str(out)
+    return result

@@ -1,0 +1,336 @@
+"""Outputs of a benchmark run: JSON, a markdown table, a plot, and per-system timelines.
+
+Files written under the run's folder (``bench/results/<date>-<machine>/`` by default):
+
+* ``results.json``: ``{"machine", "date", "command", "scenario", "rows": [...]}`` plus the
+  machine details and software versions (``max_model.json`` for ``--max-model``);
+* ``results.md``: the side-by-side table (``max_model.md``);
+* ``results.png``: step time and peak memory per system (needs matplotlib; skipped with a
+  note otherwise);
+* ``timelines/<system>.json``: one step as Chrome-trace JSON that Perfetto and
+  chrome://tracing open, in lanes: device compute, host→device, device→host,
+  device→device, CPU optimizer, and the step's phases;
+* ``logs/<system>.log``: each worker's own output.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+__all__ = ["timeline_lanes", "markdown_table", "max_model_markdown", "write_plot", "write_outputs", "lane_busy_ms",
+           "merge_results"]
+
+_OPTIMIZER_OP = re.compile(r"adam|optimizer", re.IGNORECASE)
+
+# (pid, tid) of each lane, and its name
+_LANES = {
+    "compute": (0, 0, "compute"),
+    "h2d": (0, 1, "host→device"),
+    "d2h": (0, 2, "device→host"),
+    "d2d": (0, 3, "device→device"),
+    "device_phases": (0, 4, "step phases (device)"),
+    "cpu_optimizer": (1, 0, "CPU optimizer"),
+    "cpu_optimizer_ops": (1, 1, "CPU optimizer ops"),
+    "phases": (1, 2, "step phases (host)"),
+}
+_PROCESSES = {0: "device", 1: "host"}
+
+
+def _memcpy_lane(name: str) -> str | None:
+    if "HtoD" in name:
+        return "h2d"
+    if "DtoH" in name:
+        return "d2h"
+    if "DtoD" in name or "PtoP" in name:
+        return "d2d"
+    return None
+
+
+def timeline_lanes(raw: dict[str, Any], label: str = "", optimizer_on_host: bool = False) -> dict[str, Any]:
+    """Turn a ``torch.profiler`` Chrome trace into the lanes view of one step.
+
+    Device kernels and memsets go to "compute", memcpys to the lane of their direction;
+    the worker's ``bench:<phase>`` markers go to the phase lanes; when the system runs its
+    optimizer on the host, its ``bench:optimizer`` span goes to "CPU optimizer" too, and
+    host ops whose names mention Adam or an optimizer to "CPU optimizer ops". On a backend
+    with no device trace (the cpu reference) the forward and backward phases stand in for
+    compute. Times are in microseconds from the first event.
+    """
+    events = [e for e in raw.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
+    out: list[dict[str, Any]] = []
+
+    def add(lane: str, e: dict[str, Any]) -> None:
+        pid, tid, _ = _LANES[lane]
+        out.append({"ph": "X", "name": e.get("name", "?"), "cat": lane, "pid": pid, "tid": tid,
+                    "ts": float(e["ts"]), "dur": float(e.get("dur", 0))})
+
+    has_device = False
+    for e in events:
+        cat, name = e.get("cat", ""), e.get("name", "")
+        if cat in ("kernel", "gpu_memset"):
+            add("compute", e)
+            has_device = True
+        elif cat == "gpu_memcpy":
+            lane = _memcpy_lane(name)
+            if lane:
+                add(lane, e)
+            has_device = True
+        elif cat == "gpu_user_annotation" and name.startswith("bench:"):
+            add("device_phases", e)
+        elif cat == "user_annotation" and name.startswith("bench:"):
+            add("phases", e)
+            if name == "bench:optimizer" and optimizer_on_host:
+                add("cpu_optimizer", e)
+        elif cat == "cpu_op" and optimizer_on_host and _OPTIMIZER_OP.search(name):
+            add("cpu_optimizer_ops", e)
+    if not has_device:
+        for e in events:
+            name = e.get("name", "")
+            if e.get("cat") == "user_annotation" and (name in ("bench:forward", "bench:backward")
+                                                       or (name == "bench:optimizer" and not optimizer_on_host)):
+                add("compute", e)
+    t0 = min((e["ts"] for e in out), default=0.0)
+    for e in out:
+        e["ts"] = round(e["ts"] - t0, 3)
+    meta: list[dict[str, Any]] = []
+    for pid, pname in _PROCESSES.items():
+        meta.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": f"{label} {pname}".strip()}})
+    for _, (pid, tid, tname) in _LANES.items():
+        meta.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": tname}})
+        meta.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+    trace = {"traceEvents": meta + sorted(out, key=lambda e: (e["pid"], e["tid"], e["ts"])),
+             "displayTimeUnit": "ms",
+             "otherData": {"system": label, "device_trace": has_device,
+                           "note": "one training step; lanes derived from torch.profiler events"}}
+    trace["otherData"]["busy_ms"] = lane_busy_ms(trace)
+    return trace
+
+
+def lane_busy_ms(trace: dict[str, Any]) -> dict[str, float]:
+    """Per lane, the time (ms) covered by at least one event (overlaps counted once)."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X":
+            spans.setdefault(e["cat"], []).append((e["ts"], e["ts"] + e["dur"]))
+    busy = {}
+    for lane, items in spans.items():
+        items.sort()
+        total, cur_s, cur_e = 0.0, None, None
+        for s, t in items:
+            if cur_e is None or s > cur_e:
+                if cur_e is not None:
+                    total += cur_e - cur_s
+                cur_s, cur_e = s, t
+            else:
+                cur_e = max(cur_e, t)
+        if cur_e is not None:
+            total += cur_e - cur_s
+        busy[lane] = round(total / 1e3, 3)
+    return busy
+
+
+# ---------------------------------------------------------------------------------- tables
+def _fmt(value: Any, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def _gb(value: Any) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.2f}" if value >= 0.1 else f"{value:.2g}"
+
+
+def _count(n: Any) -> str:
+    if not n:
+        return "–"
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= div:
+            return f"{n / div:.3g} {unit}"
+    return str(n)
+
+
+def _short(text: str | None, n: int = 90) -> str:
+    if not text:
+        return ""
+    line = text.strip().splitlines()[-1] if "Traceback" in text else text.strip().splitlines()[0]
+    line = line.replace("|", "\\|")
+    return line if len(line) <= n else line[: n - 1] + "…"
+
+
+def _scenario_line(result: dict[str, Any]) -> str:
+    sc = result["scenario"]
+    dims = ", ".join(f"{k} {v}" for k, v in sc["model"].items() if k != "family" and not isinstance(v, dict))
+    cap = f"{sc['device_mem_gb']} GB" if sc.get("device_mem_gb") else "none"
+    host = f"{sc['host_mem_gb']} GB" if sc.get("host_mem_gb") else "none"
+    params = next((r.get("params") for r in result["rows"] if r.get("params")), None)
+    p = f", {_count(params)} params" if params else ""
+    return (f"model {sc['model']['family']} ({dims}{p}); batch {sc['batch']} × seq {sc['seq']}; dtype {sc['dtype']}; "
+            f"device cap {cap}; host cap {host}")
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """The side-by-side table of a run, with a header naming scenario, machine, date and command."""
+    sc = result["scenario"]
+    lines = [
+        f"# {sc['name']}: {result['machine']} ({result['date']})",
+        "",
+        f"{_scenario_line(result)}.",
+        "Step times: median over the timed steps after warm-up (device sync around each step); mean beside it.",
+        "",
+        f"Command: `{result['command']}`",
+        "",
+        "| system | status | params | step median (s) | step mean (s) | tokens/s | TFLOP/s | peak device (GB) "
+        "| peak host (GB) | loss @ step | notes |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in result["rows"]:
+        status = r["status"] if r["status"] != "oom" else "OOM"
+        notes = r.get("notes") or ""
+        if r["status"] != "ok":
+            notes = _short(r.get("reason"))
+        if r.get("approximate"):
+            notes = ("approximate (stale updates); " + notes).rstrip("; ")
+        loss = f"{r['loss']:.3f} @ {r.get('loss_step')}" if r.get("loss") is not None else "–"
+        params = _count(r.get("params"))
+        lines.append(
+            f"| {r['system']} | {status} | {params} | {_fmt(r.get('step_s'), '.3f')} | {_fmt(r.get('step_mean_s'), '.3f')} "
+            f"| {_fmt(r.get('tokens_per_s'), ',.0f')} | {_fmt(r.get('tflops'), '.3g')} | {_gb(r.get('peak_device_gb'))} "
+            f"| {_gb(r.get('peak_host_gb'))} | {loss} | {notes} |")
+    versions = result.get("machine_info", {}).get("versions", {})
+    if versions:
+        lines += ["", "Software: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v)]
+    if result.get("plot"):
+        lines += ["", f"![step time and peak memory]({Path(result['plot']).name})"]
+    elif result.get("plot_skipped"):
+        lines += ["", f"({result['plot_skipped']})"]
+    return "\n".join(lines) + "\n"
+
+
+def max_model_markdown(result: dict[str, Any]) -> str:
+    """The table of a ``--max-model`` run: the largest model per system and the trials that found it."""
+    sc = result["scenario"]
+    mm = sc["max_model"]
+    lines = [
+        f"# {sc['name']} largest model: {result['machine']} ({result['date']})",
+        "",
+        f"{_scenario_line(result)}; knob {mm['knob']} in [{mm['lo']}, {mm['hi']}]; "
+        f"a trial trains if {mm['warmup']} + {mm['steps']} steps run without error.",
+        "",
+        f"Command: `{result['command']}`",
+        "",
+        "| system | status | max params | configuration | step (s) | peak device (GB) | peak host (GB) | trials |",
+        "|---|---|---:|---|---:|---:|---:|---|",
+    ]
+    for r in result["rows"]:
+        cfg = r.get("max_config") or {}
+        cfg_s = ", ".join(f"{k} {v}" for k, v in cfg.items() if k in ("layers", "hidden", "heads", "kv_heads"))
+        trials = ", ".join(f"{t['value']}:{t['status']}" for t in r.get("trials", []))
+        best = r.get("best_row") or {}
+        params = _count(r.get("max_params"))
+        note = "" if r["status"] == "ok" else _short(r.get("reason"), 60)
+        lines.append(f"| {r['system']} | {r['status']}{' ' + note if note else ''} | {params} | {cfg_s} "
+                     f"| {_fmt(best.get('step_s'), '.3f')} | {_gb(best.get('peak_device_gb'))} "
+                     f"| {_gb(best.get('peak_host_gb'))} | {trials} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------- plot
+def write_plot(result: dict[str, Any], path: Path) -> str | None:
+    """Bar charts of step time (median, mean marked) and peak device/host memory per system.
+
+    Returns None when written, else why it was skipped (matplotlib is optional).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot skipped: matplotlib not installed"
+    rows = [r for r in result["rows"] if r["status"] == "ok"]
+    if not rows:
+        return "plot skipped: no system finished"
+    names = [r["system"] for r in rows]
+    ys = list(range(len(rows)))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.6 * len(rows) + 2), sharey=True)
+    ax1.barh(ys, [r["step_s"] for r in rows], color="tab:blue", label="median")
+    ax1.scatter([r["step_mean_s"] for r in rows], ys, color="black", marker="|", s=200, label="mean", zorder=3)
+    ax1.set_yticks(ys, names)
+    ax1.invert_yaxis()
+    ax1.set_xlabel("step time (s)")
+    ax1.legend(loc="lower right")
+    h = 0.4
+    ax2.barh([y - h / 2 for y in ys], [r.get("peak_device_gb") or 0 for r in rows], height=h, label="device", color="tab:orange")
+    ax2.barh([y + h / 2 for y in ys], [r.get("peak_host_gb") or 0 for r in rows], height=h, label="host", color="tab:gray")
+    ax2.set_xlabel("peak memory (GB)")
+    ax2.legend(loc="lower right")
+    fig.suptitle(f"{result['scenario']['name']} on {result['machine']} ({result['date']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+# ---------------------------------------------------------------------------------- all outputs
+def write_outputs(result: dict[str, Any], out_dir: Path, stem: str = "results") -> dict[str, str]:
+    """Write ``<stem>.json``, ``<stem>.md`` and ``<stem>.png`` (when possible) under ``out_dir``.
+
+    Returns the paths written, by kind; the JSON records the plot path or why it was skipped.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths: dict[str, str] = {}
+    if stem == "results":
+        png = out_dir / f"{stem}.png"
+        skipped = write_plot(result, png)
+        if skipped:
+            result["plot"], result["plot_skipped"] = None, skipped
+        else:
+            result["plot"], result["plot_skipped"] = png.name, None
+            paths["plot"] = str(png)
+        md = markdown_table(result)
+    else:
+        md = max_model_markdown(result)
+    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    (out_dir / f"{stem}.md").write_text(md)
+    paths["json"] = str(out_dir / f"{stem}.json")
+    paths["markdown"] = str(out_dir / f"{stem}.md")
+    return paths
+
+
+def merge_results(paths: list[Path], out_dir: Path) -> dict[str, Any]:
+    """Merge several ``results.json`` of one scenario into ``out_dir`` (later files win per system label).
+
+    Timelines and logs the rows name are copied along, so the merged folder stands alone.
+    """
+    import shutil
+
+    merged: dict[str, Any] | None = None
+    rows: dict[str, dict[str, Any]] = {}
+    entries: dict[str, dict[str, Any]] = {}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        merged = merged or data
+        if data["scenario"].get("name") != merged["scenario"].get("name"):
+            raise ValueError(f"{path}: scenario {data['scenario'].get('name')!r} differs from "
+                             f"{merged['scenario'].get('name')!r}; merge results of one scenario only")
+        for entry in data["scenario"].get("systems", []):
+            entries[entry["label"]] = entry
+        for row in data["rows"]:
+            rows[row["system"]] = row
+            for key in ("timeline", "raw_trace", "log"):
+                rel = row.get(key)
+                if rel and not Path(rel).is_absolute() and (Path(path).parent / rel).exists():
+                    (out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+                    if (Path(path).parent / rel).resolve() != (out_dir / rel).resolve():
+                        shutil.copy2(Path(path).parent / rel, out_dir / rel)
+    assert merged is not None
+    result = dict(merged)
+    result["rows"] = list(rows.values())
+    result["scenario"] = {**merged["scenario"], "systems": list(entries.values())}
+    result["merged_from"] = [str(p) for p in paths]
+    result["outputs"] = write_outputs(result, out_dir)
+    result["out_dir"] = str(out_dir)
+    return result

@@ -1,0 +1,114 @@
+"""What a benchmarked system is given (:class:`SystemContext`) and what it must do (:class:`BenchSystem`).
+
+A system's factory is called once inside a fresh worker process, under
+``backend.device_scope(ctx.device_index)`` and after the device memory cap is set. It
+builds its model and optimizer; then the worker calls :meth:`BenchSystem.step` once per
+training step, with a device synchronisation before and after for timing.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from ..models import CausalLM, build_model
+
+__all__ = ["SystemContext", "BenchSystem", "phase", "DTYPES", "init_single_process_group"]
+
+#: scenario dtype names -> torch dtypes
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class SystemContext:
+    """Everything a system needs to set itself up.
+
+    Attributes:
+        backend: the process's :class:`xpu.Backend`.
+        device_index: the device to train on.
+        family: model family (``gpt``, ``llama``, ``hf``).
+        dims: model dimensions, ``seq`` included (see :mod:`bench.models`).
+        dtype: the compute dtype (bf16 on accelerators by default, fp32 on the cpu backend).
+        batch: micro-batch size.
+        seq: sequence length.
+        optimizer: AdamW hyper-parameters (``lr``, ``betas``, ``eps``, ``weight_decay``).
+        options: this system's options, defaults filled in.
+        seed: the run's seed (already applied with ``torch.manual_seed`` before the factory).
+    """
+
+    backend: Any
+    device_index: int
+    family: str
+    dims: dict[str, Any]
+    dtype: torch.dtype
+    batch: int
+    seq: int
+    optimizer: dict[str, Any]
+    options: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+    @property
+    def device(self) -> torch.device:
+        """The ``torch.device`` of the training device."""
+        return self.backend.device(self.device_index)
+
+    def build_model(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> CausalLM:
+        """The scenario's model with parameters created on ``device`` in ``dtype`` (default: host, fp32)."""
+        return build_model(self.family, device=device, dtype=dtype, **self.dims)
+
+    def adamw_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``torch.optim.AdamW`` from the scenario's optimizer section."""
+        o = self.optimizer
+        return {"lr": o["lr"], "betas": tuple(o["betas"]), "eps": o["eps"], "weight_decay": o["weight_decay"]}
+
+
+class BenchSystem(abc.ABC):
+    """One system under test, set up and ready to train.
+
+    Attributes:
+        optimizer_on_host: True when the optimizer step runs on the CPU (timelines put the
+            ``bench:optimizer`` phase on the "CPU optimizer" lane).
+        tracks_device_memory: False when the backend's allocator statistics cannot see the
+            system's device memory (the row's peak device memory is then left empty).
+        notes: free-form remarks copied into the row (e.g. what an option changed).
+    """
+
+    optimizer_on_host: bool = False
+    tracks_device_memory: bool = True
+    notes: str = ""
+
+    @abc.abstractmethod
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Run one full training step (forward, backward, optimizer); return the loss (a scalar tensor).
+
+        Wrap the parts in :func:`phase` (``forward``, ``backward``, ``optimizer``) so timelines
+        can label them. Do not synchronise: the worker does, around the step.
+        """
+
+    def close(self) -> None:
+        """Release what the system holds (process groups, engines); called once at the end."""
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Label a part of a step (``bench:<name>``) in the profiler timeline."""
+    with torch.profiler.record_function(f"bench:{name}"):
+        yield
+
+
+def init_single_process_group(backend_name: str) -> None:
+    """Start a one-process ``torch.distributed`` group (rank 0 of 1) if none is running.
+
+    The worker has set ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``; FSDP2 and
+    DeepSpeed both need a process group even alone.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(backend=backend_name, rank=0, world_size=1)

@@ -1,0 +1,90 @@
+"""The ``fsdp2-offload`` system: PyTorch FSDP2 with ``CPUOffloadPolicy`` (DESIGN.md §3 anchor 0.640 s).
+
+Configured as DESIGN.md §3 says: ``fully_shard`` on each block and on the root, with
+``CPUOffloadPolicy()`` and ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``,
+fp32 parameters (sharded parameters, gradients and AdamW states live in pinned host
+memory), fused AdamW stepping on the CPU, one process. The device type and the collective
+backend come from the xpu backend (``nccl`` on CUDA, ``hccl`` on Ascend, ``gloo`` on the cpu
+reference backend).
+
+Options:
+    pin_memory: pin the offloaded shards (CPUOffloadPolicy's default; forced off on the cpu
+        backend, which has no pinned memory in torch's sense).
+    fused: fused AdamW (its CPU kernel).
+    reshard_after_forward: free gathered parameters after forward (FSDP2's default).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .base import BenchSystem, SystemContext, init_single_process_group, phase
+
+__all__ = ["FSDP2OffloadSystem", "make"]
+
+
+class FSDP2OffloadSystem(BenchSystem):
+    """FSDP2 over a one-rank mesh with parameters, gradients and optimizer states on the host."""
+
+    optimizer_on_host = True
+
+    def __init__(self, ctx: SystemContext) -> None:
+        backend = ctx.backend
+        # On the cpu reference backend the "device" is host memory, and its virtual-device
+        # tracker cannot follow FSDP2's DTensor storages (they are resized in place): run
+        # untracked there, so the code path is exercised in CI, and say memory is not tracked.
+        host_scope = getattr(backend, "host_scope", None)
+        self._scope = host_scope if backend.device_type == "cpu" and host_scope else contextlib.nullcontext
+        self.tracks_device_memory = backend.device_type != "cpu"
+        with self._scope():
+            self._setup(ctx)
+
+    def _setup(self, ctx: SystemContext) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        backend = ctx.backend
+        init_single_process_group(backend.dist_backend)
+        mesh = init_device_mesh(backend.device_type, (1,))
+        # fp32 parameters built on the host: with CPU offload the shards stay there.
+        self.model = ctx.build_model(device="cpu", dtype=torch.float32)
+        self.model.train()
+        on_accelerator = backend.device_type != "cpu"
+        offload = CPUOffloadPolicy(pin_memory=bool(ctx.options["pin_memory"]) and on_accelerator)
+        mp = MixedPrecisionPolicy(param_dtype=ctx.dtype, reduce_dtype=torch.float32)
+        reshard = bool(ctx.options["reshard_after_forward"])
+        if not len(self.model.blocks):
+            raise ValueError("fsdp2-offload: the model exposes no blocks to shard")
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+        fully_shard(self.model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), fused=bool(ctx.options["fused"]), **ctx.adamw_kwargs())
+        self.notes = f"param_dtype={str(ctx.dtype).removeprefix('torch.')}, reduce_dtype=fp32, pin_memory={offload.pin_memory}"
+        if not self.tracks_device_memory:
+            self.notes += "; cpu backend: device memory not tracked"
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with self._scope():
+            return self._step(inputs, targets)
+
+    def _step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with phase("forward"):
+            loss = self.model(inputs, targets)
+        with phase("backward"):
+            loss.backward()
+        with phase("optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def make(ctx: SystemContext) -> FSDP2OffloadSystem:
+    """Factory registered as ``fsdp2-offload``."""
+    return FSDP2OffloadSystem(ctx)

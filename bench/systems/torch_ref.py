@@ -1,0 +1,50 @@
+"""The ``torch`` system: plain PyTorch with everything on the device (DESIGN.md §3 anchor 0.132 s).
+
+Options:
+    precision: ``"pure"`` (default; the anchor's setup) keeps weights, gradients and AdamW
+        states in the scenario dtype (bf16 on an accelerator); ``"amp"`` keeps fp32 weights
+        and states and runs forward/backward under autocast to the scenario dtype.
+    recompute: recompute each block in backward (DESIGN.md §3: 0.158 s, 11.3 GB).
+    fused: use the fused AdamW kernel.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .base import BenchSystem, SystemContext, phase
+
+__all__ = ["TorchSystem", "make"]
+
+
+class TorchSystem(BenchSystem):
+    """Model and AdamW states on the device; one forward, backward and optimizer step per call."""
+
+    def __init__(self, ctx: SystemContext) -> None:
+        precision = ctx.options["precision"]
+        if precision not in ("pure", "amp"):
+            raise ValueError(f"torch system: precision must be 'pure' or 'amp', got {precision!r}")
+        amp = precision == "amp" and ctx.dtype != torch.float32
+        # Built straight on the device in its final dtype: no host copy, no fp32 transient.
+        self.model = ctx.build_model(device=ctx.device, dtype=torch.float32 if amp else ctx.dtype)
+        self.model.recompute = bool(ctx.options["recompute"])
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), fused=bool(ctx.options["fused"]), **ctx.adamw_kwargs())
+        self._autocast = (lambda: torch.autocast(ctx.backend.device_type, dtype=ctx.dtype)) if amp else contextlib.nullcontext
+        self.notes = f"precision={precision}" + (", recompute per block" if self.model.recompute else "")
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with phase("forward"), self._autocast():
+            loss = self.model(inputs, targets)
+        with phase("backward"):
+            loss.backward()
+        with phase("optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+def make(ctx: SystemContext) -> TorchSystem:
+    """Factory registered as ``torch``."""
+    return TorchSystem(ctx)

@@ -1,0 +1,64 @@
+"""Largest-model search on the cpu backend: returns max_params and a config, monotone in the cap."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.maxmodel import max_model_for_system, search_largest
+from bench.scenario import load_scenario
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("limit,lo,hi", [(1, 1, 64), (7, 1, 64), (64, 1, 64), (100, 1, 64), (13, 3, 20), (2, 3, 20)])
+def test_search_largest_finds_the_boundary(limit, lo, hi):
+    calls = []
+
+    def fits(k):
+        calls.append(k)
+        return k <= limit
+
+    expected = None if limit < lo else min(limit, hi)
+    assert search_largest(fits, lo, hi) == expected
+    assert len(calls) <= 2 * max(1, hi - lo).bit_length() + 2
+
+
+def _scenario(cap_gb):
+    return load_scenario("tiny", {"device_mem_gb": cap_gb, "systems": ["torch"],
+                                  "max_model": {"knob": "layers", "lo": 1, "hi": 64, "steps": 1, "warmup": 0}})
+
+
+def test_max_model_in_process_is_monotone_in_the_cap(cpu_backend):
+    results = []
+    for cap in (0.002, 0.004, 0.008):
+        row = max_model_for_system(_scenario(cap), "torch", spawn=False)
+        assert row["status"] == "ok", row
+        assert row["max_params"] > 0 and row["max_config"]["layers"] == row["max_value"]
+        assert any(t["status"] == "oom" for t in row["trials"])  # the boundary was found, not the range top
+        results.append(row["max_params"])
+    assert results == sorted(results) and results[0] < results[-1]
+
+
+def test_max_model_too_small_cap_reads_oom(cpu_backend):
+    row = max_model_for_system(_scenario(1e-5), "torch", spawn=False)
+    assert row["status"] == "oom" and row["max_params"] is None
+
+
+def test_cli_max_model_writes_rows_with_max_params(tmp_path):
+    env = dict(os.environ, XPU_BACKEND="cpu", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "xpu", "bench", "tiny", "--max-model", "--systems",
+                           "torch,deepspeed-z2-offload", "--device-mem-gb", "0.003", "--host-mem-gb", "64",
+                           "--knob-range", "1:8", "--out", str(tmp_path), "--no-progress"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "max_model.json").read_text())
+    rows = {r["system"]: r for r in result["rows"]}
+    assert rows["torch"]["status"] == "ok" and rows["torch"]["max_params"] > 0
+    assert rows["torch"]["max_config"]["layers"] >= 1 and rows["torch"]["trials"]
+    assert rows["deepspeed-z2-offload"]["status"] in ("missing", "ok", "error")
+    assert "| torch | ok |" in (tmp_path / "max_model.md").read_text()

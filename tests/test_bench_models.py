@@ -1,0 +1,109 @@
+"""Benchmark models: DESIGN.md §3 GPT size, FLOP formula, the Llama variant's shapes and GQA."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from bench.models import (apply_rotary, build_model, embedding_param_count, flops_per_token, llama_ffn, param_count,
+                          rotary_tables, validate_dims)
+
+DESIGN = dict(layers=24, hidden=2048, heads=16, vocab=32000, seq=1024)
+
+
+def test_design_gpt_has_1_34e9_parameters_counted_on_meta():
+    n = param_count("gpt", **DESIGN)
+    assert round(n / 1e7) == 134  # 1.34e9
+    h, L, V = 2048, 24, 32000
+    # per block: fused QKV + proj + 4x MLP weights (12 h^2), their biases (9 h), two LayerNorms (4 h)
+    assert n == L * (12 * h * h + 13 * h) + 2 * V * h + 2 * h
+    assert embedding_param_count("gpt", **DESIGN) == V * h
+
+
+def test_flops_per_token_formula():
+    n = param_count("gpt", **DESIGN) - 32000 * 2048
+    assert flops_per_token("gpt", **DESIGN) == 6 * n + 12 * 24 * 1024 * 2048
+    assert flops_per_token("gpt", **DESIGN) == pytest.approx(8.25e9, rel=1e-3)
+
+
+def test_gpt_forward_and_loss_in_fp32():
+    torch.manual_seed(0)
+    m = build_model("gpt", layers=2, hidden=32, heads=4, vocab=50, seq=8)
+    x = torch.randint(0, 50, (3, 8))
+    assert m(x).shape == (3, 8, 50)
+    loss = m.to(torch.bfloat16)(x, x)
+    assert loss.dtype == torch.float32 and loss.ndim == 0
+
+
+def test_llama_shapes_and_gqa_by_hand():
+    torch.manual_seed(0)
+    hidden, heads, kv, T = 64, 8, 2, 6
+    m = build_model("llama", layers=1, hidden=hidden, heads=heads, kv_heads=kv, vocab=40, seq=T)
+    attn = m.blocks[0].attn
+    hd = hidden // heads
+    assert attn.q.weight.shape == (heads * hd, hidden)
+    assert attn.k.weight.shape == (kv * hd, hidden) and attn.v.weight.shape == (kv * hd, hidden)
+    assert m.blocks[0].gate.weight.shape == (llama_ffn(hidden), hidden)
+    assert not any(name.endswith("bias") for name, _ in m.named_parameters())
+    x = torch.randn(2, T, hidden)
+    # By hand: each query head h attends with K/V head h // (heads / kv), causally, after rotary.
+    q = (x @ attn.q.weight.T).view(2, T, heads, hd).transpose(1, 2)
+    k = (x @ attn.k.weight.T).view(2, T, kv, hd).transpose(1, 2)
+    v = (x @ attn.v.weight.T).view(2, T, kv, hd).transpose(1, 2)
+    cos, sin = rotary_tables(T, hd, 10000.0, x.device)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    mask = torch.ones(T, T).tril().bool()
+    outs = []
+    for h in range(heads):
+        g = h // (heads // kv)
+        s = (q[:, h] @ k[:, g].transpose(-1, -2)) / hd ** 0.5
+        outs.append(torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v[:, g])
+    y = torch.stack(outs, 1).transpose(1, 2).reshape(2, T, hidden) @ attn.o.weight.T
+    torch.testing.assert_close(attn(x), y, atol=1e-5, rtol=1e-4)
+    idx = torch.randint(0, 40, (2, T))
+    assert m(idx).shape == (2, T, 40)
+
+
+def test_rotary_preserves_norms_and_position_zero():
+    cos, sin = rotary_tables(5, 8, 10000.0, torch.device("cpu"))
+    x = torch.randn(1, 1, 5, 8)
+    y = apply_rotary(x, cos, sin)
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
+    torch.testing.assert_close(y[..., 0, :], x[..., 0, :])
+
+
+def test_recompute_gives_the_same_gradients():
+    torch.manual_seed(0)
+    m = build_model("gpt", layers=2, hidden=32, heads=4, vocab=50, seq=8)
+    x = torch.randint(0, 50, (2, 8))
+    m(x, x).backward()
+    g1 = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    m.recompute = True
+    m(x, x).backward()
+    for a, p in zip(g1, m.parameters()):
+        torch.testing.assert_close(a, p.grad)
+
+
+@pytest.mark.parametrize("family,dims,match", [
+    ("bert", {}, "valid families"),
+    ("gpt", {"layers": 2, "hidden": 30, "heads": 4, "vocab": 9}, "multiple of heads"),
+    ("gpt", {"layers": 2, "hidden": 32, "heads": 4, "vocab": 9, "depth": 3}, "valid"),
+    ("llama", {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 3, "vocab": 9}, "kv_heads"),
+    ("hf", {"config": {}}, "model_type"),
+])
+def test_bad_dims_are_named(family, dims, match):
+    with pytest.raises(ValueError, match=match):
+        validate_dims(family, dims)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed")
+def test_hf_causal_lm_from_config():
+    cfg = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 50}
+    m = build_model("hf", config=cfg, seq=8)
+    assert len(m.blocks) == 2
+    x = torch.randint(0, 50, (2, 8))
+    assert m(x, x).ndim == 0
+    assert param_count("hf", config=cfg, seq=8) == sum(p.numel() for p in m.parameters())

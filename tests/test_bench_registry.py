@@ -1,0 +1,94 @@
+"""Systems register themselves (strategies/<name>/bench.py, or register_system) and the harness runs them unchanged."""
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import bench.systems as systems
+from bench.scenario import load_scenario
+from bench.worker import run_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch):
+    monkeypatch.setattr(systems, "_systems", dict(systems._systems))
+    monkeypatch.setattr(systems, "_errors", [])
+    monkeypatch.setattr(systems, "_discovered", False)
+    yield systems
+
+
+def test_a_strategy_registers_from_its_own_package(tmp_path, monkeypatch, fresh_registry, cpu_backend):
+    import strategies
+
+    pkg = tmp_path / "strategies" / "toystrat"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "bench.py").write_text(textwrap.dedent('''
+        from bench.systems import register_system
+        register_system("toystrat", "strategies.toystrat.system:make", options={"scale": 1.0},
+                        description="a toy strategy: the torch system under another name")
+    '''))
+    (pkg / "system.py").write_text(textwrap.dedent('''
+        from bench.systems.torch_ref import TorchSystem
+        def make(ctx):
+            ctx.options = {"precision": "pure", "recompute": False, "fused": True}
+            return TorchSystem(ctx)
+    '''))
+    monkeypatch.setattr(strategies, "__path__", [*strategies.__path__, str(tmp_path / "strategies")])
+    assert "toystrat" in systems.registered_systems()
+    scenario = load_scenario("tiny", {"systems": [{"name": "toystrat", "options": {"scale": 2.0}}]})
+    row = run_spec({"scenario": scenario.to_dict(), "label": "toystrat", "timeline_path": None}, in_process=True)
+    assert row["status"] == "ok" and row["options"] == {"scale": 2.0}
+
+
+def test_a_broken_registration_is_reported_not_fatal(tmp_path, monkeypatch, fresh_registry):
+    import strategies
+
+    pkg = tmp_path / "strategies" / "brokenstrat"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "bench.py").write_text("raise RuntimeError('boom')\n")
+    monkeypatch.setattr(strategies, "__path__", [*strategies.__path__, str(tmp_path / "strategies")])
+    assert "torch" in systems.registered_systems()
+    assert any("brokenstrat" in e and "boom" in e for e in systems.discovery_errors())
+
+
+def test_missing_package_of_a_system_reads_missing(fresh_registry, cpu_backend):
+    systems.register_system("needs-nothing-real", "bench.systems.torch_ref:make", requires=("no_such_pkg_xyz",))
+    assert "no_such_pkg_xyz" in systems.missing_requirement(systems.get_system("needs-nothing-real"))
+
+
+def test_import_error_inside_a_system_reads_missing(tmp_path, monkeypatch, fresh_registry, cpu_backend):
+    (tmp_path / "needs_pkg.py").write_text("def make(ctx):\n    import no_such_pkg_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    systems.register_system("needs-pkg", "needs_pkg:make")
+    scenario = load_scenario("tiny", {"systems": ["needs-pkg"]})
+    row = run_spec({"scenario": scenario.to_dict(), "label": "needs-pkg", "timeline_path": None}, in_process=True)
+    assert row["status"] == "missing" and "no_such_pkg_xyz" in row["reason"]
+
+
+def test_error_inside_a_system_reads_error(tmp_path, monkeypatch, fresh_registry, cpu_backend):
+    (tmp_path / "bad_sys.py").write_text("def make(ctx):\n    raise ValueError('bad setup')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    systems.register_system("bad-sys", "bad_sys:make")
+    scenario = load_scenario("tiny", {"systems": ["bad-sys"]})
+    row = run_spec({"scenario": scenario.to_dict(), "label": "bad-sys", "timeline_path": None}, in_process=True)
+    assert row["status"] == "error" and "bad setup" in row["reason"]
+
+
+def test_bench_never_calls_device_modules_directly():
+    banned = re.compile(r"torch\.cuda\b|torch\.npu\b|\.cuda\(\)|\.npu\(\)|torch_npu")
+    hits = []
+    # The harness package itself; bench/scripts/ holds device diagnostics by design.
+    paths = sorted((ROOT / "bench").glob("*.py")) + sorted((ROOT / "bench" / "systems").rglob("*.py"))
+    assert len(paths) >= 10
+    for path in paths:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if banned.search(line.split("#", 1)[0]):
+                hits.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not hits, "use the xpu Backend in bench/:\n" + "\n".join(hits)

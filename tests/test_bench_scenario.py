@@ -1,0 +1,79 @@
+"""Scenario loading: named scenarios, overrides, and errors that name the valid values."""
+from __future__ import annotations
+
+import pytest
+
+from bench.scenario import ScenarioError, load_scenario
+from bench.systems import get_system, registered_systems
+
+
+def _tiny(**changes):
+    data = {"model": {"family": "gpt", "layers": 2, "hidden": 32, "heads": 4, "vocab": 64},
+            "batch": 2, "seq": 8, "systems": ["torch"]}
+    data.update(changes)
+    return data
+
+
+def test_named_scenarios_load():
+    s = load_scenario("design-s3")
+    assert s.model_dims() == {"layers": 24, "hidden": 2048, "heads": 16, "vocab": 32000, "seq": 1024}
+    assert (s.batch, s.seq, s.steps, s.warmup, s.dtype) == (8, 1024, 5, 2, "bf16")
+    labels = [e.label for e in s.systems]
+    assert labels[:4] == ["torch", "fsdp2-offload", "deepspeed-z2-offload", "deepspeed-z3-offload"]
+    assert {"deepspeed-twinflow-0.5", "deepspeed-twinflow-0.2", "deepspeed-zenflow"} <= set(labels)
+    zen = s.entry("deepspeed-zenflow")
+    eff = s.effective(zen)
+    assert eff["steps"] % zen.options["update_interval"] == 0 and eff["loss_after"] == 9
+    assert s.effective(s.entry("torch"))["total_steps"] == 9  # extra untimed steps to reach loss_after
+    assert s.entry("deepspeed-twinflow-0.2").options["ratio"] == 0.2
+    assert load_scenario("tiny").dtype == "fp32"
+
+
+def test_overrides_and_selection():
+    s = load_scenario("tiny", {"model.layers": 3, "steps": 2, "device_mem_gb": 0.5})
+    assert s.model["layers"] == 3 and s.steps == 2 and s.device_mem_gb == 0.5
+    sel = s.select(["deepspeed-z3-offload", "torch"])
+    assert [e.label for e in sel.systems] == ["deepspeed-z3-offload", "torch"]
+
+
+def test_period_rounds_steps_to_whole_intervals():
+    s = load_scenario(_tiny(steps=5, systems=[{"name": "deepspeed-zenflow", "options": {"update_interval": 4}}]))
+    assert s.effective(s.systems[0])["steps"] == 8
+
+
+@pytest.mark.parametrize("data,match", [
+    (_tiny(bacth=2), "valid keys"),
+    (_tiny(model={"family": "bert", "layers": 2}), "valid families"),
+    (_tiny(systems=["torch", "nonesuch"]), "valid systems: torch"),
+    (_tiny(systems=[{"name": "torch", "options": {"precison": "amp"}}]), "valid options: fused, precision, recompute"),
+    (_tiny(systems=[{"name": "torch", "opts": {}}]), "valid keys"),
+    (_tiny(systems=["torch", "torch"]), "appears twice"),
+    (_tiny(dtype="fp8"), "valid: auto, fp32, bf16, fp16"),
+    (_tiny(steps=0), "positive integer"),
+    (_tiny(device_mem_gb=-1), "positive number"),
+    (_tiny(max_model={"knob": "width"}), "valid: layers, hidden"),
+    (_tiny(systems=[]), "non-empty"),
+])
+def test_bad_scenarios_name_the_valid_values(data, match):
+    with pytest.raises(ScenarioError, match=match):
+        load_scenario(data)
+
+
+def test_select_rejects_unknown_names():
+    with pytest.raises(ScenarioError, match="neither a label"):
+        load_scenario("tiny").select(["nonesuch"])
+
+
+def test_missing_scenario_file_lists_named_ones():
+    with pytest.raises(ScenarioError, match="design-s3"):
+        load_scenario("no-such-scenario")
+
+
+def test_builtin_systems_registered():
+    systems = registered_systems()
+    for name in ("torch", "fsdp2-offload", "deepspeed-z2-offload", "deepspeed-z3-offload", "deepspeed-twinflow",
+                 "deepspeed-zenflow"):
+        assert name in systems
+    assert get_system("deepspeed-zenflow").approximate and not get_system("torch").approximate
+    with pytest.raises(KeyError, match="valid systems"):
+        get_system("nonesuch")
