@@ -6,6 +6,8 @@ time instead of host memory bandwidth. Stream order makes the next forward see t
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .adamw import flat_adamw
@@ -33,12 +35,15 @@ class DeviceOptimizer:
     def __contains__(self, shadow: UnitShadow) -> bool:
         return shadow.unit.index in self._optims
 
-    def grads_ready(self, s: UnitShadow) -> None:
-        """Gather the unit's gradients (upcast into its flat fp32 buffer) and update it, or
-        hold the update until the clip coefficient is known."""
+    def grads_ready(self, s: UnitShadow, reduce: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Gather the unit's gradients (upcast into its flat fp32 buffer), average them over
+        ranks with ``reduce`` if given, and update the unit, or hold the update until the clip
+        coefficient is known."""
         for view, (_, p) in zip(s.slices(s.grad), s.unit.params):
             view.copy_(p.grad)
             p.grad = None
+        if reduce is not None:
+            reduce(s.grad)
         if self.cfg.max_grad_norm is None:
             self._update(s, 1.0)
         else:
@@ -73,6 +78,5 @@ class DeviceOptimizer:
         s.master.grad = s.grad
         opt.step()
         s.master.grad = None
-        if s.work is not s.master:
-            s.work.copy_(s.master)
+        s.write_back()
         s.step += 1

@@ -12,12 +12,14 @@ import math
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import xpu
 from xpu import Backend
 
 from .config import AdamW, Plan, UnitPlan
+from .data_parallel import DataParallel
 from .device_optimizer import DeviceOptimizer
 from .executor import Executor, check_plan
 from .host_optimizer import HostOptimizer
@@ -44,6 +46,9 @@ class MemFerry:
         blocks: the repeated blocks, if auto-detection should not choose.
         device: device index (default: the current device).
         backend: an xpu backend (default: ``xpu.get_backend()``).
+        process_group: data parallelism over this torch.distributed group (one engine per
+            rank, each on its own device and micro-batch; see ``data_parallel.py``). None: the
+            whole world when torch.distributed is initialised with several ranks, else none.
     """
 
     def __init__(
@@ -56,6 +61,7 @@ class MemFerry:
         blocks: nn.ModuleList | None = None,
         device: int | None = None,
         backend: Backend | None = None,
+        process_group: Any = None,
     ) -> None:
         self.backend = backend or xpu.get_backend()
         self.device = self.backend.index_of(device)
@@ -71,9 +77,12 @@ class MemFerry:
         device_homes = {u.index for u, up in zip(units, plan.units) if up.optimizer == "device"}
         if plan.rest_optimizer == "device":
             device_homes.add(units[-1].index)
+        self.dp = None
+        if process_group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            self.dp = DataParallel.create(self.backend.device(self.device), process_group)
         with self.backend.device_scope(self.device):
-            self.shadow = ShadowModel(units, self.backend, self.device, device_homes)
-        self.optimizer = HostOptimizer(self.cfg, self.shadow.shadows)
+            self.shadow = ShadowModel(units, self.backend, self.device, device_homes, self.dp)
+        self.optimizer = HostOptimizer(self.cfg, self.shadow.shadows, self.dp)
         self.device_optimizer = DeviceOptimizer(self.cfg, self.shadow.shadows)
         self.executor = Executor(self.backend, self.device, self.shadow, plan, self.optimizer, self.device_optimizer)
         self.plan = plan
@@ -103,7 +112,10 @@ class MemFerry:
         coef = 1.0
         if self.cfg.max_grad_norm is not None:
             with self.backend.device_scope(self.device):
-                sq = self.optimizer.grad_sqnorm() + self.device_optimizer.pending_sqnorm()
+                host_sq = self.optimizer.grad_sqnorm()  # this rank's shards only, under data parallelism
+                if self.dp is not None:
+                    host_sq = self.dp.all_sum(host_sq)
+                sq = host_sq + self.device_optimizer.pending_sqnorm()  # device units hold whole (averaged) gradients
             self.last_grad_norm = math.sqrt(sq)
             # as torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), capped at 1
             coef = min(1.0, self.cfg.max_grad_norm / (self.last_grad_norm + 1e-6))
@@ -133,7 +145,10 @@ class MemFerry:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """``{"model": full host tensors, "optimizer": fp32 masters and moments}``; waits for updates."""
+        """``{"model": full host tensors, "optimizer": fp32 masters and moments}``; waits for updates.
+
+        Under data parallelism every rank must call it (shards are gathered) and gets the whole.
+        """
         self.synchronize()
         return {"model": self.shadow.state_dict(), "optimizer": self.shadow.optimizer_state_dict()}
 

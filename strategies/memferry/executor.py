@@ -221,17 +221,30 @@ class Executor:
             self._offload_grads(s)
 
     def _offload_grads(self, s: UnitShadow) -> None:
+        dp = self.shadow.dp
         if s.home == "device":
             with self.b.device_scope(self.dev):
-                self.device_opt.grads_ready(s)
+                self.device_opt.grads_ready(s, reduce=dp.average if dp is not None else None)
             return
+        if dp is None:
+            sources, targets = [p.grad for _, p in s.unit.params], s.slices(s.grad_stage)
+        else:
+            # Average the whole unit over ranks on the device, then bring home only this
+            # rank's shard: the host optimizer updates that shard alone.
+            with self.b.device_scope(self.dev):
+                flat = self.b.empty(s.device_flat.numel(), s.grad_stage.dtype, self.dev)
+                for view, (_, p) in zip(s.slices(flat), s.unit.params):
+                    view.copy_(p.grad)
+                flat[s.unit.numel:].zero_()
+                dp.average(flat)
+            sources, targets = [flat[s.shard]], [s.grad_stage]
         computed = self.b.event()
         computed.record(self.compute)
         self.d2h.wait_event(computed)
         with self.b.device_scope(self.dev), self.b.use_stream(self.d2h):
-            for view, (_, p) in zip(s.slices(s.grad_stage), s.unit.params):
-                self.b.copy(view, p.grad, self.d2h)
-                self.b.keep_alive(p.grad, self.d2h)
+            for view, g in zip(targets, sources):
+                self.b.copy(view, g, self.d2h)
+                self.b.keep_alive(g, self.d2h)
             landed = self.b.event()
             landed.record(self.d2h)
         self.bytes_d2h += s.grad_stage.numel() * s.grad_stage.element_size()

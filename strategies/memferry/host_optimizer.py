@@ -22,6 +22,7 @@ import torch
 
 from .adamw import flat_adamw
 from .config import AdamW
+from .data_parallel import DataParallel
 from .shadow import UnitShadow
 
 __all__ = ["HostOptimizer"]
@@ -33,10 +34,12 @@ class HostOptimizer:
     Args:
         cfg: optimizer settings.
         shadows: all units' buffers, by unit index.
+        dp: data-parallel set-up; each update is followed by the exchange of weight shards.
     """
 
-    def __init__(self, cfg: AdamW, shadows: list[UnitShadow]) -> None:
+    def __init__(self, cfg: AdamW, shadows: list[UnitShadow], dp: DataParallel | None = None) -> None:
         self.cfg = cfg
+        self.dp = dp
         self.shadows = shadows
         self._optims = [flat_adamw(s.master, s.exp_avg, s.exp_avg_sq, s.step, cfg) if s.home == "host" else None
                         for s in shadows]
@@ -159,8 +162,9 @@ class HostOptimizer:
         s.master.grad = None
         s.step = int(opt.state[s.master]["step"].item())
         t1 = time.perf_counter()
-        if s.work is not s.master:
-            s.work.copy_(s.master)
+        s.write_back()
+        if self.dp is not None:
+            self.dp.gather(s.work)  # every rank's working copy whole again for the next forward
         self.time_s["adamw"] += t1 - t0
         self.time_s["writeback"] += time.perf_counter() - t1
         self._done[index].set()

@@ -20,6 +20,7 @@ import torch
 
 from xpu import Backend
 
+from .data_parallel import DataParallel
 from .units import Unit
 
 __all__ = ["UnitShadow", "ShadowModel"]
@@ -38,11 +39,22 @@ class UnitShadow:
     grad_stage: torch.Tensor
     device_flat: torch.Tensor
     offsets: list[int]
+    shard: slice | None = None
     home: str = "host"
     step: int = 0
     dha_flat: torch.Tensor | None = None
     device_views: list[torch.Tensor] = field(default_factory=list)
     dha_views: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def master_is_work(self) -> bool:
+        """Whether the fp32 master is (a view of) the working copy: fp32 compute."""
+        return self.master.data_ptr() == self.work[self.shard].data_ptr() if self.shard is not None else self.master is self.work
+
+    def write_back(self) -> None:
+        """Copy the updated master into this rank's part of the compute-dtype working copy."""
+        if not self.master_is_work:
+            (self.work if self.shard is None else self.work[self.shard]).copy_(self.master)
 
     @property
     def nbytes_work(self) -> int:
@@ -69,10 +81,13 @@ class ShadowModel:
         device: device index.
         device_homes: indices of units homed on the device instead: their weights, fp32
             master and moments live in device memory and the device updates them.
+        dp: data-parallel set-up: host-homed units keep only this rank's shard of their
+            master, moments and gradient.
     """
 
-    def __init__(self, units: list[Unit], backend: Backend, device: int, device_homes: set[int] | frozenset = frozenset()) -> None:
-        self.backend, self.device = backend, device
+    def __init__(self, units: list[Unit], backend: Backend, device: int, device_homes: set[int] | frozenset = frozenset(),
+                 dp: "DataParallel | None" = None) -> None:
+        self.backend, self.device, self.dp = backend, device, dp
         self.units = units
         self.shadows: list[UnitShadow] = [self._make_device_home(u) if u.index in device_homes else self._make(u)
                                           for u in units]
@@ -103,23 +118,31 @@ class ShadowModel:
         b, arena = self.backend, self.backend.host_arena
         n = unit.numel
         dtype = unit.params[0][1].dtype if unit.params else torch.float32
-        work = arena.empty(n, dtype)
+        # Data parallel: this rank updates one shard of the (padded) flat unit; alone, the shard is everything.
+        padded, shard = self.dp.shard(n) if self.dp is not None else (n, slice(0, n))
+        size = shard.stop - shard.start
+        work = arena.empty(padded, dtype)
+        work[n:].zero_()
         offsets, o = [], 0
         for _, p in unit.params:
             offsets.append(o)
             work[o:o + p.numel()].copy_(p.detach().reshape(-1))
             o += p.numel()
-        master = work if dtype == torch.float32 else arena.empty(n, torch.float32)
-        if master is not work:
+        if dtype == torch.float32:
+            master = work[shard]  # the fp32 working copy is the master: no second copy to keep in step
+        else:
+            master = arena.empty(size, torch.float32)
+            full32 = torch.zeros(padded, dtype=torch.float32)
             for off, (_, p) in zip(offsets, unit.params):
-                master[off:off + p.numel()].copy_(p.detach().reshape(-1))  # fp32 from the original, not from work
-        exp_avg, exp_avg_sq = arena.empty(n, torch.float32), arena.empty(n, torch.float32)
+                full32[off:off + p.numel()].copy_(p.detach().reshape(-1))  # fp32 from the original, not from work
+            master.copy_(full32[shard])
+        exp_avg, exp_avg_sq = arena.empty(size, torch.float32), arena.empty(size, torch.float32)
         exp_avg.zero_()
         exp_avg_sq.zero_()
-        grad = arena.empty(n, torch.float32)
-        grad_stage = grad if dtype == torch.float32 else arena.empty(n, dtype)
-        device_flat = b.empty(n, dtype, self.device)
-        shadow = UnitShadow(unit, work, master, exp_avg, exp_avg_sq, grad, grad_stage, device_flat, offsets)
+        grad = arena.empty(size, torch.float32)
+        grad_stage = grad if dtype == torch.float32 else arena.empty(size, dtype)
+        device_flat = b.empty(padded, dtype, self.device)
+        shadow = UnitShadow(unit, work, master, exp_avg, exp_avg_sq, grad, grad_stage, device_flat, offsets, shard=shard)
         shadow.device_views = shadow.slices(device_flat)
         if b.caps.dha:
             shadow.dha_flat = b.device_view(work, self.device)
@@ -135,28 +158,45 @@ class ShadowModel:
             s.dha_flat, s.dha_views = None, []
             if s.home != "host":
                 continue
-            buffers = {id(t): t for t in (s.work, s.master, s.exp_avg, s.exp_avg_sq, s.grad, s.grad_stage)}
+            # Aliases (an fp32 master inside the working copy, fp32 gradients staged in place)
+            # share one arena buffer: release each storage once.
+            buffers = {t.untyped_storage().data_ptr(): t for t in (s.master, s.grad_stage, s.work, s.exp_avg, s.exp_avg_sq, s.grad)}
             for t in buffers.values():
                 arena.release(t)
         self.shadows = []
 
     # ------------------------------------------------------------------ checkpoints
+    def _full(self, s: UnitShadow, key: str) -> torch.Tensor:
+        """The whole flat fp32 ``master``/``exp_avg``/``exp_avg_sq`` of a unit (shards gathered)."""
+        part = getattr(s, key)
+        if s.home == "device" or self.dp is None:
+            return part
+        full = torch.zeros(s.work.numel(), dtype=torch.float32)
+        full[s.shard].copy_(part)
+        self.dp.gather(full)  # a collective: every rank is here too
+        return full
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter as an ordinary host tensor of its own dtype, from the fp32 master."""
+        """Every parameter as an ordinary host tensor of its own dtype, from the fp32 master.
+
+        Data parallel: a collective (every rank must call it); each rank gets the whole state.
+        """
         out = {}
         for s in self.shadows:
+            master = self._full(s, "master")
             for off, (name, p) in zip(s.offsets, s.unit.params):
-                out[name] = s.master[off:off + p.numel()].view(p.shape).to("cpu", p.dtype, copy=True)
+                out[name] = master[off:off + p.numel()].view(p.shape).to("cpu", p.dtype, copy=True)
         return out
 
     def optimizer_state_dict(self) -> dict[str, object]:
-        """fp32 master weights, Adam moments and step counts per parameter name."""
+        """fp32 master weights, Adam moments and step counts per parameter name (a collective
+        under data parallelism, like :meth:`state_dict`)."""
         state: dict[str, object] = {}
         for s in self.shadows:
+            full = {key: self._full(s, key) for key in ("master", "exp_avg", "exp_avg_sq")}
             for off, (name, p) in zip(s.offsets, s.unit.params):
                 sl = slice(off, off + p.numel())
-                state[name] = {key: getattr(s, key)[sl].view(p.shape).to("cpu", copy=True)
-                               for key in ("master", "exp_avg", "exp_avg_sq")}
+                state[name] = {key: t[sl].view(p.shape).to("cpu", copy=True) for key, t in full.items()}
                 state[name]["step"] = s.step
         return state
 
@@ -167,26 +207,30 @@ class ShadowModel:
             KeyError: a parameter is missing from the state, or the state has unknown names.
             ValueError: a shape differs.
         """
-        names = {name: (s, off, p) for s in self.shadows for off, (name, p) in zip(s.offsets, s.unit.params)}
+        names = {name: p for s in self.shadows for name, p in s.unit.params}
         for label, state in (("model", model_state), ("optimizer", optimizer_state or {})):
             if not state:
                 continue
             missing, unknown = set(names) - set(state), set(state) - set(names)
             if missing or unknown:
                 raise KeyError(f"{label} state does not match the model: missing {sorted(missing)[:5]}, unknown {sorted(unknown)[:5]}")
-        for name, (s, off, p) in names.items():
-            value = model_state[name] if name in model_state else None
+        for name, p in names.items():
+            value = model_state.get(name)
             if value is not None and tuple(value.shape) != tuple(p.shape):
                 raise ValueError(f"{name}: shape {tuple(value.shape)} in the state, {tuple(p.shape)} in the model")
-        for name, (s, off, p) in names.items():
-            sl = slice(off, off + p.numel())
-            opt = (optimizer_state or {}).get(name)
-            if opt is not None:
-                s.master[sl].copy_(opt["master"].reshape(-1))
-                s.exp_avg[sl].copy_(opt["exp_avg"].reshape(-1))
-                s.exp_avg_sq[sl].copy_(opt["exp_avg_sq"].reshape(-1))
-                s.step = int(opt["step"])
-            else:
-                s.master[sl].copy_(model_state[name].reshape(-1))
-            if s.work is not s.master:
-                s.work[sl].copy_(s.master[sl])
+        for s in self.shadows:
+            length = s.work.numel()  # padded under data parallelism
+            keys = ("master", "exp_avg", "exp_avg_sq") if optimizer_state else ("master",)
+            full = {key: torch.zeros(length, dtype=torch.float32) for key in keys}
+            for off, (name, p) in zip(s.offsets, s.unit.params):
+                sl = slice(off, off + p.numel())
+                if optimizer_state:
+                    for key in keys:
+                        full[key][sl].copy_(optimizer_state[name][key].reshape(-1))
+                    s.step = int(optimizer_state[name]["step"])
+                else:
+                    full["master"][sl].copy_(model_state[name].reshape(-1))
+            mine = s.shard if s.shard is not None else slice(0, length)
+            for key in keys:
+                getattr(s, key).copy_(full[key][mine])
+            s.work.copy_(full["master"])  # every rank's working copy is whole

@@ -1,0 +1,85 @@
+"""Data parallelism for MemFerry: one engine per rank (one device each), one model.
+
+Each rank trains on its own micro-batch. Per unit, once backward has produced its gradient:
+the gradient is summed over ranks (``all_reduce`` on the device's collective library: NCCL,
+HCCL, gloo) and averaged; each rank copies to the host only *its shard* of it (1/world of the
+unit's elements), updates only that shard of the fp32 master and moments with the host AdamW,
+writes the shard of the compute-dtype working copy, and the ranks then exchange shards so every
+rank's working copy is whole again for the next forward. Host optimizer work and host memory
+for masters and moments are split ``world`` ways.
+
+Two process groups keep the collectives of two threads apart: gradients are reduced from the
+training thread, weight shards gathered from the host optimizer's thread; each thread issues
+its collectives in the same order on every rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DataParallel"]
+
+
+@dataclass
+class DataParallel:
+    """Rank, world size and the two process groups of a data-parallel MemFerry.
+
+    Attributes:
+        rank: this process's rank in ``grad_group``.
+        world: number of ranks.
+        grad_group: group for device-side gradient reduction (the device's collective library).
+        weight_group: gloo group for host-side exchange of updated weight shards.
+        device: where ``grad_group`` collectives put their tensors.
+    """
+
+    rank: int
+    world: int
+    grad_group: Any
+    weight_group: Any
+    device: torch.device
+
+    @classmethod
+    def create(cls, device: torch.device, group: Any = None) -> "DataParallel | None":
+        """Set up from ``group`` (default: the whole world); None when there is one rank.
+
+        Every rank must call this at the same point (it creates a process group).
+
+        Raises:
+            RuntimeError: torch.distributed is not initialised.
+        """
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("data-parallel MemFerry needs torch.distributed initialised (init_process_group) first")
+        group = group if group is not None else dist.group.WORLD
+        world = dist.get_world_size(group)
+        if world == 1:
+            return None
+        ranks = dist.get_process_group_ranks(group)
+        weight_group = dist.new_group(ranks, backend="gloo")  # host tensors: gloo handles them on any device
+        return cls(dist.get_rank(group), world, group, weight_group, device)
+
+    def shard(self, numel: int) -> tuple[int, slice]:
+        """The padded length (a multiple of ``world``) and this rank's slice of a flat unit."""
+        padded = -(-numel // self.world) * self.world
+        size = padded // self.world
+        return padded, slice(self.rank * size, (self.rank + 1) * size)
+
+    def average(self, flat: torch.Tensor) -> None:
+        """Sum ``flat`` over ranks in place and divide by the world size."""
+        dist.all_reduce(flat, group=self.grad_group)
+        flat.div_(self.world)
+
+    def all_sum(self, value: float) -> float:
+        """Sum a scalar over ranks (gradient norms for clipping); training thread only."""
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.grad_group)
+        return float(t.item())
+
+    def gather(self, full: torch.Tensor) -> None:
+        """Fill every rank's shard of host tensor ``full`` from its owner (in place)."""
+        size = full.numel() // self.world
+        shards = list(full.split(size))
+        mine = shards[self.rank].clone()
+        dist.all_gather(shards, mine, group=self.weight_group)

@@ -1,0 +1,402 @@
+"""Profile one training step on the real backend, for MemFerry's cost model and scheduler.
+
+The model's weights need not fit on the device: blocks are profiled one at a time (a copy of
+the block on the device, fed a representative input: the real input of block 0, captured
+by running only the part of the model before the blocks, on the host), and the ``rest``
+unit (embeddings, head, loss) is profiled with the blocks replaced by pass-throughs. Blocks
+with the same class and parameter shapes are measured once and the figures reused.
+
+What is measured, per block: forward and backward time (backend timing events, median of
+``repeats`` after a warm-up), activation bytes kept for backward (saved-tensor hooks,
+counting each storage once and leaving parameters out; with recompute only the block's
+inputs stay), parameter count and bytes. For ``rest``: forward + loss and backward time
+and the peak memory the loss takes (logits in fp32 and their gradient), from
+``backend.memory_stats``. And the AdamW rates, seconds per parameter, of the same fused
+``torch.optim.AdamW`` the host and device optimizers run, with their dtype conversions.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from xpu import Backend
+
+from .units import Unit
+
+__all__ = ["BlockProfile", "StepProfile", "profile_step", "host_adamw_rate", "device_adamw_rate"]
+
+
+@dataclass
+class BlockProfile:
+    """Measured figures of one block.
+
+    Attributes:
+        numel: trainable parameters.
+        param_bytes: bytes of its compute-dtype weights (what a load moves).
+        fwd_s: forward time on the device (also the recompute cost).
+        bwd_s: backward time on the device (without recompute).
+        act_bytes: activation bytes kept from forward to backward without recompute.
+        act_bytes_recompute: bytes kept with recompute (the block's inputs).
+    """
+
+    numel: int
+    param_bytes: int
+    fwd_s: float
+    bwd_s: float
+    act_bytes: int
+    act_bytes_recompute: int
+
+
+@dataclass
+class StepProfile:
+    """One step's figures; serialises to JSON (:meth:`to_json`, :meth:`from_json`).
+
+    Attributes:
+        blocks: one :class:`BlockProfile` per block, in forward order.
+        rest_numel: parameters of the ``rest`` unit.
+        rest_param_bytes: bytes of its compute-dtype weights.
+        rest_fwd_s: its forward time, loss included.
+        rest_bwd_s: its backward time.
+        loss_peak_bytes: device memory the rest's forward and backward add at their peak.
+        input_bytes: bytes of the step's inputs and targets on the device.
+        dtype_bytes: bytes per element of the compute dtype.
+        tokens: rows of the blocks' matmuls (batch x sequence), for the DHA penalty.
+        host_adamw_s_per_param: host AdamW seconds per parameter (conversions included).
+        device_adamw_s_per_param: device AdamW seconds per parameter (gradient upcast and
+            weight write-back included).
+        backend: backend name; device: what was measured.
+        notes: how figures were obtained, where not plainly measured.
+    """
+
+    blocks: list[BlockProfile]
+    rest_numel: int
+    rest_param_bytes: int
+    rest_fwd_s: float
+    rest_bwd_s: float
+    loss_peak_bytes: int
+    input_bytes: int
+    dtype_bytes: int
+    tokens: int
+    host_adamw_s_per_param: float
+    device_adamw_s_per_param: float
+    backend: str = ""
+    device: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        """The profile as a JSON string."""
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "StepProfile":
+        """A profile from :meth:`to_json` output."""
+        data = json.loads(text)
+        data["blocks"] = [BlockProfile(**b) for b in data["blocks"]]
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        """Write :meth:`to_json` to ``path``."""
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> "StepProfile":
+        """Read a profile written by :meth:`save`."""
+        return cls.from_json(Path(path).read_text())
+
+
+class _Captured(Exception):
+    """Raised by the pre-hook on block 0 to stop the host forward once its input is known."""
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        super().__init__()
+        self.args, self.kwargs = args, kwargs
+
+
+class _PassThrough(nn.Module):
+    """Stands in for a block when profiling ``rest``: returns its first input."""
+
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        """Return ``x`` unchanged."""
+        return x
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    flat, _ = torch.utils._pytree.tree_flatten(obj)
+    return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    return torch.utils._pytree.tree_map(lambda t: fn(t) if isinstance(t, torch.Tensor) else t, obj)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _timed(backend: Backend, device: int, fn: Callable[[], None]) -> float:
+    """Seconds of ``fn``'s device work, by events on the current stream."""
+    stream = backend.current_stream(device)
+    start, end = backend.event(timing=True), backend.event(timing=True)
+    start.record(stream)
+    fn()
+    end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end) * 1e-3
+
+
+def _capture_block_input(model: nn.Module, first_block: nn.Module, inputs: Any, targets: Any,
+                         loss_fn: Callable | None) -> tuple[tuple, dict]:
+    """Run the model on the host only up to block 0 and return block 0's arguments."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        raise _Captured(args, kwargs)
+
+    handle = first_block.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            if loss_fn is None and targets is not None:
+                model(inputs, targets)
+            else:
+                model(inputs)
+    except _Captured as got:
+        return got.args, got.kwargs
+    finally:
+        handle.remove()
+    raise ValueError("the model's forward never called its first block; pass blocks= to name the repeated blocks")
+
+
+def _block_signature(block: nn.Module) -> tuple:
+    return (type(block).__name__, tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()))
+
+
+def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend, device: int,
+                   repeats: int) -> tuple[BlockProfile, Any]:
+    """Figures of one block on the device, and its output (the next block's input)."""
+    params = [p for p in block.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in params)
+    param_bytes = sum(_nbytes(p) for p in params)
+    dev = backend.device(device)
+    blk = copy.deepcopy(block).to(dev)  # our own copy: gradients must not land in the user's model
+    x_args = _map_tensors(args, lambda t: backend.to_device(t.detach(), device))
+    x_kwargs = _map_tensors(kwargs, lambda t: backend.to_device(t.detach(), device))
+    for t in _tensors(x_args):
+        if t.is_floating_point():
+            t.requires_grad_(True)  # as in training: backward computes the input's gradient too
+    own = {p.untyped_storage().data_ptr() for p in blk.parameters()}
+
+    def run_forward() -> Any:
+        return blk(*x_args, **x_kwargs)
+
+    # Activation bytes: every tensor autograd saves, each storage once, parameters left out.
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in own and ptr != 0:
+            seen[ptr] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run_forward()
+    act_bytes = sum(seen.values())
+    out_tensors = [t for t in _tensors(out) if t.requires_grad]
+    if not out_tensors:
+        raise ValueError(f"block {type(block).__name__} returned no tensor that needs a gradient")
+    grads = [torch.randn_like(t) for t in out_tensors]
+    torch.autograd.backward(out_tensors, grads)
+    fwd, bwd = [], []
+    for i in range(repeats + 1):  # the first round warms up kernels and the allocator
+        for p in blk.parameters():
+            p.grad = None
+        holder: list[Any] = []
+        f = _timed(backend, device, lambda: holder.append(run_forward()))
+        outs = [t for t in _tensors(holder[0]) if t.requires_grad]
+        b = _timed(backend, device, lambda: torch.autograd.backward(outs, grads))
+        if i:
+            fwd.append(f)
+            bwd.append(b)
+    recompute_bytes = sum(_nbytes(t) for t in _tensors((x_args, x_kwargs)))
+    result = BlockProfile(numel, param_bytes, statistics.median(fwd), statistics.median(bwd), act_bytes, recompute_bytes)
+    with torch.no_grad():
+        nxt = _map_tensors(out, lambda t: t.detach())
+    return result, nxt
+
+
+def _profile_rest(model: nn.Module, blocks: nn.ModuleList, rest: Unit, inputs: Any, targets: Any,
+                  loss_fn: Callable | None, backend: Backend, device: int, repeats: int) -> tuple[float, float, int, list[str]]:
+    """Forward + loss and backward time of everything but the blocks, and the loss's peak bytes."""
+    originals = list(blocks)
+    try:
+        for i in range(len(blocks)):
+            blocks[i] = _PassThrough()
+        shell = copy.deepcopy(model)  # without the blocks: small
+    finally:
+        for i, blk in enumerate(originals):
+            blocks[i] = blk
+    shell = shell.to(backend.device(device))
+    x = _map_tensors(inputs, lambda t: backend.to_device(t, device))
+    y = _map_tensors(targets, lambda t: backend.to_device(t, device)) if targets is not None else None
+
+    def loss_of() -> torch.Tensor:
+        if loss_fn is not None:
+            return loss_fn(shell(x), y)
+        return shell(x, y) if y is not None else shell(x)
+
+    fwd, bwd, peak = [], [], 0
+    for i in range(repeats + 1):
+        for p in shell.parameters():
+            p.grad = None
+        backend.synchronize(device)
+        base = backend.memory_stats(device).allocated
+        backend.reset_peak_memory(device)
+        holder: list[torch.Tensor] = []
+        f = _timed(backend, device, lambda: holder.append(loss_of()))
+        b = _timed(backend, device, lambda: holder[0].backward())
+        peak = max(peak, backend.memory_stats(device).peak_allocated - base)
+        if i:
+            fwd.append(f)
+            bwd.append(b)
+    notes = ["rest: blocks replaced by pass-throughs; loss peak from backend.memory_stats"]
+    return statistics.median(fwd), statistics.median(bwd), peak, notes
+
+
+def host_adamw_rate(numel: int = 4_000_000, dtype: torch.dtype = torch.bfloat16, repeats: int = 3,
+                    backend: Backend | None = None) -> float:
+    """Seconds per parameter of the host optimizer's work on one unit, as ``HostOptimizer``
+    does it: upcast the landed gradient, fused AdamW on the fp32 master, write the
+    compute-dtype copy (the conversions only when ``dtype`` is not fp32). Buffers come from
+    the backend's pinned arena when ``backend`` is given (as in training)."""
+    def buf(dt: torch.dtype) -> torch.Tensor:
+        return backend.host_arena.empty(numel, dt) if backend is not None else torch.empty(numel, dtype=dt)
+
+    master, grad, m, v = (buf(torch.float32) for _ in range(4))
+    for t in (master, grad, m, v):
+        t.normal_() if t is grad or t is master else t.zero_()
+    low = dtype != torch.float32
+    work, stage = (buf(dtype), buf(dtype)) if low else (master, grad)
+    stage.copy_(grad)
+    opt = torch.optim.AdamW([master], lr=1e-4, fused=True)
+    opt.state[master] = {"step": torch.tensor(0.0), "exp_avg": m, "exp_avg_sq": v}
+    times = []
+    try:
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            if low:
+                grad.copy_(stage)
+            master.grad = grad
+            opt.step()
+            master.grad = None
+            if low:
+                work.copy_(master)
+            if i:
+                times.append(time.perf_counter() - t0)
+    finally:
+        if backend is not None:
+            for t in {id(t): t for t in (master, grad, m, v, work, stage)}.values():
+                backend.host_arena.release(t)
+    return statistics.median(times) / numel
+
+
+def device_adamw_rate(backend: Backend, device: int, numel: int = 4_000_000, dtype: torch.dtype = torch.bfloat16,
+                      repeats: int = 3) -> float:
+    """Seconds per parameter of ``DeviceOptimizer``'s work on the device: gather the
+    compute-dtype gradient into fp32, fused AdamW, write the compute-dtype weights."""
+    with backend.device_scope(device):
+        master, grad, m, v = (backend.empty(numel, torch.float32, device) for _ in range(4))
+        master.normal_()
+        m.zero_()
+        v.zero_()
+        pgrad = backend.empty(numel, dtype, device)
+        pgrad.normal_()
+        work = backend.empty(numel, dtype, device) if dtype != torch.float32 else master
+        opt = torch.optim.AdamW([master], lr=1e-4, fused=True)
+        opt.state[master] = {"step": torch.tensor(0.0, device=master.device), "exp_avg": m, "exp_avg_sq": v}
+
+        def step() -> None:
+            grad.copy_(pgrad)
+            master.grad = grad
+            opt.step()
+            master.grad = None
+            if work is not master:
+                work.copy_(master)
+
+        times = [_timed(backend, device, step) for _ in range(repeats + 1)][1:]
+    return statistics.median(times) / numel
+
+
+def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: int | None, inputs: Any,
+                 targets: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                 blocks: nn.ModuleList | None = None, repeats: int = 3, adamw_numel: int = 4_000_000,
+                 reuse_identical: bool = True) -> StepProfile:
+    """Measure one step of ``model`` on ``backend`` (see the module docstring).
+
+    Args:
+        model: the model on the host (it is not changed; blocks are copied to the device one
+            at a time).
+        units: from :func:`~strategies.memferry.units.split_units` (blocks, then ``rest``).
+        backend: the backend to measure on; device: its device index (None: current).
+        inputs, targets: one representative batch (host tensors).
+        loss_fn: as ``MemFerry``'s; None when ``model(inputs, targets)`` returns the loss.
+        blocks: the block list if ``units`` were split with an explicit one.
+        repeats: timed repeats per figure (median), after one warm-up.
+        adamw_numel: size of the flat buffer the AdamW rates are measured on.
+        reuse_identical: measure each distinct block (class and parameter shapes) once.
+
+    Raises:
+        ValueError: the model never reaches its first block, or a block's output has no
+            gradient path.
+    """
+    index = backend.index_of(device)
+    block_units = [u for u in units if u.is_block]
+    rest = units[-1]
+    if blocks is None:
+        from .units import find_blocks
+
+        blocks = find_blocks(model)[1]
+    dtype = block_units[0].params[0][1].dtype
+    notes: list[str] = []
+    args, kwargs = _capture_block_input(model, block_units[0].module, inputs, targets, loss_fn)
+    tokens = max((t.numel() // t.shape[-1] for t in _tensors(args) if t.dim() >= 2), default=1)
+    profiles: list[BlockProfile] = []
+    cache: dict[tuple, BlockProfile] = {}
+    pass_through_ok = True
+    with backend.device_scope(index):
+        for u in block_units:
+            sig = _block_signature(u.module)
+            if reuse_identical and sig in cache:
+                profiles.append(copy.copy(cache[sig]))
+                continue
+            prof, out = _profile_block(u.module, args, kwargs, backend, index, repeats)
+            first_in = _tensors(args)[0]
+            out_t = _tensors(out)
+            pass_through_ok &= bool(out_t) and out_t[0].shape == first_in.shape
+            if out_t and out_t[0].shape == first_in.shape:
+                args = (_map_tensors(out_t[0], lambda t: t.to("cpu")),) + tuple(args[1:])
+            cache[sig] = prof
+            profiles.append(prof)
+        if pass_through_ok:
+            rest_fwd, rest_bwd, loss_peak, rest_notes = _profile_rest(model, blocks, rest, inputs, targets, loss_fn,
+                                                                      backend, index, repeats)
+            notes += rest_notes
+        else:  # a block changes the hidden shape: no pass-through; scale from the blocks by parameters
+            per_param = sum(p.fwd_s for p in profiles) / max(1, sum(p.numel for p in profiles))
+            rest_fwd = rest.numel * per_param
+            rest_bwd = 2 * rest_fwd
+            loss_peak = 0
+            notes.append("rest: blocks change the hidden shape; rest times scaled from blocks by parameter count, "
+                         "loss peak unknown (0)")
+        dev_rate = device_adamw_rate(backend, index, adamw_numel, dtype, repeats)
+    host_rate = host_adamw_rate(adamw_numel, dtype, repeats, backend)
+    input_bytes = sum(_nbytes(t) for t in _tensors((inputs, targets)))
+    name = backend.topology().devices[index].name if backend.topology().devices else backend.name
+    return StepProfile(profiles, rest.numel, sum(_nbytes(p) for _, p in rest.params), rest_fwd, rest_bwd, int(loss_peak),
+                       input_bytes, torch.empty((), dtype=dtype).element_size(), int(tokens), host_rate, dev_rate,
+                       backend.name, str(name), notes)

@@ -1,0 +1,280 @@
+"""MemFerry's scheduler: per-block modes that minimise the predicted step under a device budget.
+
+    profile = profile_step(model, units, backend, device, x, y, loss_fn=...)
+    links = links_from_probe(backend, device)
+    plan = schedule(profile, links, budget_bytes, len(profile.blocks))
+    print(plan.describe())
+
+Why this dynamic program, and why it is exact for the cost model (``cost.py``):
+the predicted step is not a sum over blocks. It is ``max(compute chain, host-optimizer
+chain terms)``, where the host chain runs over blocks in backward order and each host-homed
+unit's finish is compared with the point of the *next* forward that needs it. ``cost.py``
+writes that as a recurrence over blocks from the last to the first (:func:`~.cost.advance`)
+on a small state: forward time so far, backward time so far, the host worker's finish, the
+worst resolved host term, the finishes still waiting for their release point (one per
+prefetch slot), the memory sum and two memory maxima. Every transition is non-decreasing in
+every state component, and so is the final prediction (:func:`~.cost.finish`) and peak
+memory. Hence if two partial plans of blocks ``s..N-1`` end in the same choice for block
+``s`` (the next transition also reads block ``s``'s copy time), the one whose state is
+component-wise no larger can be completed at least as well as the other in time *and*
+memory: dropping dominated states (Pareto pruning) loses no optimum. The DP keeps, per
+block and per choice of that block, the Pareto set of states; partial plans whose memory
+already exceeds the budget with the cheapest completion are dropped. The outer loop
+enumerates ``rest_optimizer`` and ``prefetch_depth``. Memory is kept exactly, not in
+buckets, so the budget check is the cost model's own.
+
+Per block the choices are every :class:`UnitPlan` the executor accepts: resident (host- or
+device-homed) or prefetch / DHA per pass, each with or without recompute (a different
+backward mode needs recompute); DHA only where ``allow_dha`` (and the links have a DHA
+rate).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+from .config import Plan, UnitPlan
+from .cost import (Links, OptionCost, Prediction, State, advance, describe_units, device_bytes_per_param, finish,
+                   initial_state, option_cost, predict)
+
+if TYPE_CHECKING:
+    from .profiler import StepProfile
+
+__all__ = ["unit_choices", "schedule", "brute_force", "min_budget"]
+
+_GB = 1e9
+
+
+def unit_choices(allow_dha: bool = True, allow_device_optimizer: bool = True) -> list[UnitPlan]:
+    """Every per-block plan the executor runs (``check_plan``'s rules)."""
+    modes = ["prefetch", "dha"] if allow_dha else ["prefetch"]
+    out = [UnitPlan("resident", "resident", r, "host") for r in (False, True)]
+    if allow_device_optimizer:
+        out += [UnitPlan("resident", "resident", r, "device") for r in (False, True)]
+    for f, b in itertools.product(modes, modes):
+        for r in (False, True):
+            if f != b and not r:
+                continue  # without recompute backward reads what forward saved: same mode
+            out.append(UnitPlan(f, b, r))
+    return out
+
+
+@dataclass
+class _Label:
+    state: State
+    choice: int
+    parent: "_Label | None"
+
+
+def _dominates(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    return all(x <= y for x, y in zip(a, b))
+
+
+def _pareto(labels: list[_Label]) -> list[_Label]:
+    """Labels whose state no other label's state is component-wise at most (ties: keep one)."""
+    labels.sort(key=lambda l: sum(v for v in l.state.key() if v > -math.inf))
+    kept: list[_Label] = []
+    keys: list[tuple[float, ...]] = []
+    for lab in labels:
+        k = lab.state.key()
+        if any(_dominates(other, k) for other in keys):
+            continue
+        kept.append(lab)
+        keys.append(k)
+    return kept
+
+
+def _fixed_bytes(profile: "StepProfile", rest_optimizer: str) -> int:
+    per = device_bytes_per_param(profile.dtype_bytes) if rest_optimizer == "device" else profile.dtype_bytes
+    return profile.rest_numel * per + profile.input_bytes
+
+
+def _peak(profile: "StepProfile", rest_optimizer: str, depth: int, mem: int, trans: int, slot: int, margin: float) -> int:
+    # The same expression as cost.finish, so pruning and the final check agree to the byte.
+    raw = _fixed_bytes(profile, rest_optimizer) + mem + (depth + 1) * slot + max(profile.loss_peak_bytes, trans)
+    return int(raw * (1 + margin))
+
+
+def _options(profile: "StepProfile", links: Links, choices: Sequence[UnitPlan], depth: int) -> list[list[OptionCost]]:
+    return [[option_cost(profile, links, i, u, depth) for u in choices] for i in range(len(profile.blocks))]
+
+
+def _run_dp(profile: "StepProfile", links: Links, budget: float, choices: Sequence[UnitPlan], rest_optimizer: str,
+            depth: int, margin: float) -> tuple[Prediction, list[int]] | None:
+    n = len(profile.blocks)
+    opts = _options(profile, links, choices, depth)
+    usable = [[c for c, o in enumerate(row) if math.isfinite(o.a) and math.isfinite(o.b)] for row in opts]
+    # Cheapest memory the blocks below s can add (for pruning partial plans that cannot fit).
+    min_below = [0] * (n + 1)
+    for s in range(n):
+        min_below[s + 1] = min_below[s] + min(opts[s][c].persist + opts[s][c].act for c in usable[s])
+    layer: dict[int, list[_Label]] = {}
+    for s in range(n - 1, -1, -1):
+        nxt_layer: dict[int, list[_Label]] = {}
+        parents = list(layer.items()) if layer else [(None, [None])]
+        for prev_choice, labs in parents:
+            nxt_opt = opts[s + 1][prev_choice] if prev_choice is not None else None
+            for c in usable[s]:
+                cur = opts[s][c]
+                for lab in labs:
+                    st = advance(lab.state if lab else initial_state(depth), cur, nxt_opt)
+                    # Memory can only grow: prune what cannot fit even with the cheapest rest.
+                    if _peak(profile, rest_optimizer, depth, st.mem + min_below[s], st.trans, st.slot, margin) > budget:
+                        continue
+                    nxt_layer.setdefault(c, []).append(_Label(st, c, lab))
+        layer = {c: _pareto(labs) for c, labs in nxt_layer.items()}
+        if not layer:
+            return None
+    best: tuple[Prediction, _Label] | None = None
+    for c, labs in layer.items():
+        for lab in labs:
+            pred = finish(lab.state, opts[0][c], profile, links, rest_optimizer, depth, margin)
+            if pred.peak_bytes > budget:
+                continue
+            if best is None or pred.step_s < best[0].step_s - 1e-15:
+                best = (pred, lab)
+    if best is None:
+        return None
+    picks, lab = [], best[1]
+    while lab is not None:
+        picks.append(lab.choice)
+        lab = lab.parent
+    return best[0], picks  # picks are in forward order: the DP went from the last block down
+
+
+def min_budget(profile: "StepProfile", links: Links, choices: Sequence[UnitPlan] | None = None,
+               rest_optimizers: Iterable[str] = ("host", "device"), depths: Iterable[int] = (1, 2),
+               margin: float = 0.10) -> int:
+    """The smallest device budget (bytes) under which some plan fits, by the cost model.
+
+    Exact: peak = fixed + sum(persist + act) + (depth+1) * max slot + max(loss, max trans);
+    for each threshold pair (max slot, max trans) the cheapest choice per block is taken.
+    """
+    choices = list(choices or unit_choices())
+    best = math.inf
+    for depth in depths:
+        opts = _options(profile, links, choices, depth)
+        slots = sorted({o.slot for row in opts for o in row})
+        transes = sorted({o.trans for row in opts for o in row})
+        for rest_optimizer in rest_optimizers:
+            for slot_cap in slots:
+                for trans_cap in transes:
+                    total, ok = 0, True
+                    for row in opts:
+                        fits = [o.persist + o.act for o in row if o.slot <= slot_cap and o.trans <= trans_cap
+                                and math.isfinite(o.a) and math.isfinite(o.b)]
+                        if not fits:
+                            ok = False
+                            break
+                        total += min(fits)
+                    if ok:
+                        best = min(best, _peak(profile, rest_optimizer, depth, total, trans_cap, slot_cap, margin))
+    return int(math.ceil(best))
+
+
+def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_blocks: int | None = None,
+             allow_dha: bool = True, allow_device_optimizer: bool = True, depths: Iterable[int] = (1, 2),
+             rest_optimizers: Iterable[str] = ("host", "device"), margin: float = 0.10,
+             explain: bool = True) -> Plan:
+    """The plan with the smallest predicted step time whose predicted peak fits ``budget_bytes``.
+
+    Args:
+        profile: measured figures (:func:`~.profiler.profile_step`).
+        links: link rates (:func:`~.cost.links_from_probe`).
+        budget_bytes: device memory the plan may use (margin for fragmentation included in
+            the prediction it is compared with).
+        n_blocks: the model's block count, checked against the profile (None: the profile's).
+        allow_dha: consider DHA modes (needs ``links.dha_read_GBps``; the caller passes
+            ``backend.caps.dha``).
+        allow_device_optimizer: consider device-homed blocks and ``rest``.
+        depths: prefetch depths to consider.
+        rest_optimizers: where ``rest`` may be updated.
+        margin: allocator-fragmentation margin on predicted peak memory.
+        explain: fill ``Plan.notes`` with a line per block (costs a few predictions per block).
+
+    Returns:
+        A :class:`Plan` with ``predicted_step_s`` and ``notes`` filled.
+
+    Raises:
+        ValueError: ``n_blocks`` differs from the profile, or no plan fits the budget (the
+            message states the smallest budget that would).
+    """
+    n = len(profile.blocks)
+    if n_blocks is not None and n_blocks != n:
+        raise ValueError(f"the profile has {n} blocks, the model {n_blocks}")
+    allow_dha = allow_dha and bool(links.dha_read_GBps)
+    rest_optimizers = [r for r in rest_optimizers if allow_device_optimizer or r == "host"]
+    choices = unit_choices(allow_dha, allow_device_optimizer)
+    depths = list(depths)
+    best: tuple[Prediction, Plan] | None = None
+    for depth in depths:
+        for rest_optimizer in rest_optimizers:
+            got = _run_dp(profile, links, float(budget_bytes), choices, rest_optimizer, depth, margin)
+            if got is None:
+                continue
+            pred, picks = got
+            if best is None or pred.step_s < best[0].step_s - 1e-12:
+                best = (pred, Plan([choices[c] for c in picks], depth, rest_optimizer))
+    if best is None:
+        need = min_budget(profile, links, choices, rest_optimizers, depths, margin)
+        raise ValueError(f"no plan fits a device budget of {budget_bytes / _GB:.2f} GB: the smallest plan needs "
+                         f"{need / _GB:.2f} GB ({need} bytes, {margin:.0%} fragmentation margin included); "
+                         f"raise the budget to at least that")
+    pred, plan = best
+    plan.predicted_step_s = pred.step_s
+    plan.notes = _explain(plan, pred, profile, links, float(budget_bytes), choices, margin) if explain else []
+    return plan
+
+
+def _explain(plan: Plan, pred: Prediction, profile: "StepProfile", links: Links, budget: float,
+             choices: Sequence[UnitPlan], margin: float) -> list[str]:
+    """Per block: what it chose, its predicted times, and the best alternative for that block."""
+    ms = 1e3
+    lines = [f"predicted: step {pred.step_s * ms:.1f} ms, bound by the {pred.bound}; compute chain "
+             f"{pred.compute_s * ms:.1f} ms, host AdamW work {pred.host_optimizer_s * ms:.1f} ms; peak "
+             f"{pred.peak_bytes / _GB:.2f} GB of {budget / _GB:.2f} GB (margin {margin:.0%}); links h2d "
+             f"{links.h2d_GBps:.1f} GB/s, d2h {links.d2h_GBps:.1f} GB/s ({links.source}); prefetch depth "
+             f"{plan.prefetch_depth}, rest optimizer on the {plan.rest_optimizer}"]
+    for i, u in enumerate(plan.units):
+        o = option_cost(profile, links, i, u, plan.prefetch_depth)
+        alt_line = ""
+        best_alt: tuple[float, UnitPlan] | None = None
+        for c in choices:
+            if c == u:
+                continue
+            trial = Plan(list(plan.units), plan.prefetch_depth, plan.rest_optimizer)
+            trial.units[i] = c
+            p = predict(trial, profile, links, margin)
+            if p.peak_bytes <= budget and (best_alt is None or p.step_s < best_alt[0]):
+                best_alt = (p.step_s, c)
+        if best_alt is not None:
+            alt_line = (f"; best alternative {describe_units([best_alt[1]])} predicts "
+                        f"{best_alt[0] * ms:.1f} ms ({(best_alt[0] - pred.step_s) * ms:+.1f} ms)")
+        else:
+            alt_line = "; every alternative for this block breaks the budget"
+        lines.append(f"block {i:3d}: {describe_units([u])}: fwd {o.a * ms:.2f} ms (copy {o.x * ms:.2f}), bwd "
+                     f"{o.b * ms:.2f} ms (copy {o.y * ms:.2f}), host AdamW {o.h * ms:.2f} ms, device "
+                     f"{(o.persist + o.act) / _GB:.3f} GB{alt_line}")
+    return lines
+
+
+def brute_force(profile: "StepProfile", links: Links, budget_bytes: float, allow_dha: bool = True,
+                allow_device_optimizer: bool = True, depths: Iterable[int] = (1, 2),
+                rest_optimizers: Iterable[str] = ("host", "device"), margin: float = 0.10) -> tuple[float, Plan] | None:
+    """The best plan by trying every one (tests only: exponential in the block count)."""
+    n = len(profile.blocks)
+    allow_dha = allow_dha and bool(links.dha_read_GBps)
+    choices = unit_choices(allow_dha, allow_device_optimizer)
+    best: tuple[float, Plan] | None = None
+    for depth in depths:
+        for rest_optimizer in rest_optimizers:
+            if rest_optimizer == "device" and not allow_device_optimizer:
+                continue
+            for combo in itertools.product(choices, repeat=n):
+                plan = Plan(list(combo), depth, rest_optimizer)
+                p = predict(plan, profile, links, margin)
+                if p.peak_bytes <= budget_bytes and (best is None or p.step_s < best[0]):
+                    best = (p.step_s, plan)
+    return best

@@ -1,0 +1,77 @@
+"""Data-parallel MemFerry: two ranks (gloo, cpu backend) train exactly like one process on both micro-batches."""
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from strategies.memferry import AdamW, MemFerry, Plan
+from test_memferry_numerics import TinyGPT, lm_loss
+
+STEPS, WORLD = 6, 2
+
+
+def _data(seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 64, (2 * WORLD, 16), generator=g), torch.randint(0, 64, (2 * WORLD, 16), generator=g))
+            for _ in range(STEPS)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank, port, plan_spec, clip, out_dir):
+    os.environ.update(XPU_BACKEND="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import xpu
+
+    xpu.reset_backend()
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    engine = MemFerry(model, optim=AdamW(lr=3e-3, weight_decay=0.1, max_grad_norm=clip),
+                      plan=Plan.from_spec(plan_spec, 4), loss_fn=lm_loss, device=rank)
+    losses = []
+    for x, y in _data():
+        half = x.shape[0] // WORLD  # each rank trains on its own micro-batch
+        losses.append(engine.train_step(x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]).item())
+    state = engine.state_dict()  # a collective: every rank gets the whole
+    host_units = [(s.unit.numel, s.master.numel()) for s in engine.shadow.shadows if s.home == "host"]
+    engine.close()
+    torch.save({"losses": losses, "model": state["model"], "host_units": host_units}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("plan_spec, clip", [("prefetch", None), ("device2+recompute", 0.5)])
+def test_two_ranks_equal_one_process_on_the_whole_batch(tmp_path, plan_spec, clip):
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    model = copy.deepcopy(ref)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    ref_losses = []
+    for x, y in _data():
+        loss = lm_loss(model(x), y)  # the mean over both micro-batches = the mean of the ranks' means
+        opt.zero_grad()
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        ref_losses.append(loss.item())
+
+    mp.spawn(_rank, args=(_free_port(), plan_spec, clip, str(tmp_path)), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    mean_losses = [sum(r["losses"][i] for r in ranks) / WORLD for i in range(STEPS)]
+    assert mean_losses == pytest.approx(ref_losses, abs=1e-5, rel=1e-5)
+    assert ranks[0]["losses"] != ranks[1]["losses"]  # they really trained on different data
+    for r in ranks:  # each rank keeps (and updates) only its half of every host-homed unit's master
+        assert r["host_units"] and all(master == -(-numel // WORLD) for numel, master in r["host_units"])
+    for name, want in model.named_parameters():
+        for r in ranks:
+            torch.testing.assert_close(r["model"][name], want.detach(), atol=1e-5, rtol=1e-5, msg=name)
