@@ -1,0 +1,369 @@
+"""The MPress pipeline runtime: stage processes on one node over ``torch.distributed.pipelining``.
+
+:func:`launch` spawns one process per stage (``torch.multiprocessing``, spawn start method);
+each joins a process group of the backend's collective library (gloo on the cpu backend,
+NCCL/HCCL on accelerators), builds the same model from the same seed, keeps its own stage
+(:func:`~strategies.mpress.stages.split_model`) on device ``rank``, and runs the jobs it is
+given one after the other (so tests pay for process start-up once). Under ``torchrun`` call
+:func:`run_jobs` directly from each rank.
+
+A job (:class:`PipelineJob`):
+
+1. optionally profiles one iteration (every block kept) and gathers the stage profiles;
+2. plans on rank 0 (``plan="auto"``: :func:`~strategies.mpress.planner.plan_offload`; or a
+   forced ``{stage: {block: decision}}``) and broadcasts the plan or the infeasibility error;
+3. allocates peer pools: each device that hosts regions exports them (counted against its
+   own budget) and the writers import them one-sidedly (:mod:`strategies.mpress.ipc`);
+4. applies the device budget as a memory cap and trains ``steps`` steps with the chosen
+   schedule (GPipe or 1F1B), recording losses, the last step's gradients, measured peaks
+   and executor statistics.
+
+:func:`reference` runs the same model unpipelined for comparison.
+"""
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import socket
+import tempfile
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["PipelineJob", "launch", "run_jobs", "reference", "SCHEDULES", "free_port"]
+
+#: Schedule names accepted by :class:`PipelineJob`.
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class PipelineJob:
+    """One pipeline training run.
+
+    Attributes:
+        dims: model dimensions for :func:`bench.models.build_model` (``seq`` included).
+        family: model family (``gpt`` or ``llama``).
+        schedule: ``"gpipe"`` or ``"1f1b"``.
+        microbatches: micro-batches per step.
+        batch: global batch (split into ``microbatches`` equal micro-batches).
+        steps: training steps; SGD with ``lr`` between them (``lr=0``: gradients only).
+        lr: SGD learning rate.
+        seed: model and data seed (every process builds the same model).
+        counts: blocks per stage (None: even split).
+        plan: ``"keep"`` (no offload), ``"auto"`` (profile + planner) or ``{stage: {block: "host"|...}}``.
+        budgets: device -> bytes (or ``"12MB"``) used as memory caps in the measured steps; also
+            the planner's budgets (devices absent: their full memory).
+        profile: run the profiled iteration even when ``plan`` does not need it.
+        min_bytes: saved tensors smaller than this are always kept.
+        overlap: override for the planner's copy/compute overlap (None: ``caps.async_copy``).
+    """
+
+    dims: dict[str, Any]
+    family: str = "gpt"
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    batch: int = 8
+    steps: int = 1
+    lr: float = 0.0
+    seed: int = 0
+    counts: tuple[int, ...] | None = None
+    plan: Any = "keep"
+    budgets: dict[int, Any] | None = None
+    profile: bool = False
+    min_bytes: int = 1024
+    overlap: bool | None = None
+
+    def validate(self, stages: int) -> None:
+        """Check the job against a pipeline of ``stages`` stages; raises ValueError with the reason."""
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; valid: {', '.join(SCHEDULES)}")
+        if self.microbatches < 1 or self.batch % self.microbatches:
+            raise ValueError(f"batch {self.batch} must split into {self.microbatches} equal micro-batches")
+        if self.schedule == "1f1b" and self.microbatches < stages:
+            raise ValueError(f"1F1B needs at least as many micro-batches ({self.microbatches}) as stages ({stages})")
+        if self.steps < 1:
+            raise ValueError(f"steps must be at least 1, got {self.steps}")
+        if not (self.plan in ("keep", "auto") or isinstance(self.plan, dict)):
+            raise ValueError(f"plan must be 'keep', 'auto' or {{stage: {{block: decision}}}}, got {self.plan!r}")
+        from bench.models import validate_dims
+
+        validate_dims(self.family, dict(self.dims))
+        if self.dims["layers"] < stages:
+            raise ValueError(f"{self.dims['layers']} blocks cannot fill {stages} stages")
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for the process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _data(job: PipelineJob) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(job.seed + 1)
+    seq, vocab = job.dims.get("seq", 16), job.dims["vocab"]
+    idx = torch.randint(vocab, (job.batch, seq), generator=g)
+    tgt = torch.randint(vocab, (job.batch, seq), generator=g)
+    return idx, tgt
+
+
+def reference(job: PipelineJob) -> dict[str, Any]:
+    """The same training run unpipelined, in this process: ``{"losses": [...], "grads": {name: tensor}}``."""
+    from bench.models import build_model
+
+    torch.manual_seed(job.seed)
+    model = build_model(job.family, **job.dims)
+    idx, tgt = _data(job)
+    opt = torch.optim.SGD(model.parameters(), lr=job.lr) if job.lr else None
+    losses = []
+    for step in range(job.steps):
+        model.zero_grad(set_to_none=True)
+        loss = model(idx, tgt)
+        loss.backward()
+        losses.append(loss.item())
+        if opt is not None and step < job.steps - 1:
+            opt.step()
+    return {"losses": losses, "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()}}
+
+
+def launch(jobs: list[PipelineJob], stages: int, *, env: dict[str, str] | None = None,
+           timeout_s: float | None = None) -> list[list[dict[str, Any]]]:
+    """Run ``jobs`` on a pipeline of ``stages`` processes; return ``results[job][rank]``.
+
+    ``env`` is applied in each stage process before the backend is created (e.g.
+    ``XPU_BACKEND=cpu``, ``XPU_CPU_DEVICES``). Every job is validated before any process starts.
+
+    Raises:
+        ValueError: a job is invalid for this pipeline.
+        RuntimeError: a stage process failed (its traceback is in the message).
+    """
+    import torch.multiprocessing as mp
+
+    if stages < 1:
+        raise ValueError(f"need at least one stage, got {stages}")
+    for job in jobs:
+        job.validate(stages)
+    with tempfile.TemporaryDirectory(prefix="mpress-") as out:
+        ctx = mp.start_processes(_stage_process, args=(stages, free_port(), jobs, out, dict(env or {})),
+                                 nprocs=stages, start_method="spawn", join=False)
+        while not ctx.join(timeout_s):
+            pass
+        results = []
+        for r in range(stages):
+            results.append(torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False))
+    return [[results[r][j] for r in range(stages)] for j in range(len(jobs))]
+
+
+def _stage_process(rank: int, world: int, port: int, jobs: list[PipelineJob], out: str, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    torch.set_num_threads(1)  # stage processes share the cores; oversubscription only slows them
+    import torch.distributed as dist
+
+    import xpu
+
+    backend = xpu.get_backend()
+    # A bounded timeout: a stage that dies (e.g. out of memory) must not leave its peers waiting forever.
+    dist.init_process_group(backend.dist_backend, rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
+                            timeout=datetime.timedelta(seconds=float(os.environ.get("MPRESS_PG_TIMEOUT_S", "60"))))
+    try:
+        results = run_jobs(jobs, backend)
+    finally:
+        dist.destroy_process_group()
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+
+
+def run_jobs(jobs: list[PipelineJob], backend: Any = None) -> list[dict[str, Any]]:
+    """Run ``jobs`` as this rank's stage (inside an initialised process group, e.g. under torchrun)."""
+    import torch.distributed as dist
+
+    import xpu
+
+    backend = backend or xpu.get_backend()
+    world = dist.get_world_size()
+    if backend.device_count() < world:
+        raise ValueError(f"{world} stages need {world} devices; backend '{backend.name}' has {backend.device_count()}")
+    return [_run_job(job, dist.get_rank(), world, backend) for job in jobs]
+
+
+def _profile_of(executor: Any, stage: Any, rank: int, peak: int, microbatches: int) -> Any:
+    from .planner import BlockProfile, StageProfile
+
+    blocks = []
+    for i in stage.block_ids:
+        # Only micro-batches that ran backward (the stage's shape-inference forward did not).
+        recs = [r for r in executor.records.get(i, []) if r.bwd_start > 0]
+        n = max(1, len(recs))
+        blocks.append(BlockProfile(
+            index=i, saved_bytes=int(sum(r.saved_bytes for r in recs) / n), tensors=int(round(sum(r.tensors for r in recs) / n)),
+            input_bytes=int(sum(r.input_bytes for r in recs) / n), fwd_s=sum(r.fwd_s for r in recs) / n,
+            bwd_s=sum(r.bwd_s for r in recs) / n, gap_s=min((r.gap_s for r in recs), default=0.0)))
+    return StageProfile(stage=stage.stage, device=rank, blocks=tuple(blocks), peak_bytes=peak,
+                        inflight=max(1, executor.max_inflight), microbatches=microbatches)
+
+
+def _run_job(job: PipelineJob, rank: int, world: int, backend: Any) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from bench.models import build_model
+    from xpu.units import parse_bytes
+
+    from .executor import StageExecutor
+    from .planner import InfeasibleBudgetError, Plan, format_plan, link_rates, plan_offload
+    from .stages import lm_loss, split_model
+
+    torch.manual_seed(job.seed)
+    model = build_model(job.family, **job.dims)  # host memory, not counted: only this stage moves to the device
+    stage = split_model(model, world, list(job.counts) if job.counts else None)[rank]
+    del model
+    with backend.device_scope(rank):
+        for p in stage.parameters():
+            p.data = backend.to_device(p.data, rank)
+    idx, tgt = _data(job)
+    params = list(stage.parameters())
+    stage.executor = StageExecutor(backend, rank, params=params, min_bytes=job.min_bytes)
+    pipe = PipelineStage(stage, rank, world, backend.device(rank))
+    schedule = (ScheduleGPipe if job.schedule == "gpipe" else Schedule1F1B)(pipe, job.microbatches, loss_fn=lm_loss)
+
+    def one_step() -> list[float]:
+        losses: list[torch.Tensor] = []
+        with backend.device_scope(rank):
+            if stage.is_first and stage.is_last:
+                schedule.step(idx, target=tgt, losses=losses)
+            elif stage.is_first:
+                schedule.step(idx)
+            elif stage.is_last:
+                schedule.step(target=tgt, losses=losses)
+            else:
+                schedule.step()
+        return [float(l.detach()) for l in losses]
+
+    budgets = {int(d): parse_bytes(b) for d, b in (job.budgets or {}).items()}
+    result: dict[str, Any] = {"rank": rank}
+    profile = None
+    if job.plan == "auto" or job.profile:
+        # The first step also infers shapes (an extra forward without backward): profile the second.
+        one_step()
+        stage.zero_grad(set_to_none=True)
+        stage.executor.profiling = True
+        backend.reset_peak_memory(rank)
+        one_step()
+        stage.executor.profiling = False
+        profile = _profile_of(stage.executor, stage, rank, backend.memory_stats(rank).peak_allocated, job.microbatches)
+        stage.zero_grad(set_to_none=True)
+        result["profile"] = profile
+    profiles: list[Any] = [None] * world
+    dist.all_gather_object(profiles, profile)
+
+    # Plan, then check the plan by one uncapped step: the model predicts peaks, the cap is
+    # enforced on measured ones. A device that overshoots gets its planning budget lowered by
+    # the overshoot and the plan is redone (a few rounds at most).
+    plan_budgets = {d: budgets.get(d, backend.mem_info(d)[1]) for d in range(world)}
+    for attempt in range(4):
+        box: list[Any] = [None]
+        if rank == 0:
+            try:
+                if job.plan == "auto":
+                    host_rate, peer_rate = link_rates(backend)
+                    overlap = backend.caps.async_copy if job.overlap is None else job.overlap
+                    # Peer pools need buffers other processes can open: without caps.ipc only host swap remains.
+                    box[0] = plan_offload(profiles, plan_budgets, host_rate=host_rate, peer_rate=peer_rate,
+                                          allow_peer=backend.caps.ipc and backend.caps.peer_access, overlap=overlap)
+                elif isinstance(job.plan, dict):
+                    box[0] = Plan.forced(job.plan, profiles if profile is not None else None, region_bytes=1 << 20)
+                else:
+                    box[0] = Plan.forced({})
+            except InfeasibleBudgetError as exc:
+                if attempt:  # the minimum was found with lowered budgets: state it against the real ones
+                    minimum = {d: need + budgets.get(d, need) - plan_budgets[d] for d, need in exc.minimum.items()}
+                    exc = InfeasibleBudgetError(str(exc) + " (after measuring the plan's real peaks)", minimum)
+                box[0] = exc
+        dist.broadcast_object_list(box, src=0)
+        plan = box[0]
+        if isinstance(plan, InfeasibleBudgetError):
+            return {"rank": rank, "error": str(plan), "minimum": plan.minimum, "profile": profile}
+        result["plan_text"] = format_plan(plan)
+        owned, handles, regions = _open_pools(plan, rank, world, backend)
+        decisions = plan.decisions(rank) if rank < len(plan.stages) else {}
+        stage.executor = StageExecutor(backend, rank, decisions, params=params, peer_regions=regions,
+                                       min_bytes=job.min_bytes)
+        if job.plan != "auto" or not budgets:
+            break
+        gc.collect()
+        backend.reset_peak_memory(rank)
+        one_step()
+        stage.zero_grad(set_to_none=True)
+        peaks: list[Any] = [None] * world
+        dist.all_gather_object(peaks, backend.memory_stats(rank).peak_allocated)
+        over = {d: peaks[d] - budgets[d] for d in budgets if d < world and peaks[d] > budgets[d]}
+        result.setdefault("calibration", []).append(peaks)
+        if not over or attempt == 3:  # after the last round the capped steps report any overshoot as OOM
+            break
+        for d, extra in over.items():
+            plan_budgets[d] -= extra
+        dist.barrier()  # nobody writes into the pools any more
+        owned, regions = [], {}
+        stage.executor = None
+        gc.collect()
+    opt = torch.optim.SGD(stage.parameters(), lr=job.lr) if job.lr else None
+    if rank in budgets:
+        backend.set_memory_cap(rank, budgets[rank])
+    gc.collect()
+    backend.reset_peak_memory(rank)
+    losses: list[list[float]] = []
+    try:
+        for step in range(job.steps):
+            stage.zero_grad(set_to_none=True)
+            losses.append(one_step())
+            if opt is not None and step < job.steps - 1:
+                with backend.device_scope(rank):
+                    opt.step()
+    except Exception as exc:
+        result["error"] = traceback.format_exc()
+        # The other stages are blocked in send/recv with this one: fail the whole run with the
+        # cause rather than let them time out on a collective.
+        raise RuntimeError(f"stage {rank} failed in step {len(losses)}:\n{result['error']}\nplan:\n{result['plan_text']}") from exc
+    finally:
+        result["peak"] = backend.memory_stats(rank).peak_allocated
+        result["cap"] = backend.memory_cap(rank)
+        backend.set_memory_cap(rank, None)
+    result["losses"] = losses
+    result["grads"] = {n: p.grad.detach().clone() for n, p in stage.named_parameters() if p.grad is not None}
+    result["stats"] = stage.executor.stats.as_dict()
+    result["region_peak"] = {j: stage.executor.region_peak(j) for j in regions}
+    result["hosted_pool_bytes"] = sum(b.numel() for b in owned)
+    result["decisions"] = {b: str(d) for b, d in decisions.items()}
+    # Everyone must be done writing into the pools before owners free them.
+    dist.barrier()
+    del owned, regions
+    stage.executor = None
+    gc.collect()
+    return result
+
+
+def _open_pools(plan: Any, rank: int, world: int, backend: Any) -> tuple[list[Any], dict, dict[int, Any]]:
+    """Allocate the regions this device hosts and open the ones this stage writes; returns (owned, handles, regions)."""
+    import torch.distributed as dist
+
+    from .ipc import export_buffer, import_buffer, unlink_buffer
+
+    owned, handles = [], {}
+    for (writer, owner), nbytes in sorted(plan.regions.items()):
+        if owner == rank:
+            buf, handle = export_buffer(backend, int(nbytes), rank)  # counted against this device
+            owned.append(buf)
+            handles[(writer, owner)] = handle
+    all_handles: list[Any] = [None] * world
+    dist.all_gather_object(all_handles, handles)
+    regions = {}
+    for h in all_handles:
+        for (writer, owner), handle in h.items():
+            if writer == rank:
+                regions[owner] = import_buffer(backend, handle)
+    dist.barrier()  # every writer has mapped its region: the names can go
+    for handle in handles.values():
+        unlink_buffer(handle)
+    return owned, handles, regions
