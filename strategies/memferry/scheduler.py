@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import itertools
 import math
+
+import numpy as np
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Sequence
 
@@ -68,22 +70,31 @@ class _Label:
     parent: "_Label | None"
 
 
-def _dominates(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
-    return all(x <= y for x, y in zip(a, b))
+def _pareto(labels: list[_Label], cap: int | None) -> tuple[list[_Label], bool]:
+    """Labels whose state no other label's state is component-wise at most (ties: keep one).
 
-
-def _pareto(labels: list[_Label]) -> list[_Label]:
-    """Labels whose state no other label's state is component-wise at most (ties: keep one)."""
-    labels.sort(key=lambda l: sum(v for v in l.state.key() if v > -math.inf))
-    kept: list[_Label] = []
-    keys: list[tuple[float, ...]] = []
-    for lab in labels:
-        k = lab.state.key()
-        if any(_dominates(other, k) for other in keys):
+    Returns the kept labels and whether ``cap`` forced dropping non-dominated ones (then the
+    result is no longer guaranteed optimal).
+    """
+    if len(labels) <= 1:
+        return labels, False
+    keys = np.array([lab.state.key() for lab in labels])
+    keys[np.isneginf(keys)] = -1e300  # -inf marks "none yet"; keep comparisons finite
+    # Lexicographic order: a label that dominates another (and differs) sorts before it.
+    order = np.lexsort(keys.T[::-1])
+    kept_idx: list[int] = []
+    kept = np.empty((0, keys.shape[1]))
+    for i in order:
+        k = keys[i]
+        # Anything that dominates k sorts no later than k, so it is already in `kept`.
+        if kept.shape[0] and np.any(np.all(kept <= k, axis=1)):
             continue
-        kept.append(lab)
-        keys.append(k)
-    return kept
+        kept_idx.append(int(i))
+        kept = np.vstack([kept, k])
+    out = [labels[i] for i in kept_idx]
+    if cap is not None and len(out) > cap:
+        return out[:cap], True  # the smallest component sums first: a heuristic past the cap
+    return out, False
 
 
 def _fixed_bytes(profile: "StepProfile", rest_optimizer: str) -> int:
@@ -102,15 +113,37 @@ def _options(profile: "StepProfile", links: Links, choices: Sequence[UnitPlan], 
 
 
 def _run_dp(profile: "StepProfile", links: Links, budget: float, choices: Sequence[UnitPlan], rest_optimizer: str,
-            depth: int, margin: float) -> tuple[Prediction, list[int]] | None:
+            depth: int, margin: float, upper: float, cap: int | None) -> tuple[Prediction, list[int], bool] | None:
+    """Best plan for one (rest_optimizer, depth) with predicted step below ``upper``, or None.
+
+    Returns (prediction, choice per block in forward order, whether the label cap cut).
+    """
     n = len(profile.blocks)
     opts = _options(profile, links, choices, depth)
     usable = [[c for c, o in enumerate(row) if math.isfinite(o.a) and math.isfinite(o.b)] for row in opts]
-    # Cheapest memory the blocks below s can add (for pruning partial plans that cannot fit).
-    min_below = [0] * (n + 1)
+    # Cheapest completions of blocks 0..s-1, for pruning: memory, forward and backward time.
+    min_mem, min_fwd, min_bwd = [0] * (n + 1), [0.0] * (n + 1), [0.0] * (n + 1)
     for s in range(n):
-        min_below[s + 1] = min_below[s] + min(opts[s][c].persist + opts[s][c].act for c in usable[s])
+        min_mem[s + 1] = min_mem[s] + min(opts[s][c].persist + opts[s][c].act for c in usable[s])
+        min_fwd[s + 1] = min_fwd[s] + min(opts[s][c].a + opts[s][c].r for c in usable[s])
+        min_bwd[s + 1] = min_bwd[s] + min(opts[s][c].b for c in usable[s])
+    rest_host = rest_optimizer == "host"
+    t_rest = profile.rest_fwd_s + profile.rest_bwd_s
+    pre_min = profile.rest_param_bytes / (links.h2d_GBps * 1e9) if rest_host else 0.0
+    u_rest = 0.0 if rest_host else profile.rest_numel * profile.device_adamw_s_per_param
+    h_rest = profile.rest_numel * profile.host_adamw_s_per_param if rest_host else 0.0
+
+    def lower_bound(st: State, s: int) -> float:
+        """A step time no completion of this partial plan (blocks s..N-1 chosen) can beat."""
+        phi_all = st.phi + min_fwd[s]
+        lb = pre_min + phi_all + t_rest + st.psi + min_bwd[s] + u_rest
+        lb = max(lb, t_rest + st.t, t_rest + st.phi + max(st.pending))
+        if rest_host:
+            lb = max(lb, pre_min + phi_all + t_rest + st.m + h_rest)
+        return lb
+
     layer: dict[int, list[_Label]] = {}
+    capped = False
     for s in range(n - 1, -1, -1):
         nxt_layer: dict[int, list[_Label]] = {}
         parents = list(layer.items()) if layer else [(None, [None])]
@@ -120,20 +153,25 @@ def _run_dp(profile: "StepProfile", links: Links, budget: float, choices: Sequen
                 cur = opts[s][c]
                 for lab in labs:
                     st = advance(lab.state if lab else initial_state(depth), cur, nxt_opt)
-                    # Memory can only grow: prune what cannot fit even with the cheapest rest.
-                    if _peak(profile, rest_optimizer, depth, st.mem + min_below[s], st.trans, st.slot, margin) > budget:
+                    # Memory only grows: drop what cannot fit even with the cheapest completion.
+                    if _peak(profile, rest_optimizer, depth, st.mem + min_mem[s], st.trans, st.slot, margin) > budget:
+                        continue
+                    if lower_bound(st, s) >= upper:  # cannot beat a plan already in hand
                         continue
                     nxt_layer.setdefault(c, []).append(_Label(st, c, lab))
-        layer = {c: _pareto(labs) for c, labs in nxt_layer.items()}
+        layer = {}
+        for c, labs in nxt_layer.items():
+            layer[c], cut = _pareto(labs, cap)
+            capped |= cut
         if not layer:
             return None
     best: tuple[Prediction, _Label] | None = None
     for c, labs in layer.items():
         for lab in labs:
             pred = finish(lab.state, opts[0][c], profile, links, rest_optimizer, depth, margin)
-            if pred.peak_bytes > budget:
+            if pred.peak_bytes > budget or pred.step_s >= upper:
                 continue
-            if best is None or pred.step_s < best[0].step_s - 1e-15:
+            if best is None or pred.step_s < best[0].step_s:
                 best = (pred, lab)
     if best is None:
         return None
@@ -141,7 +179,28 @@ def _run_dp(profile: "StepProfile", links: Links, budget: float, choices: Sequen
     while lab is not None:
         picks.append(lab.choice)
         lab = lab.parent
-    return best[0], picks  # picks are in forward order: the DP went from the last block down
+    return best[0], picks, capped  # forward order: the DP went from the last block down
+
+
+def _incumbent(profile: "StepProfile", links: Links, budget: float, choices: Sequence[UnitPlan],
+               rest_optimizers: Sequence[str], depths: Sequence[int], margin: float) -> tuple[float, Plan] | None:
+    """The best of the plans ``Plan.from_spec`` names (a starting bound for the DP)."""
+    n = len(profile.blocks)
+    allowed = set(choices)
+    best: tuple[float, Plan] | None = None
+    specs = ["prefetch", "prefetch2", "dha"] + [f"{k}{i}" for k in ("resident", "device") for i in range(n + 1)]
+    for spec in specs:
+        for suffix in ("", "+recompute"):
+            base = Plan.from_spec(spec + suffix, n)
+            for depth in depths:
+                for rest in rest_optimizers:
+                    plan = Plan(list(base.units), depth, rest)
+                    if not set(plan.units) <= allowed:
+                        continue
+                    p = predict(plan, profile, links, margin)
+                    if p.peak_bytes <= budget and (best is None or p.step_s < best[0]):
+                        best = (p.step_s, plan)
+    return best
 
 
 def min_budget(profile: "StepProfile", links: Links, choices: Sequence[UnitPlan] | None = None,
@@ -177,7 +236,7 @@ def min_budget(profile: "StepProfile", links: Links, choices: Sequence[UnitPlan]
 def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_blocks: int | None = None,
              allow_dha: bool = True, allow_device_optimizer: bool = True, depths: Iterable[int] = (1, 2),
              rest_optimizers: Iterable[str] = ("host", "device"), margin: float = 0.10,
-             explain: bool = True) -> Plan:
+             explain: bool = True, max_labels: int | None = 4000) -> Plan:
     """The plan with the smallest predicted step time whose predicted peak fits ``budget_bytes``.
 
     Args:
@@ -193,6 +252,8 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
         rest_optimizers: where ``rest`` may be updated.
         margin: allocator-fragmentation margin on predicted peak memory.
         explain: fill ``Plan.notes`` with a line per block (costs a few predictions per block).
+        max_labels: most non-dominated partial plans kept per block and choice (None: no
+            limit, always exact); when it cuts, a note says the plan is not proven optimal.
 
     Returns:
         A :class:`Plan` with ``predicted_step_s`` and ``notes`` filled.
@@ -208,23 +269,35 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
     rest_optimizers = [r for r in rest_optimizers if allow_device_optimizer or r == "host"]
     choices = unit_choices(allow_dha, allow_device_optimizer)
     depths = list(depths)
+    rest_optimizers = list(rest_optimizers)
+    inc = _incumbent(profile, links, float(budget_bytes), choices, rest_optimizers, depths, margin)
+    upper = inc[0] * (1 + 1e-9) if inc else math.inf  # a DP plan must beat the incumbent to replace it
     best: tuple[Prediction, Plan] | None = None
+    capped = False
     for depth in depths:
         for rest_optimizer in rest_optimizers:
-            got = _run_dp(profile, links, float(budget_bytes), choices, rest_optimizer, depth, margin)
+            got = _run_dp(profile, links, float(budget_bytes), choices, rest_optimizer, depth, margin, upper, max_labels)
             if got is None:
                 continue
-            pred, picks = got
-            if best is None or pred.step_s < best[0].step_s - 1e-12:
+            pred, picks, cut = got
+            capped |= cut
+            if best is None or pred.step_s < best[0].step_s:
                 best = (pred, Plan([choices[c] for c in picks], depth, rest_optimizer))
+                upper = min(upper, pred.step_s)
+    if best is None and inc is not None:
+        best = (predict(inc[1], profile, links, margin), inc[1])
     if best is None:
         need = min_budget(profile, links, choices, rest_optimizers, depths, margin)
         raise ValueError(f"no plan fits a device budget of {budget_bytes / _GB:.2f} GB: the smallest plan needs "
                          f"{need / _GB:.2f} GB ({need} bytes, {margin:.0%} fragmentation margin included); "
                          f"raise the budget to at least that")
-    pred, plan = best
+    plan = best[1]
+    pred = predict(plan, profile, links, margin)  # the same numbers, with the host-work total filled in
     plan.predicted_step_s = pred.step_s
     plan.notes = _explain(plan, pred, profile, links, float(budget_bytes), choices, margin) if explain else []
+    if capped:
+        plan.notes.append(f"note: the search kept at most {max_labels} partial plans per block and choice; this plan "
+                          f"is the best found, not proven optimal (raise max_labels)")
     return plan
 
 

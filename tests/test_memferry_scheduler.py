@@ -1,0 +1,222 @@
+"""MemFerry's profiler, cost model and scheduler (cpu backend; H200 figures for cross-checks)."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from strategies.memferry.config import Plan, UnitPlan
+from strategies.memferry.cost import H200_DHA_ROWS, Links, links_from_probe, predict
+from strategies.memferry.profiler import BlockProfile, StepProfile, profile_step
+from strategies.memferry.scheduler import brute_force, min_budget, schedule, unit_choices
+from strategies.memferry.units import split_units
+
+GB = 1e9
+
+# ---------------------------------------------------------------------------------------------
+# A profile of the DESIGN.md §3 GPT on the H200, reconstructed from what was measured there:
+#   parameters: 24 blocks of 12*h^2 + 13*h (h = 2048), 1,339,674,624 in all (bench results rows);
+#   compute: plain all-on-device step 0.132 s (DESIGN §3), split by FLOPs: a block's forward
+#     ~0.9 TFLOP, the head's 1.07 TFLOP, backward = 2x forward -> 1.64 ms / 3.28 ms per block,
+#     rest (embeddings, head, loss) 1.95 + 3.9 ms; with recompute that gives 0.163 s against
+#     the measured 0.158 s;
+#   activations: ~12 GB of the 22.6 GB all-on-device peak (DESIGN §3) -> 0.5 GB per block; with
+#     recompute only the block input, 8*1024*2048 bf16 = 33.5 MB;
+#   loss peak: logits in bf16 + fp32 logits + their fp32 gradient, 8192*32000*(2+4+4) B = 2.6 GB
+#     (the capped device12 run died allocating 1000 MiB of them);
+#   host AdamW: 0.64 s per 1.34 B parameters with the bf16<->fp32 conversions (host_optimizer_s
+#     per step 0.635-0.715 in bench/results/2026-11-29-h200-memferry/plans.jsonl);
+#   device AdamW: 40 B/param of HBM traffic at ~4 TB/s -> 1e-11 s/param (an estimate);
+#   links: 55.2 GB/s both ways, DHA read 53 GB/s, DHA matmul rows of DESIGN §3.
+H, L, BATCH, SEQ = 2048, 24, 8, 1024
+BLOCK = 12 * H * H + 13 * H
+TOTAL = 1_339_674_624
+REST = TOTAL - L * BLOCK
+
+
+def h200_profile() -> StepProfile:
+    blocks = [BlockProfile(BLOCK, 2 * BLOCK, 1.64e-3, 3.28e-3, int(0.5e9), BATCH * SEQ * H * 2) for _ in range(L)]
+    return StepProfile(blocks, REST, 2 * REST, 1.95e-3, 3.9e-3, int(2.6e9), BATCH * SEQ * 16, 2, BATCH * SEQ,
+                       0.64 / TOTAL, 1.0e-11, "cuda", "NVIDIA H200 (reconstructed)")
+
+
+H200_LINKS = Links(55.2, 55.2, 53.0, H200_DHA_ROWS, "DESIGN.md §3")
+
+#: (plan spec, measured median step s, source) on the H200, same model and batch.
+MEASURED = [
+    ("prefetch+recompute", 0.738, "design-s3 results.md, memferry-prefetch"),
+    ("prefetch+recompute", 0.685, "h200-memferry README"),
+    ("prefetch", 0.759, "h200-memferry README"),
+    ("prefetch2", 0.747, "h200-memferry README"),
+    ("resident12", 0.680, "h200-memferry README"),
+    ("device15+recompute", 0.285, "design-s3 results.md, memferry-device15"),
+    ("device10+recompute", 0.407, "design-s3-capped README (17.7 GB cap)"),
+]
+
+
+@pytest.mark.parametrize("spec,measured,source", MEASURED)
+def test_cost_model_matches_h200_step_times(spec, measured, source):
+    pred = predict(Plan.from_spec(spec, L), h200_profile(), H200_LINKS)
+    assert abs(pred.step_s - measured) / measured < 0.15, (spec, pred.step_s, measured, source)
+
+
+def test_cost_model_matches_h200_all_on_device():
+    # plain PyTorch all on device 0.132 s; MemFerry device24 is the same work plus our AdamW.
+    pred = predict(Plan.from_spec("device24", L), h200_profile(), H200_LINKS)
+    assert abs(pred.step_s - 0.132) / 0.132 < 0.15
+    assert pred.bound == "compute"
+
+
+def test_cost_model_memory_matches_h200_capped_runs():
+    prof = h200_profile()
+    cap = 17.7 * GB
+    d10 = predict(Plan.from_spec("device10+recompute", L), prof, H200_LINKS)
+    d12 = predict(Plan.from_spec("device12+recompute", L), prof, H200_LINKS)
+    d15 = predict(Plan.from_spec("device15+recompute", L), prof, H200_LINKS)
+    assert d10.peak_bytes <= cap < d12.peak_bytes  # device10 trained under the cap, device12 OOMed
+    raw = lambda p: p.parts["raw_peak_bytes"]  # without the fragmentation margin: allocated bytes
+    assert abs(raw(d10) - 15.61 * GB) / (15.61 * GB) < 0.15  # measured peak 15.61 GB
+    assert abs(raw(d15) - 20.14 * GB) / (20.14 * GB) < 0.15  # measured peak 20.14 GB (no cap)
+
+
+def test_scheduler_beats_the_hand_plan_under_the_h200_cap():
+    prof = h200_profile()
+    # DHA at 8192 tokens is ~30x slower here, and one depth keeps the test quick.
+    plan = schedule(prof, H200_LINKS, 17.7 * GB, L, allow_dha=False, depths=(1,), explain=False)
+    hand = predict(Plan.from_spec("device10+recompute", L), prof, H200_LINKS)
+    assert plan.predicted_step_s <= hand.step_s
+    assert predict(plan, prof, H200_LINKS).peak_bytes <= 17.7 * GB
+
+
+# ---------------------------------------------------------------------------------------------
+def random_profile(rng: random.Random, n: int) -> StepProfile:
+    blocks = []
+    for _ in range(n):
+        numel = rng.randint(1, 8) * 10**6
+        blocks.append(BlockProfile(numel, 2 * numel, rng.uniform(0.2, 3) * 1e-3, rng.uniform(0.4, 6) * 1e-3,
+                                   rng.randint(1, 40) * 10**6, rng.randint(1, 5) * 10**5))
+    return StepProfile(blocks, rng.randint(1, 6) * 10**6, 0, rng.uniform(0.1, 2) * 1e-3, rng.uniform(0.1, 4) * 1e-3,
+                       rng.randint(1, 30) * 10**6, 1000, 2, rng.choice([64, 512, 8192]),
+                       rng.uniform(0.5, 4) * 1e-9, rng.uniform(0.5, 3) * 1e-11)
+
+
+def random_links(rng: random.Random) -> Links:
+    return Links(rng.uniform(2, 60), rng.uniform(2, 60), rng.choice([None, rng.uniform(2, 60)]), H200_DHA_ROWS)
+
+
+def _fix(prof: StepProfile) -> StepProfile:
+    prof.rest_param_bytes = 2 * prof.rest_numel
+    return prof
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dp_is_optimal_against_brute_force(seed):
+    rng = random.Random(seed)
+    n = 2 if seed % 2 else 3
+    prof, links = _fix(random_profile(rng, n)), random_links(rng)
+    lo = min_budget(prof, links, depths=(1, 2))
+    for budget in (lo, lo * 1.3, lo * 2, lo * 10):
+        best = brute_force(prof, links, budget, depths=(1, 2))
+        plan = schedule(prof, links, budget, n, depths=(1, 2), explain=False, max_labels=None)
+        assert best is not None
+        assert plan.predicted_step_s == pytest.approx(best[0], rel=1e-9), (seed, budget)
+        assert predict(plan, prof, links).peak_bytes <= budget
+
+
+def test_more_budget_never_predicts_a_slower_step():
+    rng = random.Random(11)
+    prof, links = _fix(random_profile(rng, 4)), random_links(rng)
+    lo = min_budget(prof, links)
+    steps = [schedule(prof, links, lo * f, 4, explain=False).predicted_step_s for f in (1, 1.1, 1.3, 1.7, 2.5, 5, 50)]
+    assert all(b <= a + 1e-12 for a, b in zip(steps, steps[1:])), steps
+
+
+def test_plan_respects_budget_and_explains_itself():
+    rng = random.Random(5)
+    prof, links = _fix(random_profile(rng, 4)), random_links(rng)
+    budget = min_budget(prof, links) * 1.5
+    plan = schedule(prof, links, budget, 4)
+    pred = predict(plan, prof, links)
+    assert pred.peak_bytes <= budget
+    assert pred.step_s == pytest.approx(plan.predicted_step_s)
+    assert plan.notes[0].startswith("predicted: step")
+    assert sum(line.startswith("block") for line in plan.notes) == 4
+    assert "predicted step" in plan.describe()
+
+
+def test_infeasible_budget_names_the_minimum():
+    rng = random.Random(3)
+    prof, links = _fix(random_profile(rng, 3)), random_links(rng)
+    need = min_budget(prof, links)
+    with pytest.raises(ValueError, match=r"needs .* GB \(%d bytes" % need):
+        schedule(prof, links, need - 1, 3)
+    schedule(prof, links, need, 3, explain=False)  # and the minimum itself works
+
+
+def test_unit_choices_are_valid_plans():
+    choices = unit_choices()
+    assert len(choices) == len(set(choices)) == 10
+    assert UnitPlan("dha", "prefetch", True) in choices and UnitPlan("dha", "prefetch", False) not in choices
+    assert all(u.forward != "dha" and u.backward != "dha" for u in unit_choices(allow_dha=False))
+
+
+def test_dha_penalty_interpolates_the_probe_rows():
+    links = Links(50, 50, 50, ((64, 1.0), (4096, 13.0)))
+    assert links.dha_penalty(16) == 1.0 and links.dha_penalty(10**6) == 13.0
+    assert links.dha_penalty(512) == pytest.approx(7.0)
+
+
+def test_links_from_probe_and_topology(cpu_backend):
+    probe = {"h2d_pinned_GBps": 20.0, "d2h_pinned_GBps": 18.0, "dha_read_GBps": 15.0,
+             "dha_matmul": [{"M": 16, "dha_ms": 1.0, "copy_then_matmul_ms": 1.0},
+                            {"M": 256, "dha_ms": 4.0, "copy_then_matmul_ms": 1.0}]}
+    links = links_from_probe(cpu_backend, 0, probe)
+    assert (links.h2d_GBps, links.d2h_GBps, links.source) == (20.0, 18.0, "probe")
+    assert links.dha_rows == ((16, 1.0), (256, 4.0))
+    nominal = links_from_probe(cpu_backend, 0, {})
+    assert nominal.source == "topology" and nominal.h2d_GBps == cpu_backend.topology().host_link(0).GBps
+
+
+# ---------------------------------------------------------------------------------------------
+def test_profiler_on_the_cpu_backend_with_a_tiny_gpt(cpu_backend):
+    from bench.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("gpt", layers=2, hidden=64, heads=4, vocab=128, seq=32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    units = split_units(model)
+    x = torch.randint(0, 128, (2, 32))
+    y = torch.randint(0, 128, (2, 32))
+    loss_fn = lambda logits, t: torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), t.reshape(-1))
+    out = model(x)
+    if not isinstance(out, torch.Tensor):  # a model that computes its own loss
+        loss_fn = None
+    prof = profile_step(model, units, cpu_backend, 0, x, y, loss_fn=loss_fn, repeats=1, adamw_numel=100_000)
+    assert len(prof.blocks) == 2
+    for b in prof.blocks:
+        assert b.fwd_s > 0 and b.bwd_s > 0 and b.numel > 0 and b.param_bytes == 4 * b.numel
+        assert b.act_bytes > b.act_bytes_recompute > 0
+    assert prof.rest_fwd_s > 0 and prof.rest_bwd_s > 0 and prof.loss_peak_bytes > 0
+    assert prof.rest_numel == units[-1].numel and prof.tokens == 64 and prof.dtype_bytes == 4
+    assert prof.host_adamw_s_per_param > 0 and prof.device_adamw_s_per_param > 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the model is untouched
+    again = StepProfile.from_json(prof.to_json())
+    assert again == prof and json.loads(prof.to_json())["blocks"][0]["numel"] == prof.blocks[0].numel
+    # and the whole chain runs: profile -> links -> schedule
+    links = links_from_probe(cpu_backend, 0, {})
+    plan = schedule(prof, links, 10 * GB, 2, allow_dha=cpu_backend.caps.dha)
+    assert plan.predicted_step_s > 0 and len(plan.units) == 2
+
+
+@pytest.mark.parametrize("seed", [21, 22])
+def test_dp_is_optimal_against_brute_force_four_blocks(seed):
+    rng = random.Random(seed)
+    prof, links = _fix(random_profile(rng, 4)), random_links(rng)
+    lo = min_budget(prof, links, unit_choices(allow_dha=False), depths=(1,))
+    for budget in (lo, lo * 1.2, lo * 3):
+        best = brute_force(prof, links, budget, allow_dha=False, depths=(1,))
+        assert best is not None
+        plan = schedule(prof, links, budget, 4, allow_dha=False, depths=(1,), explain=False, max_labels=None)
+        assert plan.predicted_step_s == pytest.approx(best[0], rel=1e-9)
