@@ -55,7 +55,8 @@ class UnitPlan:
         recompute: drop the unit's activations after forward and recompute them in backward.
         optimizer: ``"host"``: fp32 master and moments in host memory, updated by the CPU as
             gradients land; ``"device"``: they live on the device and the device updates the
-            unit (needs a resident unit: about 14 bytes per parameter of device memory).
+            unit (needs a resident unit: 14 bytes per parameter of device memory for bf16
+            weights, plus 4 per parameter of gradient while the unit's update runs).
     """
 
     forward: Mode = "prefetch"

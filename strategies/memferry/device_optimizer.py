@@ -6,7 +6,7 @@ time instead of host memory bandwidth. Stream order makes the next forward see t
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -23,10 +23,12 @@ class DeviceOptimizer:
     Args:
         cfg: optimizer settings.
         shadows: all units' buffers; only those with ``home == "device"`` are handled.
+        backend: gives the fp32 gradient buffer memory only while an update needs it.
     """
 
-    def __init__(self, cfg: AdamW, shadows: list[UnitShadow]) -> None:
+    def __init__(self, cfg: AdamW, shadows: list[UnitShadow], backend: Any) -> None:
         self.cfg = cfg
+        self.backend = backend
         self._optims = {s.unit.index: flat_adamw(s.master, s.exp_avg, s.exp_avg_sq, s.step, cfg)
                         for s in shadows if s.home == "device"}
         self._pending: list[UnitShadow] = []
@@ -39,6 +41,7 @@ class DeviceOptimizer:
         """Gather the unit's gradients (upcast into its flat fp32 buffer), average them over
         ranks with ``reduce`` if given, and update the unit, or hold the update until the clip
         coefficient is known."""
+        self.backend.realloc_storage(s.grad)
         for view, (_, p) in zip(s.slices(s.grad), s.unit.params):
             view.copy_(p.grad)
             p.grad = None
@@ -78,5 +81,7 @@ class DeviceOptimizer:
         s.master.grad = s.grad
         opt.step()
         s.master.grad = None
+        self.backend.keep_alive(s.grad, self.backend.current_stream())
+        self.backend.free_storage(s.grad)  # 4 bytes per parameter held only while updating
         s.write_back()
         s.step += 1

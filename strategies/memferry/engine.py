@@ -83,7 +83,7 @@ class MemFerry:
         with self.backend.device_scope(self.device):
             self.shadow = ShadowModel(units, self.backend, self.device, device_homes, self.dp)
         self.optimizer = HostOptimizer(self.cfg, self.shadow.shadows, self.dp)
-        self.device_optimizer = DeviceOptimizer(self.cfg, self.shadow.shadows)
+        self.device_optimizer = DeviceOptimizer(self.cfg, self.shadow.shadows, self.backend)
         self.executor = Executor(self.backend, self.device, self.shadow, plan, self.optimizer, self.device_optimizer)
         self.plan = plan
 

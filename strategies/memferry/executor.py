@@ -57,7 +57,7 @@ class Executor:
         self.d2h = backend.stream(device)
         self.phase = "idle"
         self._loaded: dict[int, Any] = {}  # unit index -> event marking its device copy complete
-        self._device_version: dict[int, int] = {}  # resident units: optimizer step their device copy holds
+        self._stale: set[int] = set()  # host-homed units whose host copy will change (an update is queued)
         self._pending_grads: dict[int, int] = {}
         self._param_unit: dict[int, tuple[UnitShadow, int]] = {}
         self._handles: list[Any] = []
@@ -104,13 +104,10 @@ class Executor:
 
     def invalidate_device_copies(self) -> None:
         """Host copies changed outside the optimizer (a checkpoint load): reload before use."""
-        self._device_version.clear()
-        for index in list(self._loaded):
-            if self.shadow.shadows[index].home == "device":
-                continue
-            if self.unit_plans[index].forward != "resident":
-                self._release(self.shadow.shadows[index])
-        self._loaded.clear()
+        for s in self.shadow.shadows:
+            if s.home == "host":
+                self._release(s)  # prefetched copies go; resident ones stay allocated ...
+                self._stale.add(s.unit.index)  # ... and are reloaded before their next use
 
     def begin_backward(self) -> None:
         """Backward starts: the hooks switch to backward modes."""
@@ -130,8 +127,9 @@ class Executor:
     # ------------------------------------------------------------------ loading and binding
     def _issue_load(self, s: UnitShadow) -> None:
         index = s.unit.index
-        if index in self._loaded:
-            return
+        if s.home == "device" or (index in self._loaded and index not in self._stale):
+            return  # device-homed units are updated in place; a current copy needs no reload
+        self._stale.discard(index)
         self.opt.wait(index)  # the working copy must hold the latest update before it is read
         with self.b.device_scope(self.dev):
             if self.unit_plans[index].forward != "resident":
@@ -147,7 +145,6 @@ class Executor:
             ready.record(self.h2d)
         self.bytes_h2d += s.nbytes_work
         self._loaded[index] = ready
-        self._device_version[index] = s.step
 
     def _use(self, s: UnitShadow, mode: str) -> None:
         index = s.unit.index
@@ -158,11 +155,7 @@ class Executor:
             self.opt.wait(index)
             s.bind(s.dha_views)
             return
-        if mode == "resident":
-            self.opt.wait(index)
-            if self._device_version.get(index) != s.step:
-                self._loaded.pop(index, None)  # stale: the optimizer updated the host copy since
-        self._issue_load(s)
+        self._issue_load(s)  # no-op when a prefetch (or a current resident copy) is there already
         self.compute.wait_event(self._loaded[index])
         s.bind(s.device_views)
 
@@ -248,6 +241,7 @@ class Executor:
             landed = self.b.event()
             landed.record(self.d2h)
         self.bytes_d2h += s.grad_stage.numel() * s.grad_stage.element_size()
+        self._stale.add(s.unit.index)  # its update is about to change the host copy
         for _, p in s.unit.params:
             p.grad = None
         if self.unit_plans[s.unit.index].backward != "dha":

@@ -109,6 +109,7 @@ class ShadowModel:
         exp_avg.zero_()
         exp_avg_sq.zero_()
         grad = b.empty(n, torch.float32, dev)
+        b.free_storage(grad)  # memory only while an update runs (DeviceOptimizer)
         shadow = UnitShadow(unit, work, master, exp_avg, exp_avg_sq, grad, grad, work, offsets, home="device")
         shadow.device_views = shadow.slices(work)
         shadow.bind(shadow.device_views)
