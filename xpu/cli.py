@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("xpu.commands.info", "backend, devices, memory, capabilities and topology"),
     "probe": ("xpu.commands.probe", "measure link bandwidths and DHA matmul; cache the result"),
     "bench": ("bench.cli", "run systems side by side on one model and memory cap"),
+    "train": ("xpu.commands.train", "train a model from a YAML config"),
 }
 
 

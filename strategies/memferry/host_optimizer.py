@@ -102,10 +102,10 @@ class HostOptimizer:
                 opt.state[s.master]["step"] = torch.tensor(float(s.step))
 
     def set_lr(self, lr: float) -> None:
-        """Learning rate for the updates applied from now on (a schedule calls this per step)."""
-        for opt in self._optims:
-            if opt is not None:
-                opt.param_groups[0]["lr"] = lr
+        """Learning rate for updates of gradients submitted from now on (a schedule calls this
+        per step). Queued behind earlier updates, so none of those sees the new rate."""
+        self._raise_if_failed()
+        self._tasks.put(("lr", lr, None))
 
     def close(self) -> None:
         """Stop the worker after the queued work."""
@@ -119,7 +119,8 @@ class HostOptimizer:
 
     def _run(self) -> None:
         # Tasks are (kind, argument, callback): ("grad", unit index, wait-for-landing),
-        # ("norm", None, reply), ("finish", clip coefficient, None), ("stop", None, None).
+        # ("norm", None, reply), ("finish", clip coefficient, None), ("lr", rate, None),
+        # ("stop", None, None).
         while True:
             kind, arg, callback = self._tasks.get()
             if kind == "stop":
@@ -141,6 +142,10 @@ class HostOptimizer:
                         self._pending.append(arg)
                 elif kind == "norm":
                     callback(self._sqnorm)
+                elif kind == "lr":
+                    for opt in self._optims:
+                        if opt is not None:
+                            opt.param_groups[0]["lr"] = arg
                 elif kind == "finish":
                     for i in self._pending:
                         self._update(i, arg)
