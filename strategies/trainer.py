@@ -540,9 +540,10 @@ def _check_memferry(options: dict[str, Any], config: TrainConfig) -> None:
 
     _check_grad_norm(options)
     if not isinstance(options["plan"], str):
-        raise TrainConfigError(f"strategy.options.plan must be a plan name such as 'prefetch+recompute', got {options['plan']!r}")
+        raise TrainConfigError(f"strategy.options.plan must be a plan name such as 'prefetch+recompute' or 'auto', "
+                               f"got {options['plan']!r}")
     n_blocks = config.n_blocks()
-    if n_blocks is not None:
+    if n_blocks is not None and options["plan"] != "auto":
         try:
             Plan.from_spec(options["plan"], n_blocks)
         except ValueError as exc:
@@ -554,9 +555,17 @@ def _build_memferry(model: nn.Module, config: TrainConfig, backend: Any, device:
 
     o, opts = config.optimizer, config.strategy.options
     cfg = AdamW(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=opts["max_grad_norm"])
-    plan = Plan.from_spec(opts["plan"], len(model.blocks))
+    sample = None
+    if opts["plan"] == "auto":  # the scheduler profiles one batch of the run's shape (its values do not matter)
+        g = torch.Generator().manual_seed(config.seed)
+        tokens = torch.randint(0, config.vocab() or 256, (config.batch, config.seq + 1), generator=g)
+        sample = (tokens[:, :-1], tokens[:, 1:])
+        plan: Any = "auto"
+    else:
+        plan = Plan.from_spec(opts["plan"], len(model.blocks))
     # MemFerry is a TrainEngine as it is; its set_lr is queued behind pending host updates.
-    return MemFerry(model, optim=cfg, device_budget=config.device_budget, plan=plan, backend=backend, device=device)
+    return MemFerry(model, optim=cfg, device_budget=config.device_budget, plan=plan, backend=backend, device=device,
+                    sample=sample)
 
 
 class TorchEngine:
@@ -705,6 +714,7 @@ class RunInfo:
     steps: int
     tokens_per_step: int
     resumed_from: str | None
+    plan: str | None = None  # the strategy's explained plan, when it chose one (MemFerry's scheduler)
 
 
 @dataclass
@@ -825,8 +835,8 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
     try:
         if budget is not None and not spec.takes_budget:
             backend.set_memory_cap(device, budget)
-        backend.reset_peak_memory(device)
         engine = spec.build(model, config, backend, device)
+        backend.reset_peak_memory(device)  # after set-up: a scheduler's profiling step is not the run
         start = 0
         if state is not None:
             engine.load_state_dict(state["engine"])
@@ -835,7 +845,8 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
         del model, state
         info = RunInfo(config.name, backend.name, device, dtype_name, params, config.strategy.name,
                        dict(config.strategy.options), budget, data_desc, start, config.steps,
-                       config.batch * config.seq, str(resumed_from) if resumed_from else None)
+                       config.batch * config.seq, str(resumed_from) if resumed_from else None,
+                       engine.plan.describe() if config.strategy.options.get("plan") == "auto" else None)
         callback.on_start(info)
         steps, losses, lrs, times, checkpoints = [], [], [], [], []
         every = config.checkpoint.every if config.checkpoint else 0

@@ -139,11 +139,12 @@ def links_from_probe(backend: "Backend", device: int | None = None, probe: dict[
     return Links(link.GBps, link.GBps, link.GBps if dha_ok else None, H200_DHA_ROWS, "topology")
 
 
-def device_bytes_per_param(dtype_bytes: int) -> int:
+def device_bytes_per_param(dtype_bytes: int, with_grad: bool = False) -> int:
     """Device bytes per parameter of a device-homed unit, as ``ShadowModel`` allocates them:
-    compute-dtype weights, fp32 master (the same buffer in fp32), two fp32 moments and an fp32
-    gradient buffer (18 B in bf16, 16 B in fp32)."""
-    return dtype_bytes + (0 if dtype_bytes == 4 else 4) + 8 + 4
+    compute-dtype weights, fp32 master (the same buffer in fp32) and two fp32 moments (14 B in
+    bf16, 12 B in fp32), plus the fp32 gradient buffer (4 B) ``with_grad``, which holds memory
+    only while the unit's update runs."""
+    return dtype_bytes + (0 if dtype_bytes == 4 else 4) + 8 + (4 if with_grad else 0)
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,7 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
         h=blk.numel * profile.host_adamw_s_per_param if host else 0.0,
         persist=persist,
         act=blk.act_bytes_recompute if unit.recompute else blk.act_bytes,
-        trans=(blk.act_bytes if unit.recompute else 0) + grad_bytes,
+        trans=(blk.act_bytes if unit.recompute else 0) + grad_bytes + (0 if host else blk.numel * 4),
         slot=w if "prefetch" in (unit.forward, unit.backward) else 0,
         host=host,
         prefetch_fwd=unit.forward == "prefetch",
@@ -323,7 +324,7 @@ def finish(state: State, first: OptionCost, profile: "StepProfile", links: Links
         land = pre + state.phi + t_rest + psi + profile.rest_numel * profile.dtype_bytes / d2h
         terms["host optimizer (rest)"] = max(land, pre + state.phi + t_rest + state.m) + h_rest
     bound, step = max(terms.items(), key=lambda kv: kv[1])
-    rest_bytes = profile.rest_numel * (device_bytes_per_param(profile.dtype_bytes) if not rest_host
+    rest_bytes = profile.rest_numel * (device_bytes_per_param(profile.dtype_bytes, with_grad=True) if not rest_host
                                        else profile.dtype_bytes)
     raw = (rest_bytes + profile.input_bytes + state.mem + (prefetch_depth + 1) * state.slot
            + max(profile.loss_peak_bytes, state.trans))

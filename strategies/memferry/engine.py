@@ -8,6 +8,7 @@ or, step by step: ``loss = loss_fn(engine(batch), targets); engine.backward(loss
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Callable
 
@@ -28,6 +29,8 @@ from .units import split_units
 
 __all__ = ["MemFerry"]
 
+_log = logging.getLogger("xpu.memferry")
+
 
 class MemFerry:
     """Train ``model`` with its parameters homed in host memory.
@@ -40,7 +43,10 @@ class MemFerry:
         optim: optimizer settings (AdamW).
         device_budget: most device memory this engine may use, e.g. ``"16GB"`` (None: the
             whole device). Enforced as a per-process cap, as a smaller device would.
-        plan: per-block execution plan; None makes every block ``prefetch`` with depth 1.
+        plan: per-block execution plan: a :class:`Plan`, a :meth:`Plan.from_spec` name,
+            ``"auto"`` (profile one step on ``sample``, then let the scheduler choose under
+            ``device_budget``; the plan is logged and kept in :attr:`plan`), or None (every
+            block ``prefetch``, depth 1).
         loss_fn: ``loss_fn(outputs, targets)`` for :meth:`train_step`; None means the model
             returns the loss itself when called as ``model(inputs, targets)``.
         blocks: the repeated blocks, if auto-detection should not choose.
@@ -49,6 +55,7 @@ class MemFerry:
         process_group: data parallelism over this torch.distributed group (one engine per
             rank, each on its own device and micro-batch; see ``data_parallel.py``). None: the
             whole world when torch.distributed is initialised with several ranks, else none.
+        sample: ``(inputs, targets)`` of one batch, for ``plan="auto"``.
     """
 
     def __init__(
@@ -56,18 +63,23 @@ class MemFerry:
         model: nn.Module,
         optim: AdamW | None = None,
         device_budget: int | str | None = None,
-        plan: Plan | None = None,
+        plan: Plan | str | None = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         blocks: nn.ModuleList | None = None,
         device: int | None = None,
         backend: Backend | None = None,
         process_group: Any = None,
+        sample: tuple[Any, Any] | None = None,
     ) -> None:
         self.backend = backend or xpu.get_backend()
         self.device = self.backend.index_of(device)
         self.cfg = optim or AdamW()
         units = split_units(model, blocks)
         n_blocks = sum(u.is_block for u in units)
+        if plan == "auto":
+            plan = self._schedule(model, units, blocks, loss_fn, sample, device_budget, n_blocks)
+        elif isinstance(plan, str):
+            plan = Plan.from_spec(plan, n_blocks)
         plan = plan or Plan.uniform(n_blocks, UnitPlan("prefetch", "prefetch"))
         check_plan(plan, n_blocks, self.backend)  # before anything touches the model
         if device_budget is not None:
@@ -86,6 +98,25 @@ class MemFerry:
         self.device_optimizer = DeviceOptimizer(self.cfg, self.shadow.shadows, self.backend)
         self.executor = Executor(self.backend, self.device, self.shadow, plan, self.optimizer, self.device_optimizer)
         self.plan = plan
+
+    def _schedule(self, model: nn.Module, units: list, blocks: Any, loss_fn: Any, sample: Any,
+                  device_budget: Any, n_blocks: int) -> Plan:
+        """Profile one step and pick the fastest plan the budget allows (the scheduler)."""
+        from xpu.units import parse_bytes
+
+        from .cost import links_from_probe
+        from .profiler import profile_step
+        from .scheduler import schedule
+
+        if sample is None:
+            raise ValueError("plan='auto' profiles one step first: pass sample=(inputs, targets) of one batch")
+        inputs, targets = sample
+        profile = profile_step(model, units, self.backend, self.device, inputs, targets, loss_fn=loss_fn, blocks=blocks)
+        budget = parse_bytes(device_budget) if device_budget is not None else self.backend.mem_info(self.device)[0]
+        plan = schedule(profile, links_from_probe(self.backend, self.device), budget, n_blocks,
+                        allow_dha=self.backend.caps.dha)
+        _log.info("MemFerry plan for %s:\n%s", type(model).__name__, plan.describe())
+        return plan
 
     # ------------------------------------------------------------------ training
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:

@@ -98,7 +98,7 @@ def _pareto(labels: list[_Label], cap: int | None) -> tuple[list[_Label], bool]:
 
 
 def _fixed_bytes(profile: "StepProfile", rest_optimizer: str) -> int:
-    per = device_bytes_per_param(profile.dtype_bytes) if rest_optimizer == "device" else profile.dtype_bytes
+    per = device_bytes_per_param(profile.dtype_bytes, with_grad=True) if rest_optimizer == "device" else profile.dtype_bytes
     return profile.rest_numel * per + profile.input_bytes
 
 

@@ -85,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"data: {info.data}; {info.tokens_per_step:,} tokens per step")
             if info.resumed_from:
                 console.print(f"resumed from {info.resumed_from} at step {info.start_step}")
+            if info.plan:
+                console.print(f"plan chosen by the scheduler:\n{info.plan}")
             if not args.no_progress:
                 self.progress = Progress(
                     TextColumn("step"), MofNCompleteColumn(), BarColumn(),
