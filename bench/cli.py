@@ -49,16 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    import yaml
-
+    from .config_checks import parse_set_items
     from .scenario import ScenarioError
 
-    out: dict[str, Any] = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ScenarioError(f"--set takes KEY=VALUE, got {item!r}")
-        out[key.strip()] = yaml.safe_load(value)
+    out = parse_set_items(args.set, ScenarioError)
     simple = {"device_mem_gb": args.device_mem_gb, "host_mem_gb": args.host_mem_gb, "steps": args.steps,
               "warmup": args.warmup, "loss_after": args.loss_after, "dtype": args.dtype, "timeout_s": args.timeout,
               "max_model.knob": args.knob}

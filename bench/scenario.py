@@ -36,7 +36,7 @@ from typing import Any
 
 from xpu.errors import XpuError
 
-from .models import validate_dims
+from .config_checks import apply_overrides, check_model_section, nonneg_int, positive_int
 
 __all__ = ["Scenario", "SystemEntry", "MaxModelConfig", "ScenarioError", "load_scenario", "resolve_scenario_path",
            "KNOBS", "EXAMPLES_DIR"]
@@ -196,12 +196,7 @@ class Scenario:
         """
         from .systems import discovery_errors, registered_systems
 
-        if not isinstance(self.model, dict) or "family" not in self.model:
-            raise ScenarioError("'model' must be a mapping with a 'family' (gpt, llama or hf) and its dimensions")
-        try:
-            validate_dims(self.family, self.model_dims())
-        except ValueError as exc:
-            raise ScenarioError(f"model: {exc}") from None
+        check_model_section(self.model, self.family, self.model_dims(), ScenarioError)
         for key in ("batch", "seq", "steps"):
             _positive_int(key, getattr(self, key))
         _nonneg_int("warmup", self.warmup)
@@ -291,13 +286,11 @@ def _entry(item: Any) -> SystemEntry:
 
 
 def _positive_int(key: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ScenarioError(f"{key} must be a positive integer, got {value!r}")
+    positive_int(key, value, ScenarioError)
 
 
 def _nonneg_int(key: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ScenarioError(f"{key} must be a non-negative integer, got {value!r}")
+    nonneg_int(key, value, ScenarioError)
 
 
 def _positive_or_none(key: str, value: Any) -> None:
@@ -341,14 +334,5 @@ def load_scenario(source: str | Path | dict[str, Any], overrides: dict[str, Any]
             data = yaml.safe_load(path.read_text())
         except yaml.YAMLError as exc:
             raise ScenarioError(f"{path}: not valid YAML: {exc}") from None
-    for dotted, value in (overrides or {}).items():
-        if not isinstance(data, dict):
-            break
-        node = data
-        parts = dotted.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ScenarioError(f"cannot set {dotted!r}: {part!r} is not a mapping")
-        node[parts[-1]] = value
+    apply_overrides(data, overrides, ScenarioError)
     return Scenario.from_dict(data, name=name)

@@ -54,6 +54,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
+from bench.config_checks import apply_overrides, check_model_section, nonneg_int, positive_int, positive_number
 from xpu.errors import XpuError
 
 __all__ = [
@@ -228,14 +229,7 @@ class TrainConfig:
         Raises:
             TrainConfigError: what is wrong, with the valid values.
         """
-        from bench.models import validate_dims
-
-        if not isinstance(self.model, dict) or "family" not in self.model:
-            raise TrainConfigError("'model' must be a mapping with a 'family' (gpt, llama or hf) and its dimensions")
-        try:
-            validate_dims(self.family, self.model_dims())
-        except ValueError as exc:
-            raise TrainConfigError(f"model: {exc}") from None
+        check_model_section(self.model, self.family, self.model_dims(), TrainConfigError)
         for key in ("steps", "batch", "seq", "log_every"):
             _positive_int(key, getattr(self, key))
         _nonneg_int("seed", self.seed)
@@ -349,18 +343,15 @@ def _section_strategy(value: Any) -> StrategyConfig:
 
 
 def _positive_int(key: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise TrainConfigError(f"{key} must be a positive integer, got {value!r}")
+    positive_int(key, value, TrainConfigError)
 
 
 def _nonneg_int(key: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise TrainConfigError(f"{key} must be a non-negative integer, got {value!r}")
+    nonneg_int(key, value, TrainConfigError)
 
 
 def _positive_number(key: str, value: Any) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise TrainConfigError(f"{key} must be a positive number, got {value!r}")
+    positive_number(key, value, TrainConfigError)
 
 
 def load_config(source: str | Path | dict[str, Any], overrides: dict[str, Any] | None = None) -> TrainConfig:
@@ -385,20 +376,8 @@ def load_config(source: str | Path | dict[str, Any], overrides: dict[str, Any] |
             data = yaml.safe_load(path.read_text())
         except yaml.YAMLError as exc:
             raise TrainConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
-    for dotted, value in (overrides or {}).items():
-        if not isinstance(data, dict):
-            break
-        node = data
-        parts = dotted.split(".")
-        for part in parts[:-1]:
-            if isinstance(node.get(part), str) and part == "strategy":
-                node[part] = {"name": node[part]}  # `--set strategy.options.x=` on a bare-name strategy
-            if node.get(part) is None:
-                node[part] = {}  # `--set checkpoint.dir=` where the file says `checkpoint: null`
-            node = node[part]
-            if not isinstance(node, dict):
-                raise TrainConfigError(f"cannot set {dotted!r}: {part!r} is not a mapping")
-        node[parts[-1]] = value
+    # `--set strategy.options.x=` on a bare-name strategy; `--set checkpoint.dir=` on `checkpoint: null`
+    apply_overrides(data, overrides, TrainConfigError, promote={"strategy": "name"})
     return TrainConfig.from_dict(data, name=name, base_dir=base_dir)
 
 

@@ -31,19 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    import yaml
-
+    from bench.config_checks import parse_set_items
     from strategies.trainer import TrainConfigError
 
-    out: dict[str, Any] = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise TrainConfigError(f"--set takes KEY=VALUE, got {item!r}")
-        try:
-            out[key.strip()] = yaml.safe_load(value)
-        except yaml.YAMLError:
-            raise TrainConfigError(f"--set {item!r}: the value is not valid YAML") from None
+    out = parse_set_items(args.set, TrainConfigError)
     if args.steps is not None:
         out["steps"] = args.steps
     if args.resume is not None:

@@ -1,0 +1,82 @@
+"""Checks and overrides shared by the YAML configs of ``xpu bench`` scenarios and ``xpu train``.
+
+Each check raises the caller's own error type (a ``ValueError`` subclass), so every message a
+user sees names the file kind it came from.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["positive_int", "nonneg_int", "positive_number", "check_model_section", "apply_overrides",
+           "parse_set_items"]
+
+
+def positive_int(key: str, value: Any, error: type[Exception] = ValueError) -> None:
+    """``value`` must be an int >= 1 (bools refused)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise error(f"{key} must be a positive integer, got {value!r}")
+
+
+def nonneg_int(key: str, value: Any, error: type[Exception] = ValueError) -> None:
+    """``value`` must be an int >= 0 (bools refused)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise error(f"{key} must be a non-negative integer, got {value!r}")
+
+
+def positive_number(key: str, value: Any, error: type[Exception] = ValueError) -> None:
+    """``value`` must be an int or float > 0 (bools refused)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise error(f"{key} must be a positive number, got {value!r}")
+
+
+def check_model_section(model: Any, family: str, dims: dict[str, Any], error: type[Exception] = ValueError) -> None:
+    """The ``model:`` mapping names a known family with valid dimensions (see ``bench.models``)."""
+    from .models import validate_dims
+
+    if not isinstance(model, dict) or "family" not in model:
+        raise error("'model' must be a mapping with a 'family' (gpt, llama or hf) and its dimensions")
+    try:
+        validate_dims(family, dims)
+    except ValueError as exc:
+        raise error(f"model: {exc}") from None
+
+
+def apply_overrides(data: Any, overrides: dict[str, Any] | None, error: type[Exception] = ValueError,
+                    promote: dict[str, str] | None = None) -> None:
+    """Set dotted keys (``{"model.layers": 4}``) in a loaded YAML mapping, in place.
+
+    Missing or null intermediate mappings are created (``checkpoint: null`` then
+    ``checkpoint.dir=...``); ``promote`` turns a bare string at a key into a mapping under the
+    given field first (``{"strategy": "name"}``: ``strategy: memferry`` becomes
+    ``{name: memferry}`` so ``strategy.options.plan=`` can be set).
+    """
+    for dotted, value in (overrides or {}).items():
+        if not isinstance(data, dict):
+            return
+        node = data
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            if promote and part in promote and isinstance(node.get(part), str):
+                node[part] = {promote[part]: node[part]}
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+            if not isinstance(node, dict):
+                raise error(f"cannot set {dotted!r}: {part!r} is not a mapping")
+        node[parts[-1]] = value
+
+
+def parse_set_items(items: list[str] | None, error: type[Exception] = ValueError) -> dict[str, Any]:
+    """``["model.layers=2", "steps=3"]`` (a CLI's repeated ``--set``) -> dotted overrides, values read as YAML."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise error(f"--set takes KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise error(f"--set {item!r}: the value is not valid YAML") from None
+    return out
