@@ -38,8 +38,8 @@ class MemFerry:
     Args:
         model: an ordinary module on the host, with a ``ModuleList`` of repeated blocks (or
             pass ``blocks=``). The engine takes it over: its parameters become views of the
-            engine's buffers (read them with :meth:`state_dict`). All trainable parameters must share one dtype: the compute
-            dtype (bf16 for speed, fp32 for exactness checks).
+            engine's buffers (read them with :meth:`state_dict`). All trainable parameters
+            must share one dtype, the compute dtype (bf16 for speed, fp32 for exactness).
         optim: optimizer settings (AdamW).
         device_budget: most device memory this engine may use, e.g. ``"16GB"`` (None: the
             whole device). Enforced as a per-process cap, as a smaller device would.
