@@ -360,7 +360,8 @@ def run_spec(spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | 
         if isinstance(exc, KeyboardInterrupt):
             raise
         row["status"], row["reason"] = _classify(exc, sys_spec.requires)
-        if backend is not None and row.get("peak_device_gb") is None:
+        # A system whose memory this process cannot see (stages in other processes) gets no figure.
+        if backend is not None and row.get("peak_device_gb") is None and getattr(system, "tracks_device_memory", True):
             try:
                 stats = backend.memory_stats(dev)
                 row["peak_device_gb"] = stats.peak_allocated / _GB

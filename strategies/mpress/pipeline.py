@@ -18,6 +18,10 @@ A job (:class:`PipelineJob`):
    schedule (GPipe or 1F1B), recording losses, the last step's gradients, measured peaks
    and executor statistics.
 
+:class:`StageRuntime` is one rank's stage after steps 1-3, steppable any number of times;
+the benchmark system (:mod:`strategies.mpress.bench_system`) keeps one per stage process alive
+across training steps.
+
 :func:`reference` runs the same model unpipelined for comparison.
 """
 from __future__ import annotations
@@ -29,11 +33,11 @@ import socket
 import tempfile
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-__all__ = ["PipelineJob", "launch", "run_jobs", "reference", "SCHEDULES", "free_port"]
+__all__ = ["PipelineJob", "StageRuntime", "launch", "run_jobs", "reference", "SCHEDULES", "free_port"]
 
 #: Schedule names accepted by :class:`PipelineJob`.
 SCHEDULES = ("gpipe", "1f1b")
@@ -59,6 +63,7 @@ class PipelineJob:
         profile: run the profiled iteration even when ``plan`` does not need it.
         min_bytes: saved tensors smaller than this are always kept.
         overlap: override for the planner's copy/compute overlap (None: ``caps.async_copy``).
+        dtype: parameter dtype of the model (None: fp32, the default of :func:`bench.models.build_model`).
     """
 
     dims: dict[str, Any]
@@ -75,6 +80,7 @@ class PipelineJob:
     profile: bool = False
     min_bytes: int = 1024
     overlap: bool | None = None
+    dtype: torch.dtype | None = None
 
     def validate(self, stages: int) -> None:
         """Check the job against a pipeline of ``stages`` stages; raises ValueError with the reason."""
@@ -115,7 +121,7 @@ def reference(job: PipelineJob) -> dict[str, Any]:
     from bench.models import build_model
 
     torch.manual_seed(job.seed)
-    model = build_model(job.family, **job.dims)
+    model = build_model(job.family, dtype=job.dtype, **job.dims)
     idx, tgt = _data(job)
     opt = torch.optim.SGD(model.parameters(), lr=job.lr) if job.lr else None
     losses = []
@@ -204,33 +210,166 @@ def _profile_of(executor: Any, stage: Any, rank: int, peak: int, microbatches: i
                         inflight=max(1, executor.max_inflight), microbatches=microbatches)
 
 
-def _run_job(job: PipelineJob, rank: int, world: int, backend: Any) -> dict[str, Any]:
-    import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+class StageRuntime:
+    """One rank's pipeline stage, built, profiled, planned and ready to train.
 
-    from bench.models import build_model
-    from xpu.units import parse_bytes
+    The constructor does steps 1-3 of a job (build the stage on device ``rank``, profile if
+    the plan needs it, plan on rank 0 and open the peer pools); it is collective, so every
+    rank of the group must construct its runtime together. Afterwards :meth:`step` runs one
+    pipelined forward/backward (gradients accumulate in the stage's parameters; the caller
+    zeroes them and steps its optimizer) and :meth:`close` releases the pools (also collective).
+    :func:`run_jobs` drives one per job; the benchmark system keeps one alive across steps.
 
-    from .executor import StageExecutor
-    from .planner import InfeasibleBudgetError, Plan, format_plan, link_rates, plan_offload
-    from .stages import lm_loss, split_model
+    Attributes:
+        job: the job it was built for.
+        rank, world: this stage's index and the pipeline depth.
+        stage: this rank's :class:`~strategies.mpress.stages.StageModule`, on device ``rank``.
+        budgets: device -> byte budget (the job's, parsed).
+        profile: this stage's profile, when one was taken.
+        plan: the plan every rank agreed on (None when infeasible).
+        infeasible: the planner's :class:`~strategies.mpress.planner.InfeasibleBudgetError`, or None.
+        decisions: this stage's per-block decisions.
+        result: what :func:`run_jobs` reports so far (``plan_text``, ``profile``, ``calibration``).
+    """
 
-    torch.manual_seed(job.seed)
-    model = build_model(job.family, **job.dims)  # host memory, not counted: only this stage moves to the device
-    stage = split_model(model, world, list(job.counts) if job.counts else None)[rank]
-    del model
-    with backend.device_scope(rank):
-        for p in stage.parameters():
-            p.data = backend.to_device(p.data, rank)
-    idx, tgt = _data(job)
-    params = list(stage.parameters())
-    stage.executor = StageExecutor(backend, rank, params=params, min_bytes=job.min_bytes)
-    pipe = PipelineStage(stage, rank, world, backend.device(rank))
-    schedule = (ScheduleGPipe if job.schedule == "gpipe" else Schedule1F1B)(pipe, job.microbatches, loss_fn=lm_loss)
+    def __init__(self, job: PipelineJob, rank: int, world: int, backend: Any,
+                 prepare: Callable[[torch.nn.Module], None] | None = None) -> None:
+        """Build, profile and plan this rank's stage (collective).
 
-    def one_step() -> list[float]:
-        losses: list[torch.Tensor] = []
+        Args:
+            job: the job.
+            rank, world: this stage's index and the pipeline depth.
+            backend: the process's :class:`xpu.Backend`.
+            prepare: called with the stage once its parameters are on the device, under the
+                device's scope and before any profiling (e.g. to allocate optimizer states so
+                that the profiled peaks and hence the plan count them).
+        """
+        import torch.distributed as dist
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        from bench.models import build_model
+        from xpu.units import parse_bytes
+
+        from .executor import StageExecutor
+        from .planner import InfeasibleBudgetError, Plan, format_plan, link_rates, plan_offload
+        from .stages import lm_loss, split_model
+
+        self.job, self.rank, self.world, self.backend = job, rank, world, backend
+        torch.manual_seed(job.seed)
+        # Host memory, not counted: only this stage moves to the device.
+        model = build_model(job.family, dtype=job.dtype, **job.dims)
+        stage = split_model(model, world, list(job.counts) if job.counts else None)[rank]
+        del model
         with backend.device_scope(rank):
+            for p in stage.parameters():
+                p.data = backend.to_device(p.data, rank)
+            if prepare is not None:
+                prepare(stage)
+        self.stage = stage
+        idx, tgt = _data(job)
+        params = list(stage.parameters())
+        stage.executor = StageExecutor(backend, rank, params=params, min_bytes=job.min_bytes)
+        pipe = PipelineStage(stage, rank, world, backend.device(rank))
+        self._schedule = (ScheduleGPipe if job.schedule == "gpipe" else Schedule1F1B)(pipe, job.microbatches,
+                                                                                     loss_fn=lm_loss)
+
+        def one_step() -> None:
+            self.step(idx, tgt)
+
+        self.budgets = budgets = {int(d): parse_bytes(b) for d, b in (job.budgets or {}).items()}
+        self.result: dict[str, Any] = {"rank": rank}
+        self.plan: Any = None
+        self.infeasible: Any = None
+        self.decisions: dict[int, Any] = {}
+        self.owned: list[Any] = []
+        self.regions: dict[int, Any] = {}
+        profile = None
+        if job.plan == "auto" or job.profile:
+            # The first step also infers shapes (an extra forward without backward): profile the second.
+            one_step()
+            stage.zero_grad(set_to_none=True)
+            stage.executor.profiling = True
+            backend.reset_peak_memory(rank)
+            one_step()
+            stage.executor.profiling = False
+            profile = _profile_of(stage.executor, stage, rank, backend.memory_stats(rank).peak_allocated,
+                                  job.microbatches)
+            stage.zero_grad(set_to_none=True)
+            self.result["profile"] = profile
+        self.profile = profile
+        profiles: list[Any] = [None] * world
+        dist.all_gather_object(profiles, profile)
+
+        # Plan, then check the plan by one uncapped step: the model predicts peaks, the cap is
+        # enforced on measured ones. A device that overshoots gets its planning budget lowered by
+        # the overshoot and the plan is redone (a few rounds at most).
+        plan_budgets = {d: budgets.get(d, backend.mem_info(d)[1]) for d in range(world)}
+        for attempt in range(4):
+            box: list[Any] = [None]
+            if rank == 0:
+                try:
+                    if job.plan == "auto":
+                        host_rate, peer_rate = link_rates(backend)
+                        overlap = backend.caps.async_copy if job.overlap is None else job.overlap
+                        # Peer pools need buffers other processes can open: without caps.ipc only host swap remains.
+                        box[0] = plan_offload(profiles, plan_budgets, host_rate=host_rate, peer_rate=peer_rate,
+                                              allow_peer=backend.caps.ipc and backend.caps.peer_access, overlap=overlap)
+                    elif isinstance(job.plan, dict):
+                        box[0] = Plan.forced(job.plan, profiles if profile is not None else None, region_bytes=1 << 20)
+                    else:
+                        box[0] = Plan.forced({})
+                except InfeasibleBudgetError as exc:
+                    if attempt:  # the minimum was found with lowered budgets: state it against the real ones
+                        minimum = {d: need + budgets.get(d, need) - plan_budgets[d] for d, need in exc.minimum.items()}
+                        exc = InfeasibleBudgetError(str(exc) + " (after measuring the plan's real peaks)", minimum)
+                    box[0] = exc
+            dist.broadcast_object_list(box, src=0)
+            plan = box[0]
+            if isinstance(plan, InfeasibleBudgetError):
+                self.infeasible = plan
+                return
+            self.plan = plan
+            self.result["plan_text"] = format_plan(plan)
+            self.owned, _handles, self.regions = _open_pools(plan, rank, world, backend)
+            self.decisions = plan.decisions(rank) if rank < len(plan.stages) else {}
+            stage.executor = StageExecutor(backend, rank, self.decisions, params=params, peer_regions=self.regions,
+                                           min_bytes=job.min_bytes)
+            if job.plan != "auto" or not budgets:
+                break
+            gc.collect()
+            backend.reset_peak_memory(rank)
+            one_step()
+            stage.zero_grad(set_to_none=True)
+            peaks: list[Any] = [None] * world
+            dist.all_gather_object(peaks, backend.memory_stats(rank).peak_allocated)
+            over = {d: peaks[d] - budgets[d] for d in budgets if d < world and peaks[d] > budgets[d]}
+            self.result.setdefault("calibration", []).append(peaks)
+            if not over or attempt == 3:  # after the last round the capped steps report any overshoot as OOM
+                break
+            for d, extra in over.items():
+                plan_budgets[d] -= extra
+            dist.barrier()  # nobody writes into the pools any more
+            self.owned, self.regions = [], {}
+            stage.executor = None
+            gc.collect()
+
+    def apply_cap(self) -> None:
+        """Cap this stage's device at its budget (if the job gives it one) and reset the peak counter."""
+        if self.rank in self.budgets:
+            self.backend.set_memory_cap(self.rank, self.budgets[self.rank])
+        gc.collect()
+        self.backend.reset_peak_memory(self.rank)
+
+    def step(self, idx: torch.Tensor | None, tgt: torch.Tensor | None) -> list[torch.Tensor]:
+        """One pipelined forward and backward of the whole batch; the last stage's per-micro-batch losses.
+
+        ``idx`` is read by the first stage, ``tgt`` by the last (others may pass None).
+        Gradients accumulate into the stage's parameters (scaled so that they are the
+        gradients of the mean over micro-batches).
+        """
+        stage, schedule = self.stage, self._schedule
+        losses: list[torch.Tensor] = []
+        with self.backend.device_scope(self.rank):
             if stage.is_first and stage.is_last:
                 schedule.step(idx, target=tgt, losses=losses)
             elif stage.is_first:
@@ -239,85 +378,31 @@ def _run_job(job: PipelineJob, rank: int, world: int, backend: Any) -> dict[str,
                 schedule.step(target=tgt, losses=losses)
             else:
                 schedule.step()
-        return [float(l.detach()) for l in losses]
+        return [l.detach() for l in losses]
 
-    budgets = {int(d): parse_bytes(b) for d, b in (job.budgets or {}).items()}
-    result: dict[str, Any] = {"rank": rank}
-    profile = None
-    if job.plan == "auto" or job.profile:
-        # The first step also infers shapes (an extra forward without backward): profile the second.
-        one_step()
-        stage.zero_grad(set_to_none=True)
-        stage.executor.profiling = True
-        backend.reset_peak_memory(rank)
-        one_step()
-        stage.executor.profiling = False
-        profile = _profile_of(stage.executor, stage, rank, backend.memory_stats(rank).peak_allocated, job.microbatches)
-        stage.zero_grad(set_to_none=True)
-        result["profile"] = profile
-    profiles: list[Any] = [None] * world
-    dist.all_gather_object(profiles, profile)
+    def close(self) -> None:
+        """Wait until no stage writes into the peer pools any more, then free them (collective)."""
+        import torch.distributed as dist
 
-    # Plan, then check the plan by one uncapped step: the model predicts peaks, the cap is
-    # enforced on measured ones. A device that overshoots gets its planning budget lowered by
-    # the overshoot and the plan is redone (a few rounds at most).
-    plan_budgets = {d: budgets.get(d, backend.mem_info(d)[1]) for d in range(world)}
-    for attempt in range(4):
-        box: list[Any] = [None]
-        if rank == 0:
-            try:
-                if job.plan == "auto":
-                    host_rate, peer_rate = link_rates(backend)
-                    overlap = backend.caps.async_copy if job.overlap is None else job.overlap
-                    # Peer pools need buffers other processes can open: without caps.ipc only host swap remains.
-                    box[0] = plan_offload(profiles, plan_budgets, host_rate=host_rate, peer_rate=peer_rate,
-                                          allow_peer=backend.caps.ipc and backend.caps.peer_access, overlap=overlap)
-                elif isinstance(job.plan, dict):
-                    box[0] = Plan.forced(job.plan, profiles if profile is not None else None, region_bytes=1 << 20)
-                else:
-                    box[0] = Plan.forced({})
-            except InfeasibleBudgetError as exc:
-                if attempt:  # the minimum was found with lowered budgets: state it against the real ones
-                    minimum = {d: need + budgets.get(d, need) - plan_budgets[d] for d, need in exc.minimum.items()}
-                    exc = InfeasibleBudgetError(str(exc) + " (after measuring the plan's real peaks)", minimum)
-                box[0] = exc
-        dist.broadcast_object_list(box, src=0)
-        plan = box[0]
-        if isinstance(plan, InfeasibleBudgetError):
-            return {"rank": rank, "error": str(plan), "minimum": plan.minimum, "profile": profile}
-        result["plan_text"] = format_plan(plan)
-        owned, handles, regions = _open_pools(plan, rank, world, backend)
-        decisions = plan.decisions(rank) if rank < len(plan.stages) else {}
-        stage.executor = StageExecutor(backend, rank, decisions, params=params, peer_regions=regions,
-                                       min_bytes=job.min_bytes)
-        if job.plan != "auto" or not budgets:
-            break
+        dist.barrier()
+        self.owned, self.regions = [], {}
+        self.stage.executor = None
         gc.collect()
-        backend.reset_peak_memory(rank)
-        one_step()
-        stage.zero_grad(set_to_none=True)
-        peaks: list[Any] = [None] * world
-        dist.all_gather_object(peaks, backend.memory_stats(rank).peak_allocated)
-        over = {d: peaks[d] - budgets[d] for d in budgets if d < world and peaks[d] > budgets[d]}
-        result.setdefault("calibration", []).append(peaks)
-        if not over or attempt == 3:  # after the last round the capped steps report any overshoot as OOM
-            break
-        for d, extra in over.items():
-            plan_budgets[d] -= extra
-        dist.barrier()  # nobody writes into the pools any more
-        owned, regions = [], {}
-        stage.executor = None
-        gc.collect()
+
+
+def _run_job(job: PipelineJob, rank: int, world: int, backend: Any) -> dict[str, Any]:
+    rt = StageRuntime(job, rank, world, backend)
+    if rt.infeasible is not None:
+        return {"rank": rank, "error": str(rt.infeasible), "minimum": rt.infeasible.minimum, "profile": rt.profile}
+    stage, result = rt.stage, rt.result
+    idx, tgt = _data(job)
     opt = torch.optim.SGD(stage.parameters(), lr=job.lr) if job.lr else None
-    if rank in budgets:
-        backend.set_memory_cap(rank, budgets[rank])
-    gc.collect()
-    backend.reset_peak_memory(rank)
+    rt.apply_cap()
     losses: list[list[float]] = []
     try:
         for step in range(job.steps):
             stage.zero_grad(set_to_none=True)
-            losses.append(one_step())
+            losses.append([float(l) for l in rt.step(idx, tgt)])
             if opt is not None and step < job.steps - 1:
                 with backend.device_scope(rank):
                     opt.step()
@@ -333,14 +418,11 @@ def _run_job(job: PipelineJob, rank: int, world: int, backend: Any) -> dict[str,
     result["losses"] = losses
     result["grads"] = {n: p.grad.detach().clone() for n, p in stage.named_parameters() if p.grad is not None}
     result["stats"] = stage.executor.stats.as_dict()
-    result["region_peak"] = {j: stage.executor.region_peak(j) for j in regions}
-    result["hosted_pool_bytes"] = sum(b.numel() for b in owned)
-    result["decisions"] = {b: str(d) for b, d in decisions.items()}
+    result["region_peak"] = {j: stage.executor.region_peak(j) for j in rt.regions}
+    result["hosted_pool_bytes"] = sum(b.numel() for b in rt.owned)
+    result["decisions"] = {b: str(d) for b, d in rt.decisions.items()}
     # Everyone must be done writing into the pools before owners free them.
-    dist.barrier()
-    del owned, regions
-    stage.executor = None
-    gc.collect()
+    rt.close()
     return result
 
 
