@@ -17,7 +17,7 @@ import torch
 
 from ..models import CausalLM, build_model
 
-__all__ = ["SystemContext", "BenchSystem", "phase", "DTYPES", "init_single_process_group"]
+__all__ = ["SystemContext", "BenchSystem", "phase", "module_step", "engine_step", "DTYPES", "init_single_process_group"]
 
 #: scenario dtype names -> torch dtypes
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -98,6 +98,32 @@ def phase(name: str) -> Iterator[None]:
     """Label a part of a step (``bench:<name>``) in the profiler timeline."""
     with torch.profiler.record_function(f"bench:{name}"):
         yield
+
+
+def module_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor,
+                autocast: Any = contextlib.nullcontext) -> torch.Tensor:
+    """One labelled step of a plain module and a torch optimizer: ``model(inputs, targets)``
+    returns the loss; backward; ``optimizer.step()`` and zeroed gradients."""
+    with phase("forward"), autocast():
+        loss = model(inputs, targets)
+    with phase("backward"):
+        loss.backward()
+    with phase("optimizer"):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def engine_step(engine: Any, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """One labelled step of an engine with DeepSpeed's calling convention (MemFerry has it too):
+    ``loss = engine(inputs, targets)``, ``engine.backward(loss)``, ``engine.step()``."""
+    with phase("forward"):
+        loss = engine(inputs, targets)
+    with phase("backward"):
+        engine.backward(loss)
+    with phase("optimizer"):
+        engine.step()
+    return loss.detach()
 
 
 def init_single_process_group(backend_name: str) -> None:

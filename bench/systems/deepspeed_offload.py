@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .base import BenchSystem, SystemContext, phase
+from .base import BenchSystem, SystemContext, engine_step
 
 __all__ = ["DeepSpeedSystem", "ds_config", "make_z2", "make_z3", "make_twinflow", "make_zenflow"]
 
@@ -125,13 +125,7 @@ class DeepSpeedSystem(BenchSystem):
             self.notes += ", zenflow " + ", ".join(f"{k}={v}" for k, v in self.config["zero_optimization"]["zenflow"].items())
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with phase("forward"):
-            loss = self.engine(inputs, targets)
-        with phase("backward"):
-            self.engine.backward(loss)
-        with phase("optimizer"):
-            self.engine.step()
-        return loss.detach()
+        return engine_step(self.engine, inputs, targets)
 
     def close(self) -> None:
         # ZenFlow's overlapped optimizer runs in a child process; ask the optimizer to stop it.

@@ -19,7 +19,7 @@ import contextlib
 
 import torch
 
-from .base import BenchSystem, SystemContext, init_single_process_group, phase
+from .base import BenchSystem, SystemContext, init_single_process_group, module_step
 
 __all__ = ["FSDP2OffloadSystem", "make"]
 
@@ -69,14 +69,7 @@ class FSDP2OffloadSystem(BenchSystem):
             return self._step(inputs, targets)
 
     def _step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with phase("forward"):
-            loss = self.model(inputs, targets)
-        with phase("backward"):
-            loss.backward()
-        with phase("optimizer"):
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return module_step(self.model, self.optimizer, inputs, targets)
 
     def close(self) -> None:
         import torch.distributed as dist

@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from .base import BenchSystem, SystemContext, phase
+from .base import BenchSystem, SystemContext, module_step
 
 __all__ = ["TorchSystem", "make"]
 
@@ -35,14 +35,7 @@ class TorchSystem(BenchSystem):
         self.notes = f"precision={precision}" + (", recompute per block" if self.model.recompute else "")
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with phase("forward"), self._autocast():
-            loss = self.model(inputs, targets)
-        with phase("backward"):
-            loss.backward()
-        with phase("optimizer"):
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return module_step(self.model, self.optimizer, inputs, targets, self._autocast)
 
 
 def make(ctx: SystemContext) -> TorchSystem:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.systems.base import BenchSystem, SystemContext, phase
+from bench.systems.base import BenchSystem, SystemContext, engine_step
 
 from .config import AdamW, Plan
 from .engine import MemFerry
@@ -44,13 +44,7 @@ class MemFerrySystem(BenchSystem):
             print(f"memferry plan chosen by the scheduler:\n{self.engine.plan.describe()}", flush=True)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with phase("forward"):
-            loss = self.engine(inputs, targets)
-        with phase("backward"):
-            self.engine.backward(loss)
-        with phase("optimizer"):
-            self.engine.step()
-        return loss.detach()
+        return engine_step(self.engine, inputs, targets)
 
     def close(self) -> None:
         self.engine.close()
