@@ -53,7 +53,8 @@ def timeline_lanes(raw: dict[str, Any], label: str = "", optimizer_on_host: bool
 
     Device kernels and memsets go to "compute", memcpys to the lane of their direction;
     the worker's ``bench:<phase>`` markers go to the phase lanes; when the system runs its
-    optimizer on the host, its ``bench:optimizer`` span goes to "CPU optimizer" too, and
+    optimizer on the host, its ``bench:optimizer`` span goes to "CPU optimizer" too, as do
+    spans a strategy names ``optimizer:host ...`` (MemFerry's per-block host updates), and
     host ops whose names mention Adam or an optimizer to "CPU optimizer ops". On a backend
     with no device trace (the cpu reference) the forward and backward phases stand in for
     compute. Times are in microseconds from the first event.
@@ -83,6 +84,8 @@ def timeline_lanes(raw: dict[str, Any], label: str = "", optimizer_on_host: bool
             add("phases", e)
             if name == "bench:optimizer" and optimizer_on_host:
                 add("cpu_optimizer", e)
+        elif cat == "user_annotation" and name.startswith("optimizer:host"):
+            add("cpu_optimizer", e)  # a strategy's own span around one host update (any thread)
         elif cat == "cpu_op" and optimizer_on_host and _OPTIMIZER_OP.search(name):
             add("cpu_optimizer_ops", e)
     if not has_device:

@@ -238,6 +238,17 @@ def _classify(exc: BaseException, requires: tuple[str, ...]) -> tuple[str, str]:
     return "error", format_exception(exc)[-3000:]
 
 
+def _all_threads() -> dict[str, Any]:
+    """Profiler arguments that record ops of every thread (a strategy's optimizer thread
+    started before profiling included), where this torch has the option."""
+    import torch
+
+    try:
+        return {"experimental_config": torch._C._profiler._ExperimentalConfig(profile_all_threads=True)}
+    except (AttributeError, TypeError):  # older torch: only the profiling thread is recorded
+        return {}
+
+
 def _activities(backend: Any) -> list[Any]:
     from torch.profiler import ProfilerActivity, supported_activities
 
@@ -409,7 +420,7 @@ def _profile_step(backend: Any, dev: int, system: Any, inputs: Any, targets: Any
     from .report import timeline_lanes
 
     try:
-        with torch.profiler.profile(activities=_activities(backend)) as prof:
+        with torch.profiler.profile(activities=_activities(backend), **_all_threads()) as prof:
             backend.synchronize(dev)
             system.step(inputs, targets)
             backend.synchronize(dev)

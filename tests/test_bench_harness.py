@@ -154,3 +154,26 @@ def test_list_systems(capsys):
     out = capsys.readouterr().out
     for name in ("torch", "fsdp2-offload", "deepspeed-z3-offload", "deepspeed-zenflow"):
         assert name in out
+
+
+def test_memferry_timeline_puts_host_updates_on_the_cpu_optimizer_lane(tmp_path):
+    """MemFerry's host AdamW runs in its own thread; its per-block spans must reach the timeline."""
+    import json
+    import subprocess
+    import sys
+
+    scenario = tmp_path / "tl.yaml"
+    scenario.write_text(
+        "name: tl\nmodel: {family: gpt, layers: 2, hidden: 64, heads: 4, vocab: 256}\nbatch: 2\nseq: 32\n"
+        "steps: 2\nwarmup: 1\nloss_after: 3\ndtype: fp32\ntimeline: true\n"
+        "systems:\n  - {name: memferry, options: {plan: prefetch}}\n")
+    env = {**__import__("os").environ, "XPU_BACKEND": "cpu"}
+    res = subprocess.run([sys.executable, "-m", "xpu", "bench", str(scenario), "--out", str(tmp_path / "out"),
+                          "--no-progress"], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    trace = json.loads((tmp_path / "out" / "timelines" / "memferry.json").read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    spans = [e for e in events if str(e.get("name", "")).startswith("optimizer:host")]
+    assert {e["name"] for e in spans} == {"optimizer:host blocks.0", "optimizer:host blocks.1", "optimizer:host rest"}
+    assert {lanes[(e["pid"], e["tid"])] for e in spans} == {"CPU optimizer"}
