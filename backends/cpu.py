@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import threading
+import uuid
 import time
 import weakref
 from typing import Any, Iterator, Sequence
@@ -28,7 +30,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from xpu.backend import Backend, MemoryStats
+from xpu.backend import Backend, BufferHandle, MemoryStats
 from xpu.capabilities import Capabilities
 from xpu.errors import DeviceOutOfMemoryError
 from xpu.topology import Topology, preset
@@ -367,6 +369,27 @@ class CpuBackend(Backend):
         with self.host_scope():
             storage.resize_(nbytes)
         self._track(storage, index)
+
+    def export_buffer(self, nbytes: int, device: Any = None) -> tuple[torch.Tensor, BufferHandle]:
+        """A shared-memory file mapped inside the owner's device scope, so the bytes count
+        against the owner's virtual device (and not again where other processes map it)."""
+        index = self._check_export(nbytes, device)
+        path = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
+                            f"xpu-buffer-{os.getpid()}-{uuid.uuid4().hex}")
+        with self.device_scope(index):
+            buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        return buf, BufferHandle(index, nbytes, "shm", path)
+
+    def import_buffer(self, handle: BufferHandle) -> torch.Tensor:
+        if handle.kind != "shm":
+            return super().import_buffer(handle)
+        with self.host_scope():  # the owner already counts these bytes
+            return torch.from_file(handle.payload, shared=True, size=handle.nbytes, dtype=torch.uint8)
+
+    def unlink_buffer(self, handle: BufferHandle) -> None:
+        if handle.kind == "shm":
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(handle.payload)
 
     def can_access_peer(self, a: Any, b: Any) -> bool:
         return self._topology.peer_link(self.index_of(a), self.index_of(b)) is not None

@@ -232,3 +232,25 @@ def test_a_stream_waits_for_an_event_recorded_on_another(backend):
     assert total.item() == n
     backend.synchronize(0)
     backend.host_arena.release(src)
+
+
+def test_exported_buffer_counts_against_its_owner(backend):
+    """A peer pool is allocated on (and counted against) the owning device; bad sizes are refused."""
+    if not backend.caps.ipc:
+        with pytest.raises(CapabilityError, match="caps.ipc"):
+            backend.export_buffer(4096, 0)
+        return
+    owner = backend.device_count() - 1
+    before = backend.memory_stats(owner).allocated
+    buf, handle = backend.export_buffer(1 << 20, owner)
+    try:
+        assert buf.numel() == 1 << 20 and handle.owner == owner and handle.nbytes == 1 << 20
+        assert backend.memory_stats(owner).allocated >= before + (1 << 20)
+        import pickle
+
+        travelled = pickle.loads(pickle.dumps(handle))  # it travels to other processes
+        assert (travelled.owner, travelled.nbytes, travelled.kind) == (owner, 1 << 20, handle.kind)
+    finally:
+        backend.unlink_buffer(handle)
+    with pytest.raises(ValueError, match="positive byte count"):
+        backend.export_buffer(0, owner)

@@ -76,12 +76,12 @@ def test_each_decision_moves_bytes_where_it_says_and_gradients_match(cpu_backend
         # The pool counts against the peer's budget (allocated at export), not device 0's.
         assert before1 >= 4 << 20 and b.memory_stats(1).allocated == before1
     finally:
-        unlink_buffer(handle)
+        unlink_buffer(b, handle)
 
 
 def test_full_peer_region_falls_back_to_host_and_says_so(cpu_backend):
     pool, handle = export_buffer(cpu_backend, 4096, 1)
-    unlink_buffer(handle)
+    unlink_buffer(cpu_backend, handle)
     ex, _ = _run(cpu_backend, {0: "peer:1"}, {1: pool})
     assert ex.stats.fallbacks > 0 and ex.stats.bytes["host"] > 0
 

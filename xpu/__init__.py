@@ -9,7 +9,7 @@ Strategies and the scaleup copier talk to a :class:`Backend` only, and branch on
 :class:`Capabilities`, never on a backend's name.
 """
 from .arena import ArenaStats, HostArena
-from .backend import Backend, MemoryStats
+from .backend import Backend, BufferHandle, MemoryStats
 from .capabilities import Capabilities
 from .errors import (
     BackendUnavailableError,
@@ -24,7 +24,7 @@ from .topology import HOST, DeviceSpec, Link, Topology, preset
 from .units import format_bytes, parse_bytes
 
 __all__ = [
-    "ArenaStats", "HostArena", "Backend", "MemoryStats", "Capabilities",
+    "ArenaStats", "HostArena", "Backend", "BufferHandle", "MemoryStats", "Capabilities",
     "BackendUnavailableError", "CapabilityError", "DeviceOutOfMemoryError", "HostMemoryBudgetError",
     "UnknownBackendError", "XpuError",
     "backend_status", "get_backend", "register_backend", "registered_backends", "reset_backend",

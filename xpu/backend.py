@@ -9,7 +9,8 @@ About twenty verbs in five groups (DESIGN.md §4):
 * host memory: ``alloc_pinned``/``free_pinned`` (exact size), ``host_arena`` (reusable,
   budgeted), ``register_host``/``unregister_host``, ``is_pinned``, ``device_view``;
 * copies and device memory: ``empty``, ``free_storage``/``realloc_storage``, ``copy``,
-  ``to_device``, ``can_access_peer``, ``enable_peer_access``;
+  ``to_device``, ``export_buffer``/``import_buffer``/``unlink_buffer`` (memory other
+  processes write), ``can_access_peer``, ``enable_peer_access``;
 * memory and topology: ``mem_info``, ``memory_stats``, ``reset_peak_memory``,
   ``set_memory_cap``, ``memory_cap``, ``topology``.
 
@@ -32,7 +33,7 @@ from .errors import CapabilityError
 from .topology import Topology
 from .units import parse_bytes
 
-__all__ = ["Backend", "MemoryStats"]
+__all__ = ["Backend", "MemoryStats", "BufferHandle"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,24 @@ class MemoryStats:
     reserved: int
     peak_allocated: int
     peak_reserved: int
+
+
+@dataclass(frozen=True)
+class BufferHandle:
+    """A picklable reference to a device buffer another process can open (``Backend.import_buffer``).
+
+    Attributes:
+        owner: index of the device whose memory holds the buffer.
+        nbytes: size in bytes.
+        kind: how it travels: ``"reduction"`` (torch's IPC tensor reduction, e.g. CUDA IPC) or
+            ``"shm"`` (a shared-memory file: the cpu backend's virtual devices).
+        payload: what ``kind`` needs to open it (the reduction's rebuild call, a file path).
+    """
+
+    owner: int
+    nbytes: int
+    kind: str
+    payload: Any
 
 
 class Backend(abc.ABC):
@@ -257,6 +276,39 @@ class Backend(abc.ABC):
         out = self.empty(tensor.shape, tensor.dtype, device)
         self.copy(out, tensor, stream)
         return out
+
+    def export_buffer(self, nbytes: int, device: Any = None) -> tuple[torch.Tensor, BufferHandle]:
+        """Allocate ``nbytes`` on ``device`` (counted against it) and a handle that other
+        processes open with :meth:`import_buffer` and write one-sidedly (peer pools).
+
+        Raises:
+            ValueError: ``nbytes`` is not a positive integer.
+            CapabilityError: ``caps.ipc`` is false.
+        """
+        index = self._check_export(nbytes, device)
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        with self.device_scope(index):
+            buf = self.empty(nbytes, torch.uint8, index)
+        return buf, BufferHandle(index, nbytes, "reduction", reduce_tensor(buf))
+
+    def import_buffer(self, handle: BufferHandle) -> torch.Tensor:
+        """Open a buffer another process exported; the result aliases the owner's memory."""
+        if handle.kind != "reduction":
+            raise ValueError(f"backend '{self.name}' cannot open a buffer handle of kind {handle.kind!r}")
+        rebuild, args = handle.payload
+        return rebuild(*args)
+
+    def unlink_buffer(self, handle: BufferHandle) -> None:
+        """Drop an exported buffer's name once every process has opened it (memory stays mapped)."""
+
+    def _check_export(self, nbytes: int, device: Any) -> int:
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+            raise ValueError(f"export_buffer needs a positive byte count, got {nbytes!r}")
+        index = self.index_of(device)
+        if not self.caps.ipc:
+            raise CapabilityError(f"backend '{self.name}' cannot share device memory between processes (caps.ipc is False)")
+        return index
 
     def can_access_peer(self, a: Any, b: Any) -> bool:
         """Whether device ``a`` can read and write device ``b``'s memory directly."""

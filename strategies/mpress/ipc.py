@@ -1,56 +1,24 @@
-"""Device buffers allocated by one process and written one-sidedly by others (peer pools).
+"""Peer pools: device buffers one process allocates and others write one-sidedly.
 
-The peer that owns spare memory allocates a buffer on its own device at start-up (so the
-bytes count against *its* budget), exports a picklable handle, and the stage processes that
-swap into it import the handle and copy into their region without the owner taking part.
-
-Two transports, chosen by what device memory is:
-
-* device memory that *is* host memory (the cpu backend's virtual devices): a file in
-  ``/dev/shm`` mapped with ``torch.from_file(shared=True)``. The owner maps it inside
-  ``backend.device_scope(owner)``, so the backend counts it against the owner's virtual
-  device; importers map it outside any device scope, so it is not counted twice.
-* accelerator memory, where ``caps.ipc``: torch's own tensor reductions
-  (``torch.multiprocessing.reductions.reduce_tensor``), i.e. CUDA IPC memory handles.
-  Not exercised on a single-GPU machine yet.
-
-This belongs in the Backend (``export_buffer``/``import_buffer`` verbs); see the report.
+The peer that owns spare memory allocates a buffer on its own device at start-up (so the bytes
+count against *its* budget) with ``Backend.export_buffer``; the stage processes that swap into
+it open the handle with ``Backend.import_buffer`` and copy into their own region of it without
+the owner taking part. How the buffer travels (CUDA IPC, a shared-memory file for the cpu
+backend's virtual devices) is the backend's business. This module adds the region allocator
+each writer uses inside its part of a pool.
 """
 from __future__ import annotations
 
-import os
 import threading
-import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from xpu import BufferHandle
+
 __all__ = ["BufferHandle", "export_buffer", "import_buffer", "unlink_buffer", "RegionAllocator", "ipc_supported"]
 
 _ALIGN = 64
-
-
-@dataclass(frozen=True)
-class BufferHandle:
-    """A picklable reference to an exported buffer.
-
-    Attributes:
-        owner: device index of the owner (the device whose memory holds the buffer).
-        nbytes: size in bytes.
-        kind: ``"shm"`` (a shared-memory file) or ``"reduction"`` (torch IPC reduction).
-        payload: the file path, or the ``(rebuild_fn, args)`` pair of the reduction.
-    """
-
-    owner: int
-    nbytes: int
-    kind: str
-    payload: Any
-
-
-def _device_memory_is_host(backend: Any) -> bool:
-    # Virtual devices are slices of host memory: the shared-memory file *is* device memory.
-    return backend.device(None).type == "cpu"
 
 
 def ipc_supported(backend: Any) -> bool:
@@ -59,58 +27,18 @@ def ipc_supported(backend: Any) -> bool:
 
 
 def export_buffer(backend: Any, nbytes: int, device: int) -> tuple[torch.Tensor, BufferHandle]:
-    """Allocate ``nbytes`` on ``device`` (counted against it) and a handle other processes can open.
-
-    Raises:
-        ValueError: ``nbytes`` is not positive.
-        xpu.CapabilityError: ``caps.ipc`` is false here.
-    """
-    from xpu.errors import CapabilityError
-
-    if not isinstance(nbytes, int) or nbytes <= 0:
-        raise ValueError(f"export_buffer needs a positive byte count, got {nbytes!r}")
-    index = backend.index_of(device)
-    if not ipc_supported(backend):
-        raise CapabilityError(f"backend '{backend.name}' cannot share device memory between processes (caps.ipc is False)")
-    if _device_memory_is_host(backend):
-        path = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp", f"mpress-{os.getpid()}-{uuid.uuid4().hex}")
-        with backend.device_scope(index):
-            buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-        return buf, BufferHandle(index, nbytes, "shm", path)
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    with backend.device_scope(index):
-        buf = backend.empty(nbytes, torch.uint8, index)
-    return buf, BufferHandle(index, nbytes, "reduction", reduce_tensor(buf))
+    """``backend.export_buffer(nbytes, device)``: a pool counted against ``device`` and its handle."""
+    return backend.export_buffer(nbytes, device)
 
 
 def import_buffer(backend: Any, handle: BufferHandle) -> torch.Tensor:
-    """Open a buffer exported by another process; the result aliases the owner's memory."""
-    if handle.kind == "shm":
-        # Outside any device scope on purpose: the owner already counts these bytes.
-        with backend.host_scope() if hasattr(backend, "host_scope") else _null():
-            return torch.from_file(handle.payload, shared=True, size=handle.nbytes, dtype=torch.uint8)
-    if handle.kind == "reduction":
-        rebuild, args = handle.payload
-        return rebuild(*args)
-    raise ValueError(f"unknown buffer handle kind {handle.kind!r}")
+    """``backend.import_buffer(handle)``: the owner's memory, mapped here."""
+    return backend.import_buffer(handle)
 
 
-def unlink_buffer(handle: BufferHandle) -> None:
-    """Remove the name of a shared-memory buffer once every process has opened it (mappings stay valid)."""
-    if handle.kind == "shm":
-        try:
-            os.unlink(handle.payload)
-        except FileNotFoundError:
-            pass
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+def unlink_buffer(backend: Any, handle: BufferHandle) -> None:
+    """``backend.unlink_buffer(handle)``, once every process has opened it."""
+    backend.unlink_buffer(handle)
 
 
 class RegionAllocator:

@@ -447,5 +447,5 @@ def _open_pools(plan: Any, rank: int, world: int, backend: Any) -> tuple[list[An
                 regions[owner] = import_buffer(backend, handle)
     dist.barrier()  # every writer has mapped its region: the names can go
     for handle in handles.values():
-        unlink_buffer(handle)
+        unlink_buffer(backend, handle)
     return owned, handles, regions
