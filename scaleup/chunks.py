@@ -7,11 +7,11 @@ ones are refused with a message saying what to do, before anything is queued.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 import torch
 
-__all__ = ["TensorGroup", "as_group", "byte_view", "Segment", "Chunk", "make_chunks", "check_pairs"]
+__all__ = ["TensorGroup", "as_group", "byte_view", "Segment", "Chunk", "make_chunks", "check_pairs", "device_outputs"]
 
 #: A tensor or a sequence of tensors (a parameter group).
 TensorGroup = Union[torch.Tensor, Sequence[torch.Tensor]]
@@ -117,3 +117,20 @@ def make_chunks(pairs: Sequence[tuple[torch.Tensor, torch.Tensor, bool]], chunk_
     if fill:
         chunks.append(Chunk(len(chunks), segs, fill, pinned))
     return chunks
+
+
+def device_outputs(backend: "Any", srcs: list[torch.Tensor], out: TensorGroup | None, device: int) -> list[torch.Tensor]:
+    """Device tensors a host->device transfer of ``srcs`` fills: ``out`` checked against
+    ``srcs`` (count, shape, dtype, on the backend's devices), or new ones on ``device``.
+
+    Raises:
+        TypeError, ValueError: ``out`` does not match; nothing has been allocated.
+    """
+    if out is None:
+        return [backend.empty(s.shape, s.dtype, device) for s in srcs]
+    outs, _ = as_group(out, "out")
+    check_pairs(srcs, outs)
+    for i, o in enumerate(outs):
+        if o.device.type != backend.device_type:
+            raise ValueError(f"out[{i}] is on {o.device}, not a {backend.name} device")
+    return outs

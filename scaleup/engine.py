@@ -30,7 +30,7 @@ import torch
 import xpu
 from xpu.units import parse_bytes
 
-from .chunks import TensorGroup, as_group, byte_view, check_pairs, make_chunks
+from .chunks import TensorGroup, as_group, byte_view, check_pairs, device_outputs, make_chunks
 from .handles import Transfer
 
 __all__ = ["TransferEngine"]
@@ -121,31 +121,12 @@ class TransferEngine:
             if s.device.type != "cpu":
                 raise ValueError(f"src[{i}] is on {s.device}; h2d copies from host memory")
         src_bytes = [byte_view(s, f"src[{i}]") for i, s in enumerate(srcs)]
-        if out is None:
-            outs = [b.empty(s.shape, s.dtype, dev) for s in srcs]
-        else:
-            outs, _ = as_group(out, "out")
-            check_pairs(srcs, outs)
-            for i, o in enumerate(outs):
-                if o.device.type != b.device_type:
-                    raise ValueError(f"out[{i}] is on {o.device}, not a {b.name} device")
+        outs = device_outputs(b, srcs, out, dev)
         dst_bytes = [byte_view(o, f"out[{i}]") for i, o in enumerate(outs)]
         pinned = [b.is_pinned(s) for s in srcs]
 
-        stream = self.stream("h2d", dev)
-        transfer = Transfer(b, dev, "h2d", outs[0] if single else outs, sum(s.numel() for s in src_bytes), keep=srcs)
-        self._order_after_compute(stream, dev)
-        for o in outs:
-            b.keep_alive(o, stream)
-        direct = [(d, s) for s, d, p in zip(src_bytes, dst_bytes, pinned) if p and s.numel()]
-        staged = [(s, d) for s, d, p in zip(src_bytes, dst_bytes, pinned) if not p and s.numel()]
-        self._issue_direct(transfer, direct, stream)
-        if staged:
-            self._worker("h2d").submit(lambda: self._guard(transfer, lambda: self._staged_h2d(transfer, staged, stream)))
-        else:
-            transfer._mark_finished()
-        self._track(transfer)
-        return transfer
+        return self._launch("h2d", dev, outs[0] if single else outs, src_bytes, dst_bytes, pinned,
+                            host=srcs, device_side=outs, staged_fn=self._staged_h2d)
 
     def d2h(self, src: TensorGroup, *, out: TensorGroup | None = None, device: Any = None) -> Transfer:
         """Copy device tensor(s) to host memory; return a handle whose ``result`` holds the copies.
@@ -183,20 +164,8 @@ class TransferEngine:
         dst_bytes = [byte_view(o, f"out[{i}]") for i, o in enumerate(outs)]
         pinned = [b.is_pinned(o) for o in outs]
 
-        stream = self.stream("d2h", dev)
-        transfer = Transfer(b, dev, "d2h", outs[0] if single else outs, sum(s.numel() for s in src_bytes), keep=outs)
-        self._order_after_compute(stream, dev)
-        for s in srcs:
-            b.keep_alive(s, stream)
-        direct = [(d, s) for s, d, p in zip(src_bytes, dst_bytes, pinned) if p and s.numel()]
-        staged = [(s, d) for s, d, p in zip(src_bytes, dst_bytes, pinned) if not p and s.numel()]
-        self._issue_direct(transfer, direct, stream)
-        if staged:
-            self._worker("d2h").submit(lambda: self._guard(transfer, lambda: self._staged_d2h(transfer, staged, stream)))
-        else:
-            transfer._mark_finished()
-        self._track(transfer)
-        return transfer
+        return self._launch("d2h", dev, outs[0] if single else outs, src_bytes, dst_bytes, pinned,
+                            host=outs, device_side=srcs, staged_fn=self._staged_d2h)
 
     def synchronize(self) -> None:
         """Block until every transfer started by this engine has finished."""
@@ -238,6 +207,27 @@ class TransferEngine:
         nbytes = like.numel() * like.element_size()
         buf = self.backend.alloc_pinned(nbytes)  # exact size; freed with the tensor
         return buf.view(like.dtype).view(like.shape) if nbytes else torch.empty(like.shape, dtype=like.dtype)
+
+    def _launch(self, direction: str, dev: int, result: Any, src_bytes: list[torch.Tensor], dst_bytes: list[torch.Tensor],
+                pinned: list[bool], host: list[torch.Tensor], device_side: list[torch.Tensor],
+                staged_fn: Callable[[Transfer, list[tuple[torch.Tensor, torch.Tensor]], Any], None]) -> Transfer:
+        """Queue one transfer: pinned pairs straight from this thread, pageable ones through
+        the direction's staging worker. ``host`` tensors are kept alive by the handle,
+        ``device_side`` ones marked in use on the copy stream."""
+        stream = self.stream(direction, dev)
+        transfer = Transfer(self.backend, dev, direction, result, sum(s.numel() for s in src_bytes), keep=host)
+        self._order_after_compute(stream, dev)
+        for t in device_side:
+            self.backend.keep_alive(t, stream)
+        direct = [(d, s) for s, d, p in zip(src_bytes, dst_bytes, pinned) if p and s.numel()]
+        staged = [(s, d) for s, d, p in zip(src_bytes, dst_bytes, pinned) if not p and s.numel()]
+        self._issue_direct(transfer, direct, stream)
+        if staged:
+            self._worker(direction).submit(lambda: self._guard(transfer, lambda: staged_fn(transfer, staged, stream)))
+        else:
+            transfer._mark_finished()
+        self._track(transfer)
+        return transfer
 
     def _order_after_compute(self, stream: Any, dev: int) -> None:
         # Destination (h2d) or source (d2h) may still be in use by work queued before this call.

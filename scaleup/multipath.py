@@ -37,7 +37,7 @@ import xpu
 from xpu.topology import HOST
 from xpu.units import parse_bytes
 
-from .chunks import Chunk, TensorGroup, as_group, byte_view, check_pairs, make_chunks
+from .chunks import Chunk, TensorGroup, as_group, byte_view, device_outputs, make_chunks
 from .handles import Transfer, TransferError
 from .links import BackendLink
 from .policy import SplitPolicy
@@ -191,14 +191,7 @@ class MultiPathCopier:
             if s.device.type != "cpu":
                 raise ValueError(f"src[{i}] is on {s.device}; the multi-path copier reads host memory")
         src_bytes = [byte_view(s, f"src[{i}]") for i, s in enumerate(srcs)]
-        if out is None:
-            outs = [b.empty(s.shape, s.dtype, self.target) for s in srcs]
-        else:
-            outs, _ = as_group(out, "out")
-            check_pairs(srcs, outs)
-            for i, o in enumerate(outs):
-                if o.device.type != b.device_type:
-                    raise ValueError(f"out[{i}] is on {o.device}, not a {b.name} device")
+        outs = device_outputs(b, srcs, out, self.target)
         dst_bytes = [byte_view(o, f"out[{i}]") for i, o in enumerate(outs)]
         chunks = make_chunks([(s, d, b.is_pinned(t)) for s, d, t in zip(src_bytes, dst_bytes, srcs)], self.chunk_bytes)
         transfer = Transfer(b, self.target, "h2d", outs[0] if single else outs, sum(s.numel() for s in src_bytes),
