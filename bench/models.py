@@ -81,6 +81,11 @@ class CausalLM(nn.Module):
         super().__init__()
         #: Recompute each block in backward instead of keeping its activations.
         self.recompute = False
+        #: Compute the loss over this many slices of the tokens, each slice's logits
+        #: recomputed in backward instead of kept: the fp32 logits, their log-softmax and
+        #: gradient (3 x 1 GB at batch 8 x 1024, vocab 32000) then exist one slice at a time.
+        #: Same loss up to summation order. 1: off (logits computed whole, as the anchors).
+        self.loss_chunks = 1
 
     def _run_blocks(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -92,14 +97,33 @@ class CausalLM(nn.Module):
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits of shape (batch, seq, vocab) for token ids ``idx`` (batch, seq)."""
+        return self.head(self.features(idx))
+
+    def features(self, idx: torch.Tensor) -> torch.Tensor:
+        """The final normalised hidden states (batch, seq, hidden), which ``head`` maps to logits."""
         raise NotImplementedError
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits if ``targets`` is None, else the mean cross-entropy computed in fp32."""
-        logits = self.logits(idx)
+        """Logits if ``targets`` is None, else the mean cross-entropy computed in fp32
+        (over :attr:`loss_chunks` slices when that is above 1)."""
         if targets is None:
-            return logits
+            return self.logits(idx)
+        if self.loss_chunks > 1:
+            return self._chunked_loss(self.features(idx), targets)
+        logits = self.logits(idx)
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def _slice_loss_sum(self, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(h).float(), t, reduction="sum")
+
+    def _chunked_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h, t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+        recompute = self.training and torch.is_grad_enabled()
+        total = h.new_zeros((), dtype=torch.float32)
+        for hc, tc in zip(h.chunk(self.loss_chunks), t.chunk(self.loss_chunks)):
+            part = checkpoint(self._slice_loss_sum, hc, tc, use_reentrant=False) if recompute else self._slice_loss_sum(hc, tc)
+            total = total + part
+        return total / (t != -100).sum().clamp(min=1)  # mean over counted targets, as cross_entropy's default
 
 
 # ---------------------------------------------------------------------------------- GPT
@@ -150,11 +174,11 @@ class GPT(CausalLM):
         self.ln_f = nn.LayerNorm(hidden, bias=bias)
         self.head = _Linear(hidden, vocab, bias=False)
 
-    def logits(self, idx: torch.Tensor) -> torch.Tensor:
+    def features(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok_emb(idx)
         if self.pos_emb is not None:
             x = x + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
-        return self.head(self.ln_f(self._run_blocks(x)))
+        return self.ln_f(self._run_blocks(x))
 
 
 # ---------------------------------------------------------------------------------- Llama
@@ -245,8 +269,8 @@ class Llama(CausalLM):
         self.norm = RMSNorm(hidden, norm_eps)
         self.head = _Linear(hidden, vocab, bias=False)
 
-    def logits(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(self._run_blocks(self.tok_emb(idx))))
+    def features(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.norm(self._run_blocks(self.tok_emb(idx)))
 
 
 # ---------------------------------------------------------------------------------- Hugging Face
@@ -271,6 +295,13 @@ class HFCausalLM(CausalLM):
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
         return self.hf(input_ids=idx, use_cache=False).logits
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """As :meth:`CausalLM.forward`; the loss is never sliced (HF models compute logits whole)."""
+        if targets is None:
+            return self.logits(idx)
+        logits = self.logits(idx)
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 # ---------------------------------------------------------------------------------- registry of families

@@ -86,6 +86,36 @@ def test_recompute_gives_the_same_gradients():
         torch.testing.assert_close(a, p.grad)
 
 
+@pytest.mark.parametrize("family,dims", [("gpt", dict(layers=2, hidden=32, heads=4, vocab=97)),
+                                          ("llama", dict(layers=2, hidden=32, heads=4, kv_heads=2, vocab=97))])
+def test_sliced_loss_equals_the_whole_loss_and_keeps_one_slice_of_logits(family, dims):
+    torch.manual_seed(0)
+    m = build_model(family, **dims)
+    x, y = torch.randint(0, 97, (3, 16)), torch.randint(0, 97, (3, 16))
+
+    def run() -> tuple[torch.Tensor, list[int]]:
+        saved: list[int] = []
+
+        def pack(t):
+            saved.append(t.numel())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = m(x, y)
+        loss.backward()
+        return loss, saved
+
+    whole, saved_whole = run()
+    g1 = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    m.loss_chunks = 6  # 48 tokens: slices of 8
+    sliced, saved = run()
+    torch.testing.assert_close(sliced, whole, rtol=1e-6, atol=1e-6)
+    for a, p in zip(g1, m.parameters()):
+        torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-6)
+    # the whole loss keeps logits-sized tensors (48 x 97) for backward; sliced, none is kept
+    assert 48 * 97 in saved_whole and 48 * 97 not in saved and 8 * 97 not in saved
+
+
 @pytest.mark.parametrize("family,dims,match", [
     ("bert", {}, "valid families"),
     ("gpt", {"layers": 2, "hidden": 30, "heads": 4, "vocab": 9}, "multiple of heads"),

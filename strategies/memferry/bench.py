@@ -4,6 +4,7 @@ from bench.systems import register_system
 register_system(
     "memferry",
     "strategies.memferry.bench_system:make",
-    options={"plan": "prefetch+recompute", "max_grad_norm": None},
+    options={"plan": "prefetch+recompute", "max_grad_norm": None, "host_threads": None,
+             "host_kernel": "auto", "loss_chunks": 1},
     description="MemFerry: parameters homed in host memory; per-block prefetch / DHA / device-homed plans",
 )

@@ -6,6 +6,14 @@ Options:
         one batch and picks the plan under the scenario's device cap (its prediction goes in
         the row's notes, the explained plan in the worker log).
     max_grad_norm: global-norm clipping (None: off).
+    host_threads: CPU threads of the host optimizer (None: torch's default).
+    host_kernel: ``auto``, ``torch`` or ``single-pass`` (see ``host_kernel.py``).
+    loss_chunks: compute the model's loss over this many token slices, each slice's logits
+        recomputed in backward (``CausalLM.loss_chunks``): frees the fp32 logits' memory for
+        the scheduler to spend on device-homed blocks. 1: the model as the baselines run it.
+
+The row's notes end with the host optimizer's time per step by phase (milliseconds,
+averaged over every step run), which says whether the CPU or the device bounds a step.
 """
 from __future__ import annotations
 
@@ -26,8 +34,14 @@ class MemFerrySystem(BenchSystem):
 
     def __init__(self, ctx: SystemContext) -> None:
         model = ctx.build_model(dtype=ctx.dtype)
+        chunks = int(ctx.options["loss_chunks"])
+        if chunks < 1 or (chunks > 1 and not hasattr(model, "loss_chunks")):
+            raise ValueError(f"memferry: loss_chunks must be >= 1 and needs a model with sliced-loss support, got {chunks}")
+        if chunks > 1:
+            model.loss_chunks = chunks
         spec = ctx.options["plan"]
-        cfg = AdamW(**ctx.adamw_kwargs(), max_grad_norm=ctx.options["max_grad_norm"])
+        cfg = AdamW(**ctx.adamw_kwargs(), max_grad_norm=ctx.options["max_grad_norm"],
+                    host_threads=ctx.options["host_threads"], host_kernel=ctx.options["host_kernel"])
         sample = None
         if spec == "auto":  # the scheduler profiles one batch of the scenario's shape under the device cap
             vocab = ctx.dims.get("vocab", 256)
@@ -37,13 +51,24 @@ class MemFerrySystem(BenchSystem):
         cap = ctx.backend.memory_cap(ctx.device_index)
         self.engine = MemFerry(model, optim=cfg, plan=plan, backend=ctx.backend, device=ctx.device_index,
                                sample=sample, device_budget=cap)
-        self.notes = f"plan={spec}"
+        self._plan_note = f"plan={spec}, host kernel {self.engine.optimizer.kernel.name}" + (
+            f", loss in {chunks} recomputed slices" if chunks > 1 else "")
         if spec == "auto":
             predicted = self.engine.plan.predicted_step_s
-            self.notes += f" (predicted {predicted:.3f} s)" if predicted is not None else ""
+            self._plan_note += f" (predicted {predicted:.3f} s)" if predicted is not None else ""
             print(f"memferry plan chosen by the scheduler:\n{self.engine.plan.describe()}", flush=True)
+        self._steps = 0
+
+    @property
+    def notes(self) -> str:
+        """The plan, and the host optimizer's milliseconds per step by phase."""
+        if not self._steps:
+            return self._plan_note
+        phases = ", ".join(f"{k} {v * 1e3 / self._steps:.1f}" for k, v in self.engine.optimizer.time_s.items())
+        return f"{self._plan_note}; host optimizer ms/step: {phases}"
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self._steps += 1
         return engine_step(self.engine, inputs, targets)
 
     def close(self) -> None:

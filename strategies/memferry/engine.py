@@ -111,7 +111,8 @@ class MemFerry:
         if sample is None:
             raise ValueError("plan='auto' profiles one step first: pass sample=(inputs, targets) of one batch")
         inputs, targets = sample
-        profile = profile_step(model, units, self.backend, self.device, inputs, targets, loss_fn=loss_fn, blocks=blocks)
+        profile = profile_step(model, units, self.backend, self.device, inputs, targets, loss_fn=loss_fn, blocks=blocks,
+                               host_kernel=self.cfg.host_kernel)
         budget = parse_bytes(device_budget) if device_budget is not None else self.backend.mem_info(self.device)[0]
         plan = schedule(profile, links_from_probe(self.backend, self.device), budget, n_blocks,
                         allow_dha=self.backend.caps.dha)

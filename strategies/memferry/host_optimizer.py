@@ -20,9 +20,9 @@ from typing import Callable
 
 import torch
 
-from .adamw import flat_adamw
 from .config import AdamW
 from .data_parallel import DataParallel
+from .host_kernel import make_host_kernel
 from .shadow import UnitShadow
 
 __all__ = ["HostOptimizer"]
@@ -41,8 +41,7 @@ class HostOptimizer:
         self.cfg = cfg
         self.dp = dp
         self.shadows = shadows
-        self._optims = [flat_adamw(s.master, s.exp_avg, s.exp_avg_sq, s.step, cfg) if s.home == "host" else None
-                        for s in shadows]
+        self.kernel = make_host_kernel(cfg.host_kernel, cfg, [s for s in shadows if s.home == "host"])
         self._done = [threading.Event() for _ in shadows]
         for ev in self._done:
             ev.set()
@@ -51,8 +50,9 @@ class HostOptimizer:
         self._sqnorm = 0.0
         self._error: BaseException | None = None
         #: seconds spent per phase, for the scheduler's cost model: waiting for gradients to
-        #: land, upcasting them, the AdamW kernel, writing the compute-dtype copy.
-        self.time_s = {"wait": 0.0, "upcast": 0.0, "adamw": 0.0, "writeback": 0.0}
+        #: land, upcasting them, the AdamW kernel, writing the compute-dtype copy; and
+        #: ``consumer_wait``: how long callers of :meth:`wait` (the next forward) were blocked.
+        self.time_s = {"wait": 0.0, "upcast": 0.0, "adamw": 0.0, "writeback": 0.0, "consumer_wait": 0.0}
         self._thread = threading.Thread(target=self._run, name="memferry-host-adamw", daemon=True)
         self._thread.start()
 
@@ -86,8 +86,11 @@ class HostOptimizer:
 
     def wait(self, index: int) -> None:
         """Block until unit ``index`` holds its latest update."""
-        while not self._done[index].wait(timeout=0.5):
-            self._raise_if_failed()
+        if not self._done[index].is_set():
+            t0 = time.perf_counter()
+            while not self._done[index].wait(timeout=0.5):
+                self._raise_if_failed()
+            self.time_s["consumer_wait"] += time.perf_counter() - t0
         self._raise_if_failed()
 
     def wait_all(self) -> None:
@@ -97,9 +100,9 @@ class HostOptimizer:
 
     def sync_steps_from_shadows(self) -> None:
         """Take step counts from the shadows (after loading a checkpoint)."""
-        for s, opt in zip(self.shadows, self._optims):
-            if opt is not None:
-                opt.state[s.master]["step"] = torch.tensor(float(s.step))
+        for s in self.shadows:
+            if s.home == "host":
+                self.kernel.sync_step(s)
 
     def set_lr(self, lr: float) -> None:
         """Learning rate for updates of gradients submitted from now on (a schedule calls this
@@ -118,6 +121,8 @@ class HostOptimizer:
             raise RuntimeError("the host optimizer failed; training state is no longer consistent") from self._error
 
     def _run(self) -> None:
+        if self.cfg.host_threads is not None:
+            torch.set_num_threads(self.cfg.host_threads)  # this thread's OpenMP team
         # Tasks are (kind, argument, callback): ("grad", unit index, wait-for-landing),
         # ("norm", None, reply), ("finish", clip coefficient, None), ("lr", rate, None),
         # ("stop", None, None).
@@ -129,23 +134,17 @@ class HostOptimizer:
                 if kind == "grad":
                     t0 = time.perf_counter()
                     callback()
-                    t1 = time.perf_counter()
+                    self.time_s["wait"] += time.perf_counter() - t0
                     s = self.shadows[arg]
-                    if s.grad is not s.grad_stage:
-                        s.grad.copy_(s.grad_stage)
-                    self.time_s["wait"] += t1 - t0
-                    self.time_s["upcast"] += time.perf_counter() - t1
                     if self.cfg.max_grad_norm is None:
                         self._update(arg, 1.0)
                     else:
-                        self._sqnorm += float(s.grad.double().square().sum())
+                        self._sqnorm += float(s.grad_stage.double().square().sum())
                         self._pending.append(arg)
                 elif kind == "norm":
                     callback(self._sqnorm)
                 elif kind == "lr":
-                    for opt in self._optims:
-                        if opt is not None:
-                            opt.param_groups[0]["lr"] = arg
+                    self.kernel.set_lr(arg)
                 elif kind == "finish":
                     for i in self._pending:
                         self._update(i, arg)
@@ -164,18 +163,10 @@ class HostOptimizer:
 
     def _apply(self, index: int, coef: float) -> None:
         s = self.shadows[index]
-        if coef != 1.0:
-            s.grad.mul_(coef)
-        opt = self._optims[index]
-        t0 = time.perf_counter()
-        s.master.grad = s.grad
-        opt.step()
-        s.master.grad = None
-        s.step = int(opt.state[s.master]["step"].item())
-        t1 = time.perf_counter()
-        s.write_back()
+        for phase, seconds in self.kernel.apply(s, coef).items():
+            self.time_s[phase] += seconds
         if self.dp is not None:
+            t0 = time.perf_counter()
             self.dp.gather(s.work)  # every rank's working copy whole again for the next forward
-        self.time_s["adamw"] += t1 - t0
-        self.time_s["writeback"] += time.perf_counter() - t1
+            self.time_s["writeback"] += time.perf_counter() - t0
         self._done[index].set()

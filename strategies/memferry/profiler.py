@@ -16,9 +16,11 @@ and the peak memory the loss takes (logits in fp32 and their gradient), from
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import statistics
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -268,36 +270,83 @@ def _profile_rest(model: nn.Module, blocks: nn.ModuleList, rest: Unit, inputs: A
     return statistics.median(fwd), statistics.median(bwd), peak, notes
 
 
+class _DmaLoad:
+    """Host<->device copies in both directions, busy ``duty`` of the time, in a thread: the
+    memory traffic a training step's prefetches and gradient copies put beside the host
+    optimizer (both compete for host memory bandwidth)."""
+
+    def __init__(self, backend: Backend, device: int, duty: float, nbytes: int = 32 << 20) -> None:
+        self.backend, self.device, self.duty = backend, device, duty
+        arena = backend.host_arena
+        self.host = [arena.empty(nbytes, torch.uint8), arena.empty(nbytes, torch.uint8)]
+        self.dev = [backend.empty(nbytes, torch.uint8, device), backend.empty(nbytes, torch.uint8, device)]
+        self.streams = [backend.stream(device), backend.stream(device)]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="memferry-profile-dma", daemon=True)
+
+    def _run(self) -> None:
+        b = self.backend
+        with b.device_scope(self.device):
+            while not self._stop.is_set():
+                t0 = time.perf_counter()
+                b.copy(self.dev[0], self.host[0], stream=self.streams[0])  # host -> device
+                b.copy(self.host[1], self.dev[1], stream=self.streams[1])  # device -> host
+                for st in self.streams:
+                    st.synchronize()
+                busy = time.perf_counter() - t0
+                self._stop.wait(busy * (1.0 - self.duty) / self.duty)
+
+    def __enter__(self) -> "_DmaLoad":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        for t in self.host:
+            self.backend.host_arena.release(t)
+
+
 def host_adamw_rate(numel: int = 4_000_000, dtype: torch.dtype = torch.bfloat16, repeats: int = 3,
-                    backend: Backend | None = None) -> float:
-    """Seconds per parameter of the host optimizer's work on one unit, as ``HostOptimizer``
-    does it: upcast the landed gradient, fused AdamW on the fp32 master, write the
-    compute-dtype copy (the conversions only when ``dtype`` is not fp32). Buffers come from
-    the backend's pinned arena when ``backend`` is given (as in training)."""
+                    backend: Backend | None = None, kernel: str = "auto", device: int | None = None,
+                    dma_duty: float = 0.0) -> float:
+    """Seconds per parameter of the host optimizer's update of one unit, with the kernel
+    ``HostOptimizer`` would use (``kernel``, see ``host_kernel.py``; conversions included).
+
+    Buffers come from the backend's pinned arena when ``backend`` is given (as in training).
+    With ``dma_duty`` > 0 (and a backend with asynchronous copies), host<->device copies in
+    both directions run that fraction of the time meanwhile, as a step's prefetches and
+    gradient copies do: they share host memory bandwidth with the update (on the H200
+    machine, full-duplex copies made the update 1.9x slower).
+    """
+    from .config import AdamW
+    from .host_kernel import make_host_kernel
+    from .shadow import UnitShadow
+
     def buf(dt: torch.dtype) -> torch.Tensor:
         return backend.host_arena.empty(numel, dt) if backend is not None else torch.empty(numel, dtype=dt)
 
     master, grad, m, v = (buf(torch.float32) for _ in range(4))
-    for t in (master, grad, m, v):
-        t.normal_() if t is grad or t is master else t.zero_()
+    master.normal_()
+    grad.zero_()
+    m.zero_()
+    v.zero_()
     low = dtype != torch.float32
     work, stage = (buf(dtype), buf(dtype)) if low else (master, grad)
-    stage.copy_(grad)
-    opt = torch.optim.AdamW([master], lr=1e-4, fused=True)
-    opt.state[master] = {"step": torch.tensor(0.0), "exp_avg": m, "exp_avg_sq": v}
+    stage.normal_()
+    shadow = UnitShadow(None, work, master, m, v, grad, stage, None, [])
+    k = make_host_kernel(kernel, AdamW(lr=1e-4, weight_decay=0.0, host_kernel=kernel), [shadow])
+    load: Any = contextlib.nullcontext()
+    if dma_duty > 0 and backend is not None and backend.caps.async_copy and backend.device_type != "cpu":
+        load = _DmaLoad(backend, backend.index_of(device), min(1.0, dma_duty))
     times = []
     try:
-        for i in range(repeats + 1):
-            t0 = time.perf_counter()
-            if low:
-                grad.copy_(stage)
-            master.grad = grad
-            opt.step()
-            master.grad = None
-            if low:
-                work.copy_(master)
-            if i:
-                times.append(time.perf_counter() - t0)
+        with load:
+            for i in range(repeats + 1):
+                t0 = time.perf_counter()
+                k.apply(shadow, 1.0)
+                if i:
+                    times.append(time.perf_counter() - t0)
     finally:
         if backend is not None:
             for t in {id(t): t for t in (master, grad, m, v, work, stage)}.values():
@@ -335,7 +384,7 @@ def device_adamw_rate(backend: Backend, device: int, numel: int = 4_000_000, dty
 def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: int | None, inputs: Any,
                  targets: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                  blocks: nn.ModuleList | None = None, repeats: int = 3, adamw_numel: int | None = None,
-                 reuse_identical: bool = True) -> StepProfile:
+                 reuse_identical: bool = True, host_kernel: str = "auto", dma_duty: float = 0.35) -> StepProfile:
     """Measure one step of ``model`` on ``backend`` (see the module docstring).
 
     Args:
@@ -352,6 +401,11 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
             the CPU's cache measures a rate training never sees: on the H200 machine a 4 M-element
             buffer predicted 0.17 s for work that took about 0.29 s inside real steps.
         reuse_identical: measure each distinct block (class and parameter shapes) once.
+        host_kernel: the host AdamW kernel training will use (``AdamW.host_kernel``).
+        dma_duty: fraction of the time host<->device copies run while the host AdamW rate is
+            measured (see :func:`host_adamw_rate`). 0.35: the gradient copies and prefetches
+            of a backward pass whose host-homed blocks are prefetched (about 2 x 2 bytes per
+            parameter per block backward time, on the H200 machine).
 
     Raises:
         ValueError: the model never reaches its first block, or a block's output has no
@@ -398,7 +452,7 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
                          "loss peak unknown (0)")
         numel_for_rates = adamw_numel or min(64 << 20, max(1 << 20, max(u.numel for u in units)))
         dev_rate = device_adamw_rate(backend, index, numel_for_rates, dtype, repeats)
-    host_rate = host_adamw_rate(numel_for_rates, dtype, repeats, backend)
+    host_rate = host_adamw_rate(numel_for_rates, dtype, repeats, backend, host_kernel, index, dma_duty)
     input_bytes = sum(_nbytes(t) for t in _tensors((inputs, targets)))
     name = backend.topology().devices[index].name if backend.topology().devices else backend.name
     return StepProfile(profiles, rest.numel, sum(_nbytes(p) for _, p in rest.params), rest_fwd, rest_bwd, int(loss_peak),
