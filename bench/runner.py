@@ -215,6 +215,10 @@ def run_bench(scenario: Scenario | str | Path | dict[str, Any], out_dir: str | P
             bars.update(task, description=f"  {entry.label}: {status}", completed=eff["total_steps"])
             bars.advance(overall)
             rows.append(row)
+            # Rows so far, in case the run is cut short (a device call's time limit): merge
+            # them later with `xpu bench --merge`.
+            (out / "results.partial.json").write_text(json.dumps({"machine": info["machine"], "date": date,
+                                                                  "command": command, "rows": rows}))
     if append and (out / "results.json").exists():
         old = json.loads((out / "results.json").read_text())
         mine = {r["system"] for r in rows}
@@ -232,6 +236,7 @@ def run_bench(scenario: Scenario | str | Path | dict[str, Any], out_dir: str | P
     if append and (out / "results.json").exists():
         result["scenario"]["systems"] = _merge_entries(old["scenario"].get("systems", []), result["scenario"]["systems"])
     result["outputs"] = write_outputs(result, out)
+    (out / "results.partial.json").unlink(missing_ok=True)
     result["out_dir"] = str(out)
     return result
 

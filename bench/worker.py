@@ -300,7 +300,12 @@ def run_spec(spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | 
         _emit_row(row, spec.get("result_path"))
         os._exit(3)  # as a smaller host would: the run ends here
 
-    monitor = HostMemoryMonitor(host_cap, None if in_process else host_exceeded).start()
+    # XPU_BENCH_HOST_SAMPLE_S: seconds between host-memory samples (0: none while training; the
+    # peak then comes from ru_maxrss and a last sample), to check what sampling costs a system.
+    interval = float(os.environ.get("XPU_BENCH_HOST_SAMPLE_S", "0.2"))
+    monitor = HostMemoryMonitor(host_cap, None if in_process else host_exceeded, interval_s=interval)
+    if interval > 0:
+        monitor.start()
     backend = system = None
     dev = 0
     try:

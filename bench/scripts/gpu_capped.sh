@@ -18,8 +18,10 @@ python3 -c "import sys, xpu; from xpu.probe import load_cached; sys.exit(load_ca
 timeout ${BUDGET_S:-530} python3 -m xpu bench examples/bench/design-s3-capped.yaml --systems "$SYSTEMS" --out $R --append --no-progress > $R/bench-$(date +%H%M%S).log 2>&1
 python3 - <<'PY'
 import json
-d = json.load(open("/tmp/capped/results.json"))
+import os
+d = json.load(open("/tmp/capped/results.json" if os.path.exists("/tmp/capped/results.json") else "/tmp/capped/results.partial.json"))
 for r in d["rows"]:
     print(f'{r["system"]:<26} {r["status"]:<6} median {r.get("step_s")} mean {r.get("step_mean_s")} peak {r.get("peak_device_gb")} loss {r.get("loss")} | {r.get("notes") or ""} {(r.get("reason") or "")[:160]}')
 PY
+[ -f /tmp/capped/results.partial.json ] && echo "cut short: rows so far in results.partial.json"
 tar czf ${OUT:-/tmp}/capped.tgz -C /tmp capped

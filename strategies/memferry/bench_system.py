@@ -8,6 +8,7 @@ Options:
     max_grad_norm: global-norm clipping (None: off).
     host_threads: CPU threads of the host optimizer (None: torch's default).
     host_kernel: ``auto``, ``torch`` or ``single-pass`` (see ``host_kernel.py``).
+    memory_margin: the scheduler's fragmentation margin on predicted peak memory (plan auto).
     loss_chunks: compute the model's loss over this many token slices, each slice's logits
         recomputed in backward (``CausalLM.loss_chunks``): frees the fp32 logits' memory for
         the scheduler to spend on device-homed blocks. 1: the model as the baselines run it.
@@ -50,7 +51,7 @@ class MemFerrySystem(BenchSystem):
         plan = spec if spec == "auto" else Plan.from_spec(spec, len(model.blocks))
         cap = ctx.backend.memory_cap(ctx.device_index)
         self.engine = MemFerry(model, optim=cfg, plan=plan, backend=ctx.backend, device=ctx.device_index,
-                               sample=sample, device_budget=cap)
+                               sample=sample, device_budget=cap, memory_margin=float(ctx.options["memory_margin"]))
         self._plan_note = f"plan={spec}, host kernel {self.engine.optimizer.kernel.name}" + (
             f", loss in {chunks} recomputed slices" if chunks > 1 else "")
         if spec == "auto":

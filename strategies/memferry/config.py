@@ -31,8 +31,8 @@ class AdamW:
             the training thread (busy launching kernels) runs at that core's pace.
         host_kernel: how host updates run: ``"torch"`` (upcast, torch's fused AdamW, write
             back: three passes), ``"single-pass"`` (one compiled loop, 30 % less memory
-            traffic; needs a C++ compiler) or ``"auto"`` (single-pass for bf16/fp16 units when
-            it compiles; see ``host_kernel.py``).
+            traffic, experimental; needs a C++ compiler) or ``"auto"`` (``torch`` today; see
+            ``host_kernel.py`` for the measurements behind that).
     """
 
     lr: float = 1e-3

@@ -4,17 +4,16 @@
 gradient into an fp32 buffer, torch's fused AdamW over the fp32 master, write the master
 back into the compute-dtype working copy. 40 bytes of memory traffic per parameter (bf16).
 
-``single-pass``: the same arithmetic as one loop compiled by ``torch.compile`` (Inductor's
-C++/OpenMP code on the host): it reads the bf16 gradient, updates master and moments and
-writes the bf16 working copy in one sweep, 28 bytes per parameter. The update is memory
-bound, and in a training step it shares host memory bandwidth with the device's DMA, so the
-saved passes are time saved (on the H200 machine, 2026-11-29: 13.2 ms against 20.8 ms per
-50 M-parameter block, bench/results/2026-11-29-h200-session2/).
+``single-pass`` (experimental, opt-in): the same arithmetic as one loop compiled by
+``torch.compile`` (Inductor's C++/OpenMP code on the host): it reads the bf16 gradient,
+updates master and moments and writes the bf16 working copy in one sweep, 28 bytes per
+parameter. Compiled for one fixed size it ran a 50 M-parameter block in 13.2 ms against
+20.8 ms for ``torch`` (H200 machine, 2026-11-29, bench/results/2026-11-29-h200-session2/diag/);
+but this dynamic-size build ran 3-4x *slower* than ``torch`` inside real training steps on the
+same machine (capped run, same folder), for a reason not yet found. Hence:
 
-``auto`` picks ``single-pass`` when the compute dtype is not fp32 (with fp32 there are no
-conversion passes to save) and compiling works here (it needs a C++ compiler); otherwise
-``torch``, with the reason logged. Both give AdamW as ``torch.optim.AdamW`` defines it
-(decoupled weight decay, bias-corrected moments).
+``auto`` is ``torch`` for now. Both give AdamW as ``torch.optim.AdamW`` defines it
+(decoupled weight decay, bias-corrected moments); ``single-pass`` needs a C++ compiler.
 """
 from __future__ import annotations
 
@@ -169,8 +168,7 @@ def make_host_kernel(kind: str, cfg: AdamW, shadows: list[UnitShadow]) -> HostKe
     """
     if kind not in KERNELS:
         raise ValueError(f"unknown host kernel {kind!r}; valid: {', '.join(KERNELS)}")
-    low = any(s.work.dtype != torch.float32 for s in shadows)
-    if kind == "torch" or (kind == "auto" and not low) or not shadows:
+    if kind in ("torch", "auto") or not shadows:
         return TorchKernel(cfg, shadows)
     try:
         return SinglePassKernel(cfg)
