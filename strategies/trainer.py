@@ -60,7 +60,8 @@ from xpu.errors import XpuError
 __all__ = [
     "TrainConfig", "StrategyConfig", "OptimizerConfig", "DataConfig", "CheckpointConfig", "TrainConfigError",
     "StrategySpec", "STRATEGIES", "TrainEngine", "TokenWindows", "StepReport", "RunInfo", "TrainCallback",
-    "TrainResult", "load_config", "train", "lr_at", "markov_corpus", "find_checkpoint", "TEXT_VOCAB",
+    "TrainResult", "load_config", "train", "lr_at", "markov_corpus", "find_checkpoint", "make_data", "resolve_dtype",
+    "TEXT_VOCAB",
 ]
 
 #: Byte-level text: one token per byte.
@@ -446,7 +447,7 @@ class TokenWindows:
         self.generator.set_state(state["generator"])
 
 
-def _make_data(config: TrainConfig) -> tuple[TokenWindows, str]:
+def make_data(config: TrainConfig) -> tuple[TokenWindows, str]:
     """The batch source and a one-line description of it."""
     if config.data.kind == "text":
         path = config.data_path()
@@ -760,7 +761,8 @@ class TrainResult:
         return asdict(self)
 
 
-def _dtype(config: TrainConfig, backend: Any) -> tuple[str, torch.dtype]:
+def resolve_dtype(config: TrainConfig, backend: Any) -> tuple[str, torch.dtype]:
+    """The compute dtype's name and torch dtype for ``config`` on ``backend`` ("auto" resolved)."""
     # bf16 where there is a real device with asynchronous copies; fp32 on the cpu reference,
     # where bf16 is slow and exactness checks want fp32 (as examples/memferry_gpt.py decides).
     name = config.dtype if config.dtype != "auto" else ("bf16" if backend.caps.async_copy else "fp32")
@@ -799,8 +801,8 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
             Path(config.checkpoint.dir).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise TrainConfigError(f"checkpoint.dir {config.checkpoint.dir!r}: {exc.strerror or exc}") from None
-    data, data_desc = _make_data(config)
-    dtype_name, dtype = _dtype(config, backend)
+    data, data_desc = make_data(config)
+    dtype_name, dtype = resolve_dtype(config, backend)
 
     # Seed a private copy of the host RNG: the same config builds the same initial weights
     # whatever the caller did before, and the caller's RNG stream is left alone.

@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "probe": ("xpu.commands.probe", "measure link bandwidths and DHA matmul; cache the result"),
     "bench": ("bench.cli", "run systems side by side on one model and memory cap"),
     "train": ("xpu.commands.train", "train a model from a YAML config"),
+    "mpress": ("xpu.commands.mpress", "MPress pipeline training from a YAML config, one process per stage via torchrun"),
 }
 
 

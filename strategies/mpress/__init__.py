@@ -10,6 +10,8 @@ Modules:
     planner: the per-block decision under every device's budget.
     pipeline: the multi-process runtime on ``torch.distributed.pipelining`` (GPipe, 1F1B)
         and its launcher.
+    launcher: ``xpu mpress CONFIG.yaml``: config checks, the torchrun command, and the
+        training loop each torchrun rank runs.
 
 DESIGN.md §2 describes the mechanism.
 """

@@ -35,7 +35,7 @@ import torch
 
 from bench.systems.base import BenchSystem, SystemContext, phase
 
-from .pipeline import SCHEDULES, PipelineJob, free_port
+from .pipeline import SCHEDULES, PipelineJob, adamw_with_states, free_port
 
 __all__ = ["MPressSystem", "make", "PLANS"]
 
@@ -270,7 +270,7 @@ def _stage_main(rank: int, world: int, port: int, job: PipelineJob, adamw: dict[
         box: list[torch.optim.Optimizer] = []
 
         def prepare(stage: torch.nn.Module) -> None:
-            box.append(_adamw_with_states(stage, adamw))
+            box.append(adamw_with_states(stage, adamw))
 
         runtime = StageRuntime(job, rank, world, backend, prepare=prepare)
         if runtime.infeasible is not None:
@@ -310,33 +310,6 @@ def _stage_main(rank: int, world: int, port: int, job: PipelineJob, adamw: dict[
                 dist.destroy_process_group()
             except Exception:
                 pass
-
-
-def _adamw_with_states(stage: torch.nn.Module, adamw: dict[str, Any]) -> torch.optim.AdamW:
-    """AdamW over ``stage``'s parameters with its states already allocated (and still initial).
-
-    The states exist before the stage is profiled, so the planner sees them in the peaks.
-    They are made by AdamW itself: one step on zero gradients at learning rate 0 leaves the
-    parameters and the moments unchanged (all zero), then the step counters are reset.
-    """
-    params = [p for p in stage.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, **adamw)
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    optimizer.step()
-    for group, lr in zip(optimizer.param_groups, lrs):
-        group["lr"] = lr
-    for p in params:
-        p.grad = None
-        step = optimizer.state[p].get("step")
-        if isinstance(step, torch.Tensor):
-            step.zero_()
-        elif step is not None:
-            optimizer.state[p]["step"] = 0
-    return optimizer
 
 
 def make(ctx: SystemContext) -> MPressSystem:

@@ -9,6 +9,10 @@ forward drops its own references. When backward reaches the block's output, its 
 stream; the unpack hook makes the compute stream wait for that copy's event, so no kernel
 reads a half-written tensor, and the swap-out's event orders the prefetch after it.
 
+With ``profiling`` on, each block's saved bytes are recorded whether it is kept or swapped
+(the pack hook sees every saved tensor either way), so a stage whose activations do not fit
+its device all kept can still be profiled, with every block host-swapped.
+
 Parameters and tensors below ``min_bytes`` are always kept. Every byte is counted by
 destination in :class:`SwapStats`, so tests can check that a decision was really taken.
 """
@@ -243,7 +247,7 @@ class StageExecutor:
         elif d.kind in ("host", "peer") and torch.is_grad_enabled():
             group = _Group(d, self._last_group)
             self._last_group = group
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack_swap(group, t), self._unpack_swap):
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack_swap(group, t, record), self._unpack_swap):
                 out = block(x)
             if out.requires_grad:
                 out.register_hook(lambda g, group=group: self._on_backward(group, g))
@@ -317,7 +321,12 @@ class StageExecutor:
         dst = arena.empty(t.shape, t.dtype)
         return dst, (lambda: arena.release(dst)), "host"
 
-    def _pack_swap(self, group: _Group, t: torch.Tensor) -> Any:
+    def _pack_swap(self, group: _Group, t: torch.Tensor, record: BlockRecord | None = None) -> Any:
+        if record is not None and not self._skip(t):
+            # Counted as _pack_keep counts (every saved tensor, before de-duplication), so a
+            # profile taken with the block swapped reads the same sizes as one taken with it kept.
+            record.saved_bytes += t.numel() * t.element_size()
+            record.tensors += 1
         if self._skip(t) or not _dense(t):
             return self._pack_keep(None, t)
         # The same tensor saved by several ops is swapped once. The key holds a weak reference

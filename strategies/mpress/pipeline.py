@@ -9,7 +9,10 @@ given one after the other (so tests pay for process start-up once). Under ``torc
 
 A job (:class:`PipelineJob`):
 
-1. optionally profiles one iteration (every block kept) and gathers the stage profiles;
+1. optionally profiles one iteration and gathers the stage profiles. The iteration keeps every
+   block's activations when the stage fits its device that way; a stage that would not is
+   profiled with every block host-swapped instead (the saved-tensor hooks still see each
+   tensor's size), its all-keep peak estimated (``profile_mode``, :data:`PROFILE_MODES`);
 2. plans on rank 0 (``plan="auto"``: :func:`~strategies.mpress.planner.plan_offload`; or a
    forced ``{stage: {block: decision}}``) and broadcasts the plan or the infeasibility error;
 3. allocates peer pools: each device that hosts regions exports them (counted against its
@@ -37,10 +40,18 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["PipelineJob", "StageRuntime", "launch", "run_jobs", "reference", "SCHEDULES", "free_port"]
+__all__ = ["PipelineJob", "StageRuntime", "launch", "run_jobs", "reference", "SCHEDULES", "PROFILE_MODES",
+           "free_port", "adamw_with_states", "schedule_inflight"]
 
 #: Schedule names accepted by :class:`PipelineJob`.
 SCHEDULES = ("gpipe", "1f1b")
+#: How the profiled iteration treats saved activations: ``auto`` keeps them when the stage's
+#: estimated all-keep peak fits its device and host-swaps them otherwise; ``keep`` and ``host``
+#: force one way.
+PROFILE_MODES = ("auto", "keep", "host")
+#: Fraction of a device's memory ``profile_mode="auto"`` leaves unused when it decides whether
+#: a stage fits all kept (allocator fragmentation, and the estimate's own error).
+PROFILE_HEADROOM = 0.05
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,7 @@ class PipelineJob:
         min_bytes: saved tensors smaller than this are always kept.
         overlap: override for the planner's copy/compute overlap (None: ``caps.async_copy``).
         dtype: parameter dtype of the model (None: fp32, the default of :func:`bench.models.build_model`).
+        profile_mode: one of :data:`PROFILE_MODES`: how the profiled iteration treats activations.
     """
 
     dims: dict[str, Any]
@@ -81,6 +93,7 @@ class PipelineJob:
     min_bytes: int = 1024
     overlap: bool | None = None
     dtype: torch.dtype | None = None
+    profile_mode: str = "auto"
 
     def validate(self, stages: int) -> None:
         """Check the job against a pipeline of ``stages`` stages; raises ValueError with the reason."""
@@ -92,6 +105,8 @@ class PipelineJob:
             raise ValueError(f"1F1B needs at least as many micro-batches ({self.microbatches}) as stages ({stages})")
         if self.steps < 1:
             raise ValueError(f"steps must be at least 1, got {self.steps}")
+        if self.profile_mode not in PROFILE_MODES:
+            raise ValueError(f"unknown profile_mode {self.profile_mode!r}; valid: {', '.join(PROFILE_MODES)}")
         if not (self.plan in ("keep", "auto") or isinstance(self.plan, dict)):
             raise ValueError(f"plan must be 'keep', 'auto' or {{stage: {{block: decision}}}}, got {self.plan!r}")
         from bench.models import validate_dims
@@ -194,7 +209,54 @@ def run_jobs(jobs: list[PipelineJob], backend: Any = None) -> list[dict[str, Any
     return [_run_job(job, dist.get_rank(), world, backend) for job in jobs]
 
 
-def _profile_of(executor: Any, stage: Any, rank: int, peak: int, microbatches: int) -> Any:
+def adamw_with_states(stage: torch.nn.Module, adamw: dict[str, Any]) -> torch.optim.AdamW:
+    """AdamW over ``stage``'s parameters with its states already allocated (and still initial).
+
+    The states exist before the stage is profiled, so the planner sees them in the peaks.
+    They are made by AdamW itself: one step on zero gradients at learning rate 0 leaves the
+    parameters and the moments unchanged (all zero), then the step counters are reset.
+    """
+    params = [p for p in stage.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, **adamw)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    for p in params:
+        p.grad = None
+        step = optimizer.state[p].get("step")
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+        elif step is not None:
+            optimizer.state[p]["step"] = 0
+    return optimizer
+
+
+def schedule_inflight(schedule: str, microbatches: int, rank: int, world: int) -> int:
+    """Most micro-batches whose activations stage ``rank`` holds at once under ``schedule``.
+
+    GPipe runs every forward before any backward; 1F1B lets stage ``r`` run ``world - r``
+    forwards before its first backward.
+    """
+    if schedule == "gpipe":
+        return microbatches
+    return max(1, min(microbatches, world - rank))
+
+
+def _profile_of(executor: Any, stage: Any, rank: int, peak: int, microbatches: int, mode: str = "keep",
+                inflight_cap: int | None = None) -> Any:
+    """The stage's :class:`StageProfile` from ``executor``'s records; ``peak`` is the measured one.
+
+    With ``mode="host"`` every block was host-swapped, and ``peak_bytes`` estimates the
+    all-keep peak in the planner's own terms: the measured peak, plus the saved bytes of the
+    micro-batches in flight (what keeping them would hold), less the transient headroom the
+    planner adds back for swapped blocks. So the planner predicts exactly the measured peak
+    for the plan that swaps every block, the one this iteration ran.
+    """
     from .planner import BlockProfile, StageProfile
 
     blocks = []
@@ -206,8 +268,16 @@ def _profile_of(executor: Any, stage: Any, rank: int, peak: int, microbatches: i
             index=i, saved_bytes=int(sum(r.saved_bytes for r in recs) / n), tensors=int(round(sum(r.tensors for r in recs) / n)),
             input_bytes=int(sum(r.input_bytes for r in recs) / n), fwd_s=sum(r.fwd_s for r in recs) / n,
             bwd_s=sum(r.bwd_s for r in recs) / n, gap_s=min((r.gap_s for r in recs), default=0.0)))
-    return StageProfile(stage=stage.stage, device=rank, blocks=tuple(blocks), peak_bytes=peak,
-                        inflight=max(1, executor.max_inflight), microbatches=microbatches)
+    inflight = max(1, executor.max_inflight)
+    if inflight_cap is not None:
+        inflight = min(inflight, inflight_cap)
+    estimate = peak
+    if mode != "keep":
+        kept = inflight * sum(b.saved_bytes for b in blocks)
+        transient = (1 + executor.lookahead) * max((b.saved_bytes for b in blocks), default=0)
+        estimate = peak + max(0, kept - transient)
+    return StageProfile(stage=stage.stage, device=rank, blocks=tuple(blocks), peak_bytes=estimate,
+                        inflight=inflight, microbatches=microbatches, mode=mode, measured_peak_bytes=peak)
 
 
 class StageRuntime:
@@ -285,16 +355,7 @@ class StageRuntime:
         self.regions: dict[int, Any] = {}
         profile = None
         if job.plan == "auto" or job.profile:
-            # The first step also infers shapes (an extra forward without backward): profile the second.
-            one_step()
-            stage.zero_grad(set_to_none=True)
-            stage.executor.profiling = True
-            backend.reset_peak_memory(rank)
-            one_step()
-            stage.executor.profiling = False
-            profile = _profile_of(stage.executor, stage, rank, backend.memory_stats(rank).peak_allocated,
-                                  job.microbatches)
-            stage.zero_grad(set_to_none=True)
+            profile = self._profile(one_step, params)
             self.result["profile"] = profile
         self.profile = profile
         profiles: list[Any] = [None] * world
@@ -352,6 +413,57 @@ class StageRuntime:
             self.owned, self.regions = [], {}
             stage.executor = None
             gc.collect()
+
+    def _profile(self, one_step: Callable[[], None], params: list[torch.Tensor]) -> Any:
+        """Profile one iteration of this stage (see :data:`PROFILE_MODES`); returns its :class:`StageProfile`.
+
+        The first step also infers the schedule's shapes (an extra forward), so it is a
+        warm-up and the second step is the profiled one. Under ``profile_mode="auto"`` the
+        warm-up runs with every block host-swapped, which fits wherever anything does, and
+        measures what keeping them would need: the profiled step then keeps every block if
+        that fits this device (exact peak) and host-swaps them otherwise (estimated peak).
+        Without this, a stage whose activations do not fit its device all kept would run out
+        of memory in profiling, before the planner could offload anything.
+        """
+        from .executor import StageExecutor
+
+        job, rank, backend, stage = self.job, self.rank, self.backend, self.stage
+        swap_all = {b: "host" for b in stage.block_ids}
+        inflight_cap = schedule_inflight(job.schedule, job.microbatches, rank, self.world)
+        mode = job.profile_mode
+
+        def executor(kind: str) -> StageExecutor:
+            return StageExecutor(backend, rank, swap_all if kind == "host" else {}, params=params,
+                                 min_bytes=job.min_bytes)
+
+        stage.executor = executor("keep" if mode == "keep" else "host")
+        stage.executor.profiling = mode == "auto"
+        gc.collect()
+        backend.reset_peak_memory(rank)
+        one_step()
+        stage.zero_grad(set_to_none=True)
+        if mode == "auto":
+            # An upper bound of the all-keep peak: the swapped step's peak plus every in-flight
+            # saved byte (counted per saved tensor, so shared ones more than once). The warm-up's
+            # in-flight count includes shape inference's forward, which never runs backward: the
+            # schedule's own count caps it.
+            warm = _profile_of(stage.executor, stage, rank, 0, job.microbatches, "keep", inflight_cap)
+            bound = backend.memory_stats(rank).peak_allocated + warm.inflight * sum(b.saved_bytes for b in warm.blocks)
+            free, _total = backend.mem_info(rank)
+            usable = free + backend.memory_stats(rank).reserved  # what this process can reach on the device
+            mode = "keep" if bound <= usable * (1 - PROFILE_HEADROOM) else "host"
+            self.result["profile_choice"] = {"keep_peak_bound": bound, "usable": usable, "mode": mode}
+        stage.executor = executor(mode)
+        stage.executor.profiling = True
+        gc.collect()
+        backend.reset_peak_memory(rank)
+        one_step()
+        stage.executor.profiling = False
+        profile = _profile_of(stage.executor, stage, rank, backend.memory_stats(rank).peak_allocated,
+                              job.microbatches, mode)
+        stage.zero_grad(set_to_none=True)
+        stage.executor = executor("keep")
+        return profile
 
     def apply_cap(self) -> None:
         """Cap this stage's device at its budget (if the job gives it one) and reset the peak counter."""

@@ -3,8 +3,10 @@
 Inputs come from one profiled iteration (:class:`StageProfile`, one per stage): each
 block's saved-activation bytes per micro-batch, its input bytes (what recomputation still
 keeps), forward and backward times, the gap between its forward and backward, the number of
-micro-batches in flight at the stage's peak, and the stage's measured peak. Link rates come
-from the ``xpu probe`` cache when there is one, else the topology's nominal rates.
+micro-batches in flight at the stage's peak, and the stage's peak with every block kept
+(measured, or estimated for a stage profiled with every block host-swapped because it does
+not fit its device all kept: :attr:`StageProfile.mode`). Link rates come from the
+``xpu probe`` cache when there is one, else the topology's nominal rates.
 
 Model (per micro-batch, per block ``b`` of a stage with ``k`` micro-batches in flight):
 
@@ -69,9 +71,15 @@ class StageProfile:
         stage: stage index.
         device: device index it ran on.
         blocks: its blocks in forward order.
-        peak_bytes: measured peak device memory of the profiled iteration (all blocks kept).
+        peak_bytes: peak device memory of the iteration with every block kept: measured when
+            ``mode`` is ``"keep"``; with ``"host"``, the measured peak plus the saved bytes of
+            the micro-batches in flight (what keeping them would have added; an estimate that
+            errs high, by about one block's backward transient).
         inflight: most micro-batches whose activations were alive at once.
         microbatches: micro-batches per iteration.
+        mode: how the profiled iteration ran: ``"keep"`` (every block kept) or ``"host"``
+            (every block host-swapped, for stages that do not fit their device all kept).
+        measured_peak_bytes: the peak the profiled iteration really reached (None: ``peak_bytes``).
     """
 
     stage: int
@@ -80,6 +88,8 @@ class StageProfile:
     peak_bytes: int
     inflight: int
     microbatches: int
+    mode: str = "keep"
+    measured_peak_bytes: int | None = None
 
 
 @dataclass
@@ -98,6 +108,8 @@ class StagePlan:
     exposed_s: float = 0.0
     peak_before: int = 0
     predicted_peak: int = 0
+    #: ``peak_before`` is an estimate (the stage was profiled with every block host-swapped).
+    peak_estimated: bool = False
 
 
 @dataclass
@@ -234,7 +246,8 @@ def plan_offload(profiles: list[StageProfile], budgets: dict[int, int], *, host_
             raise ValueError(f"no budget for device {p.device} (stage {p.stage}); budgets given: {sorted(budgets)}")
         if budgets[p.device] <= 0:
             raise ValueError(f"budget for device {p.device} must be positive, got {budgets[p.device]}")
-    plans = [StagePlan(p.stage, p.device, budgets[p.device], peak_before=p.peak_bytes) for p in profiles]
+    plans = [StagePlan(p.stage, p.device, budgets[p.device], peak_before=p.peak_bytes, peak_estimated=p.mode != "keep")
+             for p in profiles]
     by_device = {p.device: i for i, p in enumerate(profiles)}
     saved: list[int] = [0] * len(profiles)
     hosted = {p.device: 0 for p in profiles}
@@ -342,8 +355,11 @@ def format_plan(plan: Plan, profiles: list[StageProfile] | None = None) -> str:
     lines = []
     for sp in plan.stages:
         peers = ", ".join(f"peer {j}: {format_bytes(b)}" for j, b in sorted(sp.to_peer.items())) or "peers: 0 B"
+        peak = format_bytes(sp.peak_before)
+        if sp.peak_estimated:
+            peak = f"~{peak} (all-keep estimate: profiled with host swap)"
         lines.append(
-            f"stage {sp.stage} (device {sp.device}): budget {format_bytes(sp.budget)}, peak {format_bytes(sp.peak_before)}"
+            f"stage {sp.stage} (device {sp.device}): budget {format_bytes(sp.budget)}, peak {peak}"
             f" -> predicted {format_bytes(sp.predicted_peak)}; kept {format_bytes(sp.kept)}, recomputed "
             f"{format_bytes(sp.recomputed)}, {peers}, host {format_bytes(sp.to_host)}, hosts peer pools "
             f"{format_bytes(sp.hosted)}; predicted exposed {sp.exposed_s * 1e3:.3f} ms/iteration")

@@ -1,0 +1,148 @@
+"""`xpu mpress`: config checks before any process starts, the torchrun command, and a real 2-stage torchrun run
+whose losses equal the unpipelined run of the same config (cpu backend, gloo)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import xpu
+from strategies.mpress.launcher import MPressConfigError, launch_command, load_config, reference_losses, under_torchrun
+from xpu.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "examples" / "mpress" / "tiny.yaml"
+
+#: A GPT small enough that process start-up, not training, is the cost.
+MICRO = {
+    "name": "micro",
+    "model": {"family": "gpt", "layers": 4, "hidden": 32, "heads": 2, "vocab": 64},
+    # Every decision kind in one run: host swap and recompute on stage 0, a D2D swap into stage 0's device.
+    "strategy": {"name": "mpress", "options": {"stages": 2, "microbatches": 4, "schedule": "1f1b",
+                                               "plan": {0: {0: "host", 1: "recompute"}, 1: {2: "peer:0"}}}},
+    "optimizer": {"lr": 1.0e-2, "schedule": "cosine", "warmup_steps": 1, "min_lr": 1.0e-3},
+    "steps": 2, "batch": 8, "seq": 16, "log_every": 1,
+    "data": {"kind": "synthetic", "branching": 4},
+}
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Not under torchrun, and any attempt to start a process fails the test."""
+    for key in ("LOCAL_RANK", "WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(key, raising=False)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a process was started: {args}")
+
+    monkeypatch.setattr(subprocess, "run", refuse)
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    monkeypatch.setattr(os, "execv", refuse)
+    monkeypatch.setenv("XPU_BACKEND", "cpu")
+    xpu.reset_backend()
+    yield
+    xpu.reset_backend()
+
+
+def _config(tmp_path: Path, **changes) -> Path:
+    cfg = yaml.safe_load(yaml.safe_dump(MICRO))
+    cfg.update(changes)
+    path = tmp_path / "micro.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+# ---------------------------------------------------------------------------------- checks before anything starts
+@pytest.mark.parametrize("args, message", [
+    (["--stages", "5"], "stages (--stages) is 5 but model.layers is 4: each stage needs at least one block; use at most 4"),
+    (["--microbatches", "3"], "microbatches (--microbatches) is 3, which does not divide batch 8 into equal "
+                              "micro-batches; use one of 1, 2, 4, 8"),
+    (["--stages", "4", "--microbatches", "2"], "schedule 1f1b needs at least as many micro-batches as stages"),
+    (["--schedule", "zb"], "strategy.options.schedule (--schedule) is 'zb'; valid: gpipe, 1f1b"),
+    (["--nproc", "3", "--stages", "2"], "--nproc 3 and --stages 2 differ"),
+    (["--budget-gb", "0"], "--budget-gb must be a positive number of GB"),
+    (["--budget-gb", "100"], "device_budget (--budget-gb) 100.0 GB exceeds device 0's 2.0 GB"),
+    (["--set", "strategy.options.plann=keep"], "strategy 'mpress' has no option(s) ['plann']; valid options: counts, "
+                                                "microbatches, plan, profile, schedule, stages"),
+    (["--set", "strategy.name=memferry"], "xpu mpress runs only 'mpress' (use `xpu train` for memferry or torch)"),
+    (["--set", "stepz=3"], "unknown key(s) ['stepz']; valid keys: model, name, description, strategy, device_budget"),
+    (["--set", "strategy.options.plan={0: {3: host}}"], "block 3 is not on stage 0, which runs blocks 0..1"),
+    (["--set", "strategy.options.plan={1: {2: swap}}"], "stage 1 block 2: unknown decision 'swap'"),
+    (["--set", "strategy.options.plan={1: {2: 'peer:1'}}"], "peer 1 must be another stage's device"),
+    (["--set", "strategy.options.counts=[3, 2]"], "strategy.options.counts: block counts [3, 2] must be 2 positive"),
+    (["--set", "model.family=hf", "--set", "model.config={model_type: gpt2}"], "model.family 'hf' cannot be split"),
+    (["--set", "checkpoint.dir=runs/x"], "'checkpoint' is not supported by xpu mpress yet"),
+    (["--set", "optimizer.lr=-1"], "optimizer.lr must be a positive number"),
+])
+def test_bad_config_is_a_one_line_error_before_any_process_starts(tmp_path, capsys, no_launch, args, message):
+    rc = main(["mpress", str(_config(tmp_path)), *args])
+    out, err = capsys.readouterr()
+    lines = [l for l in err.strip().splitlines() if not l.startswith("xpu: no npu or cuda")]
+    assert rc == 2 and out == "", (out, err)
+    assert len(lines) == 1 and lines[0].startswith("xpu mpress: error: "), err
+    assert message in lines[0], lines[0]
+
+
+def test_config_errors_name_the_key_from_python():
+    with pytest.raises(MPressConfigError, match="no config file"):
+        load_config("no/such/file.yaml")
+    with pytest.raises(MPressConfigError, match="dimension"):
+        load_config({**MICRO, "model": {"family": "gpt", "layers": 2}})
+    config = load_config(TINY)
+    assert (config.stages, config.microbatches, config.schedule, config.plan, config.profile) == (2, 4, "1f1b", "auto", "auto")
+    assert config.train.family == "gpt" and config.train.data_path().is_file()
+
+
+def test_dry_run_prints_the_torchrun_command_and_starts_nothing(tmp_path, capsys, monkeypatch, no_launch):
+    monkeypatch.setenv("XPU_CPU_DEVICES", "1")  # fewer virtual devices than stages: the ranks are given enough
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    xpu.reset_backend()
+    cfg = str(_config(tmp_path))
+    assert main(["mpress", cfg, "--nproc", "4", "--schedule", "gpipe", "--budget-gb", "0.5",
+                 "--set", "strategy.options.plan=keep", "--dry-run"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line == (f"OMP_NUM_THREADS=1 XPU_CPU_DEVICES=4 {sys.executable} -m torch.distributed.run --standalone "
+                    f"--nproc_per_node 4 -m xpu mpress {cfg} --stages 4 --schedule gpipe --budget-gb 0.5 "
+                    f"--set strategy.options.plan=keep"), line
+    assert launch_command("c.yaml", 2, ["--json"])[-4:] == ["c.yaml", "--stages", "2", "--json"]
+    assert under_torchrun({"LOCAL_RANK": "0", "WORLD_SIZE": "2"}) and not under_torchrun({"WORLD_SIZE": "2"})
+
+
+def test_example_config_dry_run():
+    env = dict(os.environ, XPU_BACKEND="cpu", PYTHONPATH=str(ROOT))
+    for key in ("LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, "-m", "xpu", "mpress", str(TINY), "--dry-run"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "-m torch.distributed.run --standalone --nproc_per_node 2 -m xpu mpress" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------- end to end through torchrun
+def test_two_stages_through_torchrun_match_the_unpipelined_run(tmp_path, cpu_backend):
+    cfg = _config(tmp_path)
+    env = dict(os.environ, XPU_BACKEND="cpu", PYTHONPATH=str(ROOT), MPRESS_PG_TIMEOUT_S="60")
+    for key in ("LOCAL_RANK", "WORLD_SIZE", "RANK"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, "-m", "xpu", "mpress", str(cfg), "--json"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    # Rank 0 printed the plan and a line per step (on stderr with --json, so stdout is the summary alone).
+    assert "-m torch.distributed.run --standalone --nproc_per_node 2" in proc.stderr
+    assert "plan (given; unlisted blocks kept):\nstage 0: block 0: host, block 1: recompute\nstage 1: block 2: peer:0" \
+        in proc.stderr, proc.stderr
+    assert "step      1/2  loss" in proc.stderr and "step      2/2  loss" in proc.stderr
+    assert summary["stages"] == 2 and len(summary["peaks"]) == 2 and all(p > 0 for p in summary["peaks"])
+    assert summary["decisions"] == {"0": {"0": "host", "1": "recompute"}, "1": {"2": "peer:0"}}
+
+    ref = reference_losses(load_config(cfg), backend=cpu_backend)
+    assert len(summary["losses"]) == len(ref) == 2
+    for step, (got, want) in enumerate(zip(summary["losses"], ref)):
+        assert abs(got - want) < 1e-6, (step, got, want)
+    assert ref[1] != ref[0]  # the second step saw an AdamW update: the optimizers agree, not just the forward
