@@ -20,6 +20,8 @@ YAML shape (every key but ``model`` and ``systems`` optional)::
     optimizer: {lr: 1.0e-3, betas: [0.9, 0.999], eps: 1.0e-8, weight_decay: 0.0}
     timeout_s: 1800      # per system
     timeline: true       # one profiled step per system, as a Chrome trace
+    env: {}              # environment variables set in every system's worker (same for all), e.g.
+                         # {PYTORCH_CUDA_ALLOC_CONF: "expandable_segments:True"}
     systems:
       - torch
       - {name: deepspeed-twinflow, label: deepspeed-twinflow-0.5, options: {ratio: 0.5}}
@@ -114,6 +116,7 @@ class Scenario:
                                                                "weight_decay": 0.0})
     timeout_s: float = 1800.0
     timeline: bool = True
+    env: dict[str, str] = field(default_factory=dict)
     max_model: MaxModelConfig = field(default_factory=MaxModelConfig)
 
     # ------------------------------------------------------------------ derived
@@ -209,6 +212,10 @@ class Scenario:
             _positive_or_none(key, getattr(self, key))
         if not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
             raise ScenarioError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
+        if not isinstance(self.env, dict) or not all(isinstance(k, str) and isinstance(v, (str, int, float))
+                                                     for k, v in self.env.items()):
+            raise ScenarioError(f"env must map variable names to strings, got {self.env!r}")
+        self.env = {k: str(v) for k, v in self.env.items()}
         if not isinstance(self.optimizer, dict) or set(self.optimizer) - _OPT_KEYS:
             raise ScenarioError(f"optimizer takes keys {sorted(_OPT_KEYS)}, got {self.optimizer!r}")
         self.optimizer = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, **self.optimizer}

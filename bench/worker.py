@@ -208,6 +208,8 @@ def _prepare_env(spec: dict[str, Any]) -> None:
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
         os.environ.setdefault(key, value)
     scen = spec["scenario"]
+    for key, value in (scen.get("env") or {}).items():
+        os.environ[key] = value  # before torch initialises the device (e.g. allocator settings)
     host_cap = scen.get("host_mem_gb")
     if host_cap:
         # Our strategies' pinned arena honours the same host budget.

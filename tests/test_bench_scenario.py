@@ -77,3 +77,22 @@ def test_builtin_systems_registered():
     assert get_system("deepspeed-zenflow").approximate and not get_system("torch").approximate
     with pytest.raises(KeyError, match="valid systems"):
         get_system("nonesuch")
+
+
+def test_scenario_env_reaches_the_worker_environment(monkeypatch):
+    import os
+
+    from bench.scenario import Scenario
+    from bench.worker import _prepare_env
+
+    scen = Scenario.from_dict({"model": {"family": "gpt", "layers": 1, "hidden": 32, "heads": 4, "vocab": 16},
+                               "systems": ["torch"], "env": {"XPU_TEST_ENV_FLAG": 7}})
+    assert scen.env == {"XPU_TEST_ENV_FLAG": "7"}
+    monkeypatch.delenv("XPU_TEST_ENV_FLAG", raising=False)
+    for key in ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "XPU_CPU_DEVICES"):
+        monkeypatch.setenv(key, os.environ.get(key, "0"))  # restored after the test
+    _prepare_env({"scenario": scen.to_dict()})
+    assert os.environ["XPU_TEST_ENV_FLAG"] == "7"
+    with pytest.raises(ScenarioError, match="env must map variable names to strings"):
+        Scenario.from_dict({"model": {"family": "gpt", "layers": 1, "hidden": 32, "heads": 4, "vocab": 16},
+                            "systems": ["torch"], "env": {"A": [1]}})
