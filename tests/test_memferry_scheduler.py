@@ -282,3 +282,19 @@ def test_auto_plan_profiles_schedules_and_trains_exactly(cpu_backend, caplog):
     assert losses == pytest.approx(ref_losses, abs=1e-5, rel=1e-5)
     with pytest.raises(ValueError, match="pass sample="):
         MemFerry(build_model("gpt", layers=2, hidden=32, heads=2, vocab=64, seq=8), plan="auto", backend=cpu_backend)
+
+
+def test_dha_forward_blocks_are_priced_as_streamed_linears_at_large_m():
+    """At 8192 tokens a DHA-forward block streams its weights (host_linear): about the link
+    time of its bytes, not cuBLAS's re-read penalty (13x at M=4096); DHA only in backward
+    (plain kernels over the host view, with recompute) still pays the penalty."""
+    from strategies.memferry.cost import STREAM_OVERHEAD, option_cost
+
+    prof = h200_profile()
+    w = prof.blocks[0].param_bytes
+    dha = option_cost(prof, H200_LINKS, 5, UnitPlan("dha", "dha"))
+    assert dha.a == pytest.approx(max(prof.blocks[0].fwd_s, STREAM_OVERHEAD * w / 55.2e9))
+    assert dha.b == pytest.approx(max(prof.blocks[0].bwd_s, STREAM_OVERHEAD * (w / 55.2e9 + w / 55.2e9)))
+    assert dha.trans > option_cost(prof, H200_LINKS, 5, UnitPlan("prefetch", "prefetch")).trans - 1  # ring slots counted
+    late = option_cost(prof, H200_LINKS, 5, UnitPlan("prefetch", "dha", recompute=True))
+    assert late.b > 10 * dha.b  # plain GEMMs over the host view re-read the weight per tile

@@ -11,9 +11,15 @@ The step, as the executor runs it (``executor.py``), in steady state:
   reaches that point (the slot frees), so it overlaps the previous block's compute: block
   ``i`` occupies the compute stream for ``phi_i = max(a_i + r_i, x_{i+1})`` (``a`` compute,
   ``r`` the un-overlapped reload of a stale host-homed *resident* block, ``x`` the next
-  block's copy). DHA compute is ``max(compute, bytes / dha rate) * penalty(M)``, the penalty
-  from the probe's ``dha_matmul`` rows at M = tokens per step (cuBLAS re-reads host weights
-  per output tile: DESIGN.md §3). The first block's copy is not overlapped.
+  block's copy). A block planned DHA in forward runs its large linears as ``host_linear``
+  (``dha_linear.py``) in both passes: at M = tokens per step above ``DHA_MAX_ROWS`` the
+  weight streams through the copy engine once per pass, ``max(compute, 1.15 x bytes / h2d)``
+  forward and ``max(compute, 1.15 x (bytes / h2d + bytes / d2h))`` backward (the weight in,
+  its gradient written home, one after the other as measured on the H200); at small M it is
+  read in place, ``max(compute, bytes / dha rate)``. Plain kernels over a DHA view (a block
+  DHA only in backward, with recompute) cost ``max(compute, bytes / dha rate) * penalty(M)``,
+  the penalty from the probe's ``dha_matmul`` rows (cuBLAS re-reads host weights per output
+  tile: DESIGN.md §3). The first block's copy is not overlapped.
 * **rest** (embeddings, head, loss) forward + backward between the passes: ``t_rest``.
 * **backward**, blocks ``N-1..0``: ``psi_i = max(b_i, y_{i-1})`` with ``b`` recompute (in the
   backward mode) + backward + the device AdamW of a device-homed unit, ``y`` the copy of the
@@ -175,12 +181,37 @@ class OptionCost:
     dha_fwd: bool
 
 
+#: Streamed host_linear against the bare link time of its weight (H200: 2.64 ms against 2.33 ms
+#: for 128 MiB at M=4096, bench/scripts/diag_dha_linear.py).
+STREAM_OVERHEAD = 1.15
+
+
 def _mode_time(mode: str, base: float, nbytes: int, links: Links, penalty: float) -> float:
+    """A pass of plain kernels whose weights are bound in ``mode``."""
     if mode != "dha":
         return base
     if not links.dha_read_GBps:
         return math.inf  # no DHA here: never chosen
     return max(base, nbytes / (links.dha_read_GBps * 1e9)) * penalty
+
+
+def _ring_bytes(tokens: int) -> int:
+    """Device memory of host_linear's two weight slots while it streams (none when in place)."""
+    from .dha_linear import CHUNK_BYTES, DHA_MAX_ROWS
+
+    return 2 * CHUNK_BYTES if tokens > DHA_MAX_ROWS else 0
+
+
+def _host_linear_time(base: float, nbytes: int, links: Links, tokens: int, backward: bool) -> float:
+    """A pass of a block whose linears run as ``host_linear`` (forward mode DHA)."""
+    from .dha_linear import DHA_MAX_ROWS
+
+    if not links.dha_read_GBps:
+        return math.inf
+    if tokens <= DHA_MAX_ROWS:  # read in place: one GEMM tile, each byte crosses once
+        return max(base, nbytes / (links.dha_read_GBps * 1e9) * (2 if backward else 1))
+    link = nbytes / (links.h2d_GBps * 1e9) + (nbytes / (links.d2h_GBps * 1e9) if backward else 0.0)
+    return max(base, STREAM_OVERHEAD * link)
 
 
 def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan, prefetch_depth: int = 1) -> OptionCost:
@@ -192,10 +223,16 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
     h2d, d2h = links.h2d_GBps * 1e9, links.d2h_GBps * 1e9
     host = unit.optimizer == "host"
     resident = unit.forward == "resident"
-    a = _mode_time(unit.forward, blk.fwd_s, w, links, pen)
-    b = _mode_time(unit.backward, blk.bwd_s, w, links, pen)
-    if unit.recompute:  # recomputation reads weights the way backward does (its hook binds them)
-        b += _mode_time(unit.backward, blk.fwd_s, w, links, pen)
+    if unit.forward == "dha":  # host_linear in both passes (a recomputation replays forward's ops)
+        a = _host_linear_time(blk.fwd_s, w, links, profile.tokens, backward=False)
+        b = _host_linear_time(blk.bwd_s, w, links, profile.tokens, backward=True)
+        if unit.recompute:
+            b += a
+    else:
+        a = _mode_time(unit.forward, blk.fwd_s, w, links, pen)
+        b = _mode_time(unit.backward, blk.bwd_s, w, links, pen)
+        if unit.recompute:  # recomputation reads weights the way backward does (its hook binds them)
+            b += _mode_time(unit.backward, blk.fwd_s, w, links, pen)
     if not host:
         b += blk.numel * profile.device_adamw_s_per_param
     # The executor keeps the last `depth` blocks' forward copies for backward when both passes prefetch.
@@ -215,7 +252,8 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
         h=blk.numel * profile.host_adamw_s_per_param if host else 0.0,
         persist=persist,
         act=blk.act_bytes_recompute if unit.recompute else blk.act_bytes,
-        trans=(blk.act_bytes if unit.recompute else 0) + grad_bytes + (0 if host else blk.numel * 4),
+        trans=(blk.act_bytes if unit.recompute else 0) + grad_bytes + (0 if host else blk.numel * 4)
+        + (_ring_bytes(profile.tokens) if unit.forward == "dha" else 0),
         slot=w if "prefetch" in (unit.forward, unit.backward) else 0,
         host=host,
         prefetch_fwd=unit.forward == "prefetch",

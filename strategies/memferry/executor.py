@@ -10,6 +10,14 @@ issued. When a unit's last gradient has accumulated, its gradients go to host me
 device→host stream and the host optimizer is told; the device memory of weights and
 gradients is given back.
 
+DHA blocks: the large ``nn.Linear`` layers of a block whose forward mode is ``dha`` run as
+:func:`~strategies.memferry.dha_linear.host_linear` (each weight byte crosses the link once
+per pass at any batch size, instead of once per GEMM tile), and their weight gradients are
+written by the device straight into the unit's host gradient buffer (no device copy, no
+device→host copy). The choice follows the forward mode in both passes, because a
+recomputation must run the same operations as the forward it replays. Other parameters of
+a DHA block (norms, biases) are read in place through the device view.
+
 All ordering is by events: the compute stream waits for loads, the copy streams wait for
 compute; the host only waits for the optimizer before reading a unit's working copy.
 """
@@ -25,10 +33,15 @@ from xpu import Backend
 
 from .config import Plan, UnitPlan
 from .device_optimizer import DeviceOptimizer
+from .dha_linear import TransferCounter, host_linear
 from .host_optimizer import HostOptimizer
 from .shadow import ShadowModel, UnitShadow
 
-__all__ = ["Executor", "check_plan"]
+__all__ = ["Executor", "check_plan", "DHA_LINEAR_MIN_BYTES"]
+
+#: Linear weights smaller than this stay on the plain path in DHA blocks (read in place): the
+#: streamed op's fixed costs (events, a copy per chunk) outweigh moving a few kilobytes.
+DHA_LINEAR_MIN_BYTES = 64 << 10
 
 
 class Executor:
@@ -63,6 +76,10 @@ class Executor:
         self._handles: list[Any] = []
         self.bytes_h2d = 0
         self.bytes_d2h = 0
+        #: traffic of DHA blocks' streamed linears (weights in, gradients written home)
+        self.dha_counter = TransferCounter()
+        self._routed: dict[int, set[int]] = {}  # unit index -> ids of weights whose gradient host_linear writes
+        self._routed_done: set[int] = set()  # ... of those, the ones written this step
         self._install()
 
     # ------------------------------------------------------------------ set-up
@@ -75,14 +92,47 @@ class Executor:
             module = s.unit.module
             self._handles.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, s)))
             self._handles.append(module.register_forward_hook(functools.partial(self._post_forward, s)))
+            if s.home == "host" and self.unit_plans[s.unit.index].forward == "dha":
+                self._route_linears(s)
             if self.unit_plans[s.unit.index].recompute:
                 module.forward = functools.partial(_checkpointed, module.forward)
         for s in [self.rest] + [s for s in self.blocks if self.unit_plans[s.unit.index].forward == "resident"]:
             if s.home == "host":  # a device-homed unit's buffer is its home, allocated already
                 self.b.realloc_storage(s.device_flat, self.dev)
 
+    def _route_linears(self, s: UnitShadow) -> None:
+        """Send the unit's large linears through ``host_linear`` (see the module docstring)."""
+        position = {id(p): k for k, (_, p) in enumerate(s.unit.params)}
+        weights = s.slices(s.work)
+        # Under data parallelism the host gradient buffer holds only this rank's shard: the
+        # gradient must come to the device to be averaged first.
+        grads = s.slices(s.grad_stage) if self.shadow.dp is None else None
+        routed = self._routed.setdefault(s.unit.index, set())
+        for m in s.unit.module.modules():
+            if not isinstance(m, torch.nn.Linear):
+                continue
+            k = position.get(id(m.weight))
+            if k is None or m.weight.numel() * m.weight.element_size() < DHA_LINEAR_MIN_BYTES:
+                continue
+            if grads is not None:
+                routed.add(id(m.weight))
+            m.forward = functools.partial(self._dha_linear, s, m, weights[k], grads[k] if grads is not None else None)
+            self._handles.append(_Restore(m))
+
+    def _dha_linear(self, s: UnitShadow, m: torch.nn.Linear, weight_host: torch.Tensor,
+                    grad_host: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        ready = functools.partial(self._on_host_grad, s, m.weight) if grad_host is not None else None
+        return host_linear(x, weight_host, m.bias, self.b, self.dev, grad_out=grad_host, weight=m.weight,
+                           grad_ready=ready, counter=self.dha_counter)
+
+    def _on_host_grad(self, s: UnitShadow, weight: torch.Tensor, event: Any) -> None:
+        # host_linear wrote this weight's gradient into the host buffer (complete when the
+        # compute stream passes `event`, which the gradient offload's own event follows).
+        self._routed_done.add(id(weight))
+        self._count_grad(weight)
+
     def close(self) -> None:
-        """Remove hooks (the model keeps its parameters as they are bound)."""
+        """Remove hooks and routings (the model keeps its parameters as they are bound)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -97,6 +147,7 @@ class Executor:
         """Refresh resident copies and start the first loads."""
         self.phase = "forward"
         self._pending_grads = {s.unit.index: len(s.unit.params) for s in self.shadow.shadows}
+        self._routed_done.clear()
         self._use(self.rest, "resident")
         upcoming = [s for s in self.blocks if self.unit_plans[s.unit.index].forward != "dha"]
         for s in upcoming[: self.plan.prefetch_depth]:
@@ -117,8 +168,12 @@ class Executor:
         """Backward ended: offload units whose gradients did not all arrive (unused parameters)."""
         for s in self.shadow.shadows:
             if self._pending_grads.get(s.unit.index):
-                for _, p in s.unit.params:
-                    if p.grad is None:
+                routed = self._routed.get(s.unit.index, set())
+                for (_, p), host_grad in zip(s.unit.params, s.slices(s.grad_stage)):
+                    if id(p) in routed:
+                        if id(p) not in self._routed_done:
+                            host_grad.zero_()  # written by host_linear when used; unused: zero
+                    elif p.grad is None:
                         p.grad = torch.zeros_like(p)
                 self._pending_grads[s.unit.index] = 0
                 self._offload_grads(s)
@@ -208,6 +263,14 @@ class Executor:
 
     def _on_grad(self, param: torch.Tensor) -> None:
         s, _ = self._param_unit[id(param)]
+        if id(param) in self._routed.get(s.unit.index, ()):
+            # Counted when host_linear wrote it home. Under recomputation autograd still runs the
+            # weight's accumulate step (with no gradient), which would count it twice.
+            return
+        self._count_grad(param)
+
+    def _count_grad(self, param: torch.Tensor) -> None:
+        s, _ = self._param_unit[id(param)]
         index = s.unit.index
         self._pending_grads[index] -= 1
         if self._pending_grads[index] == 0:
@@ -220,7 +283,9 @@ class Executor:
                 self.device_opt.grads_ready(s, reduce=dp.average if dp is not None else None)
             return
         if dp is None:
-            sources, targets = [p.grad for _, p in s.unit.params], s.slices(s.grad_stage)
+            routed = self._routed.get(s.unit.index, set())  # already home: host_linear wrote them
+            pairs = [(p.grad, t) for (_, p), t in zip(s.unit.params, s.slices(s.grad_stage)) if id(p) not in routed]
+            sources, targets = [g for g, _ in pairs], [t for _, t in pairs]
         else:
             # Average the whole unit over ranks on the device, then bring home only this
             # rank's shard: the host optimizer updates that shard alone.
@@ -240,7 +305,7 @@ class Executor:
                 self.b.keep_alive(g, self.d2h)
             landed = self.b.event()
             landed.record(self.d2h)
-        self.bytes_d2h += s.grad_stage.numel() * s.grad_stage.element_size()
+        self.bytes_d2h += sum(t.numel() * t.element_size() for t in targets)
         self._stale.add(s.unit.index)  # its update is about to change the host copy
         for _, p in s.unit.params:
             p.grad = None
@@ -263,6 +328,16 @@ def check_plan(plan: Plan, n_blocks: int, backend: Backend) -> None:
             )
         if "dha" in (u.forward, u.backward) and not backend.caps.dha:
             raise ValueError(f"block {i} plans DHA, but backend '{backend.name}' has no Direct Host Access (caps.dha)")
+
+
+class _Restore:
+    """Undo a routed module's ``forward`` (a handle like the hooks', for :meth:`Executor.close`)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("forward", None)  # back to the class's forward
 
 
 def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
