@@ -1,0 +1,455 @@
+"""Data-parallel MemFerry as a benchmarked system (``xpu bench`` name ``memferry-dp``).
+
+The worker process that runs the system does not train itself: the constructor spawns one
+persistent rank process per rank (``torch.multiprocessing``, spawn start method), rank ``r``
+on device ``r``, joined in a process group of the backend's collective library (gloo on the
+cpu backend, NCCL on CUDA, HCCL on Ascend). Every rank builds the scenario's model from the
+scenario's seed and hands it to its own :class:`~strategies.memferry.engine.MemFerry` engine
+with that process group, so gradients are averaged across ranks and the host optimizer (fp32
+masters and moments) is sharded by rank (see ``data_parallel.py``).
+
+**Batch.** The scenario's ``batch`` is the *global* batch: it is split into ``ranks`` equal
+micro-batches, rank ``r`` training on rows ``r*b .. (r+1)*b-1`` (``b = batch / ranks``; the
+batch must divide evenly). So a ``memferry-dp`` row trains on the same data as the ``torch``
+and ``memferry`` rows of the same scenario, its tokens per second count every rank's tokens,
+and the loss it reports, the mean of the ranks' micro-batch losses, is the loss over the whole
+batch (the micro-batches are equal, so the mean of their means is the mean over all tokens):
+in fp32 it matches a single-process run on the whole batch. To benchmark a fixed per-rank
+batch ``b``, write ``batch: ranks * b`` in the scenario.
+
+Device memory lives in the rank processes, out of sight of the worker's allocator statistics:
+the row's peak device column is left empty and the notes carry each rank's peak (allocated
+since the end of set-up, so the scheduler's profiling for plan ``auto`` is not counted). The
+scenario's device cap applies to every rank's device; its host cap (the pinned arena's
+budget) is split evenly between the ranks, which share one host. Host memory of the rank
+processes is counted in the row by the worker (it samples its descendants).
+
+Options:
+    ranks: number of ranks (one process and one device each); at least 2 (one rank is the
+        ``memferry`` system) and at most the backend's device count (the cpu backend gets as
+        many virtual devices as ranks, unless ``XPU_CPU_TOPOLOGY`` or a per-device
+        ``XPU_CPU_DEVICE_MEM`` list fixes their number).
+    plan: as ``memferry``'s: a :meth:`~strategies.memferry.config.Plan.from_spec` name or
+        ``auto``. With ``auto``, rank 0 profiles one micro-batch and the scheduler picks the plan
+        under the scenario's device cap; every rank then uses that one plan (ranks that chose
+        separately could home different units on the device, and their collectives would not
+        line up).
+    max_grad_norm: global-norm clipping over the averaged gradient (None: off).
+    loss_chunks: compute the loss over this many token slices (see ``bench_system.py``).
+    host_threads, host_kernel, memory_margin: as ``memferry``'s. Without ``host_threads``
+        each rank's torch uses ``cpu_count // ranks`` threads, so the ranks do not
+        oversubscribe the host they share.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bench.systems.base import BenchSystem, SystemContext, phase
+
+from .config import AdamW, Plan
+
+__all__ = ["MemFerryDPSystem", "DPJob", "build_job", "make"]
+
+_GB = 1e9
+#: Seconds to wait for the ranks' set-up (process start, model build, profiling for plan auto).
+_SETUP_TIMEOUT_S = float(os.environ.get("MEMFERRY_DP_SETUP_TIMEOUT_S", "600"))
+_NAME = "memferry-dp"
+
+
+@dataclass(frozen=True)
+class DPJob:
+    """What every rank process needs to build its engine (picklable: it crosses the spawn).
+
+    Attributes:
+        ranks: world size.
+        family, dims, dtype, seed: the scenario's model, compute dtype and seed.
+        micro_batch, seq: one rank's micro-batch shape.
+        plan: a plan name for :meth:`Plan.from_spec`, or ``"auto"``.
+        optim: the AdamW settings (validated in the parent).
+        loss_chunks: sliced-loss count (1: off).
+        memory_margin: scheduler margin for plan ``auto``.
+        device_cap: each rank's device cap in bytes (None: the whole device).
+        dist_backend: the backend's collective library name (``gloo``, ``nccl``, ``hccl``).
+    """
+
+    ranks: int
+    family: str
+    dims: dict[str, Any]
+    dtype: torch.dtype
+    seed: int
+    micro_batch: int
+    seq: int
+    plan: str
+    optim: AdamW
+    loss_chunks: int
+    memory_margin: float
+    device_cap: int | None
+    dist_backend: str
+
+
+def _cpu_device_env(ranks: int) -> dict[str, str] | None:
+    """Environment that gives the cpu backend's rank processes ``ranks`` virtual devices.
+
+    None when the number of virtual devices is fixed by ``XPU_CPU_TOPOLOGY`` (a JSON file) or
+    by a per-device ``XPU_CPU_DEVICE_MEM`` list: then the backend's own count is the limit.
+    """
+    topology = os.environ.get("XPU_CPU_TOPOLOGY")
+    if (topology and os.path.exists(topology)) or "," in os.environ.get("XPU_CPU_DEVICE_MEM", ""):
+        return None
+    # The worker sets XPU_CPU_DEVICES=1 for single-device systems; the ranks need one device each.
+    return {"XPU_CPU_DEVICES": str(max(ranks, int(os.environ.get("XPU_CPU_DEVICES", "1") or 1)))}
+
+
+def build_job(ctx: SystemContext) -> tuple[DPJob, dict[str, str]]:
+    """The job every rank runs and the environment additions of the rank processes.
+
+    Every check happens here, before any process starts.
+
+    Raises:
+        ValueError: a bad option (fewer than 2 ranks, more ranks than devices, a batch that
+            does not split into equal micro-batches, an unknown plan, bad optimizer settings).
+    """
+    from bench.models import build_model
+
+    opts = ctx.options
+    ranks = opts["ranks"]
+    if isinstance(ranks, bool) or not isinstance(ranks, int):
+        raise ValueError(f"{_NAME}: option 'ranks' must be an integer >= 2, got {ranks!r}")
+    if ranks < 2:
+        raise ValueError(f"{_NAME}: option 'ranks' must be at least 2, got {ranks}; "
+                         f"for one device use the 'memferry' system")
+    backend = ctx.backend
+    env: dict[str, str] = {}
+    cpu_env = _cpu_device_env(ranks) if backend.device_type == "cpu" else None
+    if cpu_env is not None:
+        env.update(cpu_env)
+    elif backend.device_count() < ranks:
+        raise ValueError(f"{_NAME}: {ranks} ranks need {ranks} devices (one each); backend '{backend.name}' "
+                         f"has {backend.device_count()} (lower option 'ranks')")
+    if ctx.batch % ranks:
+        raise ValueError(f"{_NAME}: batch {ctx.batch} does not split into {ranks} equal micro-batches "
+                         f"(the scenario's batch is the global batch; it must be a multiple of 'ranks')")
+    # The meta model allocates nothing; it gives the block count and whether sliced loss is supported.
+    meta = build_model(ctx.family, device="meta", **ctx.dims)
+    chunks = opts["loss_chunks"]
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1 or \
+            (chunks > 1 and not hasattr(meta, "loss_chunks")):
+        raise ValueError(f"{_NAME}: loss_chunks must be an integer >= 1 and needs a model with sliced-loss "
+                         f"support, got {chunks!r}")
+    plan = opts["plan"]
+    if not isinstance(plan, str):
+        raise ValueError(f"{_NAME}: option 'plan' must be a plan name or 'auto', got {plan!r}")
+    if plan != "auto":
+        try:
+            Plan.from_spec(plan, len(meta.blocks))
+        except ValueError as exc:
+            raise ValueError(f"{_NAME}: {exc}") from None
+    margin = opts["memory_margin"]
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0.0 <= margin < 1.0:
+        raise ValueError(f"{_NAME}: memory_margin must lie in [0, 1), got {margin!r}")
+    try:
+        optim = AdamW(**ctx.adamw_kwargs(), max_grad_norm=opts["max_grad_norm"], host_threads=opts["host_threads"],
+                      host_kernel=opts["host_kernel"])
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{_NAME}: {exc}") from None
+    cap = backend.memory_cap(ctx.device_index)
+    budget = os.environ.get("XPU_HOST_MEM_BUDGET")
+    if budget:
+        # One host for all ranks: together their pinned arenas keep to the scenario's host budget.
+        env["XPU_HOST_MEM_BUDGET"] = str(int(budget) // ranks)
+    job = DPJob(ranks=ranks, family=ctx.family, dims=dict(ctx.dims), dtype=ctx.dtype, seed=ctx.seed,
+                micro_batch=ctx.batch // ranks, seq=ctx.seq, plan=plan, optim=optim, loss_chunks=chunks,
+                memory_margin=float(margin), device_cap=int(cap) if cap else None, dist_backend=backend.dist_backend)
+    return job, env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MemFerryDPSystem(BenchSystem):
+    """Persistent rank processes, each with a data-parallel MemFerry engine, one step per :meth:`step`.
+
+    Args:
+        ctx: the scenario; options ``ranks``, ``plan``, ``max_grad_norm``, ``loss_chunks``,
+            ``host_threads``, ``host_kernel``, ``memory_margin``.
+
+    Raises:
+        ValueError: bad options (before any process starts).
+        RuntimeError: a rank failed during set-up or a step (its traceback in the message).
+        torch.OutOfMemoryError: a rank ran out of device memory.
+    """
+
+    optimizer_on_host = True
+    tracks_device_memory = False  # the memory is in the rank processes, not in this one
+
+    def __init__(self, ctx: SystemContext) -> None:
+        import torch.multiprocessing as mp
+
+        self.job, env = build_job(ctx)
+        self.ranks = self.job.ranks
+        self._procs: list[Any] = []
+        self._commands: list[Any] = []
+        self._replies: Any = None
+        self._peaks: list[int | None] = [None] * self.ranks
+        self._host_times: dict[str, float] = {}
+        self._steps = 0
+        self._failed = False
+        mpctx = mp.get_context("spawn")
+        self._commands = [mpctx.Queue() for _ in range(self.ranks)]
+        self._replies = mpctx.Queue()
+        port = _free_port()
+        try:
+            for rank in range(self.ranks):
+                proc = mpctx.Process(target=_rank_main, name=f"memferry-dp-rank{rank}", daemon=True,
+                                     args=(rank, port, self.job, self._commands[rank], self._replies, env,
+                                           os.getpid()))
+                proc.start()
+                self._procs.append(proc)
+            ready = self._collect("ready", _SETUP_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
+        self._kernel = ready[0]["kernel"]
+        self._predicted = ready[0]["predicted_step_s"]
+        if self.job.plan == "auto":
+            print(f"memferry-dp plan chosen by the scheduler on rank 0 (used by every rank):\n{ready[0]['plan_text']}",
+                  flush=True)
+
+    @property
+    def notes(self) -> str:  # type: ignore[override]
+        """Ranks and micro-batch, the plan, each rank's peak device memory and rank 0's host optimizer times."""
+        job = self.job
+        text = (f"ranks={job.ranks} (micro-batch {job.micro_batch} per rank), plan={job.plan}, "
+                f"host kernel {getattr(self, '_kernel', '?')}")
+        if job.loss_chunks > 1:
+            text += f", loss in {job.loss_chunks} recomputed slices"
+        if job.plan == "auto" and getattr(self, "_predicted", None) is not None:
+            text += f" (predicted {self._predicted:.3f} s)"
+        if any(p is not None for p in self._peaks):
+            text += "; peak device GB per rank: " + " ".join(
+                f"r{r}={p / _GB:.4f}" if p is not None else f"r{r}=?" for r, p in enumerate(self._peaks))
+        if self._steps and self._host_times:
+            phases = ", ".join(f"{k} {v * 1e3 / self._steps:.1f}" for k, v in self._host_times.items())
+            text += f"; rank 0 host optimizer ms/step: {phases}"
+        return text
+
+    @property
+    def rank_peaks(self) -> list[int | None]:
+        """Each rank's peak allocated device bytes since set-up ended (None before the first step)."""
+        return list(self._peaks)
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One data-parallel training step of the whole batch; returns the mean of the ranks' losses.
+
+        Rank ``r`` trains on rows ``r*b .. (r+1)*b-1`` of the batch (``b = batch / ranks``).
+        """
+        with phase("data-parallel"):
+            host_in = inputs.detach().to("cpu")
+            host_tgt = targets.detach().to("cpu")
+            b = self.job.micro_batch
+            for rank, q in enumerate(self._commands):
+                # clone(): each rank's slice is sent as its own small storage, not the whole batch's.
+                q.put(("step", host_in[rank * b:(rank + 1) * b].clone(), host_tgt[rank * b:(rank + 1) * b].clone()))
+            replies = self._collect("step", None)
+        for rank, info in replies.items():
+            self._peaks[rank] = info["peak"]
+        self._steps += 1
+        self._host_times = replies[0]["host_times"]
+        # Equal micro-batches: the mean of the ranks' mean losses is the mean loss over the whole batch.
+        return torch.tensor(sum(replies[r]["loss"] for r in range(self.ranks)) / self.ranks, dtype=torch.float32)
+
+    def _collect(self, kind: str, timeout_s: float | None) -> dict[int, dict[str, Any]]:
+        """One ``kind`` reply from every rank; raises the first rank error, or on a dead rank / timeout."""
+        got: dict[int, dict[str, Any]] = {}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while len(got) < self.ranks:
+            try:
+                msg_kind, rank, info = self._replies.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p for p in self._procs if not p.is_alive()]
+                if dead:
+                    self._failed = True
+                    # A rank that died without a word (killed, e.g. by the host's OOM killer).
+                    raise RuntimeError(f"{_NAME}: rank process {dead[0].name} exited with code {dead[0].exitcode} "
+                                       f"while waiting for '{kind}'")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise RuntimeError(f"{_NAME}: ranks did not answer '{kind}' within {timeout_s:.0f} s")
+                continue
+            if msg_kind == "error":
+                self._failed = True  # its peers are stuck in a collective with it: close() need not wait
+                _raise_rank_error(self._root_cause(rank, info))
+            if msg_kind != kind:
+                raise RuntimeError(f"{_NAME}: rank {rank} answered {msg_kind!r}, expected {kind!r}")
+            got[rank] = info
+        return got
+
+    def _root_cause(self, rank: int, info: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """The error to report: a rank's own failure (e.g. OOM) rather than a peer's broken collective.
+
+        When one rank fails, its peers fail soon after in the collective they were waiting in;
+        collect the errors that arrive within a moment and prefer an out-of-memory one, then
+        one with a message.
+        """
+        errors = {rank: info}
+        deadline = time.monotonic() + 3.0
+        while len(errors) < self.ranks and time.monotonic() < deadline:
+            try:
+                msg_kind, r, i = self._replies.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if msg_kind == "error":
+                errors[r] = i
+        return min(errors.items(), key=lambda kv: (not kv[1].get("oom"), not kv[1]["message"].strip(), kv[0]))
+
+    def close(self) -> None:
+        """Stop the rank processes (politely, then by force) and release the queues."""
+        for q, proc in zip(self._commands, self._procs):
+            if proc.is_alive():
+                try:
+                    q.put(("stop", None, None))
+                except Exception:
+                    pass
+        deadline = time.monotonic() + (1 if self._failed else 15)
+        for proc in self._procs:
+            proc.join(timeout=max(0.1, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+        self._procs = []
+        for q in [*self._commands, *([self._replies] if self._replies is not None else [])]:
+            q.close()
+            q.cancel_join_thread()
+        self._commands, self._replies = [], None
+
+
+def _raise_rank_error(failure: tuple[int, dict[str, Any]]) -> None:
+    """Re-raise a rank's failure (``(rank, info)``) here, keeping OOM recognisable to the harness."""
+    rank, info = failure
+    message = info["message"].strip() or "(no message; see the traceback)"
+    text = f"{_NAME} rank {rank}: {info['type']}: {message}\n{info['traceback']}"
+    if info.get("oom"):
+        raise torch.OutOfMemoryError(text)
+    raise RuntimeError(text)
+
+
+def _shared_plan(job: DPJob, rank: int, model: torch.nn.Module, backend: Any) -> Plan:
+    """Plan ``auto`` under data parallelism: rank 0 profiles and schedules, every rank gets its plan.
+
+    The same steps as ``MemFerry(plan="auto")`` (profile one micro-batch, schedule under the
+    device cap), done once so that all ranks home the same units in the same places.
+    """
+    import torch.distributed as dist
+
+    from .cost import links_from_probe
+    from .profiler import profile_step
+    from .scheduler import schedule
+    from .units import split_units
+
+    box: list[Any] = [None]
+    if rank == 0:
+        vocab = job.dims.get("vocab", 256)
+        tokens = torch.randint(0, vocab, (job.micro_batch, job.seq + 1),
+                               generator=torch.Generator().manual_seed(job.seed))
+        units = split_units(model)
+        profile = profile_step(model, units, backend, rank, tokens[:, :-1], tokens[:, 1:],
+                               host_kernel=job.optim.host_kernel)
+        budget = job.device_cap if job.device_cap is not None else backend.mem_info(rank)[0]
+        box[0] = schedule(profile, links_from_probe(backend, rank), budget, sum(u.is_block for u in units),
+                          allow_dha=backend.caps.dha, margin=job.memory_margin)
+    # Objects go over gloo on every backend (NCCL would need them staged on the device).
+    group = None if job.dist_backend == "gloo" else dist.new_group(backend="gloo")
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def _rank_main(rank: int, port: int, job: DPJob, commands: Any, replies: Any, env: dict[str, str],
+               parent_pid: int) -> None:
+    """Body of one rank process: set up, then serve ``step`` commands until ``stop`` (or the parent is gone)."""
+    os.environ.update(env)
+    # The worker set the one-process launch variables (rank 0 of 1) for single-process systems; say who we are.
+    world = str(job.ranks)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world, LOCAL_WORLD_SIZE=world)
+    if job.optim.host_threads is None:
+        # The ranks share one host: split its cores between them rather than oversubscribe.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.ranks))
+    import torch.distributed as dist
+
+    import xpu
+    from bench.models import build_model
+
+    from .engine import MemFerry
+
+    engine = None
+    try:
+        backend = xpu.get_backend()
+        if backend.device_count() < job.ranks:
+            raise ValueError(f"{job.ranks} ranks need {job.ranks} devices; backend '{backend.name}' has "
+                             f"{backend.device_count()}")
+        with backend.device_scope(rank):
+            # A bounded timeout: a rank that dies must not leave its peers waiting forever.
+            timeout = datetime.timedelta(seconds=float(os.environ.get("MEMFERRY_DP_PG_TIMEOUT_S", "300")))
+            dist.init_process_group(job.dist_backend, rank=rank, world_size=job.ranks,
+                                    init_method=f"tcp://127.0.0.1:{port}", timeout=timeout)
+            torch.manual_seed(job.seed)  # as the worker seeds before a single-process system's factory
+            model = build_model(job.family, dtype=job.dtype, **job.dims)
+            if job.loss_chunks > 1:
+                model.loss_chunks = job.loss_chunks
+            plan = _shared_plan(job, rank, model, backend) if job.plan == "auto" else \
+                Plan.from_spec(job.plan, len(model.blocks))
+            engine = MemFerry(model, optim=job.optim, plan=plan, backend=backend, device=rank,
+                              device_budget=job.device_cap, process_group=dist.group.WORLD,
+                              memory_margin=job.memory_margin)
+            backend.synchronize(rank)
+            backend.reset_peak_memory(rank)  # peaks from here on: training, not set-up
+        replies.put(("ready", rank, {"kernel": engine.optimizer.kernel.name, "plan_text": engine.plan.describe(),
+                                     "predicted_step_s": engine.plan.predicted_step_s}))
+        while True:
+            try:
+                cmd, idx, tgt = commands.get(timeout=5.0)
+            except queue.Empty:
+                if os.getppid() != parent_pid:  # the worker was killed (e.g. its timeout): do not linger
+                    return
+                continue
+            if cmd == "stop":
+                break
+            loss = engine(idx, tgt)
+            engine.backward(loss)
+            engine.step()
+            value = float(loss.detach())  # waits for this rank's device work
+            del loss, idx, tgt
+            backend.synchronize(rank)
+            replies.put(("step", rank, {"loss": value, "peak": backend.memory_stats(rank).peak_allocated,
+                                        "host_times": dict(engine.optimizer.time_s)}))
+    except BaseException as exc:
+        oom = isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(exc).lower()
+        replies.put(("error", rank, {"type": type(exc).__name__, "message": str(exc)[:2000],
+                                     "traceback": traceback.format_exc()[-4000:], "oom": oom}))
+    finally:
+        if engine is not None:
+            try:
+                engine.close()
+            except Exception:
+                pass
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def make(ctx: SystemContext) -> MemFerryDPSystem:
+    """Factory registered as ``memferry-dp``."""
+    return MemFerryDPSystem(ctx)
