@@ -76,6 +76,9 @@ PLANS = {
     "device-optimizer": lambda n: Plan([UnitPlan("resident", "resident", optimizer="device"),
                                         UnitPlan("resident", "resident", recompute=True, optimizer="device"),
                                         UnitPlan("prefetch", "prefetch"), UnitPlan("dha", "dha")], rest_optimizer="device"),
+    "offload": lambda n: Plan([UnitPlan("resident", "resident", offload=True, optimizer="device"),
+                               UnitPlan("prefetch", "prefetch", offload=True), UnitPlan("dha", "dha", offload=True),
+                               UnitPlan("prefetch", "prefetch")]),
     "mixed": lambda n: Plan([UnitPlan("resident", "resident"), UnitPlan("dha", "prefetch", recompute=True),
                              UnitPlan("prefetch", "dha", recompute=True), UnitPlan("prefetch", "prefetch", recompute=True)]),
 }
@@ -256,3 +259,38 @@ def test_dha_blocks_stream_their_linears_and_write_gradients_home(cpu_backend, r
     # routed gradients were written home by the device; the copies moved everything else
     all_grads = sum(p.numel() * 4 for p in model.parameters())
     assert d2h == 4 * (all_grads - routed)
+
+
+def test_offloaded_activations_leave_the_device_and_come_back(cpu_backend):
+    """Blocks planned ``offload`` keep their saved activations in host memory between forward
+    and backward: bytes go out and all come back, the device's peak falls below the same plan
+    keeping them, and training stays exact (the parametrized test above checks numerics)."""
+    torch.manual_seed(0)
+    model = TinyGPT(d=64, layers=4)
+    x, y = batches(1)[0]
+    x, y = x.repeat(4, 1), y.repeat(4, 1)  # 16 x 16 tokens: activations well above the swapper's 64 KiB floor
+    peaks, engines = {}, {}
+    for off in (False, True):
+        plan = Plan.uniform(4, UnitPlan("prefetch", "prefetch", offload=off))
+        engine = MemFerry(copy.deepcopy(model), plan=plan, loss_fn=lm_loss, backend=cpu_backend)
+        engine.train_step(x, y)  # warm-up: allocations settle
+        engine.synchronize()
+        cpu_backend.reset_peak_memory(0)
+        engine.executor.swapper.stats.reset()
+        loss = engine.train_step(x, y).item()
+        engine.synchronize()
+        peaks[off] = cpu_backend.memory_stats(0).peak_allocated
+        engines[off] = (loss, engine.executor.swapper.stats.as_dict())
+        engine.close()
+    stats = engines[True][1]
+    assert stats["bytes"].get("host", 0) > 0
+    assert stats["swapped_in"] == stats["bytes"]["host"]
+    assert engines[False][1]["bytes"].get("host", 0) == 0
+    assert peaks[True] < peaks[False]
+    assert engines[True][0] == pytest.approx(engines[False][0], abs=1e-6)
+
+
+def test_offload_and_recompute_together_are_refused():
+    with pytest.raises(ValueError, match="either recomputes its activations or offloads them"):
+        UnitPlan("prefetch", "prefetch", recompute=True, offload=True)
+    assert Plan.from_spec("device2+offload", 4).units[0] == UnitPlan("resident", "resident", optimizer="device", offload=True)

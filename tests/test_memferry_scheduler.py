@@ -163,8 +163,10 @@ def test_infeasible_budget_names_the_minimum():
 
 def test_unit_choices_are_valid_plans():
     choices = unit_choices()
-    assert len(choices) == len(set(choices)) == 10
+    assert len(choices) == len(set(choices)) == 14
     assert UnitPlan("dha", "prefetch", True) in choices and UnitPlan("dha", "prefetch", False) not in choices
+    assert UnitPlan("prefetch", "prefetch", offload=True) in choices
+    assert not any(u.offload and u.recompute for u in choices)
     assert all(u.forward != "dha" and u.backward != "dha" for u in unit_choices(allow_dha=False))
 
 

@@ -70,12 +70,16 @@ class UnitPlan:
             gradients land; ``"device"``: they live on the device and the device updates the
             unit (needs a resident unit: 14 bytes per parameter of device memory for bf16
             weights, plus 4 per parameter of gradient while the unit's update runs).
+        offload: copy the activations the unit saves for backward into pinned host memory
+            during forward (on a side stream) and bring them back before its backward: the
+            alternative to ``recompute`` when moving them costs less than recomputing them.
     """
 
     forward: Mode = "prefetch"
     backward: Mode = "prefetch"
     recompute: bool = False
     optimizer: Literal["host", "device"] = "host"
+    offload: bool = False
 
     def __post_init__(self) -> None:
         for phase in (self.forward, self.backward):
@@ -85,6 +89,8 @@ class UnitPlan:
             raise ValueError("a resident unit is resident in both passes; give forward='resident', backward='resident'")
         if self.optimizer not in ("host", "device"):
             raise ValueError(f"optimizer must be 'host' or 'device', got {self.optimizer!r}")
+        if self.offload and self.recompute:
+            raise ValueError("a unit either recomputes its activations or offloads them, not both")
         if self.optimizer == "device" and self.forward != "resident":
             raise ValueError("optimizer='device' keeps the unit's weights and states on the device: it needs a resident unit")
 
@@ -120,32 +126,35 @@ class Plan:
         ``prefetch`` / ``prefetchN`` (prefetch depth 1 / N), ``dha``, ``residentN`` (first N
         blocks resident, the rest prefetched), ``deviceN`` (first N blocks and the embeddings
         and head homed on the device with a device optimizer, the rest prefetched and updated
-        on the host); any of them with ``+recompute``.
+        on the host); any of them with ``+recompute`` or ``+offload`` (activations to host).
 
         Raises:
             ValueError: an unknown name, or N outside ``0..n_blocks``.
         """
-        match = re.fullmatch(r"(prefetch|dha|resident|device)(\d*)(\+recompute)?", spec)
-        kind, count, recompute = (match.group(1), match.group(2), bool(match.group(3))) if match else ("", "", False)
-        prefetch = UnitPlan("prefetch", "prefetch", recompute)
+        match = re.fullmatch(r"(prefetch|dha|resident|device)(\d*)(\+recompute|\+offload)?", spec)
+        kind, count, extra = (match.group(1), match.group(2), match.group(3) or "") if match else ("", "", "")
+        recompute, off = extra == "+recompute", extra == "+offload"
+        prefetch = UnitPlan("prefetch", "prefetch", recompute, offload=off)
         if kind == "prefetch" and int(count or 1) >= 1:
             return cls([prefetch] * n_blocks, prefetch_depth=int(count or 1))
         if kind == "dha" and not count:
-            return cls([UnitPlan("dha", "dha", recompute)] * n_blocks)
+            return cls([UnitPlan("dha", "dha", recompute, offload=off)] * n_blocks)
         if kind in ("resident", "device") and count and int(count) <= n_blocks:
             n = int(count)
             if kind == "resident":
-                return cls([UnitPlan("resident", "resident", recompute)] * n + [prefetch] * (n_blocks - n))
-            return cls([UnitPlan("resident", "resident", recompute, optimizer="device")] * n + [prefetch] * (n_blocks - n),
+                return cls([UnitPlan("resident", "resident", recompute, offload=off)] * n + [prefetch] * (n_blocks - n))
+            return cls([UnitPlan("resident", "resident", recompute, optimizer="device", offload=off)] * n
+                       + [prefetch] * (n_blocks - n),
                        rest_optimizer="device")
         raise ValueError(
             f"unknown plan {spec!r} for {n_blocks} blocks; write prefetch[N], dha, residentN or deviceN "
-            f"(N from 0 to {n_blocks}), optionally with +recompute"
+            f"(N from 0 to {n_blocks}), optionally with +recompute or +offload"
         )
 
     def describe(self) -> str:
         """One line per block, then notes."""
-        lines = [f"{i:3d}: forward={u.forward:8s} backward={u.backward:8s} recompute={'yes' if u.recompute else 'no':3s} "
+        lines = [f"{i:3d}: forward={u.forward:8s} backward={u.backward:8s} "
+                 f"activations={'recompute' if u.recompute else 'offload' if u.offload else 'keep':9s} "
                  f"optimizer={u.optimizer}" for i, u in enumerate(self.units)]
         if self.predicted_step_s is not None:
             lines.append(f"predicted step: {self.predicted_step_s * 1e3:.1f} ms")

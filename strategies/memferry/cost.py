@@ -50,6 +50,11 @@ larger of the loss peak (logits in fp32 and their gradient: what OOMed the cappe
 run) and one block's backward transient (its recomputed activations + its gradients), all
 times ``1 + margin`` for allocator fragmentation.
 
+Activation offload (``UnitPlan.offload``): the block's saved activations leave on the d2h
+stream during its forward (``a = max(a, act / d2h)``) and return on the h2d stream behind the
+weights during backward (``y += act / h2d``); they hold no device memory in between, and two
+blocks' worth (this one and the look-ahead) while backward passes.
+
 Not modelled: link contention between prefetch copies, DHA reads and gradient copies (the
 probe measures 92-98 GB/s duplex against 55 GB/s per direction); D2H queueing; a deeper
 prefetch's smoothing of uneven blocks (depth only costs slots here); gradient clipping
@@ -242,17 +247,23 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
         persist = blk.numel * device_bytes_per_param(profile.dtype_bytes)
     else:
         persist = w if resident else 0
+    off_out = off_in = 0.0
+    if unit.offload:  # saved activations out on the d2h stream during forward, back before backward
+        off_out, off_in = blk.act_bytes / d2h, blk.act_bytes / h2d
     return OptionCost(
-        a=a,
+        a=max(a, off_out),
         r=w / h2d if resident and host else 0.0,
         x=w / h2d if unit.forward == "prefetch" else 0.0,
         b=b,
-        y=w / h2d if unit.backward == "prefetch" and not kept else 0.0,
+        y=(w / h2d if unit.backward == "prefetch" and not kept else 0.0) + off_in,
         d=grad_bytes / d2h if host else 0.0,
         h=blk.numel * profile.host_adamw_s_per_param if host else 0.0,
         persist=persist,
-        act=blk.act_bytes_recompute if unit.recompute else blk.act_bytes,
-        trans=(blk.act_bytes if unit.recompute else 0) + grad_bytes + (0 if host else blk.numel * 4)
+        act=blk.act_bytes_recompute if unit.recompute else 0 if unit.offload else blk.act_bytes,
+        # recompute: the block's activations rebuilt in backward; offload: this block's and the
+        # next one's (look-ahead) back on the device
+        trans=(blk.act_bytes if unit.recompute else 2 * blk.act_bytes if unit.offload else 0) + grad_bytes
+        + (0 if host else blk.numel * 4)
         + (_ring_bytes(profile.tokens) if unit.forward == "dha" else 0),
         slot=w if "prefetch" in (unit.forward, unit.backward) else 0,
         host=host,
@@ -392,5 +403,6 @@ def predict(plan: Plan, profile: "StepProfile", links: Links, margin: float = 0.
 
 def describe_units(units: Sequence[UnitPlan]) -> str:
     """A short name for a list of unit plans (for notes)."""
-    return ", ".join(f"{u.forward}/{u.backward}{'+r' if u.recompute else ''}{'@dev' if u.optimizer == 'device' else ''}"
+    return ", ".join(f"{u.forward}/{u.backward}{'+r' if u.recompute else ''}{'+o' if u.offload else ''}"
+                     f"{'@dev' if u.optimizer == 'device' else ''}"
                      for u in units)

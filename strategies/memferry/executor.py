@@ -10,6 +10,11 @@ issued. When a unit's last gradient has accumulated, its gradients go to host me
 device→host stream and the host optimizer is told; the device memory of weights and
 gradients is given back.
 
+Activation offload (``UnitPlan.offload``): inside the block's forward, what autograd saves is
+swapped into pinned host memory on a side stream (``strategies/activation_swap.py``, shared with
+MPress); when backward reaches the block, its activations and the next block's are brought
+back ahead of use.
+
 DHA blocks: the large ``nn.Linear`` layers of a block whose forward mode is ``dha`` run as
 :func:`~strategies.memferry.dha_linear.host_linear` (each weight byte crosses the link once
 per pass at any batch size, instead of once per GEMM tile), and their weight gradients are
@@ -31,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from xpu import Backend
 
+from ..activation_swap import ActivationSwapper, SwapGroup
 from .config import Plan, UnitPlan
 from .device_optimizer import DeviceOptimizer
 from .dha_linear import TransferCounter, host_linear
@@ -80,6 +86,11 @@ class Executor:
         self.dha_counter = TransferCounter()
         self._routed: dict[int, set[int]] = {}  # unit index -> ids of weights whose gradient host_linear writes
         self._routed_done: set[int] = set()  # ... of those, the ones written this step
+        # Activation offload. Weights are never swapped: they are bound to buffers that come and go.
+        self.swapper = ActivationSwapper(backend, device, min_bytes=1 << 16)
+        self.swapper.skip = self._keeps_on_device  # type: ignore[method-assign]
+        self._swap_groups: dict[int, SwapGroup] = {}
+        self._last_swap_group: SwapGroup | None = None
         self._install()
 
     # ------------------------------------------------------------------ set-up
@@ -96,6 +107,8 @@ class Executor:
                 self._route_linears(s)
             if self.unit_plans[s.unit.index].recompute:
                 module.forward = functools.partial(_checkpointed, module.forward)
+            elif self.unit_plans[s.unit.index].offload:
+                module.forward = functools.partial(self._offloaded, s, module.forward)
         for s in [self.rest] + [s for s in self.blocks if self.unit_plans[s.unit.index].forward == "resident"]:
             if s.home == "host":  # a device-homed unit's buffer is its home, allocated already
                 self.b.realloc_storage(s.device_flat, self.dev)
@@ -125,6 +138,24 @@ class Executor:
         return host_linear(x, weight_host, m.bias, self.b, self.dev, grad_out=grad_host, weight=m.weight,
                            grad_ready=ready, counter=self.dha_counter)
 
+    def _offloaded(self, s: UnitShadow, forward: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.phase != "forward" or not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        group = SwapGroup("host", self._last_swap_group)
+        self._swap_groups[s.unit.index] = group
+        self._last_swap_group = group
+        with self.swapper.hooks(group):
+            return forward(*args, **kwargs)
+
+    def _keeps_on_device(self, t: torch.Tensor) -> bool:
+        """Saved tensors offload leaves alone: small ones, and any unit's weights."""
+        if t.numel() * t.element_size() < self.swapper.min_bytes or isinstance(t, torch.nn.Parameter):
+            return True
+        ptr = t.untyped_storage().data_ptr()
+        return any(ptr in (u.device_flat.untyped_storage().data_ptr(),
+                           u.dha_flat.untyped_storage().data_ptr() if u.dha_flat is not None else -1)
+                   for u in self.shadow.shadows)
+
     def _on_host_grad(self, s: UnitShadow, weight: torch.Tensor, event: Any) -> None:
         # host_linear wrote this weight's gradient into the host buffer (complete when the
         # compute stream passes `event`, which the gradient offload's own event follows).
@@ -148,6 +179,8 @@ class Executor:
         self.phase = "forward"
         self._pending_grads = {s.unit.index: len(s.unit.params) for s in self.shadow.shadows}
         self._routed_done.clear()
+        self._swap_groups.clear()
+        self._last_swap_group = None
         self._use(self.rest, "resident")
         upcoming = [s for s in self.blocks if self.unit_plans[s.unit.index].forward != "dha"]
         for s in upcoming[: self.plan.prefetch_depth]:
@@ -260,6 +293,9 @@ class Executor:
     def _pre_backward(self, s: UnitShadow, grad: torch.Tensor) -> None:
         self._use(s, self.unit_plans[s.unit.index].backward)
         self._prefetch_after(s, backward=True)
+        group = self._swap_groups.pop(s.unit.index, None)
+        if group is not None:  # this block's offloaded activations, and the next block's (look-ahead)
+            self.swapper.prefetch(group, lookahead=1)
 
     def _on_grad(self, param: torch.Tensor) -> None:
         s, _ = self._param_unit[id(param)]

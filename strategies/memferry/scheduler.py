@@ -52,15 +52,27 @@ _GB = 1e9
 def unit_choices(allow_dha: bool = True, allow_device_optimizer: bool = True) -> list[UnitPlan]:
     """Every per-block plan the executor runs (``check_plan``'s rules)."""
     modes = ["prefetch", "dha"] if allow_dha else ["prefetch"]
-    out = [UnitPlan("resident", "resident", r, "host") for r in (False, True)]
+    # activations: kept, recomputed, or offloaded to host
+    acts = ((False, False), (True, False), (False, True))
+    out = [UnitPlan("resident", "resident", r, "host", o) for r, o in acts]
     if allow_device_optimizer:
-        out += [UnitPlan("resident", "resident", r, "device") for r in (False, True)]
+        out += [UnitPlan("resident", "resident", r, "device", o) for r, o in acts]
     for f, b in itertools.product(modes, modes):
-        for r in (False, True):
+        for r, o in acts:
             if f != b and not r:
                 continue  # without recompute backward reads what forward saved: same mode
-            out.append(UnitPlan(f, b, r))
+            out.append(UnitPlan(f, b, r, offload=o))
     return out
+
+
+def prune_offload(choices: Sequence[UnitPlan], profile: "StepProfile", links: Links) -> list[UnitPlan]:
+    """``choices`` without the activation-offload ones when, for every block, moving the
+    activations out and back takes longer than recomputing them (they would only ever buy
+    the block input's bytes over recompute, at a loss of time, and they multiply the DP's labels)."""
+    rate = min(links.h2d_GBps, links.d2h_GBps) * 1e9
+    if any(b.act_bytes / rate < b.fwd_s for b in profile.blocks):
+        return list(choices)
+    return [c for c in choices if not c.offload]
 
 
 @dataclass
@@ -190,7 +202,7 @@ def _incumbent(profile: "StepProfile", links: Links, budget: float, choices: Seq
     best: tuple[float, Plan] | None = None
     specs = ["prefetch", "prefetch2", "dha"] + [f"{k}{i}" for k in ("resident", "device") for i in range(n + 1)]
     for spec in specs:
-        for suffix in ("", "+recompute"):
+        for suffix in ("", "+recompute", "+offload"):
             base = Plan.from_spec(spec + suffix, n)
             for depth in depths:
                 for rest in rest_optimizers:
@@ -267,7 +279,7 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
         raise ValueError(f"the profile has {n} blocks, the model {n_blocks}")
     allow_dha = allow_dha and bool(links.dha_read_GBps)
     rest_optimizers = [r for r in rest_optimizers if allow_device_optimizer or r == "host"]
-    choices = unit_choices(allow_dha, allow_device_optimizer)
+    choices = prune_offload(unit_choices(allow_dha, allow_device_optimizer), profile, links)
     depths = list(depths)
     rest_optimizers = list(rest_optimizers)
     inc = _incumbent(profile, links, float(budget_bytes), choices, rest_optimizers, depths, margin)
@@ -339,7 +351,7 @@ def brute_force(profile: "StepProfile", links: Links, budget_bytes: float, allow
     """The best plan by trying every one (tests only: exponential in the block count)."""
     n = len(profile.blocks)
     allow_dha = allow_dha and bool(links.dha_read_GBps)
-    choices = unit_choices(allow_dha, allow_device_optimizer)
+    choices = prune_offload(unit_choices(allow_dha, allow_device_optimizer), profile, links)
     best: tuple[float, Plan] | None = None
     for depth in depths:
         for rest_optimizer in rest_optimizers:
