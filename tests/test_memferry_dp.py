@@ -75,3 +75,29 @@ def test_two_ranks_equal_one_process_on_the_whole_batch(tmp_path, plan_spec, cli
     for name, want in model.named_parameters():
         for r in ranks:
             torch.testing.assert_close(r["model"][name], want.detach(), atol=1e-5, rtol=1e-5, msg=name)
+
+
+def _auto_rank(rank, port, out_dir):
+    os.environ.update(XPU_BACKEND="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import xpu
+
+    xpu.reset_backend()
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.manual_seed(0)
+    x, y = _data()[0]
+    # Only the first rank gives a sample: the others must not profile or schedule on their own.
+    sample = (x[:2], y[:2]) if rank == 0 else None
+    engine = MemFerry(TinyGPT(), optim=AdamW(), plan="auto", loss_fn=lm_loss, device=rank, sample=sample,
+                      device_budget=10**9)
+    plan = engine.plan
+    engine.close()
+    torch.save({"units": plan.units, "rest": plan.rest_optimizer, "predicted": plan.predicted_step_s},
+               os.path.join(out_dir, f"auto{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_plan_auto_is_scheduled_once_and_shared_by_every_rank(tmp_path):
+    mp.start_processes(_auto_rank, args=(_free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
+    plans = [torch.load(tmp_path / f"auto{r}.pt", weights_only=False) for r in range(WORLD)]
+    assert plans[0]["predicted"] is not None
+    assert plans[0] == plans[1]

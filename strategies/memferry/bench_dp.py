@@ -345,36 +345,6 @@ def _raise_rank_error(failure: tuple[int, dict[str, Any]]) -> None:
     raise RuntimeError(text)
 
 
-def _shared_plan(job: DPJob, rank: int, model: torch.nn.Module, backend: Any) -> Plan:
-    """Plan ``auto`` under data parallelism: rank 0 profiles and schedules, every rank gets its plan.
-
-    The same steps as ``MemFerry(plan="auto")`` (profile one micro-batch, schedule under the
-    device cap), done once so that all ranks home the same units in the same places.
-    """
-    import torch.distributed as dist
-
-    from .cost import links_from_probe
-    from .profiler import profile_step
-    from .scheduler import schedule
-    from .units import split_units
-
-    box: list[Any] = [None]
-    if rank == 0:
-        vocab = job.dims.get("vocab", 256)
-        tokens = torch.randint(0, vocab, (job.micro_batch, job.seq + 1),
-                               generator=torch.Generator().manual_seed(job.seed))
-        units = split_units(model)
-        profile = profile_step(model, units, backend, rank, tokens[:, :-1], tokens[:, 1:],
-                               host_kernel=job.optim.host_kernel)
-        budget = job.device_cap if job.device_cap is not None else backend.mem_info(rank)[0]
-        box[0] = schedule(profile, links_from_probe(backend, rank), budget, sum(u.is_block for u in units),
-                          allow_dha=backend.caps.dha, margin=job.memory_margin)
-    # Objects go over gloo on every backend (NCCL would need them staged on the device).
-    group = None if job.dist_backend == "gloo" else dist.new_group(backend="gloo")
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
-
-
 def _rank_main(rank: int, port: int, job: DPJob, commands: Any, replies: Any, env: dict[str, str],
                parent_pid: int) -> None:
     """Body of one rank process: set up, then serve ``step`` commands until ``stop`` (or the parent is gone)."""
@@ -407,9 +377,13 @@ def _rank_main(rank: int, port: int, job: DPJob, commands: Any, replies: Any, en
             model = build_model(job.family, dtype=job.dtype, **job.dims)
             if job.loss_chunks > 1:
                 model.loss_chunks = job.loss_chunks
-            plan = _shared_plan(job, rank, model, backend) if job.plan == "auto" else \
-                Plan.from_spec(job.plan, len(model.blocks))
-            engine = MemFerry(model, optim=job.optim, plan=plan, backend=backend, device=rank,
+            sample = None
+            if job.plan == "auto":  # the engine profiles this micro-batch on rank 0 and shares the plan
+                tokens = torch.randint(0, job.dims.get("vocab", 256), (job.micro_batch, job.seq + 1),
+                                       generator=torch.Generator().manual_seed(job.seed))
+                sample = (tokens[:, :-1], tokens[:, 1:])
+            plan = "auto" if job.plan == "auto" else Plan.from_spec(job.plan, len(model.blocks))
+            engine = MemFerry(model, optim=job.optim, plan=plan, backend=backend, device=rank, sample=sample,
                               device_budget=job.device_cap, process_group=dist.group.WORLD,
                               memory_margin=job.memory_margin)
             backend.synchronize(rank)

@@ -45,8 +45,9 @@ class MemFerry:
             whole device). Enforced as a per-process cap, as a smaller device would.
         plan: per-block execution plan: a :class:`Plan`, a :meth:`Plan.from_spec` name,
             ``"auto"`` (profile one step on ``sample``, then let the scheduler choose under
-            ``device_budget``; the plan is logged and kept in :attr:`plan`), or None (every
-            block ``prefetch``, depth 1).
+            ``device_budget``; the plan is logged and kept in :attr:`plan`; under data
+            parallelism the first rank profiles and schedules and every rank takes its plan, so
+            all ranks home the same units alike), or None (every block ``prefetch``, depth 1).
         loss_fn: ``loss_fn(outputs, targets)`` for :meth:`train_step`; None means the model
             returns the loss itself when called as ``model(inputs, targets)``.
         blocks: the repeated blocks, if auto-detection should not choose.
@@ -83,7 +84,8 @@ class MemFerry:
         units = split_units(model, blocks)
         n_blocks = sum(u.is_block for u in units)
         if plan == "auto":
-            plan = self._schedule(model, units, blocks, loss_fn, sample, device_budget, n_blocks, memory_margin)
+            plan = self._shared_schedule(process_group, model, units, blocks, loss_fn, sample, device_budget, n_blocks,
+                                         memory_margin)
         elif isinstance(plan, str):
             plan = Plan.from_spec(plan, n_blocks)
         plan = plan or Plan.uniform(n_blocks, UnitPlan("prefetch", "prefetch"))
@@ -104,6 +106,20 @@ class MemFerry:
         self.device_optimizer = DeviceOptimizer(self.cfg, self.shadow.shadows, self.backend)
         self.executor = Executor(self.backend, self.device, self.shadow, plan, self.optimizer, self.device_optimizer)
         self.plan = plan
+
+    def _shared_schedule(self, group: Any, *args: Any) -> Plan:
+        """:meth:`_schedule` here, or on the group's first rank and broadcast to the others."""
+        if group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            group = dist.group.WORLD
+        if group is None or dist.get_world_size(group) == 1:
+            return self._schedule(*args)
+        ranks = dist.get_process_group_ranks(group)
+        box: list[Any] = [self._schedule(*args) if dist.get_rank() == ranks[0] else None]
+        # Objects travel over gloo on every backend (NCCL would need them staged on the device).
+        objects = dist.new_group(ranks, backend="gloo")
+        dist.broadcast_object_list(box, src=ranks[0], group=objects)
+        dist.destroy_process_group(objects)
+        return box[0]
 
     def _schedule(self, model: nn.Module, units: list, blocks: Any, loss_fn: Any, sample: Any,
                   device_budget: Any, n_blocks: int, margin: float = 0.10) -> Plan:
