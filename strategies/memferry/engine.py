@@ -57,6 +57,9 @@ class MemFerry:
             rank, each on its own device and micro-batch; see ``data_parallel.py``). None: the
             whole world when torch.distributed is initialised with several ranks, else none.
         sample: ``(inputs, targets)`` of one batch, for ``plan="auto"``.
+        multipath: route weight loads through the scaleup multi-path copier (the direct host link
+            plus relays through peer devices, split adaptively: ScaleUp-MemFerry). None: on under
+            data parallelism where the backend reaches peers, else off.
         memory_margin: with ``plan="auto"``, the share of predicted peak memory added for
             allocator fragmentation before comparing with ``device_budget`` (0.10: safe; on the
             H200 the caching allocator reserved 6.5 % above the allocated peak).
@@ -75,6 +78,7 @@ class MemFerry:
         process_group: Any = None,
         sample: tuple[Any, Any] | None = None,
         memory_margin: float = 0.10,
+        multipath: bool | None = None,
     ) -> None:
         if not 0.0 <= memory_margin < 1.0:
             raise ValueError(f"memory_margin must lie in [0, 1), got {memory_margin}")
@@ -104,8 +108,18 @@ class MemFerry:
             self.shadow = ShadowModel(units, self.backend, self.device, device_homes, self.dp)
         self.optimizer = HostOptimizer(self.cfg, self.shadow.shadows, self.dp)
         self.device_optimizer = DeviceOptimizer(self.cfg, self.shadow.shadows, self.backend)
-        self.executor = Executor(self.backend, self.device, self.shadow, plan, self.optimizer, self.device_optimizer)
+        self.copier = self._copier(multipath)
+        self.executor = Executor(self.backend, self.device, self.shadow, plan, self.optimizer, self.device_optimizer,
+                                 copier=self.copier)
         self.plan = plan
+
+    def _copier(self, multipath: bool | None) -> Any:
+        """The multi-path copier for weight loads, or None (see ``multipath``)."""
+        if multipath is False or (multipath is None and (self.dp is None or not self.backend.caps.peer_access)):
+            return None
+        from scaleup import MultiPathCopier
+
+        return MultiPathCopier(self.backend, self.device, chunk_bytes=8 << 20, probe="auto")
 
     def _shared_schedule(self, group: Any, *args: Any) -> Plan:
         """:meth:`_schedule` here, or on the group's first rank and broadcast to the others."""
@@ -222,6 +236,8 @@ class MemFerry:
         """
         self.optimizer.close()
         self.executor.close()
+        if self.copier is not None:
+            self.copier.close()
         self.shadow.release()
 
     def _to_device(self, x: Any) -> Any:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from scaleup.handles import Transfer
 from xpu import Backend
 
 from ..activation_swap import ActivationSwapper, SwapGroup
@@ -60,13 +61,17 @@ class Executor:
         plan: a plan for every block unit.
         optimizer: the host optimizer fed with host-homed units' gradients.
         device_optimizer: updates the device-homed units.
+        copier: a :class:`scaleup.MultiPathCopier` to this device: weight loads go through it,
+            split over the direct host link and relays through peer devices (ScaleUp-MemFerry);
+            None: one copy on the host→device stream.
     """
 
     def __init__(self, backend: Backend, device: int, shadow: ShadowModel, plan: Plan, optimizer: HostOptimizer,
-                 device_optimizer: DeviceOptimizer) -> None:
+                 device_optimizer: DeviceOptimizer, copier: Any = None) -> None:
         blocks = [s for s in shadow.shadows if s.unit.is_block]
         check_plan(plan, len(blocks), backend)
         self.b, self.dev, self.shadow, self.plan, self.opt = backend, device, shadow, plan, optimizer
+        self.copier = copier
         self.device_opt = device_optimizer
         self.blocks = blocks
         self.rest = shadow.shadows[-1]
@@ -225,12 +230,16 @@ class Executor:
                 # allocated on the copy stream could later serve only that stream, and the
                 # device would hold both pools (reserved memory far above what is in use).
                 self.b.realloc_storage(s.device_flat, self.dev)
-            allocated = self.b.event()
-            allocated.record(self.compute)
-            self.h2d.wait_event(allocated)
-            self.b.copy(s.device_flat, s.work, self.h2d)
-            ready = self.b.event()
-            ready.record(self.h2d)
+            if self.copier is not None:
+                # Split over routes by the copier's threads; it fences after the compute stream itself.
+                ready: Any = self.copier.copy(s.device_flat, s.work)
+            else:
+                allocated = self.b.event()
+                allocated.record(self.compute)
+                self.h2d.wait_event(allocated)
+                self.b.copy(s.device_flat, s.work, self.h2d)
+                ready = self.b.event()
+                ready.record(self.h2d)
         self.bytes_h2d += s.nbytes_work
         self._loaded[index] = ready
 
@@ -244,7 +253,11 @@ class Executor:
             s.bind(s.dha_views)
             return
         self._issue_load(s)  # no-op when a prefetch (or a current resident copy) is there already
-        self.compute.wait_event(self._loaded[index])
+        ready = self._loaded[index]
+        if isinstance(ready, Transfer):
+            ready.wait(self.compute)  # a multi-path transfer: the stream waits for its last chunk
+        else:
+            self.compute.wait_event(ready)
         s.bind(s.device_views)
 
     def _release(self, s: UnitShadow) -> None:
