@@ -16,6 +16,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from typing import Callable
 
 import torch
@@ -55,6 +56,9 @@ class HostOptimizer:
         self.time_s = {"wait": 0.0, "upcast": 0.0, "adamw": 0.0, "writeback": 0.0, "consumer_wait": 0.0}
         self._thread = threading.Thread(target=self._run, name="memferry-host-adamw", daemon=True)
         self._thread.start()
+        # Stop the worker when this object goes, or at interpreter exit if nobody closed the
+        # engine: a worker killed mid-update at exit aborts the process ("terminate called").
+        self._finalizer = weakref.finalize(self, _stop_worker, self._tasks, self._thread)
 
     # ------------------------------------------------------------------ producer side
     def submit(self, index: int, ready: Callable[[], None]) -> None:
@@ -112,8 +116,7 @@ class HostOptimizer:
 
     def close(self) -> None:
         """Stop the worker after the queued work."""
-        self._tasks.put(("stop", None, None))
-        self._thread.join(timeout=60)
+        self._finalizer()
 
     # ------------------------------------------------------------------ worker side
     def _raise_if_failed(self) -> None:
@@ -170,3 +173,8 @@ class HostOptimizer:
             self.dp.gather(s.work)  # every rank's working copy whole again for the next forward
             self.time_s["writeback"] += time.perf_counter() - t0
         self._done[index].set()
+
+
+def _stop_worker(tasks: queue.Queue, thread: threading.Thread) -> None:
+    tasks.put(("stop", None, None))
+    thread.join(timeout=60)
