@@ -1,8 +1,9 @@
 """The host AdamW update of one unit: two interchangeable kernels.
 
-``torch``: three passes over host memory, all torch ops: upcast the landed compute-dtype
-gradient into an fp32 buffer, torch's fused AdamW over the fp32 master, write the master
-back into the compute-dtype working copy. 40 bytes of memory traffic per parameter (bf16).
+``torch``: three passes, all torch ops: upcast the landed compute-dtype gradient into fp32,
+torch's fused AdamW over the fp32 master, write the master back into the compute-dtype
+working copy; done in cache-sized chunks so the intermediate passes mostly hit the CPU cache
+(40 bytes of traffic per bf16 parameter when done whole, closer to 28 in chunks).
 
 ``single-pass`` (experimental, opt-in): the same arithmetic as one loop compiled by
 ``torch.compile`` (Inductor's C++/OpenMP code on the host): it reads the bf16 gradient,
@@ -57,36 +58,73 @@ class HostKernel:
         """Take the step count from ``s.step`` (after loading a checkpoint)."""
 
 
+#: Elements per chunk of :class:`TorchKernel`. A chunk's fp32 master, moments and gradient
+#: scratch plus its 16-bit gradient and weights take 20 B per element: 8 Mi elements = 160 MiB,
+#: inside the L3 cache of a server CPU (300 MiB on the H200 machine), so the upcast's output and
+#: the updated master are still in cache when the next pass reads them.
+CHUNK_ELEMENTS = 8 << 20
+
+
 class TorchKernel(HostKernel):
-    """Upcast, torch's fused AdamW, write back: three passes (see the module docstring)."""
+    """Upcast, torch's fused AdamW, write back, chunk by chunk (see the module docstring).
+
+    Working in cache-sized chunks keeps the three passes' intermediate traffic in the CPU's
+    cache, and needs only one chunk of fp32 gradient scratch instead of a whole fp32 gradient
+    per unit (4 bytes per parameter of host memory saved).
+    """
 
     name = "torch"
 
-    def __init__(self, cfg: AdamW, shadows: list[UnitShadow]) -> None:
-        self._optims = {id(s): flat_adamw(s.master, s.exp_avg, s.exp_avg_sq, s.step, cfg) for s in shadows}
+    def __init__(self, cfg: AdamW, shadows: list[UnitShadow], chunk: int = CHUNK_ELEMENTS) -> None:
+        if chunk < 1:
+            raise ValueError(f"chunk must be a positive number of elements, got {chunk}")
+        self.chunk = chunk
+        self._bounds = {id(s): [(a, min(a + chunk, s.master.numel())) for a in range(0, s.master.numel(), chunk)]
+                        for s in shadows}
+        self._optims = {id(s): [flat_adamw(s.master[a:b], s.exp_avg[a:b], s.exp_avg_sq[a:b], s.step, cfg)
+                                for a, b in self._bounds[id(s)]] for s in shadows}
+        low = [s for s in shadows if s.grad_stage.dtype != torch.float32]
+        largest = max((min(chunk, s.master.numel()) for s in low), default=0)
+        # One fp32 gradient chunk, reused: the worker updates one unit at a time.
+        self._scratch = torch.empty(largest, dtype=torch.float32) if largest else None
 
     def apply(self, s: UnitShadow, coef: float) -> dict[str, float]:
-        t0 = time.perf_counter()
-        if s.grad is not s.grad_stage:
-            s.grad.copy_(s.grad_stage)
-        if coef != 1.0:
-            s.grad.mul_(coef)
-        t1 = time.perf_counter()
-        opt = self._optims[id(s)]
-        s.master.grad = s.grad
-        opt.step()
-        s.master.grad = None
-        s.step = int(opt.state[s.master]["step"].item())
-        t2 = time.perf_counter()
-        s.write_back()
-        return {"upcast": t1 - t0, "adamw": t2 - t1, "writeback": time.perf_counter() - t2}
+        times = {"upcast": 0.0, "adamw": 0.0, "writeback": 0.0}
+        low = s.grad_stage.dtype != torch.float32
+        work = None if s.master_is_work else (s.work if s.shard is None else s.work[s.shard])
+        for (a, b), opt in zip(self._bounds[id(s)], self._optims[id(s)]):
+            t0 = time.perf_counter()
+            if low:
+                g = self._scratch[: b - a]
+                g.copy_(s.grad_stage[a:b])
+            else:
+                g = s.grad_stage[a:b]  # fp32 gradients land in place; consumed by this update
+            if coef != 1.0:
+                g.mul_(coef)
+            t1 = time.perf_counter()
+            p = opt.param_groups[0]["params"][0]
+            p.grad = g
+            opt.step()
+            p.grad = None
+            t2 = time.perf_counter()
+            if work is not None:
+                work[a:b].copy_(p)
+            t3 = time.perf_counter()
+            times["upcast"] += t1 - t0
+            times["adamw"] += t2 - t1
+            times["writeback"] += t3 - t2
+        s.step += 1
+        return times
 
     def set_lr(self, lr: float) -> None:
-        for opt in self._optims.values():
-            opt.param_groups[0]["lr"] = lr
+        for opts in self._optims.values():
+            for opt in opts:
+                opt.param_groups[0]["lr"] = lr
 
     def sync_step(self, s: UnitShadow) -> None:
-        self._optims[id(s)].state[s.master]["step"] = torch.tensor(float(s.step))
+        for opt in self._optims[id(s)]:
+            p = opt.param_groups[0]["params"][0]
+            opt.state[p]["step"] = torch.tensor(float(s.step))
 
 
 def _single_pass(master: torch.Tensor, grad_low: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

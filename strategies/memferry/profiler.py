@@ -326,15 +326,14 @@ def host_adamw_rate(numel: int = 4_000_000, dtype: torch.dtype = torch.bfloat16,
     def buf(dt: torch.dtype) -> torch.Tensor:
         return backend.host_arena.empty(numel, dt) if backend is not None else torch.empty(numel, dtype=dt)
 
-    master, grad, m, v = (buf(torch.float32) for _ in range(4))
+    master, m, v = (buf(torch.float32) for _ in range(3))
     master.normal_()
-    grad.zero_()
     m.zero_()
     v.zero_()
     low = dtype != torch.float32
-    work, stage = (buf(dtype), buf(dtype)) if low else (master, grad)
+    work, stage = (buf(dtype), buf(dtype)) if low else (master, buf(torch.float32))
     stage.normal_()
-    shadow = UnitShadow(None, work, master, m, v, grad, stage, None, [])
+    shadow = UnitShadow(None, work, master, m, v, stage, stage, None, [])
     k = make_host_kernel(kernel, AdamW(lr=1e-4, weight_decay=0.0, host_kernel=kernel), [shadow])
     load: Any = contextlib.nullcontext()
     if dma_duty > 0 and backend is not None and backend.caps.async_copy and backend.device_type != "cpu":
@@ -349,7 +348,7 @@ def host_adamw_rate(numel: int = 4_000_000, dtype: torch.dtype = torch.bfloat16,
                     times.append(time.perf_counter() - t0)
     finally:
         if backend is not None:
-            for t in {id(t): t for t in (master, grad, m, v, work, stage)}.values():
+            for t in {id(t): t for t in (master, m, v, work, stage)}.values():
                 backend.host_arena.release(t)
     return statistics.median(times) / numel
 

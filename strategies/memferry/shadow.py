@@ -6,8 +6,11 @@ Per unit, in pinned host memory (the backend's arena):
     ``master``  fp32 weights the optimizer updates (the same buffer as ``work`` when the
                 compute dtype is fp32);
     ``exp_avg``, ``exp_avg_sq``  fp32 Adam moments;
-    ``grad``    fp32 gradient the optimizer reads; ``grad_stage`` the compute-dtype landing
-                zone of the device→host copy (the same buffer when fp32).
+    ``grad_stage``  the compute-dtype landing zone of the gradient (device→host copy or DHA
+                write); ``grad`` is the same buffer: the host kernel upcasts it chunk by
+                chunk into a small fp32 scratch (``host_kernel.py``), so no whole fp32
+                gradient is kept (16 bytes per parameter in all for bf16: work, master,
+                two moments, gradient).
 On the device, one flat compute-dtype buffer per unit whose storage is given back between
 uses (``free_storage``); the unit's ``nn.Parameter`` objects are views into it (or into the
 device view of ``work`` for DHA), so autograd and user code keep seeing ordinary parameters.
@@ -140,8 +143,8 @@ class ShadowModel:
         exp_avg, exp_avg_sq = arena.empty(size, torch.float32), arena.empty(size, torch.float32)
         exp_avg.zero_()
         exp_avg_sq.zero_()
-        grad = arena.empty(size, torch.float32)
-        grad_stage = grad if dtype == torch.float32 else arena.empty(size, dtype)
+        grad_stage = arena.empty(size, dtype)
+        grad = grad_stage  # see the module docstring: upcast chunk-wise by the host kernel
         device_flat = b.empty(padded, dtype, self.device)
         shadow = UnitShadow(unit, work, master, exp_avg, exp_avg_sq, grad, grad_stage, device_flat, offsets, shard=shard)
         shadow.device_views = shadow.slices(device_flat)
