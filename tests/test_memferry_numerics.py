@@ -294,3 +294,24 @@ def test_offload_and_recompute_together_are_refused():
     with pytest.raises(ValueError, match="either recomputes its activations or offloads them"):
         UnitPlan("prefetch", "prefetch", recompute=True, offload=True)
     assert Plan.from_spec("device2+offload", 4).units[0] == UnitPlan("resident", "resident", optimizer="device", offload=True)
+
+
+def test_budgets_below_the_minimum_and_too_little_host_memory_are_refused_before_anything_changes(cpu_backend):
+    from xpu.errors import HostMemoryBudgetError
+
+    model = TinyGPT()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    resident = sum(p.numel() * 4 for p in model.parameters())  # fp32: every unit resident
+    with pytest.raises(ValueError, match=r"device_budget .* is below the .* this plan keeps on the device") as err:
+        MemFerry(model, plan="resident4", loss_fn=lm_loss, backend=cpu_backend, device_budget=resident // 2)
+    assert "give at least" in str(err.value)
+    cpu_backend.host_arena.budget = 10_000  # far below the shadow model's buffers
+    try:
+        with pytest.raises(HostMemoryBudgetError, match="the shadow model needs .* of pinned host memory"):
+            MemFerry(model, plan="prefetch", loss_fn=lm_loss, backend=cpu_backend)
+        assert cpu_backend.host_arena.stats().in_use == 0  # nothing was allocated
+    finally:
+        cpu_backend.host_arena.budget = None
+    assert cpu_backend.memory_cap(0) is None
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -32,6 +32,33 @@ __all__ = ["MemFerry"]
 _log = logging.getLogger("xpu.memferry")
 
 
+def _check_budget(units: list, plan: Plan, device_homes: set[int], device_budget: Any) -> None:
+    """Refuse a budget below what ``plan`` keeps on the device between steps, before any change.
+
+    That floor counts resident weights (the ``rest`` unit and resident blocks) and the fp32
+    masters and moments of device-homed units; activations and loads come on top of it.
+    """
+    from xpu.units import format_bytes, parse_bytes
+
+    budget = parse_bytes(device_budget)
+    modes = {u.index: up for u, up in zip((u for u in units if u.is_block), plan.units)}
+    floor = 0
+    for u in units:
+        if not u.params:
+            continue
+        elem = u.params[0][1].element_size()
+        if u.index in device_homes:
+            floor += u.numel * (elem + (12 if elem != 4 else 8))  # work (= master in fp32) + moments (+ master)
+        elif not u.is_block or modes[u.index].forward == "resident":
+            floor += u.numel * elem
+    if floor > budget:
+        raise ValueError(
+            f"device_budget {format_bytes(budget)} is below the {format_bytes(floor)} this plan keeps on the device "
+            f"between steps (resident weights and device-homed optimizer states; activations come on top): "
+            f"give at least {format_bytes(floor)}, or a plan with fewer resident / device-homed blocks, "
+            f"or plan='auto' to let the scheduler fit the budget")
+
+
 class MemFerry:
     """Train ``model`` with its parameters homed in host memory.
 
@@ -94,13 +121,14 @@ class MemFerry:
             plan = Plan.from_spec(plan, n_blocks)
         plan = plan or Plan.uniform(n_blocks, UnitPlan("prefetch", "prefetch"))
         check_plan(plan, n_blocks, self.backend)  # before anything touches the model
-        if device_budget is not None:
-            self.backend.set_memory_cap(self.device, device_budget)
-        self.model = model
-        self.loss_fn = loss_fn
         device_homes = {u.index for u, up in zip(units, plan.units) if up.optimizer == "device"}
         if plan.rest_optimizer == "device":
             device_homes.add(units[-1].index)
+        if device_budget is not None:
+            _check_budget(units, plan, device_homes, device_budget)
+            self.backend.set_memory_cap(self.device, device_budget)
+        self.model = model
+        self.loss_fn = loss_fn
         self.dp = None
         if process_group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             self.dp = DataParallel.create(self.backend.device(self.device), process_group)

@@ -26,7 +26,7 @@ from xpu import Backend
 from .data_parallel import DataParallel
 from .units import Unit
 
-__all__ = ["UnitShadow", "ShadowModel"]
+__all__ = ["UnitShadow", "ShadowModel", "host_bytes_needed"]
 
 
 @dataclass
@@ -74,6 +74,36 @@ class UnitShadow:
             p.data = v
 
 
+def host_bytes_needed(units: list[Unit], device_homes: set[int] | frozenset, dp: "DataParallel | None" = None) -> int:
+    """Pinned host bytes :class:`ShadowModel` will take for ``units`` (checked before allocating).
+
+    Per host-homed unit: the compute-dtype working copy (whole, padded under data parallelism)
+    and gradient landing zone, plus the fp32 master and two moments (this rank's shard); an
+    fp32 unit's master is its working copy.
+    """
+    total = 0
+    for u in units:
+        if u.index in device_homes or not u.params:
+            continue
+        elem = u.params[0][1].element_size()
+        padded, shard = dp.shard(u.numel) if dp is not None else (u.numel, slice(0, u.numel))
+        size = shard.stop - shard.start
+        total += padded * elem + size * elem + 4 * size * (2 if elem == 4 else 3)
+    return total
+
+
+def _mem_available() -> int | None:
+    """Linux's estimate of memory available without swapping, or None where unknown."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class ShadowModel:
     """Homes of every unit's parameters; see the module docstring.
 
@@ -92,8 +122,29 @@ class ShadowModel:
                  dp: "DataParallel | None" = None) -> None:
         self.backend, self.device, self.dp = backend, device, dp
         self.units = units
+        self._check_host_memory(device_homes)
         self.shadows: list[UnitShadow] = [self._make_device_home(u) if u.index in device_homes else self._make(u)
                                           for u in units]
+
+    def _check_host_memory(self, device_homes: set[int] | frozenset) -> None:
+        """Refuse before allocating anything when the host buffers cannot all fit."""
+        from xpu.errors import HostMemoryBudgetError
+        from xpu.units import format_bytes
+
+        need = host_bytes_needed(self.units, device_homes, self.dp)
+        arena = self.backend.host_arena
+        stats = arena.stats()
+        if arena.budget is not None:
+            room, what = arena.budget - stats.in_use, "the pinned host-memory budget (XPU_HOST_MEM_BUDGET)"
+        else:
+            room, what = _mem_available(), "the host's available memory (MemAvailable)"
+            if room is None:
+                return
+        if need > room:
+            raise HostMemoryBudgetError(
+                f"the shadow model needs {format_bytes(need)} of pinned host memory (working copies, fp32 masters, "
+                f"Adam moments, gradients of the host-homed units) but {what} leaves {format_bytes(room)}; "
+                f"raise it, home more units on the device (plan deviceN), or train a smaller model")
 
     def _make_device_home(self, unit: Unit) -> UnitShadow:
         b, dev = self.backend, self.device
