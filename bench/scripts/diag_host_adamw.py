@@ -170,6 +170,25 @@ def fused_single_pass(ph: Phases, threads: int | None) -> dict:
         return {"single_pass_error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
+def chunked_kernel(ph: Phases, threads: int | None, load: str) -> dict:
+    """MemFerry's TorchKernel: the same three passes in cache-sized chunks (host_kernel.py)."""
+    from strategies.memferry.config import AdamW
+    from strategies.memferry.host_kernel import TorchKernel
+    from strategies.memferry.shadow import UnitShadow
+
+    s = UnitShadow(None, ph.work, ph.master, ph.m, ph.v, ph.stage, ph.stage, None, [])
+    k = TorchKernel(AdamW(lr=1e-4, weight_decay=0.0), [s])
+
+    def fn():
+        k.apply(s, 1.0)
+        return [k.apply(s, 1.0) for _ in range(5)]
+    with Busy(python="python" in load, dma="dma" in load):
+        rows = in_thread(fn, threads)
+    med = {key: statistics.median(r[key] for r in rows) * 1e3 for key in rows[0]}
+    return {"upcast_ms": round(med["upcast"], 2), "adamw_ms": round(med["adamw"], 2),
+            "writeback_ms": round(med["writeback"], 2), "total_ms": round(sum(med.values()), 2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--numel", type=int, default=50_331_648)  # one DESIGN GPT block (hidden 2048)
@@ -205,6 +224,10 @@ def main() -> None:
                 res = {"case": load, "threads": t, **measure(ph, t)}
             print(json.dumps(res), flush=True)
             results.append(res)
+    for load in ("alone", "dma"):
+        res = {"case": f"chunked TorchKernel, {load}", "threads": nthreads[0], **chunked_kernel(ph, nthreads[0], load)}
+        print(json.dumps(res), flush=True)
+        results.append(res)
     for t in nthreads[:2]:
         res = {"case": "single-pass compiled, alone", "threads": t, **fused_single_pass(ph, t)}
         print(json.dumps(res), flush=True)
