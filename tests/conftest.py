@@ -37,3 +37,18 @@ def cpu_backend(monkeypatch):
     xpu.reset_backend()
     yield xpu.get_backend()
     xpu.reset_backend()
+
+
+@pytest.fixture
+def gpu_backend(monkeypatch):
+    """The accelerator backend this machine has, auto-detected as a user's would be (skips
+    where there is none); device caps lifted afterwards."""
+    monkeypatch.delenv("XPU_BACKEND", raising=False)
+    xpu.reset_backend()
+    b = xpu.get_backend()
+    if b.device(0).type == "cpu":
+        pytest.skip("no accelerator here")
+    yield b
+    for i in range(b.device_count()):
+        b.set_memory_cap(i, None)
+    xpu.reset_backend()

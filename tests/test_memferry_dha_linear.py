@@ -310,26 +310,16 @@ def test_a_host_leaf_weight_without_grad_out_is_refused_where_devices_differ(cpu
 
 # ---------------------------------------------------------------------- GPU stress
 @pytest.mark.gpu
-def test_cuda_ring_under_load_is_exact(monkeypatch):
+def test_cuda_ring_under_load_is_exact(gpu_backend):
     """Many small chunks and a long GEMM queue: any missing event would corrupt some rows."""
-    import xpu
-
-    monkeypatch.setenv("XPU_BACKEND", "cuda")
-    xpu.reset_backend()
-    try:
-        b = xpu.get_backend()
-    except xpu.BackendUnavailableError as exc:
-        pytest.skip(str(exc))
-    try:
-        # fp32: a few ulps of the largest term (sums of 3000-4096 products in another order);
-        # bf16: a few bf16 roundings. A race (a chunk read before it lands, a slot refilled
-        # under its GEMM) gives errors of the size of the values themselves.
-        for dtype, scale_tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
-            w, x, bvec, dy = (t.to(dtype) if t is not None else None for t in make(b, (4096,), True, in_f=2048, out_f=3000))
-            ref = [t.float() for t in reference(w.cuda().float(), x.cuda().float(), bvec.cuda().float(), dy.cuda().float())]
-            for grad_out in (True, False):
-                got = run(b, w, x, bvec, dy, grad_out=grad_out, chunk_bytes=97 * 2048 * w.element_size())
-                for g, r in zip(got[:4], ref):
-                    close(g.float(), r.cpu(), scale_tol)
-    finally:
-        xpu.reset_backend()
+    b = gpu_backend
+    # fp32: a few ulps of the largest term (sums of 3000-4096 products in another order);
+    # bf16: a few bf16 roundings. A race (a chunk read before it lands, a slot refilled
+    # under its GEMM) gives errors of the size of the values themselves.
+    for dtype, scale_tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        w, x, bvec, dy = (t.to(dtype) if t is not None else None for t in make(b, (4096,), True, in_f=2048, out_f=3000))
+        ref = [t.float() for t in reference(w.cuda().float(), x.cuda().float(), bvec.cuda().float(), dy.cuda().float())]
+        for grad_out in (True, False):
+            got = run(b, w, x, bvec, dy, grad_out=grad_out, chunk_bytes=97 * 2048 * w.element_size())
+            for g, r in zip(got[:4], ref):
+                close(g.float(), r.cpu(), scale_tol)

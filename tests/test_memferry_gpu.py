@@ -12,9 +12,9 @@ import copy
 import pytest
 import torch
 
-import xpu
 from bench.models import build_model
 from strategies.memferry import AdamW, MemFerry, Plan, UnitPlan
+from test_memferry_numerics import mixed_precision_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -23,40 +23,6 @@ pytestmark = pytest.mark.gpu
 DIMS = dict(layers=4, hidden=256, heads=4, vocab=512, seq=64, bias=False)
 BATCH, STEPS = 8, 5
 
-
-@pytest.fixture
-def gpu_backend(monkeypatch):
-    """The accelerator backend this machine has (skips where there is none)."""
-    monkeypatch.delenv("XPU_BACKEND", raising=False)
-    xpu.reset_backend()
-    b = xpu.get_backend()
-    if b.device(0).type == "cpu":
-        pytest.skip("no accelerator here")
-    yield b
-    b.set_memory_cap(0, None)
-    xpu.reset_backend()
-
-
-def _reference(model, x, y, backend, lr=1e-3, wd=0.1):
-    """bf16 weights on the device, fp32 masters and AdamW, the bf16 copy rounded from the master."""
-    dev = backend.device(0)
-    ref = copy.deepcopy(model).to(dev)
-    masters = [p.detach().float().clone().requires_grad_(True) for p in ref.parameters()]
-    opt = torch.optim.AdamW(masters, lr=lr, weight_decay=wd)
-    losses = []
-    for _ in range(STEPS):
-        loss = ref(x, y)
-        losses.append(float(loss.detach()))
-        for p in ref.parameters():
-            p.grad = None
-        loss.backward()
-        for mp, p in zip(masters, ref.parameters()):
-            mp.grad = p.grad.float()
-        opt.step()
-        with torch.no_grad():
-            for mp, p in zip(masters, ref.parameters()):
-                p.copy_(mp)
-    return losses, [m.detach().cpu() for m in masters]
 
 
 PLANS = {
@@ -78,7 +44,8 @@ def test_plans_train_like_mixed_precision_adamw_on_the_device(gpu_backend, name)
     g = torch.Generator().manual_seed(1)
     tok = torch.randint(0, DIMS["vocab"], (BATCH, DIMS["seq"] + 1), generator=g)
     x, y = b.to_device(tok[:, :-1].contiguous(), 0), b.to_device(tok[:, 1:].contiguous(), 0)
-    ref_losses, ref_masters = _reference(model, x, y, b)
+    ref_losses, ref_masters = mixed_precision_reference(model, x, y, STEPS, lr=1e-3, weight_decay=0.1,
+                                                        device=b.device(0))
     engine = MemFerry(copy.deepcopy(model), optim=AdamW(lr=1e-3, weight_decay=0.1), plan=PLANS[name], backend=b, device=0)
     losses = [float(engine.train_step(x, y)) for _ in range(STEPS)]
     state = engine.state_dict()["optimizer"]

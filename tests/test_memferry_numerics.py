@@ -189,6 +189,29 @@ def test_sliced_loss_model_trains_exactly(cpu_backend):
         torch.testing.assert_close(state[name], p.detach(), atol=1e-5, rtol=1e-5, msg=name)
 
 
+def mixed_precision_reference(model, x, y, steps, lr, weight_decay, device=None):
+    """The textbook mixed-precision AdamW loop on a copy of ``model``: 16-bit weights and
+    gradients, fp32 masters and moments, the 16-bit copy rounded from the master each step.
+    Returns the losses and the fp32 masters (on the host)."""
+    ref = copy.deepcopy(model).to(device) if device is not None else copy.deepcopy(model)
+    masters = [p.detach().float().clone().requires_grad_(True) for p in ref.parameters()]
+    opt = torch.optim.AdamW(masters, lr=lr, weight_decay=weight_decay)
+    losses = []
+    for _ in range(steps):
+        loss = ref(x, y)
+        losses.append(float(loss.detach()))
+        for p in ref.parameters():
+            p.grad = None
+        loss.backward()
+        for mp, p in zip(masters, ref.parameters()):
+            mp.grad = p.grad.float()
+        opt.step()
+        with torch.no_grad():
+            for mp, p in zip(masters, ref.parameters()):
+                p.copy_(mp)
+    return losses, [m.detach().cpu() for m in masters]
+
+
 def test_bf16_engine_equals_mixed_precision_adamw_reference(cpu_backend):
     """In bf16, MemFerry is the usual mixed-precision AdamW: bf16 weights and gradients, fp32
     masters and moments, the bf16 copy rounded from the master after each update. Checked
@@ -200,22 +223,8 @@ def test_bf16_engine_equals_mixed_precision_adamw_reference(cpu_backend):
     g = torch.Generator().manual_seed(0)
     tok = torch.randint(0, 128, (4, 33), generator=g)
     x, y = tok[:, :-1], tok[:, 1:]
-    ref = copy.deepcopy(model)
-    masters = [p.detach().float().clone().requires_grad_(True) for p in ref.parameters()]
-    opt = torch.optim.AdamW(masters, lr=1e-3, weight_decay=0.1)
-    ref_losses = []
-    for _ in range(6):
-        loss = ref(x, y)
-        ref_losses.append(loss.item())
-        for p in ref.parameters():
-            p.grad = None
-        loss.backward()
-        for mp, p in zip(masters, ref.parameters()):
-            mp.grad = p.grad.float()
-        opt.step()
-        with torch.no_grad():
-            for mp, p in zip(masters, ref.parameters()):
-                p.copy_(mp)
+    ref_losses, masters = mixed_precision_reference(model, x, y, steps=6, lr=1e-3, weight_decay=0.1)
+    ref = model
     plan = Plan([UnitPlan("resident", "resident", optimizer="device"), UnitPlan("prefetch", "prefetch", recompute=True),
                  UnitPlan("dha", "dha")], rest_optimizer="host")
     engine = MemFerry(copy.deepcopy(model), optim=AdamW(lr=1e-3, weight_decay=0.1), plan=plan, backend=cpu_backend)
@@ -224,7 +233,7 @@ def test_bf16_engine_equals_mixed_precision_adamw_reference(cpu_backend):
     engine.close()
     assert losses == pytest.approx(ref_losses, abs=2e-3)
     for (name, _), mp in zip(ref.named_parameters(), masters):
-        torch.testing.assert_close(state[name]["master"], mp.detach(), atol=2e-4, rtol=0, msg=name)
+        torch.testing.assert_close(state[name]["master"], mp, atol=2e-4, rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("rows", [128, 32])  # above and below host_linear's in-place threshold (64)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import xpu
 from bench.models import build_model
 from strategies.mpress import StageExecutor, split_model
 from strategies.mpress.stages import lm_loss
@@ -13,18 +12,6 @@ pytestmark = pytest.mark.gpu
 
 DIMS = dict(layers=4, hidden=256, heads=4, vocab=512, seq=256)
 
-
-@pytest.fixture
-def gpu_backend(monkeypatch):
-    """The accelerator backend this machine has (skips where there is none)."""
-    monkeypatch.delenv("XPU_BACKEND", raising=False)
-    xpu.reset_backend()
-    b = xpu.get_backend()
-    if b.device(0).type == "cpu":
-        pytest.skip("no accelerator here")
-    yield b
-    b.set_memory_cap(0, None)
-    xpu.reset_backend()
 
 
 @pytest.mark.parametrize("decision", ["host", "recompute"])

@@ -8,22 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import xpu
 from scaleup import MultiPathCopier, TransferEngine
 
 pytestmark = pytest.mark.gpu
 
-
-@pytest.fixture
-def gpu_backend(monkeypatch):
-    monkeypatch.setenv("XPU_BACKEND", "cuda")
-    xpu.reset_backend()
-    try:
-        b = xpu.get_backend()
-    except xpu.BackendUnavailableError as exc:
-        pytest.skip(str(exc))
-    yield b
-    xpu.reset_backend()
 
 
 def _bytes(t):
