@@ -522,6 +522,13 @@ def _check_memferry(options: dict[str, Any], config: TrainConfig) -> None:
     if not isinstance(options["plan"], str):
         raise TrainConfigError(f"strategy.options.plan must be a plan name such as 'prefetch+recompute' or 'auto', "
                                f"got {options['plan']!r}")
+    chunks = options["loss_chunks"]
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise TrainConfigError(f"strategy.options.loss_chunks must be a positive integer (1: the loss over all tokens "
+                               f"at once), got {chunks!r}")
+    margin = options["memory_margin"]
+    if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise TrainConfigError(f"strategy.options.memory_margin must lie in [0, 1), got {margin!r}")
     n_blocks = config.n_blocks()
     if n_blocks is not None and options["plan"] != "auto":
         try:
@@ -543,9 +550,13 @@ def _build_memferry(model: nn.Module, config: TrainConfig, backend: Any, device:
         plan: Any = "auto"
     else:
         plan = Plan.from_spec(opts["plan"], len(model.blocks))
+    if opts["loss_chunks"] > 1:
+        if not hasattr(model, "loss_chunks"):
+            raise TrainConfigError("strategy.options.loss_chunks needs a model that slices its loss (gpt or llama)")
+        model.loss_chunks = opts["loss_chunks"]
     # MemFerry is a TrainEngine as it is; its set_lr is queued behind pending host updates.
     return MemFerry(model, optim=cfg, device_budget=config.device_budget, plan=plan, backend=backend, device=device,
-                    sample=sample)
+                    sample=sample, memory_margin=float(opts["memory_margin"]))
 
 
 class TorchEngine:
@@ -614,7 +625,8 @@ def _check_torch(options: dict[str, Any], config: TrainConfig) -> None:
 
 #: strategy name -> spec; adding a strategy (``mpress``) is one line here plus its builder.
 STRATEGIES: dict[str, StrategySpec] = {
-    "memferry": StrategySpec(_build_memferry, {"plan": "prefetch", "max_grad_norm": None},
+    "memferry": StrategySpec(_build_memferry, {"plan": "prefetch", "max_grad_norm": None, "loss_chunks": 1,
+                                                "memory_margin": 0.10},
                              "MemFerry: parameters homed in host memory, per-block plan, host AdamW", _check_memferry, True),
     "torch": StrategySpec(TorchEngine, {"max_grad_norm": None, "recompute": False},
                           "plain PyTorch reference: model and torch AdamW all on the device", _check_torch),

@@ -72,7 +72,10 @@ def test_text_path_is_found_next_to_the_config_from_any_working_directory(tmp_pa
 @pytest.mark.parametrize("change, message", [
     ({"stepz": 3}, "unknown key(s) ['stepz']; valid keys: model, name"),
     ({"strategy": "nope"}, "unknown strategy 'nope'; valid strategies: memferry, torch"),
-    ({"strategy": {"name": "memferry", "options": {"plann": "dha"}}}, "has no option(s) ['plann']; valid options: max_grad_norm, plan"),
+    ({"strategy": {"name": "memferry", "options": {"plann": "dha"}}},
+     "has no option(s) ['plann']; valid options: loss_chunks, max_grad_norm, memory_margin, plan"),
+    ({"strategy": {"name": "memferry", "options": {"loss_chunks": 0}}}, "loss_chunks must be a positive integer"),
+    ({"strategy": {"name": "memferry", "options": {"memory_margin": 1.5}}}, "memory_margin must lie in"),
     ({"strategy": {"name": "memferry", "options": {"plan": "resident9"}}}, "strategy.options.plan: unknown plan 'resident9'"),
     ({"strategy": {"name": "torch", "options": {"plan": "dha"}}}, "strategy 'torch' has no option(s) ['plan']"),
     ({"model": {**MICRO, "vocab": 100}, "data": {"kind": "text", "path": "x.txt"}}, "model's vocab is 100; set model.vocab to at least 256"),
@@ -97,7 +100,8 @@ def test_bad_configs_name_what_is_valid(change, message):
 
 def test_set_overrides_reach_nested_keys_and_bare_strategy_names():
     config = load_config(_micro(strategy="memferry"), {"strategy.options.plan": "prefetch2+recompute", "model.layers": 3})
-    assert config.strategy.options == {"plan": "prefetch2+recompute", "max_grad_norm": None}
+    assert config.strategy.options == {"plan": "prefetch2+recompute", "max_grad_norm": None, "loss_chunks": 1,
+                                       "memory_margin": 0.10}
     assert config.model["layers"] == 3
     assert config.to_dict()["optimizer"]["betas"] == [0.9, 0.999]
 
