@@ -42,18 +42,14 @@ Options:
 """
 from __future__ import annotations
 
-import datetime
 import os
-import queue
-import socket
-import time
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from bench.systems.base import BenchSystem, SystemContext, phase
+from bench.systems.rank_pool import RankChannel, RankPool
 
 from .config import AdamW, Plan
 
@@ -172,12 +168,6 @@ def build_job(ctx: SystemContext) -> tuple[DPJob, dict[str, str]]:
     return job, env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class MemFerryDPSystem(BenchSystem):
     """Persistent rank processes, each with a data-parallel MemFerry engine, one step per :meth:`step`.
 
@@ -195,32 +185,15 @@ class MemFerryDPSystem(BenchSystem):
     tracks_device_memory = False  # the memory is in the rank processes, not in this one
 
     def __init__(self, ctx: SystemContext) -> None:
-        import torch.multiprocessing as mp
-
         self.job, env = build_job(ctx)
         self.ranks = self.job.ranks
-        self._procs: list[Any] = []
-        self._commands: list[Any] = []
-        self._replies: Any = None
+        self._pool: RankPool | None = None
         self._peaks: list[int | None] = [None] * self.ranks
         self._host_times: dict[str, float] = {}
         self._steps = 0
-        self._failed = False
-        mpctx = mp.get_context("spawn")
-        self._commands = [mpctx.Queue() for _ in range(self.ranks)]
-        self._replies = mpctx.Queue()
-        port = _free_port()
-        try:
-            for rank in range(self.ranks):
-                proc = mpctx.Process(target=_rank_main, name=f"memferry-dp-rank{rank}", daemon=True,
-                                     args=(rank, port, self.job, self._commands[rank], self._replies, env,
-                                           os.getpid()))
-                proc.start()
-                self._procs.append(proc)
-            ready = self._collect("ready", _SETUP_TIMEOUT_S)
-        except BaseException:
-            self.close()
-            raise
+        self._pool = RankPool(_NAME, "rank", self.ranks, _rank_main, args=(self.job,), env=env,
+                              setup_timeout_s=_SETUP_TIMEOUT_S)
+        ready = self._pool.ready
         self._kernel = ready[0]["kernel"]
         self._predicted = ready[0]["predicted_step_s"]
         if self.job.plan == "auto":
@@ -259,10 +232,9 @@ class MemFerryDPSystem(BenchSystem):
             host_in = inputs.detach().to("cpu")
             host_tgt = targets.detach().to("cpu")
             b = self.job.micro_batch
-            for rank, q in enumerate(self._commands):
-                # clone(): each rank's slice is sent as its own small storage, not the whole batch's.
-                q.put(("step", host_in[rank * b:(rank + 1) * b].clone(), host_tgt[rank * b:(rank + 1) * b].clone()))
-            replies = self._collect("step", None)
+            # clone(): each rank's slice is sent as its own small storage, not the whole batch's.
+            replies = self._pool.run("step", [(host_in[r * b:(r + 1) * b].clone(), host_tgt[r * b:(r + 1) * b].clone())
+                                              for r in range(self.ranks)])
         for rank, info in replies.items():
             self._peaks[rank] = info["peak"]
         self._steps += 1
@@ -270,85 +242,15 @@ class MemFerryDPSystem(BenchSystem):
         # Equal micro-batches: the mean of the ranks' mean losses is the mean loss over the whole batch.
         return torch.tensor(sum(replies[r]["loss"] for r in range(self.ranks)) / self.ranks, dtype=torch.float32)
 
-    def _collect(self, kind: str, timeout_s: float | None) -> dict[int, dict[str, Any]]:
-        """One ``kind`` reply from every rank; raises the first rank error, or on a dead rank / timeout."""
-        got: dict[int, dict[str, Any]] = {}
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while len(got) < self.ranks:
-            try:
-                msg_kind, rank, info = self._replies.get(timeout=1.0)
-            except queue.Empty:
-                dead = [p for p in self._procs if not p.is_alive()]
-                if dead:
-                    self._failed = True
-                    # A rank that died without a word (killed, e.g. by the host's OOM killer).
-                    raise RuntimeError(f"{_NAME}: rank process {dead[0].name} exited with code {dead[0].exitcode} "
-                                       f"while waiting for '{kind}'")
-                if deadline is not None and time.monotonic() > deadline:
-                    raise RuntimeError(f"{_NAME}: ranks did not answer '{kind}' within {timeout_s:.0f} s")
-                continue
-            if msg_kind == "error":
-                self._failed = True  # its peers are stuck in a collective with it: close() need not wait
-                _raise_rank_error(self._root_cause(rank, info))
-            if msg_kind != kind:
-                raise RuntimeError(f"{_NAME}: rank {rank} answered {msg_kind!r}, expected {kind!r}")
-            got[rank] = info
-        return got
-
-    def _root_cause(self, rank: int, info: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        """The error to report: a rank's own failure (e.g. OOM) rather than a peer's broken collective.
-
-        When one rank fails, its peers fail soon after in the collective they were waiting in;
-        collect the errors that arrive within a moment and prefer an out-of-memory one, then
-        one with a message.
-        """
-        errors = {rank: info}
-        deadline = time.monotonic() + 3.0
-        while len(errors) < self.ranks and time.monotonic() < deadline:
-            try:
-                msg_kind, r, i = self._replies.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if msg_kind == "error":
-                errors[r] = i
-        return min(errors.items(), key=lambda kv: (not kv[1].get("oom"), not kv[1]["message"].strip(), kv[0]))
-
     def close(self) -> None:
-        """Stop the rank processes (politely, then by force) and release the queues."""
-        for q, proc in zip(self._commands, self._procs):
-            if proc.is_alive():
-                try:
-                    q.put(("stop", None, None))
-                except Exception:
-                    pass
-        deadline = time.monotonic() + (1 if self._failed else 15)
-        for proc in self._procs:
-            proc.join(timeout=max(0.1, deadline - time.monotonic()))
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5)
-        self._procs = []
-        for q in [*self._commands, *([self._replies] if self._replies is not None else [])]:
-            q.close()
-            q.cancel_join_thread()
-        self._commands, self._replies = [], None
+        """Stop the rank processes (politely, then by force) and release their queues."""
+        if self._pool is not None:
+            self._pool.close()
 
 
-def _raise_rank_error(failure: tuple[int, dict[str, Any]]) -> None:
-    """Re-raise a rank's failure (``(rank, info)``) here, keeping OOM recognisable to the harness."""
-    rank, info = failure
-    message = info["message"].strip() or "(no message; see the traceback)"
-    text = f"{_NAME} rank {rank}: {info['type']}: {message}\n{info['traceback']}"
-    if info.get("oom"):
-        raise torch.OutOfMemoryError(text)
-    raise RuntimeError(text)
-
-
-def _rank_main(rank: int, port: int, job: DPJob, commands: Any, replies: Any, env: dict[str, str],
-               parent_pid: int) -> None:
+def _rank_main(channel: RankChannel, job: DPJob) -> None:
     """Body of one rank process: set up, then serve ``step`` commands until ``stop`` (or the parent is gone)."""
-    os.environ.update(env)
+    rank = channel.rank
     # The worker set the one-process launch variables (rank 0 of 1) for single-process systems; say who we are.
     world = str(job.ranks)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world, LOCAL_WORLD_SIZE=world)
@@ -365,14 +267,9 @@ def _rank_main(rank: int, port: int, job: DPJob, commands: Any, replies: Any, en
     engine = None
     try:
         backend = xpu.get_backend()
-        if backend.device_count() < job.ranks:
-            raise ValueError(f"{job.ranks} ranks need {job.ranks} devices; backend '{backend.name}' has "
-                             f"{backend.device_count()}")
+        channel.require_devices(backend)
         with backend.device_scope(rank):
-            # A bounded timeout: a rank that dies must not leave its peers waiting forever.
-            timeout = datetime.timedelta(seconds=float(os.environ.get("MEMFERRY_DP_PG_TIMEOUT_S", "300")))
-            dist.init_process_group(job.dist_backend, rank=rank, world_size=job.ranks,
-                                    init_method=f"tcp://127.0.0.1:{port}", timeout=timeout)
+            channel.init_process_group(job.dist_backend, float(os.environ.get("MEMFERRY_DP_PG_TIMEOUT_S", "300")))
             torch.manual_seed(job.seed)  # as the worker seeds before a single-process system's factory
             model = build_model(job.family, dtype=job.dtype, **job.dims)
             if job.loss_chunks > 1:
@@ -388,40 +285,26 @@ def _rank_main(rank: int, port: int, job: DPJob, commands: Any, replies: Any, en
                               memory_margin=job.memory_margin)
             backend.synchronize(rank)
             backend.reset_peak_memory(rank)  # peaks from here on: training, not set-up
-        replies.put(("ready", rank, {"kernel": engine.optimizer.kernel.name, "plan_text": engine.plan.describe(),
-                                     "predicted_step_s": engine.plan.predicted_step_s}))
-        while True:
-            try:
-                cmd, idx, tgt = commands.get(timeout=5.0)
-            except queue.Empty:
-                if os.getppid() != parent_pid:  # the worker was killed (e.g. its timeout): do not linger
-                    return
-                continue
-            if cmd == "stop":
-                break
+        channel.reply("ready", {"kernel": engine.optimizer.kernel.name, "plan_text": engine.plan.describe(),
+                                "predicted_step_s": engine.plan.predicted_step_s})
+        for _, (idx, tgt) in channel.serve():
             loss = engine(idx, tgt)
             engine.backward(loss)
             engine.step()
             value = float(loss.detach())  # waits for this rank's device work
             del loss, idx, tgt
             backend.synchronize(rank)
-            replies.put(("step", rank, {"loss": value, "peak": backend.memory_stats(rank).peak_allocated,
-                                        "host_times": dict(engine.optimizer.time_s)}))
+            channel.reply("step", {"loss": value, "peak": backend.memory_stats(rank).peak_allocated,
+                                   "host_times": dict(engine.optimizer.time_s)})
     except BaseException as exc:
-        oom = isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(exc).lower()
-        replies.put(("error", rank, {"type": type(exc).__name__, "message": str(exc)[:2000],
-                                     "traceback": traceback.format_exc()[-4000:], "oom": oom}))
+        channel.fail(exc)
     finally:
         if engine is not None:
             try:
                 engine.close()
             except Exception:
                 pass
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+        channel.leave_process_group()
 
 
 def make(ctx: SystemContext) -> MemFerryDPSystem:

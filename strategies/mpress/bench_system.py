@@ -24,18 +24,15 @@ Options:
 """
 from __future__ import annotations
 
-import datetime
 import os
-import queue
-import time
-import traceback
 from typing import Any
 
 import torch
 
 from bench.systems.base import BenchSystem, SystemContext, phase
+from bench.systems.rank_pool import RankChannel, RankPool
 
-from .pipeline import SCHEDULES, PipelineJob, adamw_with_states, free_port
+from .pipeline import SCHEDULES, PipelineJob, adamw_with_states
 
 __all__ = ["MPressSystem", "make", "PLANS"]
 
@@ -107,33 +104,18 @@ class MPressSystem(BenchSystem):
     tracks_device_memory = False  # the memory is in the stage processes, not in this one
 
     def __init__(self, ctx: SystemContext) -> None:
-        import torch.multiprocessing as mp
-
         self.job, self.stages = build_job(ctx)
-        self._procs: list[Any] = []
+        self._pool: RankPool | None = None
         self._peaks: list[int | None] = [None] * self.stages
         self._plan_text = ""
-        self._failed = False
         env: dict[str, str] = {}
         if ctx.backend.device_type == "cpu" and "XPU_CPU_TOPOLOGY" not in os.environ:
             # The cpu backend's virtual devices: one per stage at least.
             env["XPU_CPU_DEVICES"] = str(max(self.stages, int(os.environ.get("XPU_CPU_DEVICES", "1") or 1)))
-        mpctx = mp.get_context("spawn")
-        self._commands = [mpctx.Queue() for _ in range(self.stages)]
-        self._replies = mpctx.Queue()
-        port = free_port()
-        try:
-            for rank in range(self.stages):
-                proc = mpctx.Process(target=_stage_main, name=f"mpress-stage{rank}", daemon=True,
-                                     args=(rank, self.stages, port, self.job, ctx.adamw_kwargs(),
-                                           self._commands[rank], self._replies, ctx.backend.dist_backend, env,
-                                           os.getpid()))
-                proc.start()
-                self._procs.append(proc)
-            ready = self._collect("ready", _SETUP_TIMEOUT_S)
-        except BaseException:
-            self.close()
-            raise
+        self._pool = RankPool("mpress", "stage", self.stages, _stage_main,
+                              args=(self.job, ctx.adamw_kwargs(), ctx.backend.dist_backend), env=env,
+                              setup_timeout_s=_SETUP_TIMEOUT_S)
+        ready = self._pool.ready
         self._plan_text = ready[0].get("plan_text", "")
         if self._plan_text and self.job.plan == "auto":
             print(f"mpress plan:\n{self._plan_text}", flush=True)
@@ -164,95 +146,23 @@ class MPressSystem(BenchSystem):
             host_in = inputs.detach().to("cpu").contiguous()
             host_tgt = targets.detach().to("cpu").contiguous()
             last = self.stages - 1
-            for rank, q in enumerate(self._commands):
-                q.put(("step", host_in if rank == 0 else None, host_tgt if rank == last else None))
-            replies = self._collect("step", None)
+            # The first stage needs the inputs, the last the targets; the others get activations from peers.
+            replies = self._pool.run("step", [(host_in if rank == 0 else None, host_tgt if rank == last else None)
+                                              for rank in range(self.stages)])
         for rank, info in replies.items():
             self._peaks[rank] = info["peak"]
         return torch.tensor(replies[last]["loss"], dtype=torch.float32)
 
-    def _collect(self, kind: str, timeout_s: float | None) -> dict[int, dict[str, Any]]:
-        """One ``kind`` reply from every stage; raises the first stage error, or on a dead stage / timeout."""
-        got: dict[int, dict[str, Any]] = {}
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while len(got) < self.stages:
-            try:
-                msg_kind, rank, info = self._replies.get(timeout=1.0)
-            except queue.Empty:
-                dead = [p for p in self._procs if not p.is_alive()]
-                if dead:
-                    self._failed = True
-                    # A stage that died without a word (killed, e.g. by the host's OOM killer).
-                    raise RuntimeError(f"mpress: stage process {dead[0].name} exited with code {dead[0].exitcode} "
-                                       f"while waiting for '{kind}'")
-                if deadline is not None and time.monotonic() > deadline:
-                    raise RuntimeError(f"mpress: stages did not answer '{kind}' within {timeout_s:.0f} s")
-                continue
-            if msg_kind == "error":
-                self._failed = True  # its peers are stuck in send/recv with it: close() need not wait
-                _raise_stage_error(self._root_cause(rank, info))
-            if msg_kind != kind:
-                raise RuntimeError(f"mpress: stage {rank} answered {msg_kind!r}, expected {kind!r}")
-            got[rank] = info
-        return got
-
-    def _root_cause(self, rank: int, info: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        """The error to report: a stage's own failure (e.g. OOM) rather than a peer's broken send/recv.
-
-        When one stage fails, its peers fail soon after on the closed connection; collect
-        the errors that arrive within a moment and prefer an out-of-memory one, then one with
-        a message.
-        """
-        errors = {rank: info}
-        deadline = time.monotonic() + 3.0
-        while len(errors) < self.stages and time.monotonic() < deadline:
-            try:
-                msg_kind, r, i = self._replies.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if msg_kind == "error":
-                errors[r] = i
-        return min(errors.items(), key=lambda kv: (not kv[1].get("oom"), not kv[1]["message"].strip(), kv[0]))
-
     def close(self) -> None:
-        """Stop the stage processes (politely, then by force) and release the queues."""
-        for q, proc in zip(self._commands, self._procs):
-            if proc.is_alive():
-                try:
-                    q.put(("stop", None, None))
-                except Exception:
-                    pass
-        deadline = time.monotonic() + (1 if self._failed else 15)
-        for proc in self._procs:
-            proc.join(timeout=max(0.1, deadline - time.monotonic()))
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5)
-        self._procs = []
-        for q in [*self._commands, self._replies]:
-            q.close()
-            q.cancel_join_thread()
-        self._commands = []
+        """Stop the stage processes (politely, then by force) and release their queues."""
+        if self._pool is not None:
+            self._pool.close()
 
 
-def _raise_stage_error(failure: tuple[int, dict[str, Any]]) -> None:
-    """Re-raise a stage's failure (``(rank, info)``) here, keeping OOM recognisable to the harness."""
-    rank, info = failure
-    message = info["message"].strip() or "(no message; see the traceback)"
-    text = f"mpress stage {rank}: {info['type']}: {message}\n{info['traceback']}"
-    if info.get("oom"):
-        raise torch.OutOfMemoryError(text)
-    raise RuntimeError(text)
-
-
-def _stage_main(rank: int, world: int, port: int, job: PipelineJob, adamw: dict[str, Any], commands: Any,
-                replies: Any, dist_backend: str, env: dict[str, str], parent_pid: int) -> None:
+def _stage_main(channel: RankChannel, job: PipelineJob, adamw: dict[str, Any], dist_backend: str) -> None:
     """Body of one stage process: set up, then serve ``step`` commands until ``stop`` (or the parent is gone)."""
-    os.environ.update(env)
+    rank, world = channel.rank, channel.world
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    import torch.distributed as dist
-
     import xpu
 
     from .pipeline import StageRuntime
@@ -261,12 +171,8 @@ def _stage_main(rank: int, world: int, port: int, job: PipelineJob, adamw: dict[
     runtime = None
     try:
         backend = xpu.get_backend()
-        if backend.device_count() < world:
-            raise ValueError(f"{world} stages need {world} devices; backend '{backend.name}' has "
-                             f"{backend.device_count()}")
-        # A bounded timeout: a stage that dies must not leave its peers waiting forever.
-        dist.init_process_group(dist_backend, rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
-                                timeout=datetime.timedelta(seconds=float(os.environ.get("MPRESS_PG_TIMEOUT_S", "300"))))
+        channel.require_devices(backend)
+        channel.init_process_group(dist_backend, float(os.environ.get("MPRESS_PG_TIMEOUT_S", "300")))
         box: list[torch.optim.Optimizer] = []
 
         def prepare(stage: torch.nn.Module) -> None:
@@ -277,17 +183,9 @@ def _stage_main(rank: int, world: int, port: int, job: PipelineJob, adamw: dict[
             raise runtime.infeasible
         optimizer = box[0]
         runtime.apply_cap()
-        replies.put(("ready", rank, {"plan_text": runtime.result.get("plan_text", ""),
-                                     "decisions": {b: str(d) for b, d in runtime.decisions.items()}}))
-        while True:
-            try:
-                cmd, idx, tgt = commands.get(timeout=5.0)
-            except queue.Empty:
-                if os.getppid() != parent_pid:  # the worker was killed (e.g. its timeout): do not linger
-                    return
-                continue
-            if cmd == "stop":
-                break
+        channel.reply("ready", {"plan_text": runtime.result.get("plan_text", ""),
+                                "decisions": {b: str(d) for b, d in runtime.decisions.items()}})
+        for _, (idx, tgt) in channel.serve():
             with backend.device_scope(rank):
                 idx = backend.to_device(idx, rank) if idx is not None else None
                 tgt = backend.to_device(tgt, rank) if tgt is not None else None
@@ -297,19 +195,14 @@ def _stage_main(rank: int, world: int, port: int, job: PipelineJob, adamw: dict[
                 loss = float(torch.stack([l.float() for l in losses]).mean()) if losses else None
                 del idx, tgt, losses
                 backend.synchronize(rank)
-            replies.put(("step", rank, {"loss": loss, "peak": backend.memory_stats(rank).peak_allocated}))
-        runtime.close()
+            channel.reply("step", {"loss": loss, "peak": backend.memory_stats(rank).peak_allocated})
+        if not channel.orphaned:  # closing is collective (a barrier): not with peers that may be gone
+            runtime.close()
     except BaseException as exc:
-        oom = isinstance(exc, (torch.OutOfMemoryError, MemoryError, InfeasibleBudgetError)) or \
-            "out of memory" in str(exc).lower()
-        replies.put(("error", rank, {"type": type(exc).__name__, "message": str(exc)[:2000],
-                                     "traceback": traceback.format_exc()[-4000:], "oom": oom}))
+        # A planner that finds no plan under the cap is this system's out-of-memory.
+        channel.fail(exc, oom_types=(InfeasibleBudgetError,))
     finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+        channel.leave_process_group()
 
 
 def make(ctx: SystemContext) -> MPressSystem:
