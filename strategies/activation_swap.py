@@ -96,15 +96,21 @@ class _Resource:
 
 
 class _Slot:
-    """The handle autograd keeps for a swapped tensor."""
+    """The handle autograd keeps for a swapped tensor.
 
-    __slots__ = ("shape", "stride", "dtype", "nbytes", "res", "fetched", "__weakref__")
+    ``where`` is the destination really used (a full peer region falls back to the host);
+    ``on_fetch`` holds callbacks run each time a copy back starts (profiling only; None otherwise).
+    """
 
-    def __init__(self, t: torch.Tensor, res: _Resource) -> None:
+    __slots__ = ("shape", "stride", "dtype", "nbytes", "res", "fetched", "where", "on_fetch", "__weakref__")
+
+    def __init__(self, t: torch.Tensor, res: _Resource, where: str = "host") -> None:
         self.shape, self.stride, self.dtype = tuple(t.shape), tuple(t.stride()), t.dtype
         self.nbytes = t.numel() * t.element_size()
         self.res = res
         self.fetched: torch.Tensor | None = None
+        self.where = where
+        self.on_fetch: list[Callable[[], None]] | None = None
         weakref.finalize(self, res.release)
 
 
@@ -163,6 +169,26 @@ class ActivationSwapper:
         with torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack(group, t), self.unpack):
             yield group
 
+    @staticmethod
+    def destination_of(packed: Any) -> str:
+        """Where the tensor behind a :meth:`pack` result waits for backward.
+
+        ``"host"`` or ``"peer:<j>"`` (the destination really used), or ``"keep"`` (left on the device).
+        """
+        return packed.where if isinstance(packed, _Slot) else "keep"
+
+    @staticmethod
+    def watch_fetch(packed: Any, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` whenever the swapped tensor behind ``packed`` starts coming back.
+
+        For profiling (when a tensor re-occupies device memory); a no-op for a tensor kept on
+        the device. Unwatched handles cost nothing: the swapper checks one attribute per fetch.
+        """
+        if isinstance(packed, _Slot):
+            if packed.on_fetch is None:
+                packed.on_fetch = []
+            packed.on_fetch.append(callback)
+
     def prefetch(self, group: SwapGroup | None, lookahead: int = 0) -> None:
         """Start bringing ``group`` (and ``lookahead`` earlier groups) back to the device."""
         for _ in range(lookahead + 1):
@@ -209,7 +235,7 @@ class ActivationSwapper:
         # The source is freed when autograd drops it; its memory must not be reused before the copy ends.
         self.backend.keep_alive(t, out_stream)
         self.stats.bytes[where] += nbytes
-        handle = _Slot(t, _Resource(dst, release, done))
+        handle = _Slot(t, _Resource(dst, release, done), where)
         group.slots.append(weakref.ref(handle))
         try:
             group.keys[key] = (weakref.ref(t), weakref.ref(handle))
@@ -272,3 +298,6 @@ class ActivationSwapper:
         slot.res.in_event = ev
         slot.fetched = out
         self.stats.swapped_in += slot.nbytes
+        if slot.on_fetch is not None:
+            for callback in slot.on_fetch:
+                callback()

@@ -3,6 +3,7 @@
     xpu mpress examples/mpress/tiny.yaml                       # re-runs itself under torchrun, 2 stages
     xpu mpress examples/mpress/tiny.yaml --stages 4 --microbatches 8 --schedule gpipe --budget-gb 0.002
     xpu mpress examples/mpress/tiny.yaml --dry-run             # check the config, print the torchrun command
+    xpu mpress examples/mpress/tiny.yaml --profile-json prof.json   # also dump every saved tensor of the profiled step
     torchrun --standalone --nproc_per_node 2 -m xpu mpress examples/mpress/tiny.yaml   # the same, by hand
 
 The config is an ``xpu train`` config (:mod:`strategies.trainer`) whose strategy is ``mpress``::
@@ -34,6 +35,13 @@ Each rank builds the whole model from ``seed`` on the host, keeps its own stage 
 the unpipelined ``torch`` strategy on the same config (:func:`reference_losses`) up to
 summation order. Rank 0 prints the plan and, every ``log_every`` steps, the loss (the mean
 over micro-batches, sent from the last stage) and each stage's device peak.
+
+When a step is profiled (``plan: auto``, or ``--profile-json``), rank 0 also prints a line per
+stage: its measured peak, budget and spare memory, and its saved tensors in short (count,
+bytes, the top producing ops by bytes, median lifetime). ``--profile-json PATH`` profiles a
+step whatever the plan and writes every stage's profile with all its tensor records
+(:func:`~strategies.mpress.planner.dump_profiles`; read back with
+:func:`~strategies.mpress.planner.load_profiles`), even when no plan fits the budget.
 """
 from __future__ import annotations
 
@@ -44,7 +52,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -317,7 +325,7 @@ def format_command(command: list[str], env: dict[str, str]) -> str:
 
 # ---------------------------------------------------------------------------------- one rank
 def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, json_out: bool = False,
-             backend: Any = None) -> dict[str, Any] | None:
+             backend: Any = None, profile_json: str | os.PathLike | None = None) -> dict[str, Any] | None:
     """Train ``config`` as this torchrun rank's stage; rank 0 returns the run's summary, others None.
 
     Joins the process group from torchrun's environment (the backend's collective library:
@@ -326,6 +334,8 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
     the plan counts them), applies the budget as the device's memory cap and trains
     ``steps`` steps. Rank 0 logs through ``log`` (default: print to stdout, or stderr with
     ``json_out``) and, with ``json_out``, prints the summary as one JSON line on stdout.
+    With ``profile_json``, a step is profiled whatever the plan and rank 0 writes every
+    stage's profile there (:func:`~strategies.mpress.planner.dump_profiles`).
 
     Raises:
         MPressConfigError: the world size does not match the stages, or the devices do not fit.
@@ -340,6 +350,7 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
     from xpu.units import format_bytes
 
     from .pipeline import StageRuntime, adamw_with_states
+    from .planner import dump_profiles, format_plan, format_profile
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != config.stages:
@@ -359,8 +370,15 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
     dist.init_process_group(backend.dist_backend, rank=rank, world_size=world, timeout=timeout)
     try:
         box: list[torch.optim.Optimizer] = []
-        runtime = StageRuntime(config.job(dtype), rank, world, backend,
+        job = config.job(dtype)
+        if profile_json is not None:
+            job = replace(job, profile=True)
+        runtime = StageRuntime(job, rank, world, backend,
                                prepare=lambda stage: box.append(adamw_with_states(stage, adamw)))
+        if profile_json is not None and rank == 0:
+            # Before a refusal too: the profile is what says why no plan fits.
+            dump_profiles(runtime.profiles, profile_json, name=t.name, stages=world, schedule=config.schedule,
+                          microbatches=config.microbatches, backend=backend.name)
         if runtime.infeasible is not None:
             raise runtime.infeasible
         stage, optimizer = runtime.stage, box[0]
@@ -377,7 +395,12 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
         say(f"data: {data_desc}; {t.batch * t.seq:,} tokens per step")
         if profile is not None:
             say("profiled: " + ", ".join(f"stage {s} {f[1]}" for s, f in enumerate(facts)))
-        plan_text = runtime.result.get("plan_text", "")
+            for p in runtime.profiles:
+                say("  " + format_profile(p))
+            if profile_json is not None:
+                say(f"profile: every stage's saved tensors written to {profile_json}")
+        # The plan alone: the profile lines are above.
+        plan_text = format_plan(runtime.plan) if runtime.plan is not None else ""
         if isinstance(config.plan, dict):  # a given plan predicts nothing: its decisions are the whole story
             plan_text = "\n".join(f"stage {s}: " + ", ".join(f"block {b}: {d}" for b, d in sorted(blocks.items()))
                                   for s, blocks in sorted(config.plan.items()) if blocks)

@@ -12,7 +12,9 @@ A job (:class:`PipelineJob`):
 1. optionally profiles one iteration and gathers the stage profiles. The iteration keeps every
    block's activations when the stage fits its device that way; a stage that would not is
    profiled with every block host-swapped instead (the saved-tensor hooks still see each
-   tensor's size), its all-keep peak estimated (``profile_mode``, :data:`PROFILE_MODES`);
+   tensor's size), its all-keep peak estimated (``profile_mode``, :data:`PROFILE_MODES`).
+   Each profile also records every saved tensor (size, producer, consumer, when it was saved
+   and read: :class:`~strategies.mpress.executor.TensorRecord`) and the device's budget;
 2. plans on rank 0 (``plan="auto"``: :func:`~strategies.mpress.planner.plan_offload`; or a
    forced ``{stage: {block: decision}}``) and broadcasts the plan or the infeasibility error;
 3. allocates peer pools: each device that hosts regions exports them (counted against its
@@ -248,7 +250,7 @@ def schedule_inflight(schedule: str, microbatches: int, rank: int, world: int) -
 
 
 def _profile_of(executor: Any, stage: Any, rank: int, peak: int, microbatches: int, mode: str = "keep",
-                inflight_cap: int | None = None) -> Any:
+                inflight_cap: int | None = None, budget: int | None = None) -> Any:
     """The stage's :class:`StageProfile` from ``executor``'s records; ``peak`` is the measured one.
 
     With ``mode="host"`` every block was host-swapped, and ``peak_bytes`` estimates the
@@ -256,13 +258,21 @@ def _profile_of(executor: Any, stage: Any, rank: int, peak: int, microbatches: i
     micro-batches in flight (what keeping them would hold), less the transient headroom the
     planner adds back for swapped blocks. So the planner predicts exactly the measured peak
     for the plan that swaps every block, the one this iteration ran.
+
+    The tensor records of the micro-batches that ran backward are numbered 0, 1, ... in
+    forward order (the micro-batch order of both schedules).
     """
+    from dataclasses import replace
+
     from .planner import BlockProfile, StageProfile
 
     blocks = []
+    saved = []
     for i in stage.block_ids:
         # Only micro-batches that ran backward (the stage's shape-inference forward did not).
         recs = [r for r in executor.records.get(i, []) if r.bwd_start > 0]
+        for mb, r in enumerate(recs):
+            saved.extend(replace(t, microbatch=mb) for t in r.saved)
         n = max(1, len(recs))
         blocks.append(BlockProfile(
             index=i, saved_bytes=int(sum(r.saved_bytes for r in recs) / n), tensors=int(round(sum(r.tensors for r in recs) / n)),
@@ -276,8 +286,10 @@ def _profile_of(executor: Any, stage: Any, rank: int, peak: int, microbatches: i
         kept = inflight * sum(b.saved_bytes for b in blocks)
         transient = (1 + executor.lookahead) * max((b.saved_bytes for b in blocks), default=0)
         estimate = peak + max(0, kept - transient)
+    saved.sort(key=lambda t: (t.microbatch, t.block, t.index))
     return StageProfile(stage=stage.stage, device=rank, blocks=tuple(blocks), peak_bytes=estimate,
-                        inflight=inflight, microbatches=microbatches, mode=mode, measured_peak_bytes=peak)
+                        inflight=inflight, microbatches=microbatches, mode=mode, measured_peak_bytes=peak,
+                        saved=tuple(saved), budget_bytes=budget, clock_s=executor.origin)
 
 
 class StageRuntime:
@@ -296,6 +308,7 @@ class StageRuntime:
         stage: this rank's :class:`~strategies.mpress.stages.StageModule`, on device ``rank``.
         budgets: device -> byte budget (the job's, parsed).
         profile: this stage's profile, when one was taken.
+        profiles: every stage's profile, by stage (all None when none was taken); the planner's input.
         plan: the plan every rank agreed on (None when infeasible).
         infeasible: the planner's :class:`~strategies.mpress.planner.InfeasibleBudgetError`, or None.
         decisions: this stage's per-block decisions.
@@ -360,6 +373,7 @@ class StageRuntime:
         self.profile = profile
         profiles: list[Any] = [None] * world
         dist.all_gather_object(profiles, profile)
+        self.profiles = profiles
 
         # Plan, then check the plan by one uncapped step: the model predicts peaks, the cap is
         # enforced on measured ones. A device that overshoots gets its planning budget lowered by
@@ -390,7 +404,7 @@ class StageRuntime:
                 self.infeasible = plan
                 return
             self.plan = plan
-            self.result["plan_text"] = format_plan(plan)
+            self.result["plan_text"] = format_plan(plan, profiles)
             self.owned, _handles, self.regions = _open_pools(plan, rank, world, backend)
             self.decisions = plan.decisions(rank) if rank < len(plan.stages) else {}
             stage.executor = StageExecutor(backend, rank, self.decisions, params=params, peer_regions=self.regions,
@@ -424,7 +438,12 @@ class StageRuntime:
         that fits this device (exact peak) and host-swaps them otherwise (estimated peak).
         Without this, a stage whose activations do not fit its device all kept would run out
         of memory in profiling, before the planner could offload anything.
+
+        Only the profiled step records each saved tensor (the warm-up sums per block); every
+        stage starts it after a barrier, its tensor times counted from there.
         """
+        import torch.distributed as dist
+
         from .executor import StageExecutor
 
         job, rank, backend, stage = self.job, self.rank, self.backend, self.stage
@@ -438,6 +457,7 @@ class StageRuntime:
 
         stage.executor = executor("keep" if mode == "keep" else "host")
         stage.executor.profiling = mode == "auto"
+        stage.executor.trace_tensors = False  # the warm-up needs per-block sums only
         gc.collect()
         backend.reset_peak_memory(rank)
         one_step()
@@ -457,10 +477,14 @@ class StageRuntime:
         stage.executor.profiling = True
         gc.collect()
         backend.reset_peak_memory(rank)
+        # Every stage starts its clock together, so tensor times read alike across stages.
+        dist.barrier()
+        stage.executor.restart_clock()
         one_step()
         stage.executor.profiling = False
+        budget = self.budgets.get(rank, backend.mem_info(rank)[1])  # as the planner takes it
         profile = _profile_of(stage.executor, stage, rank, backend.memory_stats(rank).peak_allocated,
-                              job.microbatches, mode)
+                              job.microbatches, mode, budget=budget)
         stage.zero_grad(set_to_none=True)
         stage.executor = executor("keep")
         return profile

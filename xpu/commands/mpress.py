@@ -3,6 +3,7 @@
     xpu mpress examples/mpress/tiny.yaml
     xpu mpress examples/mpress/tiny.yaml --stages 4 --microbatches 8 --schedule gpipe --budget-gb 0.002
     xpu mpress examples/mpress/tiny.yaml --dry-run      # check the config, print the torchrun command
+    xpu mpress examples/mpress/tiny.yaml --profile-json prof.json   # dump every saved tensor of the profiled step
 
 Run by hand, the command checks the config and the devices, then re-runs itself under
 torchrun's module (``python -m torch.distributed.run --standalone --nproc_per_node N -m xpu
@@ -46,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="check the config and the devices, print the torchrun command line, start nothing")
     parser.add_argument("--json", action="store_true",
                         help="print the run's summary (losses, step times, peaks, plan) as one JSON line at the end")
+    parser.add_argument("--profile-json", metavar="PATH",
+                        help="profile one step whatever the plan and write every stage's memory profile to PATH as "
+                             "JSON: each saved tensor's size, producer, consumer and lifetime, each stage's peak and "
+                             "its device's spare memory under the budget")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -84,7 +89,22 @@ def _rank_args(args: argparse.Namespace) -> list[str]:
         out += ["--set", item]
     if args.json:
         out.append("--json")
+    if args.profile_json is not None:  # absolute: the ranks need not share the caller's idea of "here"
+        out += ["--profile-json", os.path.abspath(args.profile_json)]
     return out
+
+
+def _check_profile_json(path: str | None) -> None:
+    """A ``--profile-json`` path must be writable where it points: refused before any process starts."""
+    from strategies.mpress.launcher import MPressConfigError
+
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(parent):
+        raise MPressConfigError(f"--profile-json {path!r}: "
+                                + ("is a directory" if os.path.isdir(path) else f"no directory {parent!r}")
+                                + "; give a file path in an existing directory")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     from strategies.mpress.launcher import check_devices, format_command, launch_command, load_config, under_torchrun
 
     config = load_config(args.config, _overrides(args))
+    _check_profile_json(args.profile_json)
     if under_torchrun():
         return _run_rank(config, args)
     import xpu
@@ -133,7 +154,7 @@ def _run_rank(config: Any, args: argparse.Namespace) -> int:
 
     rank = int(os.environ.get("RANK", "0"))
     try:
-        run_rank(config, json_out=args.json)
+        run_rank(config, json_out=args.json, profile_json=args.profile_json)
     except InfeasibleBudgetError as exc:  # every rank has it (rank 0 planned and broadcast it): say it once
         if rank == 0:
             print(f"xpu mpress: error: {exc}; raise --budget-gb, or add stages so each holds fewer blocks",
