@@ -15,11 +15,13 @@ Modules:
 
 DESIGN.md §2 describes the mechanism.
 """
-from .executor import Decision, StageExecutor, SwapStats
-from .planner import InfeasibleBudgetError, Plan, StageProfile, BlockProfile, plan_offload, format_plan
+from .executor import Decision, StageExecutor, SwapStats, TensorRecord
+from .planner import (InfeasibleBudgetError, Plan, StageProfile, BlockProfile, plan_offload, format_plan, format_profile,
+                      dump_profiles, load_profiles)
 from .stages import StageModule, split_model, partition_blocks
 
 __all__ = [
     "Decision", "StageExecutor", "SwapStats", "InfeasibleBudgetError", "Plan", "StageProfile", "BlockProfile",
-    "plan_offload", "format_plan", "StageModule", "split_model", "partition_blocks",
+    "plan_offload", "format_plan", "format_profile", "dump_profiles", "load_profiles", "TensorRecord", "StageModule",
+    "split_model", "partition_blocks",
 ]
