@@ -14,10 +14,16 @@ scenario, so every system trains with the same hyper-parameters and their losses
 The ``config`` option deep-merges further keys into the generated config (for experiments;
 rows record the final config).
 
+Every system takes option ``ranks`` (default 1: one process). With more, the engine runs
+data-parallel in ``ranks`` processes, one device each (:mod:`bench.systems.multirank`): each
+rank builds the same model and its engine over the whole world (world size = ``ranks``), with
+``train_micro_batch_size_per_gpu`` = its share of the scenario's (global) batch.
+
 Failure modes made explicit: DeepSpeed not installed -> "missing" (decided before a worker
-starts); its CPUAdam/FusedAdam just-in-time build failing -> "error" with the builder's
-message (the worker log has the compiler output); the one-process launch needs RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, which the worker sets.
+starts, and again before any rank starts); its CPUAdam/FusedAdam just-in-time build failing ->
+"error" with the builder's message (the worker log has the compiler output); the launch needs
+RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, which the worker sets for one process
+and each rank sets for itself.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from typing import Any
 import torch
 
 from .base import BenchSystem, SystemContext, engine_step
+from .multirank import per_rank
 
 __all__ = ["DeepSpeedSystem", "ds_config", "make_z2", "make_z3", "make_twinflow", "make_zenflow"]
 
@@ -90,7 +97,8 @@ def ds_config(kind: str, ctx: SystemContext) -> dict[str, Any]:
 
 
 def _set_launch_env() -> None:
-    # deepspeed.comm.init_distributed falls back to MPI discovery without these.
+    # deepspeed.comm.init_distributed falls back to MPI discovery without these. setdefault:
+    # a rank of a multi-rank run has set its own (bench.systems.multirank).
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
         os.environ.setdefault(key, value)
@@ -136,24 +144,33 @@ class DeepSpeedSystem(BenchSystem):
         self.engine = None
 
 
-def make_z2(ctx: SystemContext) -> DeepSpeedSystem:
+@per_rank("deepspeed-z2-offload")
+def make_z2(ctx: SystemContext) -> BenchSystem:
     """Factory registered as ``deepspeed-z2-offload``."""
     return DeepSpeedSystem(ctx, "z2")
 
 
-def make_z3(ctx: SystemContext) -> DeepSpeedSystem:
+@per_rank("deepspeed-z3-offload")
+def make_z3(ctx: SystemContext) -> BenchSystem:
     """Factory registered as ``deepspeed-z3-offload``."""
     return DeepSpeedSystem(ctx, "z3")
 
 
-def make_twinflow(ctx: SystemContext) -> DeepSpeedSystem:
-    """Factory registered as ``deepspeed-twinflow`` (option ``ratio``: share of optimizer states on CPU)."""
+def _check_ratio(ctx: SystemContext) -> None:
+    """Raise ValueError unless option ``ratio`` is a number in [0, 1]."""
     ratio = ctx.options["ratio"]
     if not isinstance(ratio, (int, float)) or not 0.0 <= float(ratio) <= 1.0:
         raise ValueError(f"deepspeed-twinflow: ratio must be a number in [0, 1], got {ratio!r}")
+
+
+@per_rank("deepspeed-twinflow", check=_check_ratio)
+def make_twinflow(ctx: SystemContext) -> BenchSystem:
+    """Factory registered as ``deepspeed-twinflow`` (option ``ratio``: share of optimizer states on CPU)."""
+    _check_ratio(ctx)
     return DeepSpeedSystem(ctx, "twinflow")
 
 
-def make_zenflow(ctx: SystemContext) -> DeepSpeedSystem:
+@per_rank("deepspeed-zenflow")
+def make_zenflow(ctx: SystemContext) -> BenchSystem:
     """Factory registered as ``deepspeed-zenflow`` (approximate: stale updates by design)."""
     return DeepSpeedSystem(ctx, "zenflow")

@@ -7,11 +7,17 @@ memory), fused AdamW stepping on the CPU, one process. The device type and the c
 backend come from the xpu backend (``nccl`` on CUDA, ``hccl`` on Ascend, ``gloo`` on the cpu
 reference backend).
 
+With option ``ranks`` > 1 the same set-up runs in ``ranks`` processes, one device each
+(:mod:`bench.systems.multirank`): the mesh then spans the whole world, each rank holds its
+shard of the parameters, gradients and AdamW states, and the scenario's batch is split
+between the ranks.
+
 Options:
     pin_memory: pin the offloaded shards (CPUOffloadPolicy's default; forced off on the cpu
         backend, which has no pinned memory in torch's sense).
     fused: fused AdamW (its CPU kernel).
     reshard_after_forward: free gathered parameters after forward (FSDP2's default).
+    ranks: data-parallel processes, one device each (1: this process alone).
 """
 from __future__ import annotations
 
@@ -20,12 +26,14 @@ import contextlib
 import torch
 
 from .base import BenchSystem, SystemContext, init_single_process_group, module_step
+from .multirank import per_rank
 
 __all__ = ["FSDP2OffloadSystem", "make"]
 
 
 class FSDP2OffloadSystem(BenchSystem):
-    """FSDP2 over a one-rank mesh with parameters, gradients and optimizer states on the host."""
+    """FSDP2 over the process group's mesh (one rank alone, or each rank of a multi-rank run)
+    with parameters, gradients and optimizer states on the host."""
 
     optimizer_on_host = True
 
@@ -41,12 +49,14 @@ class FSDP2OffloadSystem(BenchSystem):
             self._setup(ctx)
 
     def _setup(self, ctx: SystemContext) -> None:
+        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         backend = ctx.backend
+        # A no-op inside a multi-rank run, whose group is up already: the mesh spans its whole world.
         init_single_process_group(backend.dist_backend)
-        mesh = init_device_mesh(backend.device_type, (1,))
+        mesh = init_device_mesh(backend.device_type, (dist.get_world_size(),))
         # fp32 parameters built on the host: with CPU offload the shards stay there.
         self.model = ctx.build_model(device="cpu", dtype=torch.float32)
         self.model.train()
@@ -78,6 +88,7 @@ class FSDP2OffloadSystem(BenchSystem):
             dist.destroy_process_group()
 
 
-def make(ctx: SystemContext) -> FSDP2OffloadSystem:
-    """Factory registered as ``fsdp2-offload``."""
+@per_rank("fsdp2-offload")
+def make(ctx: SystemContext) -> BenchSystem:
+    """Factory registered as ``fsdp2-offload`` (option ``ranks`` > 1: one process per device)."""
     return FSDP2OffloadSystem(ctx)
