@@ -45,14 +45,13 @@ from typing import Any, Callable
 import torch
 
 from .base import BenchSystem, SystemContext, phase
-from .rank_pool import RankChannel, RankPool
+from .rank_pool import RankChannel, RankPool, mean_loss, peaks_text, split_batch
 
 __all__ = ["MultiRankSystem", "RankJob", "per_rank", "ranks_option", "Factory"]
 
 #: A system's factory: takes a context, returns a system ready to step.
 Factory = Callable[[SystemContext], BenchSystem]
 
-_GB = 1e9
 #: Seconds to wait for every rank's set-up (process start, model build, engine set-up).
 _SETUP_TIMEOUT_S = float(os.environ.get("XPU_BENCH_RANKS_SETUP_TIMEOUT_S", "600"))
 #: Seconds any collective may wait: a rank that dies must not leave its peers waiting forever.
@@ -211,8 +210,7 @@ class MultiRankSystem(BenchSystem):
         if self._inner_notes:
             text += f"; {self._inner_notes}"
         if any(p is not None for p in self._peaks):
-            text += "; peak device GB per rank: " + " ".join(
-                f"r{r}={p / _GB:.4f}" if p is not None else f"r{r}=?" for r, p in enumerate(self._peaks))
+            text += peaks_text(self._peaks)
         elif not self._tracked and "not tracked" not in self._inner_notes:  # FSDP2 on cpu says so itself
             text += "; per-rank device memory not tracked"
         return text
@@ -228,17 +226,11 @@ class MultiRankSystem(BenchSystem):
         Rank ``r`` trains on rows ``r*b .. (r+1)*b-1`` of the batch (``b = batch / ranks``).
         """
         with phase("data-parallel"):
-            host_in = inputs.detach().to("cpu")
-            host_tgt = targets.detach().to("cpu")
-            b = self.job.micro_batch
-            # clone(): each rank's slice crosses the queue as its own small storage, not the whole batch's.
-            replies = self._pool.run("step", [(host_in[r * b:(r + 1) * b].clone(), host_tgt[r * b:(r + 1) * b].clone())
-                                              for r in range(self.ranks)])
+            replies = self._pool.run("step", split_batch(inputs, targets, self.ranks, self.job.micro_batch))
         for rank, info in replies.items():
             self._peaks[rank] = info["peak"]
         self._inner_notes = replies[0]["notes"]  # a system may say more once it has stepped
-        # Equal micro-batches: the mean of the ranks' mean losses is the mean loss over the whole batch.
-        return torch.tensor(sum(replies[r]["loss"] for r in range(self.ranks)) / self.ranks, dtype=torch.float32)
+        return mean_loss(replies, self.ranks)
 
     def close(self) -> None:
         """Stop the rank processes (politely, then by force) and release their queues."""

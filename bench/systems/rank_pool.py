@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["RankPool", "RankChannel", "free_port"]
+__all__ = ["RankPool", "RankChannel", "free_port", "split_batch", "mean_loss", "peaks_text"]
 
 #: The command that ends a rank's command loop.
 _STOP = "stop"
@@ -293,3 +293,27 @@ class RankPool:
             q.close()
             q.cancel_join_thread()
         self._commands, self._replies = [], None
+
+
+# ---------------------------------------------------------------------------------- data-parallel rows
+def split_batch(inputs: torch.Tensor, targets: torch.Tensor, ranks: int, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rank ``r``'s rows ``r*b .. (r+1)*b-1`` of the global batch, on the host, one per rank.
+
+    Each slice is cloned so it crosses the queue as its own small storage, not the whole batch's.
+    """
+    host_in, host_tgt = inputs.detach().to("cpu"), targets.detach().to("cpu")
+    b = micro_batch
+    return [(host_in[r * b:(r + 1) * b].clone(), host_tgt[r * b:(r + 1) * b].clone()) for r in range(ranks)]
+
+
+def mean_loss(replies: dict[int, dict[str, Any]], ranks: int) -> torch.Tensor:
+    """The mean of the ranks' losses: with equal micro-batches, the mean loss over the whole batch."""
+    return torch.tensor(sum(replies[r]["loss"] for r in range(ranks)) / ranks, dtype=torch.float32)
+
+
+def peaks_text(peaks: Sequence[int | None]) -> str:
+    """``"; peak device GB per rank: r0=… r1=…"`` (``?`` where unknown), or ``""`` when none is known."""
+    if not any(p is not None for p in peaks):
+        return ""
+    return "; peak device GB per rank: " + " ".join(
+        f"r{r}={p / 1e9:.4f}" if p is not None else f"r{r}=?" for r, p in enumerate(peaks))

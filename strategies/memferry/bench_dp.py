@@ -49,13 +49,12 @@ from typing import Any
 import torch
 
 from bench.systems.base import BenchSystem, SystemContext, phase
-from bench.systems.rank_pool import RankChannel, RankPool
+from bench.systems.rank_pool import RankChannel, RankPool, mean_loss, peaks_text, split_batch
 
 from .config import AdamW, Plan
 
 __all__ = ["MemFerryDPSystem", "DPJob", "build_job", "make"]
 
-_GB = 1e9
 #: Seconds to wait for the ranks' set-up (process start, model build, profiling for plan auto).
 _SETUP_TIMEOUT_S = float(os.environ.get("MEMFERRY_DP_SETUP_TIMEOUT_S", "600"))
 _NAME = "memferry-dp"
@@ -210,9 +209,7 @@ class MemFerryDPSystem(BenchSystem):
             text += f", loss in {job.loss_chunks} recomputed slices"
         if job.plan == "auto" and getattr(self, "_predicted", None) is not None:
             text += f" (predicted {self._predicted:.3f} s)"
-        if any(p is not None for p in self._peaks):
-            text += "; peak device GB per rank: " + " ".join(
-                f"r{r}={p / _GB:.4f}" if p is not None else f"r{r}=?" for r, p in enumerate(self._peaks))
+        text += peaks_text(self._peaks)
         if self._steps and self._host_times:
             phases = ", ".join(f"{k} {v * 1e3 / self._steps:.1f}" for k, v in self._host_times.items())
             text += f"; rank 0 host optimizer ms/step: {phases}"
@@ -229,18 +226,12 @@ class MemFerryDPSystem(BenchSystem):
         Rank ``r`` trains on rows ``r*b .. (r+1)*b-1`` of the batch (``b = batch / ranks``).
         """
         with phase("data-parallel"):
-            host_in = inputs.detach().to("cpu")
-            host_tgt = targets.detach().to("cpu")
-            b = self.job.micro_batch
-            # clone(): each rank's slice is sent as its own small storage, not the whole batch's.
-            replies = self._pool.run("step", [(host_in[r * b:(r + 1) * b].clone(), host_tgt[r * b:(r + 1) * b].clone())
-                                              for r in range(self.ranks)])
+            replies = self._pool.run("step", split_batch(inputs, targets, self.ranks, self.job.micro_batch))
         for rank, info in replies.items():
             self._peaks[rank] = info["peak"]
         self._steps += 1
         self._host_times = replies[0]["host_times"]
-        # Equal micro-batches: the mean of the ranks' mean losses is the mean loss over the whole batch.
-        return torch.tensor(sum(replies[r]["loss"] for r in range(self.ranks)) / self.ranks, dtype=torch.float32)
+        return mean_loss(replies, self.ranks)
 
     def close(self) -> None:
         """Stop the rank processes (politely, then by force) and release their queues."""
