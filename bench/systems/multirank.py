@@ -45,7 +45,7 @@ from typing import Any, Callable
 import torch
 
 from .base import BenchSystem, SystemContext, phase
-from .rank_pool import RankChannel, RankPool, mean_loss, peaks_text, split_batch
+from .rank_pool import DataParallelRows, RankChannel, RankPool, mean_loss, peaks_text
 
 __all__ = ["MultiRankSystem", "RankJob", "per_rank", "ranks_option", "Factory"]
 
@@ -166,7 +166,7 @@ def _plan(name: str, target: str, ctx: SystemContext, ranks: int) -> tuple[RankJ
     return job, env
 
 
-class MultiRankSystem(BenchSystem):
+class MultiRankSystem(DataParallelRows, BenchSystem):
     """``ranks`` persistent rank processes, each running the factory ``target`` over the whole world.
 
     Args:
@@ -215,10 +215,6 @@ class MultiRankSystem(BenchSystem):
             text += "; per-rank device memory not tracked"
         return text
 
-    @property
-    def rank_peaks(self) -> list[int | None]:
-        """Each rank's peak allocated device bytes since its set-up began (None: not tracked or no step yet)."""
-        return list(self._peaks)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One data-parallel step of the whole batch; returns the mean of the ranks' losses.
@@ -226,9 +222,7 @@ class MultiRankSystem(BenchSystem):
         Rank ``r`` trains on rows ``r*b .. (r+1)*b-1`` of the batch (``b = batch / ranks``).
         """
         with phase("data-parallel"):
-            replies = self._pool.run("step", split_batch(inputs, targets, self.ranks, self.job.micro_batch))
-        for rank, info in replies.items():
-            self._peaks[rank] = info["peak"]
+            replies = self._step_ranks(inputs, targets, self.job.micro_batch)
         self._inner_notes = replies[0]["notes"]  # a system may say more once it has stepped
         return mean_loss(replies, self.ranks)
 

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["RankPool", "RankChannel", "free_port", "split_batch", "mean_loss", "peaks_text"]
+__all__ = ["RankPool", "RankChannel", "free_port", "split_batch", "mean_loss", "peaks_text", "DataParallelRows"]
 
 #: The command that ends a rank's command loop.
 _STOP = "stop"
@@ -317,3 +317,27 @@ def peaks_text(peaks: Sequence[int | None]) -> str:
         return ""
     return "; peak device GB per rank: " + " ".join(
         f"r{r}={p / 1e9:.4f}" if p is not None else f"r{r}=?" for r, p in enumerate(peaks))
+
+
+class DataParallelRows:
+    """Mixin for a system whose step splits the global batch over a :class:`RankPool`'s ranks.
+
+    The system sets ``_pool``, ``ranks`` and ``_peaks`` (one entry per rank); each rank answers a
+    ``("step", (inputs, targets))`` command with at least ``{"loss", "peak"}``.
+    """
+
+    _pool: RankPool
+    ranks: int
+    _peaks: list[int | None]
+
+    @property
+    def rank_peaks(self) -> list[int | None]:
+        """Each rank's peak allocated device bytes (None: not tracked, or no step yet)."""
+        return list(self._peaks)
+
+    def _step_ranks(self, inputs: torch.Tensor, targets: torch.Tensor, micro_batch: int) -> dict[int, dict[str, Any]]:
+        """Send every rank its slice, gather the replies, record the peaks."""
+        replies = self._pool.run("step", split_batch(inputs, targets, self.ranks, micro_batch))
+        for rank, info in replies.items():
+            self._peaks[rank] = info["peak"]
+        return replies

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from bench.systems.base import BenchSystem, SystemContext, phase
-from bench.systems.rank_pool import RankChannel, RankPool, mean_loss, peaks_text, split_batch
+from bench.systems.rank_pool import DataParallelRows, RankChannel, RankPool, mean_loss, peaks_text
 
 from .config import AdamW, Plan
 
@@ -167,7 +167,7 @@ def build_job(ctx: SystemContext) -> tuple[DPJob, dict[str, str]]:
     return job, env
 
 
-class MemFerryDPSystem(BenchSystem):
+class MemFerryDPSystem(DataParallelRows, BenchSystem):
     """Persistent rank processes, each with a data-parallel MemFerry engine, one step per :meth:`step`.
 
     Args:
@@ -215,10 +215,6 @@ class MemFerryDPSystem(BenchSystem):
             text += f"; rank 0 host optimizer ms/step: {phases}"
         return text
 
-    @property
-    def rank_peaks(self) -> list[int | None]:
-        """Each rank's peak allocated device bytes since set-up ended (None before the first step)."""
-        return list(self._peaks)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One data-parallel training step of the whole batch; returns the mean of the ranks' losses.
@@ -226,9 +222,7 @@ class MemFerryDPSystem(BenchSystem):
         Rank ``r`` trains on rows ``r*b .. (r+1)*b-1`` of the batch (``b = batch / ranks``).
         """
         with phase("data-parallel"):
-            replies = self._pool.run("step", split_batch(inputs, targets, self.ranks, self.job.micro_batch))
-        for rank, info in replies.items():
-            self._peaks[rank] = info["peak"]
+            replies = self._step_ranks(inputs, targets, self.job.micro_batch)
         self._steps += 1
         self._host_times = replies[0]["host_times"]
         return mean_loss(replies, self.ranks)
