@@ -69,6 +69,20 @@ def reference(model, data, cfg):
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
+def reference_self_loss(model, data, cfg):
+    """Plain PyTorch AdamW on a copy of a model that computes its own loss (``model(x, y)``)."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    losses = []
+    for x, y in data:
+        loss = ref(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, ref
+
+
 PLANS = {
     "prefetch": lambda n: Plan.uniform(n, UnitPlan("prefetch", "prefetch")),
     "prefetch-depth2": lambda n: Plan.uniform(n, UnitPlan("prefetch", "prefetch"), prefetch_depth=2),
@@ -169,15 +183,7 @@ def test_sliced_loss_model_trains_exactly(cpu_backend):
     model.loss_chunks = 4
     cfg = AdamW(lr=3e-3, weight_decay=0.1)
     data = batches(8, seed=5)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    ref_losses = []
-    for x, y in data:
-        loss = ref(x, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        ref_losses.append(loss.item())
+    ref_losses, ref = reference_self_loss(model, data, cfg)
     plan = Plan([UnitPlan("resident", "resident", optimizer="device"), UnitPlan("prefetch", "prefetch", recompute=True),
                  UnitPlan("dha", "dha")], rest_optimizer="host")
     engine = MemFerry(copy.deepcopy(model), optim=cfg, plan=plan, backend=cpu_backend)
@@ -335,15 +341,7 @@ def test_llama_style_model_trains_exactly(cpu_backend):
     model = build_model("llama", layers=4, hidden=64, heads=4, kv_heads=2, vocab=64, seq=16)
     cfg = AdamW(lr=3e-3, weight_decay=0.1)
     data = batches(6, seed=7)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    ref_losses = []
-    for x, y in data:
-        loss = ref(x, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        ref_losses.append(loss.item())
+    ref_losses, ref = reference_self_loss(model, data, cfg)
     plan = Plan([UnitPlan("resident", "resident", optimizer="device"), UnitPlan("dha", "dha", offload=True),
                  UnitPlan("prefetch", "dha", recompute=True), UnitPlan("prefetch", "prefetch")], rest_optimizer="host")
     engine = MemFerry(copy.deepcopy(model), optim=cfg, plan=plan, backend=cpu_backend)
@@ -367,15 +365,7 @@ def test_hugging_face_causal_lm_trains_exactly(cpu_backend):
                                       "vocab_size": 64}, seq=16)
     cfg = AdamW(lr=3e-3, weight_decay=0.1)
     data = batches(4, seed=8)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    ref_losses = []
-    for x, y in data:
-        loss = ref(x, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        ref_losses.append(loss.item())
+    ref_losses, ref = reference_self_loss(model, data, cfg)
     engine = MemFerry(copy.deepcopy(model), optim=cfg, plan="prefetch+recompute", backend=cpu_backend)
     losses = [engine.train_step(x, y).item() for x, y in data]
     engine.close()
