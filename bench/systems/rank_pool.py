@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["RankPool", "RankChannel", "free_port", "split_batch", "mean_loss", "peaks_text", "DataParallelRows"]
+__all__ = ["RankPool", "RankChannel", "free_port", "cpu_device_env", "split_batch", "mean_loss", "peaks_text", "DataParallelRows"]
 
 #: The command that ends a rank's command loop.
 _STOP = "stop"
@@ -43,6 +43,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+def cpu_device_env(ranks: int) -> dict[str, str] | None:
+    """Environment that gives the cpu backend's rank processes ``ranks`` virtual devices.
+
+    None when the number of virtual devices is fixed by ``XPU_CPU_TOPOLOGY`` (a JSON file) or
+    by a per-device ``XPU_CPU_DEVICE_MEM`` list: then the backend's own count is the limit.
+    """
+    topology = os.environ.get("XPU_CPU_TOPOLOGY")
+    if (topology and os.path.exists(topology)) or "," in os.environ.get("XPU_CPU_DEVICE_MEM", ""):
+        return None
+    # The worker sets XPU_CPU_DEVICES=1 for single-device systems; the ranks need one device each.
+    return {"XPU_CPU_DEVICES": str(max(ranks, int(os.environ.get("XPU_CPU_DEVICES", "1") or 1)))}
 
 
 @dataclass

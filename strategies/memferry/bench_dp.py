@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from bench.systems.base import BenchSystem, SystemContext, phase
-from bench.systems.rank_pool import DataParallelRows, RankChannel, RankPool, mean_loss, peaks_text
+from bench.systems.rank_pool import DataParallelRows, RankChannel, RankPool, cpu_device_env, mean_loss, peaks_text
 
 from .config import AdamW, Plan
 
@@ -91,17 +91,6 @@ class DPJob:
     dist_backend: str
 
 
-def _cpu_device_env(ranks: int) -> dict[str, str] | None:
-    """Environment that gives the cpu backend's rank processes ``ranks`` virtual devices.
-
-    None when the number of virtual devices is fixed by ``XPU_CPU_TOPOLOGY`` (a JSON file) or
-    by a per-device ``XPU_CPU_DEVICE_MEM`` list: then the backend's own count is the limit.
-    """
-    topology = os.environ.get("XPU_CPU_TOPOLOGY")
-    if (topology and os.path.exists(topology)) or "," in os.environ.get("XPU_CPU_DEVICE_MEM", ""):
-        return None
-    # The worker sets XPU_CPU_DEVICES=1 for single-device systems; the ranks need one device each.
-    return {"XPU_CPU_DEVICES": str(max(ranks, int(os.environ.get("XPU_CPU_DEVICES", "1") or 1)))}
 
 
 def build_job(ctx: SystemContext) -> tuple[DPJob, dict[str, str]]:
@@ -124,7 +113,7 @@ def build_job(ctx: SystemContext) -> tuple[DPJob, dict[str, str]]:
                          f"for one device use the 'memferry' system")
     backend = ctx.backend
     env: dict[str, str] = {}
-    cpu_env = _cpu_device_env(ranks) if backend.device_type == "cpu" else None
+    cpu_env = cpu_device_env(ranks) if backend.device_type == "cpu" else None
     if cpu_env is not None:
         env.update(cpu_env)
     elif backend.device_count() < ranks:
