@@ -45,7 +45,7 @@ from typing import Any, Callable
 import torch
 
 from .base import BenchSystem, SystemContext, phase
-from .rank_pool import DataParallelRows, RankChannel, RankPool, cpu_device_env, mean_loss, peaks_text
+from .rank_pool import DataParallelRows, RankChannel, RankPool, mean_loss, rank_env, peaks_text
 
 __all__ = ["MultiRankSystem", "RankJob", "per_rank", "ranks_option", "Factory"]
 
@@ -133,20 +133,7 @@ def _plan(name: str, target: str, ctx: SystemContext, ranks: int) -> tuple[RankJ
             equal micro-batches.
     """
     backend = ctx.backend
-    env: dict[str, str] = {}
-    cpu_env = cpu_device_env(ranks) if backend.device_type == "cpu" else None
-    if cpu_env is not None:
-        env.update(cpu_env)
-    elif backend.device_count() < ranks:
-        raise ValueError(f"{name}: {ranks} ranks need {ranks} devices (one each); backend '{backend.name}' "
-                         f"has {backend.device_count()} (lower option 'ranks')")
-    if ctx.batch % ranks:
-        raise ValueError(f"{name}: batch {ctx.batch} does not split into {ranks} equal micro-batches "
-                         f"(the scenario's batch is the global batch; it must be a multiple of 'ranks')")
-    budget = os.environ.get("XPU_HOST_MEM_BUDGET")
-    if budget and budget.isdigit():
-        # One host for all ranks: together their pinned arenas keep to the scenario's host budget.
-        env["XPU_HOST_MEM_BUDGET"] = str(int(budget) // ranks)
+    env = rank_env(name, backend, ranks, ctx.batch)
     cap = backend.memory_cap(ctx.device_index)
     job = RankJob(name=name, target=target, ranks=ranks, family=ctx.family, dims=dict(ctx.dims), dtype=ctx.dtype,
                   micro_batch=ctx.batch // ranks, seq=ctx.seq, optimizer=dict(ctx.optimizer), seed=ctx.seed,

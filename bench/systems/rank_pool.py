@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["RankPool", "RankChannel", "free_port", "cpu_device_env", "split_batch", "mean_loss", "peaks_text", "DataParallelRows"]
+__all__ = ["RankPool", "RankChannel", "free_port", "cpu_device_env", "rank_env", "split_batch", "mean_loss", "peaks_text", "DataParallelRows"]
 
 #: The command that ends a rank's command loop.
 _STOP = "stop"
@@ -55,6 +55,31 @@ def cpu_device_env(ranks: int) -> dict[str, str] | None:
         return None
     # The worker sets XPU_CPU_DEVICES=1 for single-device systems; the ranks need one device each.
     return {"XPU_CPU_DEVICES": str(max(ranks, int(os.environ.get("XPU_CPU_DEVICES", "1") or 1)))}
+
+
+
+def rank_env(name: str, backend: Any, ranks: int, batch: int) -> dict[str, str]:
+    """Check that ``ranks`` processes fit here and split ``batch``; their environment additions.
+
+    Raises before any process starts: more ranks than devices, or a global batch that does
+    not split into ``ranks`` equal micro-batches. The additions: virtual devices on the cpu
+    backend (:func:`cpu_device_env`), and the host budget split between the ranks (one host,
+    so together their pinned arenas keep to the scenario's ``XPU_HOST_MEM_BUDGET``).
+    """
+    env: dict[str, str] = {}
+    cpu_env = cpu_device_env(ranks) if backend.device_type == "cpu" else None
+    if cpu_env is not None:
+        env.update(cpu_env)
+    elif backend.device_count() < ranks:
+        raise ValueError(f"{name}: {ranks} ranks need {ranks} devices (one each); backend '{backend.name}' "
+                         f"has {backend.device_count()} (lower option 'ranks')")
+    if batch % ranks:
+        raise ValueError(f"{name}: batch {batch} does not split into {ranks} equal micro-batches "
+                         f"(the scenario's batch is the global batch; it must be a multiple of 'ranks')")
+    budget = os.environ.get("XPU_HOST_MEM_BUDGET")
+    if budget and budget.isdigit():
+        env["XPU_HOST_MEM_BUDGET"] = str(int(budget) // ranks)
+    return env
 
 
 @dataclass

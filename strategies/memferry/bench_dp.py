@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from bench.systems.base import BenchSystem, SystemContext, phase
-from bench.systems.rank_pool import DataParallelRows, RankChannel, RankPool, cpu_device_env, mean_loss, peaks_text
+from bench.systems.rank_pool import DataParallelRows, RankChannel, RankPool, mean_loss, rank_env, peaks_text
 
 from .config import AdamW, Plan
 
@@ -112,16 +112,7 @@ def build_job(ctx: SystemContext) -> tuple[DPJob, dict[str, str]]:
         raise ValueError(f"{_NAME}: option 'ranks' must be at least 2, got {ranks}; "
                          f"for one device use the 'memferry' system")
     backend = ctx.backend
-    env: dict[str, str] = {}
-    cpu_env = cpu_device_env(ranks) if backend.device_type == "cpu" else None
-    if cpu_env is not None:
-        env.update(cpu_env)
-    elif backend.device_count() < ranks:
-        raise ValueError(f"{_NAME}: {ranks} ranks need {ranks} devices (one each); backend '{backend.name}' "
-                         f"has {backend.device_count()} (lower option 'ranks')")
-    if ctx.batch % ranks:
-        raise ValueError(f"{_NAME}: batch {ctx.batch} does not split into {ranks} equal micro-batches "
-                         f"(the scenario's batch is the global batch; it must be a multiple of 'ranks')")
+    env = rank_env(_NAME, backend, ranks, ctx.batch)
     # The meta model allocates nothing; it gives the block count and whether sliced loss is supported.
     meta = build_model(ctx.family, device="meta", **ctx.dims)
     chunks = opts["loss_chunks"]
@@ -146,10 +137,6 @@ def build_job(ctx: SystemContext) -> tuple[DPJob, dict[str, str]]:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{_NAME}: {exc}") from None
     cap = backend.memory_cap(ctx.device_index)
-    budget = os.environ.get("XPU_HOST_MEM_BUDGET")
-    if budget:
-        # One host for all ranks: together their pinned arenas keep to the scenario's host budget.
-        env["XPU_HOST_MEM_BUDGET"] = str(int(budget) // ranks)
     job = DPJob(ranks=ranks, family=ctx.family, dims=dict(ctx.dims), dtype=ctx.dtype, seed=ctx.seed,
                 micro_batch=ctx.batch // ranks, seq=ctx.seq, plan=plan, optim=optim, loss_chunks=chunks,
                 memory_margin=float(margin), device_cap=int(cap) if cap else None, dist_backend=backend.dist_backend)
