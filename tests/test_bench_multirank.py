@@ -23,6 +23,7 @@ from bench.systems import get_system
 from bench.systems.base import BenchSystem, SystemContext
 from bench.systems.multirank import MultiRankSystem, per_rank
 from bench.worker import run_spec
+from test_memferry_bench_dp import _Backend  # the option checks' stub backend, shared
 
 OPTIMIZER = {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
 BASELINES = ("fsdp2-offload", "deepspeed-z2-offload", "deepspeed-z3-offload", "deepspeed-twinflow",
@@ -157,21 +158,6 @@ def test_deepspeed_rows_with_two_ranks_read_missing(name, worker_env, monkeypatc
     row = _row(name, {"ranks": 2})
     assert row["status"] == "missing", row
     assert "package 'deepspeed' is not installed" in row["reason"], row["reason"]
-
-
-class _Backend:
-    """Just enough of a backend for the option checks (no process may start)."""
-
-    def __init__(self, device_type: str = "cuda", devices: int = 2) -> None:
-        self.device_type = self.name = device_type
-        self.dist_backend = "nccl" if device_type == "cuda" else "gloo"
-        self._devices = devices
-
-    def memory_cap(self, index: int):
-        return None
-
-    def device_count(self) -> int:
-        return self._devices
 
 
 def _ctx(name: str, backend: _Backend | None = None, batch: int = 4, **options) -> SystemContext:

@@ -83,6 +83,18 @@ def reference_self_loss(model, data, cfg):
     return losses, ref
 
 
+def assert_engine_matches(model, cfg, plan, data, backend, ref_losses, ref):
+    """MemFerry on a copy of ``model`` (computing its own loss) follows the plain-AdamW
+    reference ``ref``: losses and final parameters within 1e-5."""
+    engine = MemFerry(copy.deepcopy(model), optim=cfg, plan=plan, backend=backend)
+    losses = [engine.train_step(x, y).item() for x, y in data]
+    state = engine.state_dict()["model"]
+    engine.close()
+    assert losses == pytest.approx(ref_losses, abs=1e-5, rel=1e-5)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state[name], p.detach(), atol=1e-5, rtol=1e-5, msg=name)
+
+
 PLANS = {
     "prefetch": lambda n: Plan.uniform(n, UnitPlan("prefetch", "prefetch")),
     "prefetch-depth2": lambda n: Plan.uniform(n, UnitPlan("prefetch", "prefetch"), prefetch_depth=2),
@@ -186,13 +198,7 @@ def test_sliced_loss_model_trains_exactly(cpu_backend):
     ref_losses, ref = reference_self_loss(model, data, cfg)
     plan = Plan([UnitPlan("resident", "resident", optimizer="device"), UnitPlan("prefetch", "prefetch", recompute=True),
                  UnitPlan("dha", "dha")], rest_optimizer="host")
-    engine = MemFerry(copy.deepcopy(model), optim=cfg, plan=plan, backend=cpu_backend)
-    losses = [engine.train_step(x, y).item() for x, y in data]
-    state = engine.state_dict()["model"]
-    engine.close()
-    assert losses == pytest.approx(ref_losses, abs=1e-5, rel=1e-5)
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(state[name], p.detach(), atol=1e-5, rtol=1e-5, msg=name)
+    assert_engine_matches(model, cfg, plan, data, cpu_backend, ref_losses, ref)
 
 
 def mixed_precision_reference(model, x, y, steps, lr, weight_decay, device=None):
@@ -344,13 +350,7 @@ def test_llama_style_model_trains_exactly(cpu_backend):
     ref_losses, ref = reference_self_loss(model, data, cfg)
     plan = Plan([UnitPlan("resident", "resident", optimizer="device"), UnitPlan("dha", "dha", offload=True),
                  UnitPlan("prefetch", "dha", recompute=True), UnitPlan("prefetch", "prefetch")], rest_optimizer="host")
-    engine = MemFerry(copy.deepcopy(model), optim=cfg, plan=plan, backend=cpu_backend)
-    losses = [engine.train_step(x, y).item() for x, y in data]
-    state = engine.state_dict()["model"]
-    engine.close()
-    assert losses == pytest.approx(ref_losses, abs=1e-5, rel=1e-5)
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(state[name], p.detach(), atol=1e-5, rtol=1e-5, msg=name)
+    assert_engine_matches(model, cfg, plan, data, cpu_backend, ref_losses, ref)
 
 
 def test_hugging_face_causal_lm_trains_exactly(cpu_backend):
