@@ -51,8 +51,16 @@ def test_two_stages_gpipe_1f1b_forced_decisions_and_budget():
                        budgets={0: budget0, 1: "64MB"})
     infeasible = PipelineJob(DIMS, schedule="1f1b", microbatches=4, batch=8, steps=1, plan="auto",
                              budgets={0: prof0.peak_bytes // 4, 1: "64MB"})
-    results = launch([auto, infeasible], 2, env=ENV)
+    # The recompute-only baseline: the same planner under the same budget, no swaps allowed.
+    recompute = PipelineJob(DIMS, schedule="1f1b", microbatches=4, batch=8, steps=2, lr=0.1, plan="recompute",
+                            budgets={0: budget0, 1: "64MB"})
+    results = launch([auto, infeasible, recompute], 2, env=ENV)
     _assert_matches(auto, results[0])
+    _assert_matches(recompute, results[2])
+    r0 = results[2][0]
+    assert set(r0["decisions"].values()) == {"recompute"}, r0["plan_text"]
+    assert not any(k.startswith(("peer", "host")) for k in r0["stats"]["bytes"]), r0["stats"]
+    assert r0["stats"]["recompute_reruns"] > 0 and r0["peak"] <= r0["cap"]
     a0, a1 = results[0]
     print(a0["plan_text"])
     assert a0["stats"]["bytes"].get("peer:1", 0) > 0, a0["plan_text"]

@@ -20,7 +20,8 @@ Options:
     microbatches: micro-batches per step (must divide the batch; 1F1B needs at least ``stages``).
     schedule: ``"1f1b"`` or ``"gpipe"``.
     plan: ``"auto"`` (profile one step, then the planner picks keep/recompute/host/peer per block
-        under the scenario's device cap, applied to every stage's device) or ``"keep"`` (no offload).
+        under the scenario's device cap, applied to every stage's device), ``"recompute"`` (the same
+        planner allowed only recomputation: the recompute-only baseline) or ``"keep"`` (no offload).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from .pipeline import SCHEDULES, PipelineJob, adamw_with_states
 __all__ = ["MPressSystem", "make", "PLANS"]
 
 #: Values of the ``plan`` option.
-PLANS = ("auto", "keep")
+PLANS = ("auto", "recompute", "keep")
 _GB = 1e9
 #: Seconds to wait for the stages' set-up (process start, model build, profiling, planning).
 _SETUP_TIMEOUT_S = float(os.environ.get("MPRESS_BENCH_SETUP_TIMEOUT_S", "600"))
@@ -117,7 +118,7 @@ class MPressSystem(BenchSystem):
                               setup_timeout_s=_SETUP_TIMEOUT_S)
         ready = self._pool.ready
         self._plan_text = ready[0].get("plan_text", "")
-        if self._plan_text and self.job.plan == "auto":
+        if self._plan_text and self.job.plan != "keep":
             print(f"mpress plan:\n{self._plan_text}", flush=True)
         self._decisions = {r: ready[r].get("decisions", {}) for r in range(self.stages)}
 

@@ -22,7 +22,8 @@ The config is an ``xpu train`` config (:mod:`strategies.trainer`) whose strategy
 Options: ``stages`` (pipeline depth: one process and one device per stage), ``microbatches``
 (must divide ``batch``; 1F1B needs at least ``stages``), ``schedule`` (``1f1b`` | ``gpipe``),
 ``plan`` (``auto``: profile one step, then the planner picks keep / recompute / host swap /
-peer swap per block under ``device_budget``; ``keep``: no offload; or a forced
+peer swap per block under ``device_budget``; ``recompute``: the same planner allowed only
+recomputation (the recompute-only baseline); ``keep``: no offload; or a forced
 ``{stage: {block: decision}}`` such as ``{0: {0: host, 1: recompute}, 1: {2: "peer:0"}}``),
 ``counts`` (blocks per stage; null: an even split) and ``profile`` (how the profiled step
 treats activations: ``auto`` | ``keep`` | ``host``, see
@@ -260,8 +261,8 @@ def _check_pipeline(c: MPressConfig) -> None:
                                             f"must be another stage's device (0..{c.stages - 1}, not {stage})")
                 plan[stage][block] = str(parsed)
         c.plan = plan
-    elif c.plan not in ("auto", "keep"):
-        raise MPressConfigError(f"strategy.options.plan is {c.plan!r}; valid: auto, keep, or "
+    elif c.plan not in ("auto", "recompute", "keep"):
+        raise MPressConfigError(f"strategy.options.plan is {c.plan!r}; valid: auto, recompute, keep, or "
                                 f"{{stage: {{block: keep|recompute|host|peer:<stage>}}}}")
     try:  # the runtime's own checks, as a net under the ones above
         c.job().validate(c.stages)

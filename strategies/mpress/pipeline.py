@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["PipelineJob", "StageRuntime", "launch", "run_jobs", "reference", "SCHEDULES", "PROFILE_MODES",
+__all__ = ["PipelineJob", "StageRuntime", "launch", "run_jobs", "reference", "SCHEDULES", "PROFILE_MODES", "PLANNED",
            "free_port", "adamw_with_states", "schedule_inflight"]
 
 #: Schedule names accepted by :class:`PipelineJob`.
@@ -51,6 +51,8 @@ SCHEDULES = ("gpipe", "1f1b")
 #: estimated all-keep peak fits its device and host-swaps them otherwise; ``keep`` and ``host``
 #: force one way.
 PROFILE_MODES = ("auto", "keep", "host")
+#: Plan names that profile one step and run the planner (``recompute``: recomputation only).
+PLANNED = ("auto", "recompute")
 #: Fraction of a device's memory ``profile_mode="auto"`` leaves unused when it decides whether
 #: a stage fits all kept (allocator fragmentation, and the estimate's own error).
 PROFILE_HEADROOM = 0.05
@@ -70,7 +72,9 @@ class PipelineJob:
         lr: SGD learning rate.
         seed: model and data seed (every process builds the same model).
         counts: blocks per stage (None: even split).
-        plan: ``"keep"`` (no offload), ``"auto"`` (profile + planner) or ``{stage: {block: "host"|...}}``.
+        plan: ``"keep"`` (no offload), ``"auto"`` (profile + planner), ``"recompute"`` (profile +
+            planner allowed only recomputation: the recompute-only baseline) or
+            ``{stage: {block: "host"|...}}``.
         budgets: device -> bytes (or ``"12MB"``) used as memory caps in the measured steps; also
             the planner's budgets (devices absent: their full memory).
         profile: run the profiled iteration even when ``plan`` does not need it.
@@ -109,8 +113,8 @@ class PipelineJob:
             raise ValueError(f"steps must be at least 1, got {self.steps}")
         if self.profile_mode not in PROFILE_MODES:
             raise ValueError(f"unknown profile_mode {self.profile_mode!r}; valid: {', '.join(PROFILE_MODES)}")
-        if not (self.plan in ("keep", "auto") or isinstance(self.plan, dict)):
-            raise ValueError(f"plan must be 'keep', 'auto' or {{stage: {{block: decision}}}}, got {self.plan!r}")
+        if not (self.plan in PLANNED + ("keep",) or isinstance(self.plan, dict)):
+            raise ValueError(f"plan must be 'keep', 'auto', 'recompute' or {{stage: {{block: decision}}}}, got {self.plan!r}")
         from bench.models import validate_dims
 
         validate_dims(self.family, dict(self.dims))
@@ -367,7 +371,7 @@ class StageRuntime:
         self.owned: list[Any] = []
         self.regions: dict[int, Any] = {}
         profile = None
-        if job.plan == "auto" or job.profile:
+        if job.plan in PLANNED or job.profile:
             profile = self._profile(one_step, params)
             self.result["profile"] = profile
         self.profile = profile
@@ -383,12 +387,14 @@ class StageRuntime:
             box: list[Any] = [None]
             if rank == 0:
                 try:
-                    if job.plan == "auto":
+                    if job.plan in PLANNED:
                         host_rate, peer_rate = link_rates(backend)
                         overlap = backend.caps.async_copy if job.overlap is None else job.overlap
+                        swaps = job.plan == "auto"
                         # Peer pools need buffers other processes can open: without caps.ipc only host swap remains.
                         box[0] = plan_offload(profiles, plan_budgets, host_rate=host_rate, peer_rate=peer_rate,
-                                              allow_peer=backend.caps.ipc and backend.caps.peer_access, overlap=overlap)
+                                              allow_peer=swaps and backend.caps.ipc and backend.caps.peer_access,
+                                              allow_host=swaps, overlap=overlap)
                     elif isinstance(job.plan, dict):
                         box[0] = Plan.forced(job.plan, profiles if profile is not None else None, region_bytes=1 << 20)
                     else:
@@ -409,7 +415,7 @@ class StageRuntime:
             self.decisions = plan.decisions(rank) if rank < len(plan.stages) else {}
             stage.executor = StageExecutor(backend, rank, self.decisions, params=params, peer_regions=self.regions,
                                            min_bytes=job.min_bytes)
-            if job.plan != "auto" or not budgets:
+            if job.plan not in PLANNED or not budgets:
                 break
             gc.collect()
             backend.reset_peak_memory(rank)

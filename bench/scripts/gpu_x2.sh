@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Runs on nvidia-h200-x2 (the multi-GPU issue), one mode per device call on one warm machine.
+# Carry .whl (bash ../shared/device-wheels/prep.sh here first).
+#   bash bench/scripts/gpu_x2.sh smoke    # topology, xpu probe per GPU, multi-path copier, pytest -m gpu
+#   bash bench/scripts/gpu_x2.sh mpress   # examples/bench/x2-mpress.yaml
+#   bash bench/scripts/gpu_x2.sh dp       # examples/bench/x2-dp.yaml
+# Results: $OUT/x2-<mode>.tgz (everything under /tmp/x2/<mode>).
+set -uo pipefail
+MODE=${1:?mode: smoke | mpress | dp}
+SITE=/tmp/site
+if [ -d .whl ] && ! PYTHONPATH="$SITE" python3 -c "import deepspeed" >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl
+  DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" .whl/deepspeed-*.tar.gz
+fi
+# NVLink multicast stays off (device README): also in every process we start.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 XPU_BACKEND=cuda TORCH_EXTENSIONS_DIR=/tmp/ds_ext
+R=/tmp/x2/$MODE; mkdir -p $R
+t0=$(date +%s)
+lap() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+case $MODE in
+smoke)
+  { date -u; nvidia-smi -L; nvidia-smi topo -m; nvidia-smi nvlink -s 2>&1 | head -40;
+    python3 -c 'import torch; print("torch", torch.__version__, "devices", torch.cuda.device_count(), "p2p", torch.cuda.can_device_access_peer(0, 1))';
+    env | grep -E '^(NCCL|TORCH_SYMM|NVSHMEM)' ; nproc; grep -E 'MemTotal|MemAvailable' /proc/meminfo; } > $R/topology.txt 2>&1
+  lap topology; cat $R/topology.txt | head -30
+  timeout 90 python3 -m xpu probe --device 1 --json > $R/xpu-probe-dev1.json 2> $R/xpu-probe-dev1.log; lap probe dev1 rc=$?
+  timeout 90 python3 -m xpu probe --device 0 --json > $R/xpu-probe-dev0.json 2> $R/xpu-probe-dev0.log; lap probe dev0 rc=$?
+  timeout 60 python3 -m scaleup.bench_multipath --targets 0 --sizes 256MiB,1GiB --preset dgx-h200 --out $R/multipath-dev0 > $R/multipath-dev0.log 2>&1; lap multipath dev0 rc=$?
+  timeout 60 python3 -m scaleup.bench_multipath --targets all --sizes 256MiB,1GiB --preset dgx-h200 --out $R/multipath-all > $R/multipath-all.log 2>&1; lap multipath all rc=$?
+  tail -25 $R/multipath-dev0.log; tail -12 $R/multipath-all.log
+  # The x2 scenarios' systems on a small GPT: NCCL, the multi-path copier, DeepSpeed's CPUAdam build (warmed
+  # here for the later calls), MPress's stage processes.
+  SMALL="--set model.layers=4 --set model.hidden=512 --set model.heads=8 --set model.vocab=4096 --set seq=256 --set steps=3 --set warmup=1 --set loss_after=3"
+  timeout 150 python3 -m xpu bench examples/bench/x2-dp.yaml $SMALL --systems memferry-dp-x2,z2-offload-x2 --out $R/small-dp --no-progress > $R/small-dp.log 2>&1; lap small dp rc=$?
+  timeout 90 python3 -m xpu bench examples/bench/x2-mpress.yaml $SMALL --systems mpress-keep,mpress-recompute-8gb --out $R/small-mpress --no-progress > $R/small-mpress.log 2>&1; lap small mpress rc=$?
+  grep -h "^| " $R/small-*/results.md | cut -c1-260
+  timeout $(( ${DEADLINE_S:-570} - ($(date +%s) - t0) )) python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 150 -rs ${TESTS:-tests/test_multigpu.py tests/test_memferry_gpu.py tests/test_mpress_gpu.py tests/test_scaleup_gpu.py} > $R/pytest-gpu.txt 2>&1
+  lap pytest rc=$?; tail -30 $R/pytest-gpu.txt
+  ;;
+mpress|dp)
+  python3 -c "import sys, xpu; from xpu.probe import load_cached; sys.exit(load_cached(xpu.get_backend()) is None)" \
+    || python3 -m xpu probe --json > $R/xpu-probe.json 2>/dev/null
+  timeout ${BUDGET_S:-560} python3 -m xpu bench examples/bench/x2-$MODE.yaml ${SYSTEMS:+--systems "$SYSTEMS"} --out $R --append --no-progress > $R/bench-$(date +%H%M%S).log 2>&1
+  lap bench rc=$?
+  python3 - "$R" <<'PY'
+import json, os, sys
+r = sys.argv[1]
+f = os.path.join(r, "results.json") if os.path.exists(os.path.join(r, "results.json")) else os.path.join(r, "results.partial.json")
+for row in json.load(open(f))["rows"]:
+    print(f'{row["system"]:<24} {row["status"]:<6} median {row.get("step_s")} mean {row.get("step_mean_s")} '
+          f'loss {row.get("loss")} | {row.get("notes") or ""} {(row.get("reason") or "")[:300]}')
+PY
+  ;;
+esac
+tar czf ${OUT:-/tmp}/x2-$MODE.tgz -C /tmp/x2 $MODE
