@@ -220,6 +220,10 @@ class CpuBackend(Backend):
         current = self._current()
         return 0 if current is None else current
 
+    def bind_process(self, index: Any) -> None:
+        """Check ``index``; nothing else: virtual devices are scoped per thread, and gloo stages on the host."""
+        self.index_of(index)
+
     @contextlib.contextmanager
     def device_scope(self, index: Any) -> Iterator[None]:
         """Make virtual device ``index`` current: tensors created inside count against it."""

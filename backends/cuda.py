@@ -98,6 +98,9 @@ class CudaBackend(Backend):
     def device_scope(self, index: Any):
         return torch.cuda.device(self.index_of(index))
 
+    def bind_process(self, index: Any) -> None:
+        torch.cuda.set_device(self.index_of(index))
+
     # ------------------------------------------------------------------ streams and events
     def stream(self, device: Any = None, priority: int = 0) -> torch.cuda.Stream:
         return torch.cuda.Stream(self.device(device), priority=priority)

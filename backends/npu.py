@@ -548,6 +548,10 @@ class NpuBackend(Backend):
         """Context in which NPU ``index`` is current (``torch.npu.device``)."""
         return _npu().device(self.index_of(index))
 
+    def bind_process(self, index: Any) -> None:
+        """Make NPU ``index`` this process's current device (``torch.npu.set_device``; HCCL stages on it)."""
+        _npu().set_device(self.index_of(index))
+
     # ------------------------------------------------------------------ streams and events
     def stream(self, device: Any = None, priority: int = 0) -> Any:
         """A new ``torch.npu.Stream`` on ``device``; lower ``priority`` numbers run first.

@@ -254,3 +254,10 @@ def test_exported_buffer_counts_against_its_owner(backend):
         backend.unlink_buffer(handle)
     with pytest.raises(ValueError, match="positive byte count"):
         backend.export_buffer(0, owner)
+
+
+def test_bind_process_checks_the_index(backend):
+    backend.bind_process(backend.device_count() - 1)  # a valid index is accepted (and kept where the backend has one)
+    with pytest.raises(ValueError, match="out of range"):
+        backend.bind_process(backend.device_count())
+    backend.bind_process(0)

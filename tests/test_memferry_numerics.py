@@ -201,12 +201,16 @@ def test_sliced_loss_model_trains_exactly(cpu_backend):
     assert_engine_matches(model, cfg, plan, data, cpu_backend, ref_losses, ref)
 
 
-def mixed_precision_reference(model, x, y, steps, lr, weight_decay, device=None):
+def mixed_precision_reference(model, x, y, steps, lr, weight_decay, device=None, compute_dtype=None):
     """The textbook mixed-precision AdamW loop on a copy of ``model``: 16-bit weights and
     gradients, fp32 masters and moments, the 16-bit copy rounded from the master each step.
-    Returns the losses and the fp32 masters (on the host)."""
+    With ``compute_dtype`` (an fp32 ``model``), the masters start from the fp32 values and the
+    parameters are cast to it. Returns the losses and the fp32 masters (on the host)."""
     ref = copy.deepcopy(model).to(device) if device is not None else copy.deepcopy(model)
     masters = [p.detach().float().clone().requires_grad_(True) for p in ref.parameters()]
+    if compute_dtype is not None:
+        for p, mp in zip(ref.parameters(), masters):
+            p.data = mp.detach().to(compute_dtype)
     opt = torch.optim.AdamW(masters, lr=lr, weight_decay=weight_decay)
     losses = []
     for _ in range(steps):
@@ -246,6 +250,52 @@ def test_bf16_engine_equals_mixed_precision_adamw_reference(cpu_backend):
     assert losses == pytest.approx(ref_losses, abs=2e-3)
     for (name, _), mp in zip(ref.named_parameters(), masters):
         torch.testing.assert_close(state[name]["master"], mp, atol=2e-4, rtol=0, msg=name)
+
+
+def test_compute_dtype_keeps_an_fp32_model_s_values_as_masters(cpu_backend):
+    """An fp32 model trained in bf16 (``compute_dtype``): the masters are its fp32 values,
+    not their bf16 roundings, training is the mixed-precision loop started from them, and the
+    state dict comes back in fp32 and round-trips exactly."""
+    from bench.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("gpt", layers=3, hidden=64, heads=4, vocab=128, seq=32)  # fp32
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tok = torch.randint(0, 128, (4, 33), generator=torch.Generator().manual_seed(0))
+    x, y = tok[:, :-1], tok[:, 1:]
+    ref_losses, masters = mixed_precision_reference(model, x, y, steps=4, lr=1e-3, weight_decay=0.1,
+                                                    compute_dtype=torch.bfloat16)
+    plan = Plan([UnitPlan("resident", "resident", optimizer="device"), UnitPlan("prefetch", "prefetch", recompute=True),
+                 UnitPlan("dha", "dha")], rest_optimizer="host")
+    engine = MemFerry(copy.deepcopy(model), optim=AdamW(lr=1e-3, weight_decay=0.1), plan=plan, backend=cpu_backend,
+                      compute_dtype=torch.bfloat16)
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    before = engine.state_dict()
+    for name, want in start.items():  # bit-exact fp32 values: a bf16-built model would have lost them
+        assert before["model"][name].dtype == torch.float32
+        assert torch.equal(before["model"][name], want), name
+        assert torch.equal(before["optimizer"][name]["master"], want), name
+    assert any(not torch.equal(w.bfloat16().float(), w) for w in start.values())  # the test can tell the two apart
+    losses = [engine.train_step(x, y).float().item() for _ in range(4)]
+    state = engine.state_dict()
+    assert losses == pytest.approx(ref_losses, abs=2e-3)
+    for (name, _), mp in zip(model.named_parameters(), masters):
+        torch.testing.assert_close(state["optimizer"][name]["master"], mp, atol=2e-4, rtol=0, msg=name)
+    engine.load_state_dict(state)
+    again = engine.state_dict()
+    for name, t in state["model"].items():
+        assert t.dtype == torch.float32 and torch.equal(again["model"][name], t), name
+    engine.close()
+
+
+def test_compute_dtype_refuses_bad_input_before_touching_the_model(cpu_backend):
+    model = TinyGPT()
+    with pytest.raises(ValueError, match="floating torch.dtype"):
+        MemFerry(model, compute_dtype=torch.int32, backend=cpu_backend)
+    half = TinyGPT().half()
+    with pytest.raises(ValueError, match="needs fp32"):
+        MemFerry(half, compute_dtype=torch.bfloat16, backend=cpu_backend)
+    assert {p.dtype for p in half.parameters()} == {torch.float16}  # untouched
 
 
 @pytest.mark.parametrize("rows", [128, 32])  # above and below host_linear's in-place threshold (64)

@@ -147,6 +147,15 @@ class Backend(abc.ABC):
         """Index of the current device."""
         return torch.accelerator.current_device_index()
 
+    def bind_process(self, index: Any) -> None:
+        """Make ``index`` this process's current device from now on (a rank process's first call).
+
+        Collective libraries that stage objects on the current device (NCCL's
+        ``all_gather_object``, ``barrier``) then use the rank's own device, not device 0.
+        Unlike :meth:`device_scope` it is not undone; allocation tracking is unchanged.
+        """
+        torch.accelerator.set_device_index(self.index_of(index))
+
     # ------------------------------------------------------------------ streams and events
     def stream(self, device: Any = None, priority: int = 0) -> torch.Stream:
         """A new stream on ``device``; lower ``priority`` numbers run first, as in CUDA."""

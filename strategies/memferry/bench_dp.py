@@ -229,10 +229,11 @@ def _rank_main(channel: RankChannel, job: DPJob) -> None:
     try:
         backend = xpu.get_backend()
         channel.require_devices(backend)
+        backend.bind_process(rank)  # for good: NCCL stages collective objects on the current device
         with backend.device_scope(rank):
             channel.init_process_group(job.dist_backend, float(os.environ.get("MEMFERRY_DP_PG_TIMEOUT_S", "300")))
             torch.manual_seed(job.seed)  # as the worker seeds before a single-process system's factory
-            model = build_model(job.family, dtype=job.dtype, **job.dims)
+            model = build_model(job.family, dtype=torch.float32, **job.dims)  # fp32 masters, as memferry's
             if job.loss_chunks > 1:
                 model.loss_chunks = job.loss_chunks
             sample = None
@@ -243,7 +244,7 @@ def _rank_main(channel: RankChannel, job: DPJob) -> None:
             plan = "auto" if job.plan == "auto" else Plan.from_spec(job.plan, len(model.blocks))
             engine = MemFerry(model, optim=job.optim, plan=plan, backend=backend, device=rank, sample=sample,
                               device_budget=job.device_cap, process_group=dist.group.WORLD,
-                              memory_margin=job.memory_margin)
+                              memory_margin=job.memory_margin, compute_dtype=job.dtype)
             backend.synchronize(rank)
             backend.reset_peak_memory(rank)  # peaks from here on: training, not set-up
         channel.reply("ready", {"kernel": engine.optimizer.kernel.name, "plan_text": engine.plan.describe(),

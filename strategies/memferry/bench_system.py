@@ -34,7 +34,9 @@ class MemFerrySystem(BenchSystem):
     optimizer_on_host = True
 
     def __init__(self, ctx: SystemContext) -> None:
-        model = ctx.build_model(dtype=ctx.dtype)
+        # Built in fp32 and computed in the scenario's dtype, as the offload baselines keep it:
+        # the masters start from the fp32 initial values, not from their bf16 roundings.
+        model = ctx.build_model(dtype=torch.float32)
         chunks = int(ctx.options["loss_chunks"])
         if chunks < 1 or (chunks > 1 and not hasattr(model, "loss_chunks")):
             raise ValueError(f"memferry: loss_chunks must be >= 1 and needs a model with sliced-loss support, got {chunks}")
@@ -51,7 +53,8 @@ class MemFerrySystem(BenchSystem):
         plan = spec if spec == "auto" else Plan.from_spec(spec, len(model.blocks))
         cap = ctx.backend.memory_cap(ctx.device_index)
         self.engine = MemFerry(model, optim=cfg, plan=plan, backend=ctx.backend, device=ctx.device_index,
-                               sample=sample, device_budget=cap, memory_margin=float(ctx.options["memory_margin"]))
+                               sample=sample, device_budget=cap, memory_margin=float(ctx.options["memory_margin"]),
+                               compute_dtype=ctx.dtype)
         self._plan_note = f"plan={spec}, host kernel {self.engine.optimizer.kernel.name}" + (
             f", loss in {chunks} recomputed slices" if chunks > 1 else "")
         if spec == "auto":

@@ -59,6 +59,30 @@ def _check_budget(units: list, plan: Plan, device_homes: set[int], device_budget
             f"or plan='auto' to let the scheduler fit the budget")
 
 
+def _check_compute_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
+    """Refuse a ``compute_dtype`` that is not a floating dtype, or a model it does not apply to."""
+    if dtype is None:
+        return
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"compute_dtype must be a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
+    other = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype not in (torch.float32, dtype)})
+    if other:
+        raise ValueError(f"compute_dtype={dtype} needs fp32 (or {dtype}) parameters, found {', '.join(other)}; "
+                         f"build the model in fp32, or leave compute_dtype out to compute in the parameters' dtype")
+
+
+def _cast_parameters(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Cast trainable floating parameters to ``dtype``; their original tensors by name."""
+    originals: dict[str, torch.Tensor] = {}
+    if dtype is None:
+        return originals
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.dtype != dtype:
+            originals[name] = p.data
+            p.data = p.data.to(dtype)
+    return originals
+
+
 class MemFerry:
     """Train ``model`` with its parameters homed in host memory.
 
@@ -66,7 +90,8 @@ class MemFerry:
         model: an ordinary module on the host, with a ``ModuleList`` of repeated blocks (or
             pass ``blocks=``). The engine takes it over: its parameters become views of the
             engine's buffers (read them with :meth:`state_dict`). All trainable parameters
-            must share one dtype, the compute dtype (bf16 for speed, fp32 for exactness).
+            must share one dtype: the compute dtype (bf16 for speed, fp32 for exactness), or
+            fp32 when ``compute_dtype`` is given.
         optim: optimizer settings (AdamW).
         device_budget: most device memory this engine may use, e.g. ``"16GB"`` (None: the
             whole device). Enforced as a per-process cap, as a smaller device would.
@@ -90,6 +115,12 @@ class MemFerry:
         memory_margin: with ``plan="auto"``, the share of predicted peak memory added for
             allocator fragmentation before comparing with ``device_budget`` (0.10: safe; on the
             H200 the caching allocator reserved 6.5 % above the allocated peak).
+        compute_dtype: the dtype the device computes in (e.g. ``torch.bfloat16``) for a model
+            whose parameters are fp32: their fp32 values become the masters exactly and the
+            parameters are cast to it (buffers are left as they are), as FSDP's
+            ``MixedPrecisionPolicy(param_dtype=...)`` or DeepSpeed's bf16 mode keep an fp32
+            model. A model built in bf16 has lost those bits before the engine sees it.
+            :meth:`state_dict` gives fp32 tensors back. None: the parameters' own dtype.
     """
 
     def __init__(
@@ -106,12 +137,17 @@ class MemFerry:
         sample: tuple[Any, Any] | None = None,
         memory_margin: float = 0.10,
         multipath: bool | None = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         if not 0.0 <= memory_margin < 1.0:
             raise ValueError(f"memory_margin must lie in [0, 1), got {memory_margin}")
+        _check_compute_dtype(model, compute_dtype)
         self.backend = backend or xpu.get_backend()
         self.device = self.backend.index_of(device)
         self.cfg = optim or AdamW()
+        # Cast before anything reads the model (the scheduler profiles it in its compute dtype);
+        # the fp32 originals stay alive only until the shadow model has taken them as masters.
+        originals = _cast_parameters(model, compute_dtype)
         units = split_units(model, blocks)
         n_blocks = sum(u.is_block for u in units)
         if plan == "auto":
@@ -133,7 +169,8 @@ class MemFerry:
         if process_group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             self.dp = DataParallel.create(self.backend.device(self.device), process_group)
         with self.backend.device_scope(self.device):
-            self.shadow = ShadowModel(units, self.backend, self.device, device_homes, self.dp)
+            self.shadow = ShadowModel(units, self.backend, self.device, device_homes, self.dp, originals=originals)
+        del originals
         self.optimizer = HostOptimizer(self.cfg, self.shadow.shadows, self.dp)
         self.device_optimizer = DeviceOptimizer(self.cfg, self.shadow.shadows, self.backend)
         self.copier = self._copier(multipath)

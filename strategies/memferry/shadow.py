@@ -119,12 +119,17 @@ class ShadowModel:
     """
 
     def __init__(self, units: list[Unit], backend: Backend, device: int, device_homes: set[int] | frozenset = frozenset(),
-                 dp: "DataParallel | None" = None) -> None:
+                 dp: "DataParallel | None" = None, originals: dict[str, torch.Tensor] | None = None) -> None:
         self.backend, self.device, self.dp = backend, device, dp
         self.units = units
+        # Parameters cast to the compute dtype by the engine: masters from these (fp32)
+        # originals, and state dicts in their dtype.
+        self._originals = originals or {}
+        self.state_dtypes = {name: t.dtype for name, t in self._originals.items()}
         self._check_host_memory(device_homes)
         self.shadows: list[UnitShadow] = [self._make_device_home(u) if u.index in device_homes else self._make(u)
                                           for u in units]
+        self._originals = {}  # taken as masters: let the fp32 originals go
 
     def _check_host_memory(self, device_homes: set[int] | frozenset) -> None:
         """Refuse before allocating anything when the host buffers cannot all fit."""
@@ -146,6 +151,10 @@ class ShadowModel:
                 f"Adam moments, gradients of the host-homed units) but {what} leaves {format_bytes(room)}; "
                 f"raise it, home more units on the device (plan deviceN), or train a smaller model")
 
+    def _original(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        """The value a master starts from: the pre-cast original where there is one."""
+        return self._originals.get(name, p).detach()
+
     def _make_device_home(self, unit: Unit) -> UnitShadow:
         b, dev = self.backend, self.device
         n = unit.numel
@@ -153,9 +162,9 @@ class ShadowModel:
         work = b.empty(n, dtype, dev)
         master = work if dtype == torch.float32 else b.empty(n, torch.float32, dev)
         offsets, o = [], 0
-        for _, p in unit.params:
+        for name, p in unit.params:
             offsets.append(o)
-            b.copy(master[o:o + p.numel()], p.detach().reshape(-1).float())  # fp32 from the original
+            b.copy(master[o:o + p.numel()], self._original(name, p).reshape(-1).float())  # fp32 from the original
             o += p.numel()
         if work is not master:
             work.copy_(master)
@@ -188,8 +197,8 @@ class ShadowModel:
         else:
             master = arena.empty(size, torch.float32)
             full32 = torch.zeros(padded, dtype=torch.float32)
-            for off, (_, p) in zip(offsets, unit.params):
-                full32[off:off + p.numel()].copy_(p.detach().reshape(-1))  # fp32 from the original, not from work
+            for off, (name, p) in zip(offsets, unit.params):
+                full32[off:off + p.numel()].copy_(self._original(name, p).reshape(-1))  # fp32 from the original, not from work
             master.copy_(full32[shard])
         exp_avg, exp_avg_sq = arena.empty(size, torch.float32), arena.empty(size, torch.float32)
         exp_avg.zero_()
@@ -232,7 +241,8 @@ class ShadowModel:
         return full
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter as an ordinary host tensor of its own dtype, from the fp32 master.
+        """Every parameter as an ordinary host tensor of its own dtype (the dtype before the
+        engine's ``compute_dtype`` cast, where there was one), from the fp32 master.
 
         Data parallel: a collective (every rank must call it); each rank gets the whole state.
         """
@@ -240,7 +250,7 @@ class ShadowModel:
         for s in self.shadows:
             master = self._full(s, "master")
             for off, (name, p) in zip(s.offsets, s.unit.params):
-                out[name] = master[off:off + p.numel()].view(p.shape).to("cpu", p.dtype, copy=True)
+                out[name] = master[off:off + p.numel()].view(p.shape).to("cpu", self.state_dtypes.get(name, p.dtype), copy=True)
         return out
 
     def optimizer_state_dict(self) -> dict[str, object]:

@@ -368,6 +368,8 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
     adamw = {"lr": o.lr, "betas": o.betas, "eps": o.eps, "weight_decay": o.weight_decay}
     # A bounded timeout: a stage that dies must not leave its peers waiting forever.
     timeout = datetime.timedelta(seconds=float(os.environ.get("MPRESS_PG_TIMEOUT_S", "300")))
+    # This stage's device current for good: NCCL stages collective objects on the current device.
+    backend.bind_process(rank)
     dist.init_process_group(backend.dist_backend, rank=rank, world_size=world, timeout=timeout)
     try:
         box: list[torch.optim.Optimizer] = []
@@ -406,7 +408,7 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
             plan_text = "\n".join(f"stage {s}: " + ", ".join(f"block {b}: {d}" for b, d in sorted(blocks.items()))
                                   for s, blocks in sorted(config.plan.items()) if blocks)
             say(f"plan (given; unlisted blocks kept):\n{plan_text}")
-        elif config.plan == "auto":
+        elif config.plan in ("auto", "recompute"):
             say(f"plan (chosen by the planner):\n{plan_text}")
         runtime.apply_cap()
         losses: list[float] = []

@@ -192,6 +192,8 @@ def _stage_process(rank: int, world: int, port: int, jobs: list[PipelineJob], ou
     import xpu
 
     backend = xpu.get_backend()
+    # This stage's device current for good: NCCL stages collective objects on the current device.
+    backend.bind_process(rank)
     # A bounded timeout: a stage that dies (e.g. out of memory) must not leave its peers waiting forever.
     dist.init_process_group(backend.dist_backend, rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
                             timeout=datetime.timedelta(seconds=float(os.environ.get("MPRESS_PG_TIMEOUT_S", "60"))))
