@@ -494,12 +494,15 @@ class StrategySpec:
 
     Attributes:
         build: ``build(model, config, backend, device) -> TrainEngine``; the model is built on
-            the host in the compute dtype, seeded; the device memory cap is already set.
+            the host in the compute dtype (in fp32 with ``fp32_model``), seeded; the device
+            memory cap is already set.
         options: option names and defaults (unknown options in a config are errors).
         description: one line for listings and errors.
         check: ``check(options, config)`` raising :class:`TrainConfigError` for bad option
             values, run at validation, before anything is built.
         takes_budget: the builder enforces ``device_budget`` itself (else the trainer sets the cap).
+        fp32_model: the builder takes the model in fp32 and computes in the config's dtype, so
+            its fp32 masters start from the fp32 initial values, not from their bf16 roundings.
     """
 
     build: Callable[[nn.Module, TrainConfig, Any, int], TrainEngine]
@@ -507,6 +510,7 @@ class StrategySpec:
     description: str
     check: Callable[[dict[str, Any], TrainConfig], None] | None = None
     takes_budget: bool = False
+    fp32_model: bool = False
 
 
 def _check_grad_norm(options: dict[str, Any]) -> None:
@@ -556,7 +560,7 @@ def _build_memferry(model: nn.Module, config: TrainConfig, backend: Any, device:
         model.loss_chunks = opts["loss_chunks"]
     # MemFerry is a TrainEngine as it is; its set_lr is queued behind pending host updates.
     return MemFerry(model, optim=cfg, device_budget=config.device_budget, plan=plan, backend=backend, device=device,
-                    sample=sample, memory_margin=float(opts["memory_margin"]))
+                    sample=sample, memory_margin=float(opts["memory_margin"]), compute_dtype=resolve_dtype(config, backend)[1])
 
 
 class TorchEngine:
@@ -627,7 +631,8 @@ def _check_torch(options: dict[str, Any], config: TrainConfig) -> None:
 STRATEGIES: dict[str, StrategySpec] = {
     "memferry": StrategySpec(_build_memferry, {"plan": "prefetch", "max_grad_norm": None, "loss_chunks": 1,
                                                 "memory_margin": 0.10},
-                             "MemFerry: parameters homed in host memory, per-block plan, host AdamW", _check_memferry, True),
+                             "MemFerry: parameters homed in host memory, per-block plan, host AdamW", _check_memferry,
+                             takes_budget=True, fp32_model=True),
     "torch": StrategySpec(TorchEngine, {"max_grad_norm": None, "recompute": False},
                           "plain PyTorch reference: model and torch AdamW all on the device", _check_torch),
 }
@@ -820,7 +825,7 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
     # whatever the caller did before, and the caller's RNG stream is left alone.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
-        model = build_model(config.family, dtype=dtype, **config.model_dims())
+        model = build_model(config.family, dtype=torch.float32 if spec.fp32_model else dtype, **config.model_dims())
     params = sum(p.numel() for p in model.parameters())
 
     previous_cap = backend.memory_cap(device)

@@ -126,6 +126,24 @@ def test_checkpoint_and_resume_continue_the_same_trajectory(cpu_backend, tmp_pat
     assert straight.losses[-1] < straight.losses[0]
 
 
+def test_bf16_memferry_keeps_fp32_masters_from_the_fp32_initial_weights(cpu_backend, tmp_path):
+    """In bf16, MemFerry's masters start from the fp32 model the config seeds, not from its
+    bf16 rounding, and its checkpoints hold fp32 weights."""
+    from bench.models import build_model
+
+    ckdir = tmp_path / "ck"
+    train(load_config(_micro(strategy={"name": "memferry", "options": {"plan": "prefetch"}}, dtype="bf16", steps=1,
+                             optimizer={"lr": 1e-30}, checkpoint={"every": 1, "dir": str(ckdir)})), backend=cpu_backend)
+    state = torch.load(ckdir / "step-0000001.pt", weights_only=True)["engine"]
+    torch.manual_seed(0)
+    init = build_model("gpt", seq=16, **{k: v for k, v in MICRO.items() if k != "family"})  # the config's seed, fp32
+    for name, p in init.named_parameters():
+        got = state["model"][name]
+        assert got.dtype == torch.float32, name
+        torch.testing.assert_close(got, p.detach(), atol=1e-20, rtol=0, msg=name)  # lr 1e-30: still the fp32 start
+    assert any(not torch.equal(p.detach().bfloat16().float(), p.detach()) for p in init.parameters())
+
+
 def test_resume_refuses_a_checkpoint_of_another_model_or_one_already_done(cpu_backend, tmp_path):
     ckdir = tmp_path / "ck"
     train(load_config(_micro(steps=2, checkpoint={"every": 0, "dir": str(ckdir)})), backend=cpu_backend)
