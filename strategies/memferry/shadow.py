@@ -124,12 +124,16 @@ class ShadowModel:
         self.units = units
         # Parameters cast to the compute dtype by the engine: masters from these (fp32)
         # originals, and state dicts in their dtype.
-        self._originals = originals or {}
+        self._originals = originals if originals is not None else {}
         self.state_dtypes = {name: t.dtype for name, t in self._originals.items()}
         self._check_host_memory(device_homes)
-        self.shadows: list[UnitShadow] = [self._make_device_home(u) if u.index in device_homes else self._make(u)
-                                          for u in units]
-        self._originals = {}  # taken as masters: let the fp32 originals go
+        self.shadows: list[UnitShadow] = []
+        for u in units:
+            self.shadows.append(self._make_device_home(u) if u.index in device_homes else self._make(u))
+            # Taken as masters: let this unit's fp32 originals go now (the caller's dict is this
+            # one), so the host never holds the whole fp32 model beside the finished shadows.
+            for name, _ in u.params:
+                self._originals.pop(name, None)
 
     def _check_host_memory(self, device_homes: set[int] | frozenset) -> None:
         """Refuse before allocating anything when the host buffers cannot all fit."""
