@@ -10,11 +10,18 @@ bisects between the last success and the first failure. It starts from ``lo`` wh
 cap, so when "fits" is monotone in the knob (a bigger model never fits where a smaller one
 does not) the result is exactly the largest fitting value, and a larger cap never yields a
 smaller model.
+
+Every finished trial is appended to ``max_model_trials.jsonl`` in the output folder, keyed by
+the machine and the trial's whole scenario. A search run again into the same folder takes
+its finished trials from there instead of repeating them, so a search longer than one device
+call's time limit goes on where the last call stopped.
 """
 from __future__ import annotations
 
 import copy
 import datetime as _dt
+import hashlib
+import json
 import math
 from pathlib import Path
 from typing import Any, Callable
@@ -22,7 +29,46 @@ from typing import Any, Callable
 from .scenario import Scenario, load_scenario
 from .systems import get_system, missing_requirement
 
-__all__ = ["search_largest", "max_model_for_system", "run_max_model", "dims_for"]
+__all__ = ["search_largest", "max_model_for_system", "run_max_model", "dims_for", "TrialJournal"]
+
+#: File, in the output folder, where finished trials are kept for reruns.
+JOURNAL_NAME = "max_model_trials.jsonl"
+
+
+class TrialJournal:
+    """Finished trials of largest-model searches, one JSON line each, for reruns to reuse.
+
+    Args:
+        path: the ``.jsonl`` file (created on the first trial).
+        machine: the machine the trials ran on; trials of other machines are never reused.
+    """
+
+    def __init__(self, path: Path, machine: str) -> None:
+        self.path, self.machine = Path(path), machine
+        self._rows: dict[str, dict[str, Any]] = {}
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                    self._rows[rec["key"]] = rec["row"]
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut short when a call hit its time limit
+
+    def key(self, trial: Scenario, label: str) -> str:
+        """What identifies a trial: machine, system and the trial's whole scenario."""
+        scenario = {k: v for k, v in trial.to_dict().items() if k != "max_model"}  # the search range is not the trial
+        blob = json.dumps({"machine": self.machine, "label": label, "scenario": scenario}, sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        """The row of a finished trial, or None."""
+        return self._rows.get(key)
+
+    def add(self, key: str, row: dict[str, Any]) -> None:
+        """Record a finished trial (appended at once, so a cut-off search keeps it)."""
+        self._rows[key] = row
+        with self.path.open("a") as fh:
+            fh.write(json.dumps({"key": key, "row": row}, default=str) + "\n")
 
 
 def dims_for(scenario: Scenario, value: int) -> dict[str, Any]:
@@ -89,13 +135,15 @@ def _trial_scenario(scenario: Scenario, label: str, value: int) -> Scenario:
 
 
 def max_model_for_system(scenario: Scenario, label: str, out_dir: Path | None = None, *, spawn: bool = True,
-                         on_trial: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                         on_trial: Callable[[dict[str, Any]], None] | None = None,
+                         journal: TrialJournal | None = None) -> dict[str, Any]:
     """Search the largest trainable model for one system of ``scenario``; return its row.
 
     Args:
         spawn: run each trial in a fresh worker process (the default, and what ``xpu bench``
             does); False runs trials in this process (fast tests on the cpu backend).
         on_trial: called with each trial's summary as it finishes.
+        journal: finished trials to reuse and to add to (None: every trial runs).
     """
     from .models import param_count
 
@@ -117,17 +165,24 @@ def max_model_for_system(scenario: Scenario, label: str, out_dir: Path | None = 
             return False
         value = k * unit
         trial = _trial_scenario(scenario, label, value)
-        if spawn:
+        key = journal.key(trial, label) if journal is not None else None
+        row = journal.get(key) if journal is not None else None
+        reused = row is not None
+        if row is None and spawn:
             from .runner import run_system
 
             row = run_system(trial, label, out_dir or Path("."), timeline=False, log_name=f"maxmodel-{label}-{value}")
-        else:
+        elif row is None:
             from .worker import run_spec
 
             row = run_spec({"scenario": trial.to_dict(), "label": label, "timeline_path": None}, in_process=True)
+        if journal is not None and not reused and row["status"] != "missing":
+            journal.add(key, row)
         params = row.get("params") or param_count(trial.family, **trial.model_dims())
         summary = {"value": value, "params": params, "status": row["status"], "step_s": row.get("step_s"),
                    "peak_device_gb": row.get("peak_device_gb"), "peak_host_gb": row.get("peak_host_gb")}
+        if reused:
+            summary["reused"] = True
         if row["status"] != "ok":
             summary["reason"] = (row.get("reason") or "")[:300]
         trials[k] = {**summary, "row": row}
@@ -187,6 +242,7 @@ def run_max_model(scenario: Scenario | str | Path | dict[str, Any], out_dir: str
     date = _dt.date.today().isoformat()
     out = Path(out_dir) if out_dir else default_out_dir(info["machine"], date)
     out.mkdir(parents=True, exist_ok=True)
+    journal = TrialJournal(out / JOURNAL_NAME, info["machine"])
     rows = []
     with _progress(progress) as bars:
         overall = bars.add_task(f"{scenario.name}: largest model per system", total=len(scenario.systems))
@@ -196,7 +252,7 @@ def run_max_model(scenario: Scenario | str | Path | dict[str, Any], out_dir: str
             def on_trial(t: dict[str, Any], task=task, label=entry.label) -> None:
                 bars.update(task, description=f"  {label}: {scenario.max_model.knob}={t['value']} {t['status']}")
 
-            row = max_model_for_system(scenario, entry.label, out, spawn=spawn, on_trial=on_trial)
+            row = max_model_for_system(scenario, entry.label, out, spawn=spawn, on_trial=on_trial, journal=journal)
             bars.update(task, total=1, completed=1,
                         description=f"  {entry.label}: {row['status']}" + (
                             f" max {row['max_params'] / 1e9:.3g} B params" if row.get("max_params") else ""))

@@ -62,3 +62,32 @@ def test_cli_max_model_writes_rows_with_max_params(tmp_path):
     assert rows["torch"]["max_config"]["layers"] >= 1 and rows["torch"]["trials"]
     assert rows["deepspeed-z2-offload"]["status"] in ("missing", "ok", "error")
     assert "| torch | ok |" in (tmp_path / "max_model.md").read_text()
+
+
+def test_a_rerun_into_the_same_folder_reuses_finished_trials(cpu_backend, tmp_path, monkeypatch):
+    """A search cut short (a device call's time limit) goes on where it stopped: finished
+    trials come from the journal, keyed by machine and trial scenario; others run."""
+    from bench import worker
+    from bench.maxmodel import TrialJournal
+
+    ran = []
+    real = worker.run_spec
+
+    def counting(spec, **kw):
+        ran.append(spec["scenario"]["model"]["layers"])
+        return real(spec, **kw)
+
+    monkeypatch.setattr(worker, "run_spec", counting)
+    journal = TrialJournal(tmp_path / "max_model_trials.jsonl", "machine-a")
+    first = max_model_for_system(_scenario(0.004), "torch", spawn=False, journal=journal)
+    assert first["status"] == "ok" and ran and not any(t.get("reused") for t in first["trials"])
+    n = len(ran)
+    again = max_model_for_system(_scenario(0.004), "torch", spawn=False,
+                                 journal=TrialJournal(tmp_path / "max_model_trials.jsonl", "machine-a"))
+    assert len(ran) == n  # nothing ran again
+    assert again["max_params"] == first["max_params"] and all(t["reused"] for t in again["trials"])
+    other = max_model_for_system(_scenario(0.004), "torch", spawn=False,
+                                 journal=TrialJournal(tmp_path / "max_model_trials.jsonl", "machine-b"))
+    assert len(ran) == 2 * n and other["max_params"] == first["max_params"]  # another machine: every trial ran
+    bigger = max_model_for_system(_scenario(0.008), "torch", spawn=False, journal=journal)
+    assert len(ran) > 2 * n and bigger["max_params"] >= first["max_params"]  # another cap: another trial scenario
