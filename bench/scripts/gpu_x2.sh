@@ -4,9 +4,12 @@
 #   bash bench/scripts/gpu_x2.sh smoke    # topology, xpu probe per GPU, multi-path copier, pytest -m gpu
 #   bash bench/scripts/gpu_x2.sh mpress   # examples/bench/x2-mpress.yaml
 #   bash bench/scripts/gpu_x2.sh dp       # examples/bench/x2-dp.yaml
+#   bash bench/scripts/gpu_x2.sh mpress-max  # largest model: MPress vs recompute-only at the 10 GB cap; the
+#       search writes into the checkout (bench/results/x2-mpress-max/) with its trial journal: unpack
+#       $OUT/x2-mpress-max.tgz here after a cut-off call and the next call goes on from there.
 # Results: $OUT/x2-<mode>.tgz (everything under /tmp/x2/<mode>).
 set -uo pipefail
-MODE=${1:?mode: smoke | mpress | dp}
+MODE=${1:?mode: smoke | mpress | dp | mpress-max}
 SITE=/tmp/site
 if [ -d .whl ] && ! PYTHONPATH="$SITE" python3 -c "import deepspeed" >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl
@@ -15,7 +18,7 @@ fi
 # NVLink multicast stays off (device README): also in every process we start.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 XPU_BACKEND=cuda TORCH_EXTENSIONS_DIR=/tmp/ds_ext
-R=/tmp/x2/$MODE; mkdir -p $R
+R=/tmp/x2/$MODE; [ "$MODE" = mpress-max ] && R=bench/results/x2-mpress-max; mkdir -p $R
 t0=$(date +%s)
 lap() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 case $MODE in
@@ -37,6 +40,13 @@ smoke)
   grep -h "^| " $R/small-*/results.md | cut -c1-260
   timeout $(( ${DEADLINE_S:-570} - ($(date +%s) - t0) )) python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 150 -rs ${TESTS:-tests/test_multigpu.py tests/test_memferry_gpu.py tests/test_mpress_gpu.py tests/test_scaleup_gpu.py} > $R/pytest-gpu.txt 2>&1
   lap pytest rc=$?; tail -30 $R/pytest-gpu.txt
+  ;;
+mpress-max)
+  timeout ${BUDGET_S:-560} python3 -m xpu bench examples/bench/x2-mpress.yaml --max-model \
+    --systems ${SYSTEMS:-mpress-10gb,mpress-recompute-10gb} --out $R --no-progress > $R/max-model-$(date +%H%M%S).log 2>&1
+  lap max-model rc=$?
+  cat $R/max_model.md 2>/dev/null | grep "^| " | cut -c1-200
+  tar czf ${OUT:-/tmp}/x2-$MODE.tgz $R; exit 0
   ;;
 mpress|dp)
   python3 -c "import sys, xpu; from xpu.probe import load_cached; sys.exit(load_cached(xpu.get_backend()) is None)" \
