@@ -3,12 +3,7 @@
 # Needs .whl carried (bash ../shared/device-wheels/prep.sh). Lands in $OUT/batch-c.tgz.
 set -uo pipefail
 W=/tmp/batch-c; rm -rf $W; mkdir -p $W
-SITE=/tmp/site
-if ! PYTHONPATH="$SITE" python3 -c "import deepspeed" >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl
-  DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" .whl/deepspeed-*.tar.gz
-fi
-export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 XPU_BACKEND=cuda TORCH_EXTENSIONS_DIR=/tmp/ds_ext
+source bench/scripts/gpu_env.sh
 for s in ${BARE:-z2 fsdp2}; do
   timeout 200 python3 bench/scripts/diag_bare_baselines.py $s > $W/bare-$s.log 2>&1; grep '^{"bare' $W/bare-$s.log || tail -5 $W/bare-$s.log
 done

@@ -5,12 +5,7 @@
 # precision beside them. Needs .whl carried. Lands in $OUT/batch-d.tgz.
 set -uo pipefail
 W=/tmp/batch-d; rm -rf $W; mkdir -p $W
-SITE=/tmp/site
-if ! PYTHONPATH="$SITE" python3 -c "import deepspeed" >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl
-  DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" .whl/deepspeed-*.tar.gz
-fi
-export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 XPU_BACKEND=cuda TORCH_EXTENSIONS_DIR=/tmp/ds_ext
+source bench/scripts/gpu_env.sh
 timeout 150 python3 bench/scripts/diag_grads.py --layers 2 --plans prefetch,prefetch+recompute,dha > $W/diag-grads.txt 2>&1
 timeout 100 python3 bench/scripts/diag_grads.py --layers 2 --plans prefetch+recompute --loss-chunks 8 > $W/diag-grads-lc8.txt 2>&1
 grep -v Warning $W/diag-grads.txt | tail -40; tail -14 $W/diag-grads-lc8.txt

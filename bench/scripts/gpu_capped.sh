@@ -1,20 +1,13 @@
 #!/usr/bin/env bash
 # design-s3-capped on the GPU machine, in two device calls on one warm machine (one call may last
 # 600 s); the second appends to the first's results in /tmp. Carry .whl (bash ../shared/device-wheels/prep.sh).
-#   SYSTEMS=memferry-auto,memferry-auto-3pass,memferry-auto-wholeloss,torch,fsdp2-offload bash bench/scripts/gpu_capped.sh
-#   SYSTEMS=deepspeed-z2-offload,deepspeed-z3-offload,deepspeed-zenflow bash bench/scripts/gpu_capped.sh
+#   SYSTEMS=memferry-auto,fsdp2-offload,deepspeed-z2-offload-20.5gb,deepspeed-zenflow-20.5gb bash bench/scripts/gpu_capped.sh
+#   SYSTEMS=deepspeed-z2-offload-24gb,deepspeed-zenflow-24gb bash bench/scripts/gpu_capped.sh   (session 3's two calls)
 # Results: $OUT/capped.tgz (results.json/md/png, timelines/, logs/).
 set -uo pipefail
-SITE=/tmp/site
-if [ -d .whl ] && ! PYTHONPATH="$SITE" python3 -c "import deepspeed" >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl
-  DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" .whl/deepspeed-*.tar.gz
-fi
-export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 XPU_BACKEND=cuda TORCH_EXTENSIONS_DIR=/tmp/ds_ext
+source bench/scripts/gpu_env.sh
 R=/tmp/capped; mkdir -p $R
-# the scheduler plans with measured link rates: probe once per machine (cached)
-python3 -c "import sys, xpu; from xpu.probe import load_cached; sys.exit(load_cached(xpu.get_backend()) is None)" \
-  || python3 -m xpu probe --json > $R/xpu-probe.json 2>/dev/null
+probe_once $R
 timeout ${BUDGET_S:-530} python3 -m xpu bench examples/bench/design-s3-capped.yaml --systems "$SYSTEMS" --out $R --append --no-progress > $R/bench-$(date +%H%M%S).log 2>&1
 python3 - <<'PY'
 import json

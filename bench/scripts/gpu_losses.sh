@@ -1,15 +1,9 @@
 #!/usr/bin/env bash
 # examples/bench/design-s3-losses.yaml on the GPU machine (one call). Carry .whl. Lands in $OUT/losses.tgz.
 set -uo pipefail
-SITE=/tmp/site
-if [ -d .whl ] && ! PYTHONPATH="$SITE" python3 -c "import deepspeed" >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl
-  DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" .whl/deepspeed-*.tar.gz
-fi
-export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 XPU_BACKEND=cuda TORCH_EXTENSIONS_DIR=/tmp/ds_ext
+source bench/scripts/gpu_env.sh
 R=/tmp/losses; mkdir -p $R
-python3 -c "import sys, xpu; from xpu.probe import load_cached; sys.exit(load_cached(xpu.get_backend()) is None)" \
-  || python3 -m xpu probe --json > $R/xpu-probe.json 2>/dev/null
+probe_once $R
 timeout ${BUDGET_S:-540} python3 -m xpu bench examples/bench/design-s3-losses.yaml ${SYSTEMS:+--systems "$SYSTEMS"} --out $R --append --no-progress > $R/bench.log 2>&1
 python3 - <<'PY'
 import json, os

@@ -10,15 +10,9 @@
 #                                  # at the end: every trial reused, one max_model.json with all rows
 #   COMPARE=<layers> bash bench/scripts/gpu_starved.sh                         # z3 vs memferry at Z3's largest
 set -uo pipefail
-SITE=/tmp/site
-if [ -d .whl ] && ! PYTHONPATH="$SITE" python3 -c "import deepspeed" >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl
-  DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" .whl/deepspeed-*.tar.gz
-fi
-export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 XPU_BACKEND=cuda TORCH_EXTENSIONS_DIR=/tmp/ds_ext
+source bench/scripts/gpu_env.sh
 R=bench/results/starved-16gb; mkdir -p $R
-python3 -c "import sys, xpu; from xpu.probe import load_cached; sys.exit(load_cached(xpu.get_backend()) is None)" \
-  || python3 -m xpu probe --json > $R/xpu-probe.json 2>/dev/null
+probe_once $R
 if [ -n "${COMPARE:-}" ]; then
   timeout ${BUDGET_S:-540} python3 -m xpu bench examples/bench/starved-16gb.yaml --set model.layers=$COMPARE \
     --systems deepspeed-z3-offload,memferry-auto --set steps=10 --out $R/compare-$COMPARE --no-progress > $R/compare-$COMPARE.log 2>&1

@@ -10,14 +10,7 @@
 # Results: $OUT/x2-<mode>.tgz (everything under /tmp/x2/<mode>).
 set -uo pipefail
 MODE=${1:?mode: smoke | mpress | dp | mpress-max}
-SITE=/tmp/site
-if [ -d .whl ] && ! PYTHONPATH="$SITE" python3 -c "import deepspeed" >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl
-  DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" .whl/deepspeed-*.tar.gz
-fi
-# NVLink multicast stays off (device README): also in every process we start.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 XPU_BACKEND=cuda TORCH_EXTENSIONS_DIR=/tmp/ds_ext
+source bench/scripts/gpu_env.sh
 R=/tmp/x2/$MODE; [ "$MODE" = mpress-max ] && R=bench/results/x2-mpress-max; mkdir -p $R
 t0=$(date +%s)
 lap() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
@@ -49,8 +42,7 @@ mpress-max)
   tar czf ${OUT:-/tmp}/x2-$MODE.tgz $R; exit 0
   ;;
 mpress|dp)
-  python3 -c "import sys, xpu; from xpu.probe import load_cached; sys.exit(load_cached(xpu.get_backend()) is None)" \
-    || python3 -m xpu probe --json > $R/xpu-probe.json 2>/dev/null
+  probe_once $R
   timeout ${BUDGET_S:-560} python3 -m xpu bench examples/bench/x2-$MODE.yaml ${SYSTEMS:+--systems "$SYSTEMS"} --out $R --append --no-progress > $R/bench-$(date +%H%M%S).log 2>&1
   lap bench rc=$?
   python3 - "$R" <<'PY'
