@@ -29,7 +29,7 @@ smoke)
   # here for the later calls), MPress's stage processes.
   SMALL="--set model.layers=4 --set model.hidden=512 --set model.heads=8 --set model.vocab=4096 --set seq=256 --set steps=3 --set warmup=1 --set loss_after=3"
   timeout 150 python3 -m xpu bench examples/bench/x2-dp.yaml $SMALL --systems memferry-dp-x2,z2-offload-x2 --out $R/small-dp --no-progress > $R/small-dp.log 2>&1; lap small dp rc=$?
-  timeout 90 python3 -m xpu bench examples/bench/x2-mpress.yaml $SMALL --systems mpress-keep,mpress-recompute-8gb --out $R/small-mpress --no-progress > $R/small-mpress.log 2>&1; lap small mpress rc=$?
+  timeout 90 python3 -m xpu bench examples/bench/x2-mpress.yaml $SMALL --systems mpress-keep,mpress-recompute-10gb --out $R/small-mpress --no-progress > $R/small-mpress.log 2>&1; lap small mpress rc=$?
   grep -h "^| " $R/small-*/results.md | cut -c1-260
   timeout $(( ${DEADLINE_S:-570} - ($(date +%s) - t0) )) python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 150 -rs ${TESTS:-tests/test_multigpu.py tests/test_memferry_gpu.py tests/test_mpress_gpu.py tests/test_scaleup_gpu.py} > $R/pytest-gpu.txt 2>&1
   lap pytest rc=$?; tail -30 $R/pytest-gpu.txt
