@@ -560,7 +560,8 @@ def _build_memferry(model: nn.Module, config: TrainConfig, backend: Any, device:
         model.loss_chunks = opts["loss_chunks"]
     # MemFerry is a TrainEngine as it is; its set_lr is queued behind pending host updates.
     return MemFerry(model, optim=cfg, device_budget=config.device_budget, plan=plan, backend=backend, device=device,
-                    sample=sample, memory_margin=float(opts["memory_margin"]), compute_dtype=resolve_dtype(config, backend)[1])
+                    sample=sample, memory_margin=float(opts["memory_margin"]), compute_dtype=resolve_dtype(config, backend)[1],
+                    blocks=model.blocks)  # named: a 1-block model has no list to find
 
 
 class TorchEngine:

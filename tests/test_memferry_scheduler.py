@@ -300,3 +300,26 @@ def test_dha_forward_blocks_are_priced_as_streamed_linears_at_large_m():
     assert dha.trans > option_cost(prof, H200_LINKS, 5, UnitPlan("prefetch", "prefetch")).trans - 1  # ring slots counted
     late = option_cost(prof, H200_LINKS, 5, UnitPlan("prefetch", "dha", recompute=True))
     assert late.b > 10 * dha.b  # plain GEMMs over the host view re-read the weight per tile
+
+
+def test_auto_plan_under_a_cap_set_beforehand_profiles_within_it(cpu_backend):
+    """The harness caps the device before the engine exists: the profiler's device-AdamW rate
+    measurement must size itself to what the cap leaves (it once asked for 20 MB under 12)."""
+    from bench.models import build_model
+    from strategies.memferry import AdamW, MemFerry
+
+    torch.manual_seed(0)
+    model = build_model("gpt", layers=1, hidden=128, heads=4, vocab=512, seq=64)
+    model.loss_chunks = 8
+    tok = torch.randint(0, 512, (2, 65), generator=torch.Generator().manual_seed(0))
+    x, y = tok[:, :-1], tok[:, 1:]
+    cap = 12_000_000
+    cpu_backend.set_memory_cap(0, cap)
+    try:
+        engine = MemFerry(model, optim=AdamW(lr=1e-3), plan="auto", sample=(x, y), device_budget=cap,
+                          memory_margin=0.05, backend=cpu_backend, blocks=model.blocks)
+        losses = [float(engine.train_step(x, y)) for _ in range(3)]
+        engine.close()
+    finally:
+        cpu_backend.set_memory_cap(0, None)
+    assert losses[-1] < losses[0]

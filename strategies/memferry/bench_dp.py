@@ -244,7 +244,7 @@ def _rank_main(channel: RankChannel, job: DPJob) -> None:
             plan = "auto" if job.plan == "auto" else Plan.from_spec(job.plan, len(model.blocks))
             engine = MemFerry(model, optim=job.optim, plan=plan, backend=backend, device=rank, sample=sample,
                               device_budget=job.device_cap, process_group=dist.group.WORLD,
-                              memory_margin=job.memory_margin, compute_dtype=job.dtype)
+                              memory_margin=job.memory_margin, compute_dtype=job.dtype, blocks=model.blocks)
             backend.synchronize(rank)
             backend.reset_peak_memory(rank)  # peaks from here on: training, not set-up
         channel.reply("ready", {"kernel": engine.optimizer.kernel.name, "plan_text": engine.plan.describe(),

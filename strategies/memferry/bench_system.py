@@ -54,7 +54,7 @@ class MemFerrySystem(BenchSystem):
         cap = ctx.backend.memory_cap(ctx.device_index)
         self.engine = MemFerry(model, optim=cfg, plan=plan, backend=ctx.backend, device=ctx.device_index,
                                sample=sample, device_budget=cap, memory_margin=float(ctx.options["memory_margin"]),
-                               compute_dtype=ctx.dtype)
+                               compute_dtype=ctx.dtype, blocks=model.blocks)  # named: a 1-block model has no list to find
         self._plan_note = f"plan={spec}, host kernel {self.engine.optimizer.kernel.name}" + (
             f", loss in {chunks} recomputed slices" if chunks > 1 else "")
         if spec == "auto":

@@ -450,7 +450,12 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
             notes.append("rest: blocks change the hidden shape; rest times scaled from blocks by parameter count, "
                          "loss peak unknown (0)")
         numel_for_rates = adamw_numel or min(64 << 20, max(1 << 20, max(u.numel for u in units)))
-        dev_rate = device_adamw_rate(backend, index, numel_for_rates, dtype, repeats)
+        # The device measurement's buffers (fp32 master, gradient, moments; two compute-dtype
+        # copies) take at most half of what the device (its cap) has free: a rate per
+        # parameter needs no full-size unit, and a tight budget must not fail here.
+        per_elem = 16 + 2 * torch.empty((), dtype=dtype).element_size()
+        dev_numel = max(1 << 16, min(numel_for_rates, backend.mem_info(index)[0] // (2 * per_elem)))
+        dev_rate = device_adamw_rate(backend, index, dev_numel, dtype, repeats)
     host_rate = host_adamw_rate(numel_for_rates, dtype, repeats, backend, host_kernel, index, dma_duty)
     input_bytes = sum(_nbytes(t) for t in _tensors((inputs, targets)))
     name = backend.topology().devices[index].name if backend.topology().devices else backend.name
