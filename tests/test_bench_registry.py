@@ -92,3 +92,25 @@ def test_bench_never_calls_device_modules_directly():
             if banned.search(line.split("#", 1)[0]):
                 hits.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not hits, "use the xpu Backend in bench/:\n" + "\n".join(hits)
+
+
+def test_a_host_built_model_is_not_device_memory_on_the_cpu_backend(cpu_backend):
+    """The worker builds systems inside a device scope; a model a system builds on the host
+    (no device given) must not count against the virtual device's cap."""
+    import torch
+
+    from bench.systems.base import SystemContext
+
+    ctx = SystemContext(backend=cpu_backend, device_index=0, family="gpt",
+                        dims=dict(layers=2, hidden=64, heads=4, vocab=256, seq=32), dtype=torch.float32, batch=2,
+                        seq=32, optimizer={"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0})
+    with cpu_backend.device_scope(0):
+        before = cpu_backend.memory_stats(0).allocated
+        host = ctx.build_model()
+        after_host = cpu_backend.memory_stats(0).allocated
+        on_device = ctx.build_model(device=ctx.device)
+        after_device = cpu_backend.memory_stats(0).allocated
+    nbytes = sum(p.numel() * p.element_size() for p in host.parameters())
+    assert after_host == before
+    assert after_device - after_host >= nbytes  # built on the device: counted
+    del on_device

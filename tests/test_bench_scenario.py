@@ -17,14 +17,16 @@ def _tiny(**changes):
 def test_named_scenarios_load():
     s = load_scenario("design-s3")
     assert s.model_dims() == {"layers": 24, "hidden": 2048, "heads": 16, "vocab": 32000, "seq": 1024}
-    assert (s.batch, s.seq, s.steps, s.warmup, s.dtype) == (8, 1024, 5, 2, "bf16")
+    assert (s.batch, s.seq, s.steps, s.warmup, s.dtype) == (8, 1024, 20, 2, "bf16")
     labels = [e.label for e in s.systems]
-    assert labels[:4] == ["torch", "fsdp2-offload", "deepspeed-z2-offload", "deepspeed-z3-offload"]
+    assert labels[:5] == ["torch", "torch-amp", "fsdp2-offload", "deepspeed-z2-offload", "deepspeed-z3-offload"]
     assert {"deepspeed-twinflow-0.5", "deepspeed-twinflow-0.2", "deepspeed-zenflow"} <= set(labels)
     zen = s.entry("deepspeed-zenflow")
     eff = s.effective(zen)
     assert eff["steps"] % zen.options["update_interval"] == 0 and eff["loss_after"] == 9
-    assert s.effective(s.entry("torch"))["total_steps"] == 9  # extra untimed steps to reach loss_after
+    assert s.effective(s.entry("torch"))["total_steps"] == 22
+    short = load_scenario("design-s3", {"steps": 5})  # DESIGN.md §3's own 5 steps
+    assert short.effective(short.entry("torch"))["total_steps"] == 9  # extra untimed steps to reach loss_after
     assert s.entry("deepspeed-twinflow-0.2").options["ratio"] == 0.2
     assert load_scenario("tiny").dtype == "fp32"
 

@@ -57,8 +57,14 @@ class SystemContext:
         return self.backend.device(self.device_index)
 
     def build_model(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> CausalLM:
-        """The scenario's model with parameters created on ``device`` in ``dtype`` (default: host, fp32)."""
-        return build_model(self.family, device=device, dtype=dtype, **self.dims)
+        """The scenario's model with parameters created on ``device`` in ``dtype`` (default: host, fp32).
+
+        With no ``device`` the model is host memory on every backend: the cpu backend's
+        virtual devices would otherwise count a model built inside the worker's device scope.
+        """
+        host_scope = getattr(self.backend, "host_scope", None) if device is None else None
+        with host_scope() if host_scope is not None else contextlib.nullcontext():
+            return build_model(self.family, device=device, dtype=dtype, **self.dims)
 
     def adamw_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``torch.optim.AdamW`` from the scenario's optimizer section."""
