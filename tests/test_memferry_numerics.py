@@ -296,6 +296,12 @@ def test_compute_dtype_refuses_bad_input_before_touching_the_model(cpu_backend):
     with pytest.raises(ValueError, match="needs fp32"):
         MemFerry(half, compute_dtype=torch.bfloat16, backend=cpu_backend)
     assert {p.dtype for p in half.parameters()} == {torch.float16}  # untouched
+    # Refused later (a budget below what the plan keeps resident): the cast is undone too.
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="below"):
+        MemFerry(model, plan="resident4", device_budget=1024, compute_dtype=torch.bfloat16, backend=cpu_backend)
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p.detach(), before[n]), n
 
 
 @pytest.mark.parametrize("rows", [128, 32])  # above and below host_linear's in-place threshold (64)

@@ -83,6 +83,13 @@ def _cast_parameters(model: nn.Module, dtype: torch.dtype | None) -> dict[str, t
     return originals
 
 
+def _restore_parameters(model: nn.Module, originals: dict[str, torch.Tensor]) -> None:
+    """Undo :func:`_cast_parameters` for the parameters whose originals are still held."""
+    for name, p in model.named_parameters():
+        if name in originals:
+            p.data = originals[name]
+
+
 class MemFerry:
     """Train ``model`` with its parameters homed in host memory.
 
@@ -148,28 +155,34 @@ class MemFerry:
         # Cast before anything reads the model (the scheduler profiles it in its compute dtype);
         # the fp32 originals stay alive only until the shadow model has taken them as masters.
         originals = _cast_parameters(model, compute_dtype)
-        units = split_units(model, blocks)
-        n_blocks = sum(u.is_block for u in units)
-        if plan == "auto":
-            plan = self._shared_schedule(process_group, model, units, blocks, loss_fn, sample, device_budget, n_blocks,
-                                         memory_margin)
-        elif isinstance(plan, str):
-            plan = Plan.from_spec(plan, n_blocks)
-        plan = plan or Plan.uniform(n_blocks, UnitPlan("prefetch", "prefetch"))
-        check_plan(plan, n_blocks, self.backend)  # before anything touches the model
-        device_homes = {u.index for u, up in zip(units, plan.units) if up.optimizer == "device"}
-        if plan.rest_optimizer == "device":
-            device_homes.add(units[-1].index)
-        if device_budget is not None:
-            _check_budget(units, plan, device_homes, device_budget)
-            self.backend.set_memory_cap(self.device, device_budget)
-        self.model = model
-        self.loss_fn = loss_fn
-        self.dp = None
-        if process_group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            self.dp = DataParallel.create(self.backend.device(self.device), process_group)
-        with self.backend.device_scope(self.device):
-            self.shadow = ShadowModel(units, self.backend, self.device, device_homes, self.dp, originals=originals)
+        try:
+            units = split_units(model, blocks)
+            n_blocks = sum(u.is_block for u in units)
+            if plan == "auto":
+                plan = self._shared_schedule(process_group, model, units, blocks, loss_fn, sample, device_budget, n_blocks,
+                                             memory_margin)
+            elif isinstance(plan, str):
+                plan = Plan.from_spec(plan, n_blocks)
+            plan = plan or Plan.uniform(n_blocks, UnitPlan("prefetch", "prefetch"))
+            check_plan(plan, n_blocks, self.backend)  # before anything touches the model
+            device_homes = {u.index for u, up in zip(units, plan.units) if up.optimizer == "device"}
+            if plan.rest_optimizer == "device":
+                device_homes.add(units[-1].index)
+            if device_budget is not None:
+                _check_budget(units, plan, device_homes, device_budget)
+                self.backend.set_memory_cap(self.device, device_budget)
+            self.model = model
+            self.loss_fn = loss_fn
+            self.dp = None
+            if process_group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+                self.dp = DataParallel.create(self.backend.device(self.device), process_group)
+            with self.backend.device_scope(self.device):
+                self.shadow = ShadowModel(units, self.backend, self.device, device_homes, self.dp, originals=originals)
+        except BaseException:
+            # Refused (a bad budget, no fitting plan, too little host memory): give the caller
+            # back the model as it came; units already made into shadows are the engine's.
+            _restore_parameters(model, originals)
+            raise
         del originals
         self.optimizer = HostOptimizer(self.cfg, self.shadow.shadows, self.dp)
         self.device_optimizer = DeviceOptimizer(self.cfg, self.shadow.shadows, self.backend)
