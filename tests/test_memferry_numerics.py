@@ -385,7 +385,8 @@ def test_budgets_below_the_minimum_and_too_little_host_memory_are_refused_before
     cpu_backend.host_arena.budget = 10_000  # far below the shadow model's buffers
     try:
         with pytest.raises(HostMemoryBudgetError, match="the shadow model needs .* of pinned host memory"):
-            MemFerry(model, plan="prefetch", loss_fn=lm_loss, backend=cpu_backend)
+            # a valid device budget: the cap it sets must be taken back with the refusal
+            MemFerry(model, plan="prefetch", loss_fn=lm_loss, backend=cpu_backend, device_budget=resident * 4)
         assert cpu_backend.host_arena.stats().in_use == 0  # nothing was allocated
     finally:
         cpu_backend.host_arena.budget = None

@@ -155,6 +155,7 @@ class MemFerry:
         # Cast before anything reads the model (the scheduler profiles it in its compute dtype);
         # the fp32 originals stay alive only until the shadow model has taken them as masters.
         originals = _cast_parameters(model, compute_dtype)
+        previous_cap = self.backend.memory_cap(self.device)
         try:
             units = split_units(model, blocks)
             n_blocks = sum(u.is_block for u in units)
@@ -182,6 +183,7 @@ class MemFerry:
             # Refused (a bad budget, no fitting plan, too little host memory): give the caller
             # back the model as it came; units already made into shadows are the engine's.
             _restore_parameters(model, originals)
+            self.backend.set_memory_cap(self.device, previous_cap)
             raise
         del originals
         self.optimizer = HostOptimizer(self.cfg, self.shadow.shadows, self.dp)
