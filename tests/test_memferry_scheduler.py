@@ -323,3 +323,31 @@ def test_auto_plan_under_a_cap_set_beforehand_profiles_within_it(cpu_backend):
     finally:
         cpu_backend.set_memory_cap(0, None)
     assert losses[-1] < losses[0]
+
+
+def test_a_long_model_is_decided_in_groups_and_still_fits_and_beats_uniform_plans():
+    """Past GROUP_ABOVE blocks the search decides consecutive blocks together (its work grows
+    faster than the block count): the plan is uniform within each group, fits the budget, says
+    so in its notes, and is no worse than the best uniform named plan."""
+    from strategies.memferry.cost import predict as predict_plan
+    from strategies.memferry.scheduler import GROUP_ABOVE
+
+    n = 2 * GROUP_ABOVE + 2  # groups of 3
+    blocks = [BlockProfile(BLOCK, 2 * BLOCK, 1.64e-3, 3.28e-3, int(0.5e9), BATCH * SEQ * H * 2) for _ in range(n)]
+    prof = StepProfile(blocks, REST, 2 * REST, 1.95e-3, 3.9e-3, int(2.6e9), BATCH * SEQ * 16, 2, BATCH * SEQ,
+                       0.64 / TOTAL, 1.0e-11, "cuda", "long")
+    budget = 12 * GB  # tight enough that the search beats every named plan (its starting bound)
+    plan = schedule(prof, H200_LINKS, budget, n, depths=(1,), explain=False)
+    assert any("groups of 3" in note for note in plan.notes), plan.notes
+    named = {tuple(Plan.from_spec(k + str(i) + x, n).units) for k in ("resident", "device") for i in range(n + 1)
+             for x in ("", "+recompute", "+offload")}
+    assert tuple(plan.units) not in named and len(set(plan.units)) > 1
+    for g in range(0, n, 3):  # blocks 3k .. 3k+2 take one choice
+        assert len(set(plan.units[g:g + 3])) == 1, (g, plan.units[g:g + 3])
+    pred = predict_plan(plan, prof, H200_LINKS, 0.10)
+    assert pred.peak_bytes <= budget
+    for spec in ("prefetch+recompute", "dha+recompute", f"device{n // 2}+recompute"):
+        other = Plan.from_spec(spec, n)
+        p = predict_plan(Plan(list(other.units), 1, plan.rest_optimizer), prof, H200_LINKS, 0.10)
+        if p.peak_bytes <= budget:
+            assert pred.step_s <= p.step_s * (1 + 1e-9), spec
