@@ -3,9 +3,9 @@
 # Carry .whl. The search writes into the checkout (bench/results/starved-16gb/), and its trial
 # journal (max_model_trials.jsonl) makes a rerun go on where a call's time limit cut it: after
 # a call, unpack $OUT/starved.tgz into the checkout here, and the next call carries it.
-#   SYSTEMS=deepspeed-z3-offload bash bench/scripts/gpu_starved.sh            # largest per system
-#   SYSTEMS=deepspeed-z2-offload bash bench/scripts/gpu_starved.sh
-#   SYSTEMS=memferry-auto KNOB=96:192 bash bench/scripts/gpu_starved.sh       # narrower range: fewer trials
+#   SYSTEMS=deepspeed-z3-offload KNOB=8:64 bash bench/scripts/gpu_starved.sh   # largest per system
+#   SYSTEMS=deepspeed-z2-offload KNOB=8:64 bash bench/scripts/gpu_starved.sh
+#   SYSTEMS=memferry-auto KNOB=64:192 bash bench/scripts/gpu_starved.sh        # host-bound near 120 layers
 #   SYSTEMS=deepspeed-z2-offload,deepspeed-z3-offload,memferry-auto bash bench/scripts/gpu_starved.sh
 #                                  # at the end: every trial reused, one max_model.json with all rows
 #   COMPARE=<layers> bash bench/scripts/gpu_starved.sh                         # z3 vs memferry at Z3's largest
