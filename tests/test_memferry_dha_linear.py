@@ -167,16 +167,22 @@ def test_host_weight_as_its_own_autograd_leaf_on_cpu(cpu_backend):
 
 
 # ---------------------------------------------------------------------- capabilities
-def test_without_dha_or_async_copy_it_copies_then_multiplies(cpu_backend):
-    b = CountingBackend(cpu_backend, dha=False, async_copy=False)
-    assert choose_mode(1, b) == "copy" and choose_mode(10_000, b) == "copy"
-    w, x, bvec, dy = make(b, (8,), True)
+def _exact_with_gradient_home(b, rows):
+    """Forward and backward of ``rows`` rows with the gradient written home, checked against
+    the reference; the transfer counter and the weight's bytes."""
+    w, x, bvec, dy = make(b, (rows,), True)
     ref = reference(w, x, bvec, dy)
     counter = TransferCounter()
     got = run(b, w, x, bvec, dy, grad_out=True, counter=counter, chunk_bytes=CHUNK)
     for g, r in zip(got[:4], ref):
         close(g, r)
-    wbytes = w.numel() * 4
+    return counter, w.numel() * 4
+
+
+def test_without_dha_or_async_copy_it_copies_then_multiplies(cpu_backend):
+    b = CountingBackend(cpu_backend, dha=False, async_copy=False)
+    assert choose_mode(1, b) == "copy" and choose_mode(10_000, b) == "copy"
+    counter, wbytes = _exact_with_gradient_home(b, 8)
     assert counter.modes == {"copy/forward": 1, "copy/backward": 1}
     assert (b.h2d, b.d2h) == (2 * wbytes, wbytes)  # weight in twice, gradient home once, no DHA
     assert counter.dha_read_bytes == counter.dha_write_bytes == 0
@@ -185,13 +191,7 @@ def test_without_dha_or_async_copy_it_copies_then_multiplies(cpu_backend):
 def test_without_dha_gradient_goes_home_through_the_copy_ring(cpu_backend):
     b = CountingBackend(cpu_backend, dha=False, async_copy=True)
     assert choose_mode(1, b) == "stream"
-    w, x, bvec, dy = make(b, (5,), True)
-    ref = reference(w, x, bvec, dy)
-    counter = TransferCounter()
-    got = run(b, w, x, bvec, dy, grad_out=True, counter=counter, chunk_bytes=CHUNK)
-    for g, r in zip(got[:4], ref):
-        close(g, r)
-    wbytes = w.numel() * 4
+    counter, wbytes = _exact_with_gradient_home(b, 5)
     assert (b.h2d, b.d2h) == (2 * wbytes, wbytes)
     assert (counter.h2d_bytes, counter.d2h_bytes) == (2 * wbytes, wbytes)
 

@@ -254,27 +254,19 @@ def test_device_homed_bytes_match_what_the_engine_holds(cpu_backend):
 def test_auto_plan_profiles_schedules_and_trains_exactly(cpu_backend, caplog):
     """plan="auto": the engine profiles a step, the scheduler picks a plan under the budget, and
     training with it still matches plain PyTorch AdamW."""
-    import copy
     import logging
 
     import torch
 
     from bench.models import build_model
     from strategies.memferry import AdamW, MemFerry
+    from test_memferry_numerics import reference_self_loss
 
     torch.manual_seed(0)
     model = build_model("gpt", layers=3, hidden=64, heads=4, vocab=128, seq=32)
     g = torch.Generator().manual_seed(1)
     data = [(torch.randint(0, 128, (2, 32), generator=g), torch.randint(0, 128, (2, 32), generator=g)) for _ in range(3)]
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0)
-    ref_losses = []
-    for x, y in data:
-        loss = ref(x, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        ref_losses.append(loss.item())
+    ref_losses, _ = reference_self_loss(model, data, AdamW(lr=1e-3, weight_decay=0.0))
     with caplog.at_level(logging.INFO, logger="xpu.memferry"):
         engine = MemFerry(model, optim=AdamW(lr=1e-3, weight_decay=0.0), plan="auto", sample=data[0],
                           device_budget="64MB", backend=cpu_backend)

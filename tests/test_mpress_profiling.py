@@ -24,9 +24,10 @@ import xpu
 from bench.models import build_model
 from strategies.mpress import StageExecutor
 from strategies.mpress.ipc import export_buffer, import_buffer, unlink_buffer
-from strategies.mpress.pipeline import PipelineJob, launch, reference
+from strategies.mpress.pipeline import PipelineJob, launch
 from strategies.mpress.planner import PROFILE_FORMAT, Plan, dump_profiles, format_plan, format_profile, load_profiles
 from strategies.mpress.stages import lm_loss, split_model
+from test_mpress_pipeline import _assert_matches
 
 ROOT = Path(__file__).resolve().parent.parent
 DIMS = dict(layers=4, hidden=32, heads=2, vocab=64, seq=32)
@@ -40,21 +41,6 @@ def profiled():
             PipelineJob(DIMS, schedule="1f1b", microbatches=4, batch=8, steps=1, profile=True, profile_mode="host"),
             PipelineJob(DIMS, schedule="gpipe", microbatches=4, batch=8, steps=1, profile=True, profile_mode="keep")]
     return launch(jobs, 2, env=ENV)
-
-
-def _assert_matches(job, results):
-    ref = reference(job)
-    for r in results:
-        assert "error" not in r, r["error"]
-    for step, ref_loss in enumerate(ref["losses"]):
-        got = results[-1]["losses"][step]
-        assert abs(sum(got) / len(got) - ref_loss) < 1e-6, (step, got, ref_loss)
-    seen = set()
-    for r in results:
-        for name, grad in r["grads"].items():
-            torch.testing.assert_close(grad, ref["grads"][name], atol=1e-6, rtol=0, msg=name)
-            seen.add(name)
-    assert seen == set(ref["grads"]), "some parameters got no gradient"
 
 
 def test_stage_that_does_not_fit_all_kept_is_profiled_swapped_and_planned(profiled):
