@@ -5,10 +5,31 @@ user sees names the file kind it came from.
 """
 from __future__ import annotations
 
+import copy
+from pathlib import Path
 from typing import Any
 
 __all__ = ["positive_int", "nonneg_int", "positive_number", "check_model_section", "apply_overrides",
-           "parse_set_items"]
+           "parse_set_items", "read_config_source"]
+
+
+def read_config_source(source: "str | Path | dict[str, Any]", error: type[Exception] = ValueError) -> tuple[Any, Path | None]:
+    """A config's data from a YAML path (and that path) or from a dict (a deep copy; path None).
+
+    Raises ``error`` for a missing file or YAML that does not parse; what the data holds is the
+    caller's to check.
+    """
+    if isinstance(source, dict):
+        return copy.deepcopy(source), None
+    import yaml
+
+    path = Path(source)
+    if not path.is_file():
+        raise error(f"no config file {str(source)!r}")
+    try:
+        return yaml.safe_load(path.read_text()), path
+    except yaml.YAMLError as exc:
+        raise error(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
 
 
 def positive_int(key: str, value: Any, error: type[Exception] = ValueError) -> None:

@@ -54,7 +54,8 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-from bench.config_checks import apply_overrides, check_model_section, nonneg_int, positive_int, positive_number
+from bench.config_checks import (apply_overrides, check_model_section, nonneg_int, positive_int, positive_number,
+                                 read_config_source)
 from xpu.errors import XpuError
 
 __all__ = [
@@ -363,20 +364,8 @@ def load_config(source: str | Path | dict[str, Any], overrides: dict[str, Any] |
     Raises:
         TrainConfigError: missing file, unreadable YAML, a bad override or an invalid config.
     """
-    import yaml
-
-    name, base_dir = None, None
-    if isinstance(source, dict):
-        data: Any = copy.deepcopy(source)
-    else:
-        path = Path(source)
-        if not path.is_file():
-            raise TrainConfigError(f"no config file {str(source)!r}")
-        name, base_dir = path.stem, path.resolve().parent
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise TrainConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    data, path = read_config_source(source, TrainConfigError)
+    name, base_dir = (path.stem, path.resolve().parent) if path is not None else (None, None)
     # `--set strategy.options.x=` on a bare-name strategy; `--set checkpoint.dir=` on `checkpoint: null`
     apply_overrides(data, overrides, TrainConfigError, promote={"strategy": "name"})
     return TrainConfig.from_dict(data, name=name, base_dir=base_dir)

@@ -129,22 +129,10 @@ def load_config(source: str | Path | dict[str, Any], overrides: dict[str, Any] |
     Raises:
         MPressConfigError: a missing file, bad YAML, or any invalid key or value.
     """
-    import yaml
+    from bench.config_checks import apply_overrides, read_config_source
 
-    from bench.config_checks import apply_overrides
-
-    name, base_dir, shown = None, None, None
-    if isinstance(source, dict):
-        data: Any = copy.deepcopy(source)
-    else:
-        path = Path(source)
-        if not path.is_file():
-            raise MPressConfigError(f"no config file {str(source)!r}")
-        name, base_dir, shown = path.stem, path.resolve().parent, str(path)
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise MPressConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    data, path = read_config_source(source, MPressConfigError)
+    name, base_dir, shown = (path.stem, path.resolve().parent, str(path)) if path is not None else (None, None, None)
     if not isinstance(data, dict):
         raise MPressConfigError(f"an mpress config must be a mapping of keys to values, got {type(data).__name__}")
     data.setdefault("strategy", {"name": "mpress"})
