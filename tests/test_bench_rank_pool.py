@@ -29,7 +29,7 @@ def _echo(channel: RankChannel, factor: int) -> None:
     import xpu
 
     try:
-        channel.require_devices(xpu.get_backend())
+        channel.take_device(xpu.get_backend())
         channel.init_process_group("gloo", 30.0)
         channel.reply("ready", {"env": os.environ.get("POOLTEST_MARK")})
         for kind, payload in channel.serve():
@@ -169,4 +169,4 @@ def test_too_few_devices_are_refused_with_the_system_s_noun():
             return 1
 
     with pytest.raises(ValueError, match=r"^2 stages need 2 devices; backend 'cpu' has 1$"):
-        _channel().require_devices(Backend())
+        _channel().take_device(Backend())

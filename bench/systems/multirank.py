@@ -258,14 +258,13 @@ def _rank_main(channel: RankChannel, job: RankJob) -> None:
     system = None
     try:
         backend = xpu.get_backend()
-        channel.require_devices(backend)
+        channel.take_device(backend)
         if job.device_cap:
             backend.set_memory_cap(rank, job.device_cap)
         factory = _load(job.target)
         ctx = SystemContext(backend=backend, device_index=rank, family=job.family, dims=dict(job.dims),
                             dtype=job.dtype, batch=job.micro_batch, seq=job.seq, optimizer=dict(job.optimizer),
                             options=dict(job.options), seed=job.seed)
-        backend.bind_process(rank)  # for good: DeepSpeed and NCCL read the current device outside our scopes too
         with backend.device_scope(rank):
             # Joined inside the device scope: NCCL binds its communicator to the current device.
             channel.init_process_group(job.dist_backend, _PG_TIMEOUT_S)

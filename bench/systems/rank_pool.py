@@ -145,11 +145,18 @@ class RankChannel:
         self.replies.put(("error", self.rank, {"type": type(exc).__name__, "message": str(exc)[:2000],
                                                "traceback": text[-4000:], "oom": oom}))
 
-    def require_devices(self, backend: Any) -> None:
-        """Raise ValueError when ``backend`` has fewer devices than ranks (each rank needs its own)."""
+    def take_device(self, backend: Any) -> None:
+        """Make device ``rank`` this process's current device for good (``backend.bind_process``):
+        NCCL stages collective objects on the current device, and DeepSpeed reads it outside
+        any device scope.
+
+        Raises:
+            ValueError: ``backend`` has fewer devices than ranks (each rank needs its own).
+        """
         if backend.device_count() < self.world:
             raise ValueError(f"{self.world} {self.noun}s need {self.world} devices; backend '{backend.name}' has "
                              f"{backend.device_count()}")
+        backend.bind_process(self.rank)
 
     def init_process_group(self, dist_backend: str, timeout_s: float) -> None:
         """Join the ranks' process group (TCP rendezvous on :attr:`port`).

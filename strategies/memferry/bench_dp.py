@@ -228,8 +228,7 @@ def _rank_main(channel: RankChannel, job: DPJob) -> None:
     engine = None
     try:
         backend = xpu.get_backend()
-        channel.require_devices(backend)
-        backend.bind_process(rank)  # for good: NCCL stages collective objects on the current device
+        channel.take_device(backend)
         with backend.device_scope(rank):
             channel.init_process_group(job.dist_backend, float(os.environ.get("MEMFERRY_DP_PG_TIMEOUT_S", "300")))
             torch.manual_seed(job.seed)  # as the worker seeds before a single-process system's factory

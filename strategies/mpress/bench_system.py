@@ -172,9 +172,7 @@ def _stage_main(channel: RankChannel, job: PipelineJob, adamw: dict[str, Any], d
     runtime = None
     try:
         backend = xpu.get_backend()
-        channel.require_devices(backend)
-        # This stage's device current for good: NCCL stages collective objects on the current device.
-        backend.bind_process(rank)
+        channel.take_device(backend)
         channel.init_process_group(dist_backend, float(os.environ.get("MPRESS_PG_TIMEOUT_S", "300")))
         box: list[torch.optim.Optimizer] = []
 
