@@ -453,7 +453,7 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
         # The device measurement's buffers (fp32 master, gradient, moments; two compute-dtype
         # copies) take at most half of what the device (its cap) has free: a rate per
         # parameter needs no full-size unit, and a tight budget must not fail here.
-        per_elem = 16 + 2 * torch.empty((), dtype=dtype).element_size()
+        per_elem = 16 + 2 * dtype.itemsize
         dev_numel = max(1 << 16, min(numel_for_rates, backend.mem_info(index)[0] // (2 * per_elem)))
         dev_rate = device_adamw_rate(backend, index, dev_numel, dtype, repeats)
     host_rate = host_adamw_rate(numel_for_rates, dtype, repeats, backend, host_kernel, index, dma_duty)

@@ -178,7 +178,11 @@ def _run_dp(profile: "StepProfile", links: Links, budget: float, choices: Sequen
         free = (s + 1) % group == 0 or s == n - 1  # the top block of its group chooses
         for prev_choice, labs in parents:
             nxt_opt = opts[s + 1][prev_choice] if prev_choice is not None else None
-            for c in (usable[s] if free or prev_choice is None else [prev_choice] if prev_choice in usable[s] else []):
+            if free or prev_choice is None:
+                candidates = usable[s]
+            else:  # inside a group: the choice of the block above, where this block can take it
+                candidates = [prev_choice] if prev_choice in usable[s] else []
+            for c in candidates:
                 cur = opts[s][c]
                 for lab in labs:
                     st = advance(lab.state if lab else initial_state(depth), cur, nxt_opt)
