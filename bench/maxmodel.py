@@ -97,10 +97,12 @@ def knob_values(scenario: Scenario) -> tuple[int, int, int]:
     return max(lo, 1), hi, unit
 
 
-def search_largest(fits: Callable[[int], bool], lo: int, hi: int) -> int | None:
+def search_largest(fits: Callable[[int], bool], lo: int, hi: int, resolution: int = 1) -> int | None:
     """Largest k in [lo, hi] with ``fits(k)``, assuming fits is monotone (True then False); None if not even lo.
 
-    Doubling from ``lo`` then bisection: about 2·log2(answer/lo) calls.
+    Doubling from ``lo`` then bisection: about 2·log2(answer/lo) calls. With ``resolution``
+    r > 1 bisection stops once the first failure is at most r above the last success, so the
+    answer may be up to r - 1 below the largest.
     """
     if not fits(lo):
         return None
@@ -112,13 +114,18 @@ def search_largest(fits: Callable[[int], bool], lo: int, hi: int) -> int | None:
         else:
             bad = nxt
             break
-    while bad is not None and bad - good > 1:
+    while bad is not None and bad - good > max(1, resolution):
         mid = (good + bad) // 2
         if fits(mid):
             good = mid
         else:
             bad = mid
     return good
+
+
+def _resolution_in_units(resolution: int, unit: int) -> int:
+    """The resolution, given in the knob's own measure (layers or hidden units), in search steps."""
+    return max(1, resolution // unit)
 
 
 def _trial_scenario(scenario: Scenario, label: str, value: int) -> Scenario:
@@ -193,7 +200,7 @@ def max_model_for_system(scenario: Scenario, label: str, out_dir: Path | None = 
             stop.update(status="missing", reason=row.get("reason"))
         return row["status"] == "ok"
 
-    best = search_largest(fits, lo, hi)
+    best = search_largest(fits, lo, hi, _resolution_in_units(scenario.max_model.resolution, unit))
     if stop:
         return {**base, "status": stop["status"], "reason": stop["reason"]}
     if best is None:
@@ -207,6 +214,10 @@ def max_model_for_system(scenario: Scenario, label: str, out_dir: Path | None = 
     out = {**base, "status": "ok", "max_value": best * unit, "max_params": trials[best]["params"],
            "max_config": {k: v for k, v in dims_for(scenario, best * unit).items()},
            "best_row": {k: row.get(k) for k in keep}}
+    gap = next((k for k in sorted(trials) if k > best and trials[k]["status"] != "ok"), None)
+    if gap is not None and gap - best > 1:
+        out["reason"] = (f"bisection stopped at resolution {scenario.max_model.resolution}: {scenario.max_model.knob}="
+                         f"{gap * unit} does not train, the values between were not tried")
     if best == hi:
         out["reason"] = f"reached the top of the search range ({scenario.max_model.knob}={hi * unit}); raise max_model.hi"
     return out

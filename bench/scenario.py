@@ -86,6 +86,10 @@ class MaxModelConfig:
             hidden moves in steps of ``heads * 8``).
         lo, hi: the knob's search range (in layers, or in hidden units).
         steps, warmup: a trial "trains" if this many steps (after warm-up) run without error.
+        resolution: bisection stops once the last success and the first failure are at most
+            this far apart (in knob units as ``lo``/``hi``): 1 finds the exact largest; more
+            saves trials where each costs minutes (the answer is then a lower bound within
+            ``resolution`` of the largest).
     """
 
     knob: str = "layers"
@@ -93,6 +97,7 @@ class MaxModelConfig:
     hi: int = 1024
     steps: int = 2
     warmup: int = 0
+    resolution: int = 1
 
 
 @dataclass
@@ -226,6 +231,7 @@ class Scenario:
         _positive_int("max_model.hi", mm.hi)
         _positive_int("max_model.steps", mm.steps)
         _nonneg_int("max_model.warmup", mm.warmup)
+        _positive_int("max_model.resolution", mm.resolution)
         if mm.lo > mm.hi:
             raise ScenarioError(f"max_model.lo ({mm.lo}) must not exceed max_model.hi ({mm.hi})")
 

@@ -350,7 +350,7 @@ def run_spec(spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | 
                 loss = system.step(inputs, targets)
                 backend.synchronize(dev)
                 times.append(time.perf_counter() - t0)
-                losses.append(float(loss))
+                losses.append(None if loss is None else float(loss))
                 if progress:
                     progress({"label": entry.label, "step": i + 1, "total": eff["total_steps"]})
             timed = times[eff["warmup"]:eff["warmup"] + eff["steps"]]
@@ -358,7 +358,7 @@ def run_spec(spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | 
             row["step_s"] = statistics.median(timed)
             row["step_mean_s"] = statistics.fmean(timed)
             row["step_min_s"], row["step_max_s"] = min(timed), max(timed)
-            row["losses"] = [round(x, 5) for x in losses]
+            row["losses"] = [None if x is None else round(x, 5) for x in losses]
             row["loss_step"] = eff["loss_after"]
             row["loss"] = losses[eff["loss_after"] - 1]
             tokens_per_step = scenario.batch * scenario.seq

@@ -28,6 +28,40 @@ def test_search_largest_finds_the_boundary(limit, lo, hi):
     assert len(calls) <= 2 * max(1, hi - lo).bit_length() + 2
 
 
+@pytest.mark.parametrize("limit,resolution", [(37, 8), (40, 8), (41, 8), (100, 16), (9, 4), (37, 1)])
+def test_search_largest_at_a_resolution_stops_within_it_and_saves_trials(limit, resolution):
+    calls = []
+
+    def fits(k):
+        calls.append(k)
+        return k <= limit
+
+    found = search_largest(fits, 8, 128, resolution)
+    assert found <= limit < found + resolution or (resolution == 1 and found == limit)
+    exact_calls = []
+    search_largest(lambda k: exact_calls.append(k) or k <= limit, 8, 128)
+    assert len(calls) <= len(exact_calls) and (resolution == 1 or len(calls) < len(exact_calls) or limit == found)
+
+
+def test_max_model_row_says_when_resolution_left_values_untried(cpu_backend):
+    scenario = load_scenario("tiny", {"device_mem_gb": 0.004, "systems": ["torch"],
+                                      "max_model": {"knob": "layers", "lo": 1, "hi": 64, "steps": 1, "warmup": 0}})
+    exact = max_model_for_system(scenario, "torch", spawn=False)
+    scenario.max_model.resolution = 8
+    coarse = max_model_for_system(scenario, "torch", spawn=False)
+    assert coarse["status"] == "ok" and coarse["max_value"] <= exact["max_value"] < coarse["max_value"] + 8
+    assert len(coarse["trials"]) < len(exact["trials"])
+    if coarse["max_value"] < exact["max_value"]:
+        assert "resolution 8" in coarse["reason"]
+
+
+def test_max_model_resolution_must_be_positive():
+    from bench.scenario import ScenarioError
+
+    with pytest.raises(ScenarioError, match="max_model.resolution"):
+        load_scenario("tiny", {"max_model": {"resolution": 0}})
+
+
 def _scenario(cap_gb):
     return load_scenario("tiny", {"device_mem_gb": cap_gb, "systems": ["torch"],
                                   "max_model": {"knob": "layers", "lo": 1, "hi": 64, "steps": 1, "warmup": 0}})

@@ -36,7 +36,7 @@ def test_a_strategy_registers_from_its_own_package(tmp_path, monkeypatch, fresh_
     (pkg / "system.py").write_text(textwrap.dedent('''
         from bench.systems.torch_ref import TorchSystem
         def make(ctx):
-            ctx.options = {"precision": "pure", "recompute": False, "fused": True}
+            ctx.options = {"precision": "pure", "recompute": False, "fused": True, "optimizer": True}
             return TorchSystem(ctx)
     '''))
     monkeypatch.setattr(strategies, "__path__", [*strategies.__path__, str(tmp_path / "strategies")])

@@ -47,7 +47,7 @@ def test_period_rounds_steps_to_whole_intervals():
     (_tiny(bacth=2), "valid keys"),
     (_tiny(model={"family": "bert", "layers": 2}), "valid families"),
     (_tiny(systems=["torch", "nonesuch"]), "valid systems: torch"),
-    (_tiny(systems=[{"name": "torch", "options": {"precison": "amp"}}]), "valid options: fused, precision, recompute"),
+    (_tiny(systems=[{"name": "torch", "options": {"precison": "amp"}}]), "valid options: fused, optimizer, precision, recompute"),
     (_tiny(systems=[{"name": "torch", "opts": {}}]), "valid keys"),
     (_tiny(systems=["torch", "torch"]), "appears twice"),
     (_tiny(dtype="fp8"), "valid: auto, fp32, bf16, fp16"),

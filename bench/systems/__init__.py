@@ -101,7 +101,7 @@ def register_system(name: str, target: str, *, approximate: bool = False, requir
 # The built-in baselines (DESIGN.md §3). Options are validated against these defaults. Option
 # "ranks" (1: one process) runs a baseline data-parallel on that many devices (bench/systems/multirank.py).
 register_system("torch", "bench.systems.torch_ref:make",
-                options={"precision": "pure", "recompute": False, "fused": True},
+                options={"precision": "pure", "recompute": False, "fused": True, "optimizer": True},
                 description="plain PyTorch, everything on the device, fused AdamW (bf16 weights and states by default)")
 register_system("fsdp2-offload", "bench.systems.fsdp2:make",
                 options={"pin_memory": True, "fused": True, "reshard_after_forward": True, "ranks": 1},

@@ -17,7 +17,8 @@ import torch
 
 from ..models import CausalLM, build_model
 
-__all__ = ["SystemContext", "BenchSystem", "phase", "module_step", "engine_step", "DTYPES", "init_single_process_group"]
+__all__ = ["SystemContext", "BenchSystem", "phase", "forward_backward", "module_step", "engine_step", "DTYPES",
+           "init_single_process_group"]
 
 #: scenario dtype names -> torch dtypes
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -88,8 +89,11 @@ class BenchSystem(abc.ABC):
     notes: str = ""
 
     @abc.abstractmethod
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Run one full training step (forward, backward, optimizer); return the loss (a scalar tensor).
+
+        A system that times one part of a step alone (e.g. the host optimizer) returns None:
+        its row then has no loss.
 
         Wrap the parts in :func:`phase` (``forward``, ``backward``, ``optimizer``) so timelines
         can label them. Do not synchronise: the worker does, around the step.
@@ -104,6 +108,19 @@ def phase(name: str) -> Iterator[None]:
     """Label a part of a step (``bench:<name>``) in the profiler timeline."""
     with torch.profiler.record_function(f"bench:{name}"):
         yield
+
+
+def forward_backward(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                     autocast: Any = contextlib.nullcontext) -> torch.Tensor:
+    """Labelled forward and backward of a plain module (``model(inputs, targets)`` returns the
+    loss); the gradients are dropped, so repeated calls time compute alone."""
+    with phase("forward"), autocast():
+        loss = model(inputs, targets)
+    with phase("backward"):
+        loss.backward()
+    for p in model.parameters():
+        p.grad = None
+    return loss.detach()
 
 
 def module_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor,

@@ -6,6 +6,8 @@ Options:
         and states and runs forward/backward under autocast to the scenario dtype.
     recompute: recompute each block in backward (DESIGN.md §3: 0.158 s, 11.3 GB).
     fused: use the fused AdamW kernel.
+    optimizer: False times forward and backward alone (no optimizer, gradients dropped each
+        step): the device's compute time measured alone, a floor for offloading systems.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import contextlib
 
 import torch
 
-from .base import BenchSystem, SystemContext, module_step
+from .base import BenchSystem, SystemContext, forward_backward, module_step
 
 __all__ = ["TorchSystem", "make"]
 
@@ -30,11 +32,17 @@ class TorchSystem(BenchSystem):
         self.model = ctx.build_model(device=ctx.device, dtype=torch.float32 if amp else ctx.dtype)
         self.model.recompute = bool(ctx.options["recompute"])
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), fused=bool(ctx.options["fused"]), **ctx.adamw_kwargs())
+        self.optimizer = None
+        if ctx.options["optimizer"]:
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), fused=bool(ctx.options["fused"]),
+                                               **ctx.adamw_kwargs())
         self._autocast = (lambda: torch.autocast(ctx.backend.device_type, dtype=ctx.dtype)) if amp else contextlib.nullcontext
-        self.notes = f"precision={precision}" + (", recompute per block" if self.model.recompute else "")
+        self.notes = f"precision={precision}" + (", recompute per block" if self.model.recompute else "") + (
+            "" if self.optimizer else ", forward and backward only (no optimizer)")
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.optimizer is None:
+            return forward_backward(self.model, inputs, targets, self._autocast)
         return module_step(self.model, self.optimizer, inputs, targets, self._autocast)
 
 

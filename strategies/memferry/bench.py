@@ -5,7 +5,8 @@ register_system(
     "memferry",
     "strategies.memferry.bench_system:make",
     options={"plan": "prefetch+recompute", "max_grad_norm": None, "host_threads": None,
-             "host_kernel": "auto", "loss_chunks": 1, "memory_margin": 0.10},
+             "host_kernel": "auto", "loss_chunks": 1, "memory_margin": 0.10,
+             "measure": "step"},
     description="MemFerry: parameters homed in host memory; per-block prefetch / DHA / device-homed plans",
 )
 

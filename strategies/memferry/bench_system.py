@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.systems.base import BenchSystem, SystemContext, engine_step
+from bench.systems.base import BenchSystem, SystemContext, engine_step, phase
 
 from .config import AdamW, Plan
 from .engine import MemFerry
@@ -34,6 +34,9 @@ class MemFerrySystem(BenchSystem):
     optimizer_on_host = True
 
     def __init__(self, ctx: SystemContext) -> None:
+        measure = ctx.options["measure"]
+        if measure not in ("step", "host-optimizer"):
+            raise ValueError(f"memferry: measure must be 'step' or 'host-optimizer', got {measure!r}")
         # Built in fp32 and computed in the scenario's dtype, as the offload baselines keep it:
         # the masters start from the fp32 initial values, not from their bf16 roundings.
         model = ctx.build_model(dtype=torch.float32)
@@ -42,7 +45,8 @@ class MemFerrySystem(BenchSystem):
             raise ValueError(f"memferry: loss_chunks must be >= 1 and needs a model with sliced-loss support, got {chunks}")
         if chunks > 1:
             model.loss_chunks = chunks
-        spec = ctx.options["plan"]
+        self._optimizer_alone = measure == "host-optimizer"
+        spec = "prefetch" if self._optimizer_alone else ctx.options["plan"]
         cfg = AdamW(**ctx.adamw_kwargs(), max_grad_norm=ctx.options["max_grad_norm"],
                     host_threads=ctx.options["host_threads"], host_kernel=ctx.options["host_kernel"])
         sample = None
@@ -61,6 +65,10 @@ class MemFerrySystem(BenchSystem):
             predicted = self.engine.plan.predicted_step_s
             self._plan_note += f" (predicted {predicted:.3f} s)" if predicted is not None else ""
             print(f"memferry plan chosen by the scheduler:\n{self.engine.plan.describe()}", flush=True)
+        if self._optimizer_alone:
+            self._plan_note = f"host AdamW alone over every unit, host kernel {self.engine.optimizer.kernel.name}"
+            for shadow in self.engine.shadow.shadows:
+                shadow.grad_stage.fill_(1e-3)  # gradients "landed"; the values only need to be finite
         self._steps = 0
 
     @property
@@ -71,12 +79,25 @@ class MemFerrySystem(BenchSystem):
         phases = ", ".join(f"{k} {v * 1e3 / self._steps:.1f}" for k, v in self.engine.optimizer.time_s.items())
         return f"{self._plan_note}; host optimizer ms/step: {phases}"
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         self._steps += 1
+        if self._optimizer_alone:
+            optimizer = self.engine.optimizer
+            with phase("optimizer"):
+                for i, shadow in enumerate(self.engine.shadow.shadows):
+                    if shadow.home == "host":
+                        optimizer.submit(i, _landed)
+                optimizer.finish_step()
+                optimizer.wait_all()
+            return None
         return engine_step(self.engine, inputs, targets)
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _landed() -> None:
+    """A gradient that is already in host memory (the host optimizer measured alone)."""
 
 
 def make(ctx: SystemContext) -> MemFerrySystem:
