@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--knob", choices=["layers", "hidden"], help="max-model: which dimension grows")
     parser.add_argument("--knob-range", metavar="LO:HI", help="max-model: search range of the knob, e.g. 1:256")
     parser.add_argument("--merge", nargs="+", metavar="RESULTS_JSON",
-                        help="merge results.json files of one scenario into --out (later files win per system) and redo the report")
+                        help="merge results.json (or max_model.json) files of one scenario into --out (later files win "
+                             "per system) and redo the report")
     parser.add_argument("--list-systems", action="store_true", help="list registered systems and exit")
     parser.add_argument("--json", action="store_true", help="print the result JSON instead of the table")
 

@@ -159,7 +159,8 @@ def max_model_for_system(scenario: Scenario, label: str, out_dir: Path | None = 
     lo, hi, unit = knob_values(scenario)
     base = {"system": label, "system_name": entry.name, "approximate": spec.approximate, "options": entry.options,
             "family": scenario.family, "knob": scenario.max_model.knob, "device_mem_gb": scenario.device_mem_gb,
-            "host_mem_gb": scenario.host_mem_gb, "max_params": None, "max_config": None, "max_value": None,
+            "host_mem_gb": scenario.host_mem_gb, "knob_range": [lo * unit, hi * unit],
+            "resolution": scenario.max_model.resolution, "max_params": None, "max_config": None, "max_value": None,
             "trials": [], "best_row": None, "reason": None}
     missing = missing_requirement(spec)
     if missing:

@@ -215,10 +215,13 @@ def max_model_markdown(result: dict[str, Any]) -> str:
     """The table of a ``--max-model`` run: the largest model per system and the trials that found it."""
     sc = result["scenario"]
     mm = sc["max_model"]
+    ranges = {tuple(r.get("knob_range") or (mm["lo"], mm["hi"])) for r in result["rows"]}
+    per_row = len(ranges) > 1  # merged searches over different ranges: each row says its own
+    where = "each row's range with its trials" if per_row else f"in [{mm['lo']}, {mm['hi']}]"
     lines = [
         f"# {sc['name']} largest model: {result['machine']} ({result['date']})",
         "",
-        f"{_scenario_line(result)}; knob {mm['knob']} in [{mm['lo']}, {mm['hi']}]; "
+        f"{_scenario_line(result)}; knob {mm['knob']} {where}; "
         f"a trial trains if {mm['warmup']} + {mm['steps']} steps run without error.",
         "",
         f"Command: `{result['command']}`",
@@ -230,6 +233,9 @@ def max_model_markdown(result: dict[str, Any]) -> str:
         cfg = r.get("max_config") or {}
         cfg_s = ", ".join(f"{k} {v}" for k, v in cfg.items() if k in ("layers", "hidden", "heads", "kv_heads"))
         trials = ", ".join(f"{t['value']}:{t['status']}" for t in r.get("trials", []))
+        if per_row:
+            lo, hi = r.get("knob_range") or (mm["lo"], mm["hi"])
+            trials = f"[{lo}, {hi}] " + trials
         best = r.get("best_row") or {}
         params = _count(r.get("max_params"))
         note = "" if r["status"] == "ok" else _short(r.get("reason"), 60)
@@ -306,10 +312,13 @@ def merge_results(paths: list[Path], out_dir: Path) -> dict[str, Any]:
     """Merge several ``results.json`` of one scenario into ``out_dir`` (later files win per system label).
 
     Timelines and logs the rows name are copied along, so the merged folder stands alone.
+    ``--max-model`` results (``max_model.json``) merge the same way into ``max_model.json``/``.md``,
+    each row keeping the search range it was found in; the two kinds do not mix.
     """
     import shutil
 
     merged: dict[str, Any] | None = None
+    kinds: set[str] = set()
     rows: dict[str, dict[str, Any]] = {}
     entries: dict[str, dict[str, Any]] = {}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -319,9 +328,16 @@ def merge_results(paths: list[Path], out_dir: Path) -> dict[str, Any]:
         if data["scenario"].get("name") != merged["scenario"].get("name"):
             raise ValueError(f"{path}: scenario {data['scenario'].get('name')!r} differs from "
                              f"{merged['scenario'].get('name')!r}; merge results of one scenario only")
+        kind = "max_model" if any("max_params" in r for r in data["rows"]) else "results"
+        if kinds and kind not in kinds:
+            raise ValueError(f"{path}: a {kind}.json among {kinds.pop()}.json files; merge one kind at a time")
+        kinds.add(kind)
         for entry in data["scenario"].get("systems", []):
             entries[entry["label"]] = entry
         for row in data["rows"]:
+            if kind == "max_model":
+                mm = data["scenario"]["max_model"]
+                row.setdefault("knob_range", [mm["lo"], mm["hi"]])
             rows[row["system"]] = row
             for key in ("timeline", "raw_trace", "log"):
                 rel = row.get(key)
@@ -334,6 +350,6 @@ def merge_results(paths: list[Path], out_dir: Path) -> dict[str, Any]:
     result["rows"] = list(rows.values())
     result["scenario"] = {**merged["scenario"], "systems": list(entries.values())}
     result["merged_from"] = [str(p) for p in paths]
-    result["outputs"] = write_outputs(result, out_dir)
+    result["outputs"] = write_outputs(result, out_dir, stem=kinds.pop())
     result["out_dir"] = str(out_dir)
     return result

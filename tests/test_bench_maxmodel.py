@@ -125,3 +125,28 @@ def test_a_rerun_into_the_same_folder_reuses_finished_trials(cpu_backend, tmp_pa
     assert len(ran) == 2 * n and other["max_params"] == first["max_params"]  # another machine: every trial ran
     bigger = max_model_for_system(_scenario(0.008), "torch", spawn=False, journal=journal)
     assert len(ran) > 2 * n and bigger["max_params"] >= first["max_params"]  # another cap: another trial scenario
+
+
+def test_max_model_results_of_separate_searches_merge_into_one_table(cpu_backend, tmp_path):
+    """Searches run apart (one per system, each over its own range) merge into one max_model.json;
+    each row keeps its range, and results of the two kinds refuse to mix."""
+    from bench.maxmodel import run_max_model
+    from bench.report import merge_results
+    a = load_scenario("tiny", {"device_mem_gb": 0.004, "systems": ["torch", {"name": "torch", "label": "torch-r"}],
+                               "max_model": {"knob": "layers", "lo": 1, "hi": 8, "steps": 1, "warmup": 0}})
+    run_max_model(a.select(["torch"]), tmp_path / "a", progress=False, spawn=False)
+    b = load_scenario("tiny", {"device_mem_gb": 0.004, "systems": ["torch", {"name": "torch", "label": "torch-r"}],
+                               "max_model": {"knob": "layers", "lo": 2, "hi": 4, "steps": 1, "warmup": 0}})
+    run_max_model(b.select(["torch-r"]), tmp_path / "b", progress=False, spawn=False)
+    merged = merge_results([tmp_path / "a" / "max_model.json", tmp_path / "b" / "max_model.json"], tmp_path / "m")
+    rows = {r["system"]: r for r in merged["rows"]}
+    assert set(rows) == {"torch", "torch-r"} and rows["torch"]["knob_range"] == [1, 8]
+    assert rows["torch-r"]["knob_range"] == [2, 4]
+    md = (tmp_path / "m" / "max_model.md").read_text()
+    assert "| torch | ok |" in md and "| torch-r | ok |" in md and "[2, 4] " in md
+    assert json.loads((tmp_path / "m" / "max_model.json").read_text())["rows"] == merged["rows"]
+    plain = json.loads((tmp_path / "a" / "max_model.json").read_text())
+    plain["rows"] = [{"system": "torch", "status": "ok", "step_s": 0.1}]  # a results.json's row
+    (tmp_path / "results.json").write_text(json.dumps(plain))
+    with pytest.raises(ValueError, match="one kind at a time"):
+        merge_results([tmp_path / "a" / "max_model.json", tmp_path / "results.json"], tmp_path / "x")
