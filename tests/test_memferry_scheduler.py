@@ -343,3 +343,41 @@ def test_a_long_model_is_decided_in_groups_and_still_fits_and_beats_uniform_plan
         p = predict_plan(Plan(list(other.units), 1, plan.rest_optimizer), prof, H200_LINKS, 0.10)
         if p.peak_bytes <= budget:
             assert pred.step_s <= p.step_s * (1 + 1e-9), spec
+
+
+def test_the_plan_keeps_the_host_rate_it_assumed_and_the_engine_warns_when_steps_run_far_from_it(cpu_backend, caplog):
+    """The scheduler records the profiled host AdamW rate in the plan; after a few steps the
+    engine compares it with the rate its updates measured and says so when they differ by
+    more than 25 % (the prediction is then off by about that much of the host's share)."""
+    import logging
+
+    from bench.models import build_model
+    from strategies.memferry import AdamW, MemFerry
+    from strategies.memferry.engine import _RATE_CHECK_STEP
+
+    prof = h200_profile()
+    plan = schedule(prof, H200_LINKS, 17.7 * GB, L, allow_dha=False, depths=(1,), explain=False)
+    assert plan.host_s_per_param == prof.host_adamw_s_per_param
+
+    def train(planned_factor):
+        torch.manual_seed(0)
+        model = build_model("gpt", layers=2, hidden=32, heads=2, vocab=64, seq=16)
+        tok = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+        engine = MemFerry(model, optim=AdamW(lr=1e-3), plan="prefetch", backend=cpu_backend, blocks=model.blocks)
+        assert engine.host_rate() == (None, None)  # nothing updated yet; a named plan assumed no rate
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="xpu.memferry"):
+            for i in range(_RATE_CHECK_STEP):
+                if i == _RATE_CHECK_STEP - 1:  # the updates of the earlier steps are done: plan "around" them
+                    engine.synchronize()
+                    engine.plan.host_s_per_param = engine.optimizer.measured_s_per_param() * planned_factor
+                engine.train_step(tok[:, :-1], tok[:, 1:])
+        measured, planned = engine.host_rate()
+        engine.close()
+        assert measured > 0 and engine.optimizer.updated_numel == _RATE_CHECK_STEP * sum(
+            p.numel() for p in model.parameters())
+        return caplog.text
+
+    assert "optimistic" in train(0.1)  # planned 10x faster than the steps ran
+    assert "pessimistic" in train(10.0)
+    assert "host optimizer ran" not in train(1.0)

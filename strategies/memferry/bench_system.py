@@ -14,7 +14,8 @@ Options:
         the scheduler to spend on device-homed blocks. 1: the model as the baselines run it.
 
 The row's notes end with the host optimizer's time per step by phase (milliseconds,
-averaged over every step run), which says whether the CPU or the device bounds a step.
+averaged over every step run), which says whether the CPU or the device bounds a step, and its
+rate per parameter beside the rate the scheduler planned with (plan ``auto``).
 """
 from __future__ import annotations
 
@@ -77,7 +78,10 @@ class MemFerrySystem(BenchSystem):
         if not self._steps:
             return self._plan_note
         phases = ", ".join(f"{k} {v * 1e3 / self._steps:.1f}" for k, v in self.engine.optimizer.time_s.items())
-        return f"{self._plan_note}; host optimizer ms/step: {phases}"
+        measured, planned = self.engine.host_rate()
+        rate = "" if measured is None else f"; host AdamW {measured * 1e9:.3f} ns/param" + (
+            f" (planned {planned * 1e9:.3f})" if planned else "")
+        return f"{self._plan_note}; host optimizer ms/step: {phases}{rate}"
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         self._steps += 1

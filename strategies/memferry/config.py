@@ -105,6 +105,8 @@ class Plan:
         rest_optimizer: where the ``rest`` unit (embeddings, final norm, head: always
             resident) is updated, ``"host"`` or ``"device"``.
         predicted_step_s: the scheduler's prediction, when it made the plan.
+        host_s_per_param: the host AdamW rate (seconds per parameter) that prediction assumed,
+            as profiled; the engine compares it with the rate its steps measure.
         notes: the scheduler's explanation lines.
     """
 
@@ -112,6 +114,7 @@ class Plan:
     prefetch_depth: int = 1
     rest_optimizer: Literal["host", "device"] = "host"
     predicted_step_s: float | None = None
+    host_s_per_param: float | None = None
     notes: list[str] = field(default_factory=list)
 
     @classmethod

@@ -31,6 +31,11 @@ __all__ = ["MemFerry"]
 
 _log = logging.getLogger("xpu.memferry")
 
+#: After this many steps the engine compares its host AdamW rate with the plan's (the first
+#: steps' updates are done by then), and warns when they differ by more than this factor.
+_RATE_CHECK_STEP = 4
+_RATE_TOLERANCE = 1.25
+
 
 def _check_budget(units: list, plan: Plan, device_homes: set[int], device_budget: Any) -> None:
     """Refuse a budget below what ``plan`` keeps on the device between steps, before any change.
@@ -192,6 +197,7 @@ class MemFerry:
         self.executor = Executor(self.backend, self.device, self.shadow, plan, self.optimizer, self.device_optimizer,
                                  copier=self.copier)
         self.plan = plan
+        self._steps = 0
 
     def _copier(self, multipath: bool | None) -> Any:
         """The multi-path copier for weight loads, or None (see ``multipath``)."""
@@ -270,6 +276,28 @@ class MemFerry:
         with self.backend.device_scope(self.device):
             self.device_optimizer.finish_step(coef)
         self.optimizer.finish_step(coef)
+        self._steps += 1
+        if self._steps == _RATE_CHECK_STEP:
+            self._check_host_rate()
+
+    def host_rate(self) -> tuple[float | None, float | None]:
+        """``(measured, planned)`` host AdamW seconds per parameter: what this engine's updates
+        took so far, and what the scheduler's profile assumed (None without ``plan="auto"``)."""
+        return self.optimizer.measured_s_per_param(), self.plan.host_s_per_param
+
+    def _check_host_rate(self) -> None:
+        """Say once, after a few steps, when the host optimizer runs far from the rate the plan
+        assumed: the predicted step time is then off by about that much of the host's share."""
+        measured, planned = self.host_rate()
+        if measured is None or not planned:
+            return
+        ratio = measured / planned
+        if not 1 / _RATE_TOLERANCE <= ratio <= _RATE_TOLERANCE:
+            _log.warning("MemFerry: the host optimizer ran at %.3f ns per parameter over the first steps, %.2fx the "
+                         "%.3f ns the scheduler's profile measured; the plan's predicted step (%s) is %s for the "
+                         "host-updated units", measured * 1e9, ratio, planned * 1e9,
+                         f"{self.plan.predicted_step_s * 1e3:.1f} ms" if self.plan.predicted_step_s else "none",
+                         "optimistic" if ratio > 1 else "pessimistic")
 
     def train_step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
         """Forward, backward and step; returns the loss (detached, still on the device)."""

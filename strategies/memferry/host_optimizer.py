@@ -54,6 +54,8 @@ class HostOptimizer:
         #: land, upcasting them, the AdamW kernel, writing the compute-dtype copy; and
         #: ``consumer_wait``: how long callers of :meth:`wait` (the next forward) were blocked.
         self.time_s = {"wait": 0.0, "upcast": 0.0, "adamw": 0.0, "writeback": 0.0, "consumer_wait": 0.0}
+        #: parameters updated so far (this rank's shards), for :meth:`measured_s_per_param`.
+        self.updated_numel = 0
         self._thread = threading.Thread(target=self._run, name="memferry-host-adamw", daemon=True)
         self._thread.start()
         # Stop the worker when this object goes, or at interpreter exit if nobody closed the
@@ -114,6 +116,14 @@ class HostOptimizer:
         self._raise_if_failed()
         self._tasks.put(("lr", lr, None))
 
+    def measured_s_per_param(self) -> float | None:
+        """Seconds per parameter the updates so far took (upcast, AdamW and write-back; not the
+        waits), the figure the scheduler's profile predicts; None before any update."""
+        if not self.updated_numel:
+            return None
+        work = self.time_s["upcast"] + self.time_s["adamw"] + self.time_s["writeback"]
+        return work / self.updated_numel
+
     def close(self) -> None:
         """Stop the worker after the queued work."""
         self._finalizer()
@@ -168,6 +178,7 @@ class HostOptimizer:
         s = self.shadows[index]
         for phase, seconds in self.kernel.apply(s, coef).items():
             self.time_s[phase] += seconds
+        self.updated_numel += s.master.numel()
         if self.dp is not None:
             t0 = time.perf_counter()
             self.dp.gather(s.work)  # every rank's working copy whole again for the next forward

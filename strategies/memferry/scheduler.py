@@ -338,6 +338,7 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
     plan = best[1]
     pred = predict(plan, profile, links, margin)  # the same numbers, with the host-work total filled in
     plan.predicted_step_s = pred.step_s
+    plan.host_s_per_param = profile.host_adamw_s_per_param
     plan.notes = _explain(plan, pred, profile, links, float(budget_bytes), choices, margin) if explain else []
     if group > 1:
         plan.notes.append(f"note: blocks were decided in groups of {group} consecutive blocks ({n} blocks); "
