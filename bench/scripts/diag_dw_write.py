@@ -22,31 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # run from anywhere
 
 import torch
 
 import xpu
-
-
-def timed(fn, budget_s: float = 0.25, min_iters: int = 5, max_iters: int = 40) -> float:
-    """Median milliseconds of ``fn`` (one warm-up call first)."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times: list[float] = []
-    t0 = time.perf_counter()
-    while len(times) < max_iters and (len(times) < min_iters or time.perf_counter() - t0 < budget_s):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from diag_dha_linear import timed  # this folder is on sys.path when a script here runs
 
 
 def split_rows(dy: torch.Tensor, x: torch.Tensor, out: torch.Tensor, k: int, streams: list) -> None:
