@@ -7,6 +7,7 @@
 #   bash bench/scripts/gpu_x2.sh mpress-max  # largest model: MPress vs recompute-only at the 10 GB cap; the
 #       search writes into the checkout (bench/results/x2-mpress-max/) with its trial journal: unpack
 #       $OUT/x2-mpress-max.tgz here after a cut-off call and the next call goes on from there.
+#       KNOB=LO:HI narrows the layer range, RESOLUTION=N stops bisecting within N layers (saves trials).
 # Results: $OUT/x2-<mode>.tgz (everything under /tmp/x2/<mode>).
 set -uo pipefail
 MODE=${1:?mode: smoke | mpress | dp | mpress-max}
@@ -36,7 +37,8 @@ smoke)
   ;;
 mpress-max)
   timeout ${BUDGET_S:-560} python3 -m xpu bench examples/bench/x2-mpress.yaml --max-model \
-    --systems ${SYSTEMS:-mpress-10gb,mpress-recompute-10gb} --out $R --no-progress > $R/max-model-$(date +%H%M%S).log 2>&1
+    --systems ${SYSTEMS:-mpress-10gb,mpress-recompute-10gb} ${KNOB:+--knob-range $KNOB} \
+    ${RESOLUTION:+--set max_model.resolution=$RESOLUTION} --out $R --no-progress > $R/max-model-$(date +%H%M%S).log 2>&1
   lap max-model rc=$?
   cat $R/max_model.md 2>/dev/null | grep "^| " | cut -c1-200
   tar czf ${OUT:-/tmp}/x2-$MODE.tgz $R; exit 0
