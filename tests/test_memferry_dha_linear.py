@@ -7,6 +7,7 @@ really overlaps copies with GEMMs and a missing event would show as wrong number
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -220,6 +221,34 @@ def test_streamed_path_moves_each_weight_byte_once_per_pass(cpu_backend, dha):
     assert b.d2h == (0 if dha else wbytes)  # the gradient once: by DHA write or by the copy ring
     assert counter.dha_write_bytes == (wbytes if dha else 0)
     assert counter.h2d_bytes == 2 * wbytes and counter.dha_read_bytes == 0
+
+
+@pytest.mark.parametrize("rows", [8, 200], ids=["in-place", "streamed"])
+def test_grad_write_ring_takes_the_gradient_home_by_copy_even_with_dha(cpu_backend, rows):
+    """grad_write="ring" on a DHA backend: the gradient goes through the device ring and the
+    copy stream (D2H bytes, no DHA writes), exactly as the DHA write would give it."""
+    b = CountingBackend(cpu_backend, dha=True, async_copy=True)
+    w, x, bvec, dy = make(b, (rows,), True)
+    ref = reference(w, x, bvec, dy)
+    counter = TransferCounter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a GEMM into a slot too small for it warns ("output ... resized")
+        got = run(b, w, x, bvec, dy, grad_out=True, counter=counter, chunk_bytes=CHUNK, grad_write="ring")
+    for g, r in zip(got[:4], ref):
+        close(g, r)
+    wbytes = w.numel() * 4
+    assert b.d2h == wbytes and counter.d2h_bytes == wbytes and counter.dha_write_bytes == 0
+
+
+def test_grad_write_is_checked_before_any_transfer(cpu_backend):
+    b = CountingBackend(cpu_backend, dha=False, async_copy=True)
+    w, x, _, _ = make(b, (4,), False)
+    gh = b.host_arena.empty(w.shape, w.dtype)
+    with pytest.raises(CapabilityError, match="grad_write 'dha'.*caps.dha"):
+        host_linear(dev_tensor(b, x), host_tensor(b, w), None, b, 0, gh, grad_write="dha")
+    with pytest.raises(ValueError, match="grad_write must be one of"):
+        host_linear(dev_tensor(b, x), host_tensor(b, w), None, b, 0, gh, grad_write="copy")
+    assert (b.h2d, b.d2h) == (0, 0)
 
 
 def test_backward_without_dx_does_not_move_the_weight(cpu_backend):

@@ -15,7 +15,8 @@ weight gradient (dW = dY^T X, [n, n] into pinned host memory)
 forward + backward (dX and dW into host memory)
     ``fb_copy``      copy W in, F.linear, autograd, copy W in again for dX (as an offloading
                      system would that frees W between passes), dW copied home;
-    ``fb_host``      host_linear with ``grad_out`` (dX by the ring, dW by DHA write).
+    ``fb_host``      host_linear with ``grad_out`` (dX by the ring, dW by DHA write);
+    ``fb_host_ring`` the same with ``grad_write="ring"`` (dW through device slots and a copy stream).
 
 Also: the link rate of a plain 128 MB copy each way, a chunk-size sweep of the ring at one M,
 whether the link carries both directions at once (copy in beside copy out, copy in beside a
@@ -119,11 +120,12 @@ def main() -> None:
             g_host.copy_(g, non_blocking=True)
             return y, dx
 
-        def fb_host():
-            host_linear(xg, w_host, None, b, dev, g_host).backward(dy)
+        def fb_host(grad_write: str = "auto"):
+            host_linear(xg, w_host, None, b, dev, g_host, grad_write=grad_write).backward(dy)
 
         r["fb_copy_ms"] = timed(fb_copy)
         r["fb_host_ms"] = timed(fb_host)
+        r["fb_host_ring_ms"] = timed(lambda: fb_host("ring"))
 
         # bf16 error against F.linear on the same data (forward; dX from the streamed backward).
         xg.grad = None
@@ -174,7 +176,7 @@ def main() -> None:
     duplex["h2d_copy+dha_write"] = timed(together("h2d_copy", "dha_write"))
 
     cols = ["resident_ms", "copy_gemm_ms", "dha_ms", "host_linear_ms", "stream_ms", "dw_mm_copy_ms", "dw_dha_ms",
-            "fb_copy_ms", "fb_host_ms"]
+            "fb_copy_ms", "fb_host_ms", "fb_host_ring_ms"]
     print(f"\n{'M':>6} " + " ".join(f"{c[:-3]:>12}" for c in cols) + "   link GB/s (host_linear fwd)")
     for r in rows:
         print(f"{r['M']:>6} " + " ".join(f"{r[c]:>12.3f}" for c in cols) + f"   {wbytes / r['host_linear_ms'] / 1e6:>6.1f}")

@@ -21,8 +21,8 @@ meets column chunk k of dY, ``dX = sum_k dY[:, rows_k] @ W_k``) and never holds 
 gradient on the device when ``grad_out`` is given: ``dW = dY^T @ X`` is written straight into
 that pinned host tensor, chunk by chunk, interleaved with the dX chunks (chunk k's gradient
 rows go out while weight chunk k+1 comes in). With ``caps.dha`` the GEMM writes host memory
-through the device view; without it each chunk goes through a two-slot device ring and a
-device->host copy stream.
+through the device view; without it (or with ``grad_write="ring"``) each chunk goes through a
+two-slot device ring and a device->host copy stream.
 
 Measured (H200, PCIe ~55 GB/s each way, W 8192x8192 bf16, ``bench/scripts/diag_dha_linear.py``):
 forward 2.6-2.8 ms for M = 256..4096 (copy-then-GEMM 2.5-3.1 ms, cuBLAS on the DHA view 5-42
@@ -56,7 +56,7 @@ import torch.nn.functional as F
 
 from xpu import Backend, CapabilityError
 
-__all__ = ["host_linear", "choose_mode", "TransferCounter", "DHA_MAX_ROWS", "CHUNK_BYTES", "MODES"]
+__all__ = ["host_linear", "choose_mode", "TransferCounter", "DHA_MAX_ROWS", "CHUNK_BYTES", "MODES", "GRAD_WRITES"]
 
 #: Largest M (rows of the flattened input) read in place by DHA: one GEMM M-tile, so the
 #: weight crosses the link once.
@@ -66,6 +66,8 @@ DHA_MAX_ROWS = 64
 CHUNK_BYTES = 8 << 20
 #: Modes :func:`host_linear` accepts.
 MODES = ("auto", "dha", "stream", "copy")
+#: Ways :func:`host_linear` writes the weight gradient home (``grad_write``).
+GRAD_WRITES = ("auto", "dha", "ring")
 
 
 @dataclass
@@ -117,7 +119,7 @@ def host_linear(x: torch.Tensor, weight_host: torch.Tensor, bias: torch.Tensor |
                 backend: Backend | None = None, device: int | None = None, grad_out: torch.Tensor | None = None, *,
                 weight: torch.Tensor | None = None, mode: str = "auto", dha_max_rows: int = DHA_MAX_ROWS,
                 chunk_bytes: int = CHUNK_BYTES, grad_ready: Callable[[Any], None] | None = None,
-                counter: TransferCounter | None = None) -> torch.Tensor:
+                counter: TransferCounter | None = None, grad_write: str = "auto") -> torch.Tensor:
     """``F.linear(x, W, bias)`` where ``W`` (``weight_host``) lives in pinned host memory.
 
     Each weight byte crosses the host link once per forward and once per backward that needs
@@ -143,13 +145,19 @@ def host_linear(x: torch.Tensor, weight_host: torch.Tensor, bias: torch.Tensor |
         grad_ready: called during backward with an event recorded on the compute stream once
             ``grad_out`` is written (only when ``grad_out`` is given).
         counter: a :class:`TransferCounter` to add this call's traffic to.
+        grad_write: how ``grad_out`` is written: ``"dha"`` (the GEMM writes host memory through
+            the device view), ``"ring"`` (the GEMM writes a two-slot device ring, a copy stream
+            takes each chunk home), or ``"auto"``: ``"dha"`` where ``caps.dha``, else ``"ring"``.
+            On the H200 the ring held 92-96 % of the device->host line rate at M = 1024-8192,
+            the DHA write 93-74 % (bench/results/2026-11-29-h200-session4/diag-dw-write.txt);
+            "auto" stays DHA until a whole training step has measured the ring.
 
     Returns:
         ``[..., out_features]`` on the device.
 
     Raises:
         TypeError, ValueError: bad shapes, dtypes or placements (checked before any work).
-        CapabilityError: ``mode="dha"`` without ``caps.dha``.
+        CapabilityError: ``mode="dha"`` or ``grad_write="dha"`` without ``caps.dha``.
     """
     if backend is None:
         import xpu
@@ -157,11 +165,17 @@ def host_linear(x: torch.Tensor, weight_host: torch.Tensor, bias: torch.Tensor |
         backend = xpu.get_backend()
     dev = backend.index_of(device)
     _check(x, weight_host, bias, backend, grad_out, weight, chunk_bytes, dha_max_rows)
+    if grad_write not in GRAD_WRITES:
+        raise ValueError(f"host_linear: grad_write must be one of {GRAD_WRITES}, got {grad_write!r}")
+    if grad_write == "dha" and not backend.caps.dha:
+        raise CapabilityError(f"host_linear grad_write 'dha' needs Direct Host Access, which backend '{backend.name}' "
+                              f"lacks (caps.dha is False); use grad_write='auto' or 'ring'")
     rows = x.numel() // weight_host.shape[1] if weight_host.shape[1] else 0
     chosen = choose_mode(rows, backend, dha_max_rows, mode)
     row_bytes = max(1, weight_host.shape[1] * weight_host.element_size())
     chunk_rows = weight_host.shape[0] if chosen == "copy" else max(1, min(weight_host.shape[0], chunk_bytes // row_bytes))
-    cfg = _Config(backend, dev, weight_host, grad_out, chosen, max(1, chunk_rows), grad_ready, counter)
+    dha_write = grad_write == "dha" or (grad_write == "auto" and backend.caps.dha)
+    cfg = _Config(backend, dev, weight_host, grad_out, chosen, max(1, chunk_rows), grad_ready, counter, dha_write)
     autograd_weight = weight if weight is not None else weight_host
     return _HostLinear.apply(x, autograd_weight, bias, cfg)
 
@@ -179,6 +193,7 @@ class _Config:
     chunk_rows: int
     grad_ready: Callable[[Any], None] | None
     counter: TransferCounter | None
+    dha_write: bool
 
 
 def _check(x: Any, w: Any, bias: Any, b: Backend, grad_out: Any, weight: Any, chunk_bytes: Any, dha_max_rows: Any) -> None:
@@ -296,8 +311,8 @@ def _stream_weight(cfg: _Config, consume: Callable[[int, int, torch.Tensor], Non
 class _GradWriter:
     """Writes ``dW[r0:r1] = dY[:, r0:r1]^T @ X`` into ``grad_out``, chunk by chunk.
 
-    With ``caps.dha`` the GEMM writes host memory through the device view (each byte once).
-    Without it, each chunk lands in one of two device slots and a device->host copy stream
+    With ``cfg.dha_write`` the GEMM writes host memory through the device view (each byte
+    once). Otherwise each chunk lands in one of two device slots and a device->host copy stream
     takes it home; :meth:`finish` makes the compute stream wait for the last copies, so that
     ``grad_out`` is complete once the compute stream passes that point.
     """
@@ -306,7 +321,7 @@ class _GradWriter:
         self.cfg, self.dy, self.x = cfg, dy, x
         b, dev, g = cfg.backend, cfg.device, cfg.grad_out
         self.compute = b.current_stream(dev)
-        self.dha = b.caps.dha
+        self.dha = cfg.dha_write
         if self.dha:
             self.view = b.device_view(g, dev)
         else:
@@ -317,17 +332,21 @@ class _GradWriter:
             self.k = 0
 
     def write(self, r0: int, r1: int) -> None:
-        """Queue rows ``r0:r1`` of the gradient on the compute stream."""
-        a = self.dy[:, r0:r1].t()
+        """Queue rows ``r0:r1`` of the gradient on the compute stream (in slot-sized pieces
+        through the ring: a whole in-place-mode gradient is more rows than one slot)."""
         if self.dha:
-            torch.mm(a, self.x, out=self.view[r0:r1])
+            torch.mm(self.dy[:, r0:r1].t(), self.x, out=self.view[r0:r1])
             return
+        for a, z in _bounds(r1 - r0, self.slots[0].shape[0]):
+            self._ring(r0 + a, r0 + z)
+
+    def _ring(self, r0: int, r1: int) -> None:
         b, i = self.cfg.backend, self.k % len(self.slots)
         self.k += 1
         if self.landed[i] is not None:  # the slot's previous chunk must be home before it is overwritten
             self.compute.wait_event(self.landed[i])
         slot = self.slots[i][: r1 - r0]
-        torch.mm(a, self.x, out=slot)
+        torch.mm(self.dy[:, r0:r1].t(), self.x, out=slot)
         computed = b.event()
         computed.record(self.compute)
         self.d2h.wait_event(computed)
