@@ -173,6 +173,14 @@ def _scenario_line(result: dict[str, Any]) -> str:
             f"device cap {cap}; host cap {host}")
 
 
+def _merged_note(result: dict[str, Any]) -> str:
+    """After the command of a merged report: that it is the first file's, and which files merged."""
+    files = result.get("merged_from")
+    if not files:
+        return ""
+    return f" (the first file's; merged by `xpu bench --merge` from {', '.join(f'`{f}`' for f in files)})"
+
+
 def markdown_table(result: dict[str, Any]) -> str:
     """The side-by-side table of a run, with a header naming scenario, machine, date and command."""
     sc = result["scenario"]
@@ -182,7 +190,7 @@ def markdown_table(result: dict[str, Any]) -> str:
         f"{_scenario_line(result)}.",
         "Step times: median over the timed steps after warm-up (device sync around each step); mean beside it.",
         "",
-        f"Command: `{result['command']}`",
+        f"Command: `{result['command']}`" + _merged_note(result),
         "",
         "| system | status | params | step median (s) | step mean (s) | tokens/s | TFLOP/s | peak device (GB) "
         "| peak host (GB) | loss @ step | notes |",
@@ -224,7 +232,7 @@ def max_model_markdown(result: dict[str, Any]) -> str:
         f"{_scenario_line(result)}; knob {mm['knob']} {where}; "
         f"a trial trains if {mm['warmup']} + {mm['steps']} steps run without error.",
         "",
-        f"Command: `{result['command']}`",
+        f"Command: `{result['command']}`" + _merged_note(result),
         "",
         "| system | status | max params | configuration | step (s) | peak device (GB) | peak host (GB) | trials |",
         "|---|---|---:|---|---:|---:|---:|---|",

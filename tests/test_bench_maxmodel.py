@@ -144,6 +144,7 @@ def test_max_model_results_of_separate_searches_merge_into_one_table(cpu_backend
     assert rows["torch-r"]["knob_range"] == [2, 4]
     md = (tmp_path / "m" / "max_model.md").read_text()
     assert "| torch | ok |" in md and "| torch-r | ok |" in md and "[2, 4] " in md
+    assert "merged by `xpu bench --merge` from" in md and str(tmp_path / "b" / "max_model.json") in md
     assert json.loads((tmp_path / "m" / "max_model.json").read_text())["rows"] == merged["rows"]
     plain = json.loads((tmp_path / "a" / "max_model.json").read_text())
     plain["rows"] = [{"system": "torch", "status": "ok", "step_s": 0.1}]  # a results.json's row
