@@ -117,8 +117,9 @@ class HostOptimizer:
         self._tasks.put(("lr", lr, None))
 
     def measured_s_per_param(self) -> float | None:
-        """Seconds per parameter the updates so far took (upcast, AdamW and write-back; not the
-        waits), the figure the scheduler's profile predicts; None before any update."""
+        """Seconds per parameter the updates so far took (upcast, AdamW and write-back, which
+        under data parallelism includes the weight exchange; not the waits), the figure the
+        scheduler's profile predicts; None before any update."""
         if not self.updated_numel:
             return None
         work = self.time_s["upcast"] + self.time_s["adamw"] + self.time_s["writeback"]
