@@ -8,7 +8,9 @@
 # 2. the profiler's own figure, host_adamw_rate, on one 50 M buffer, with and without DMA load;
 # 3. MemFerry's host AdamW alone (the bench's memferry-host-optimizer row) over 2, 5 and 18 units
 #    (1, 4 and 17 layers): does the rate per parameter fall as the units grow?
-# 4. the same at 17 layers with the host optimizer's threads pinned to 16, then 8.
+# 4. the same at 17 layers with the host optimizer's threads pinned to 16, then 8;
+# 5. also (issue 5's gradient write): diag_dha_linear.py, whose fb_host_ring column says whether
+#    host_linear's backward is faster with grad_write="ring" than with the DHA write.
 set -uo pipefail
 source bench/scripts/gpu_env.sh
 R=${OUT:-/tmp}/host-rate; mkdir -p $R
@@ -46,3 +48,5 @@ for f in sorted(glob.glob(f"{out}/host-rate/alone-*/results.json")):
         print(f.split("/")[-2], r["system"], r["status"], r["params"], r.get("step_s"), f"{ns:.3f} ns/param" if ns else r.get("reason"),
               (r.get("notes") or "")[-120:])
 PY
+timeout 120 python3 bench/scripts/diag_dha_linear.py --ms 1024,4096,16384 > $R/diag-dha-linear.txt 2>&1
+grep -A5 "^ *M " $R/diag-dha-linear.txt
