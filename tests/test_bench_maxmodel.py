@@ -132,6 +132,7 @@ def test_max_model_results_of_separate_searches_merge_into_one_table(cpu_backend
     each row keeps its range, and results of the two kinds refuse to mix."""
     from bench.maxmodel import run_max_model
     from bench.report import merge_results
+
     a = load_scenario("tiny", {"device_mem_gb": 0.004, "systems": ["torch", {"name": "torch", "label": "torch-r"}],
                                "max_model": {"knob": "layers", "lo": 1, "hi": 8, "steps": 1, "warmup": 0}})
     run_max_model(a.select(["torch"]), tmp_path / "a", progress=False, spawn=False)

@@ -359,7 +359,7 @@ def test_the_plan_keeps_the_host_rate_it_assumed_and_the_engine_warns_when_steps
     plan = schedule(prof, H200_LINKS, 17.7 * GB, L, allow_dha=False, depths=(1,), explain=False)
     assert plan.host_s_per_param == prof.host_adamw_s_per_param
 
-    def train(planned_factor):
+    def train(planned_factor, then=None):
         torch.manual_seed(0)
         model = build_model("gpt", layers=2, hidden=32, heads=2, vocab=64, seq=16)
         tok = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
@@ -372,12 +372,28 @@ def test_the_plan_keeps_the_host_rate_it_assumed_and_the_engine_warns_when_steps
                     engine.synchronize()
                     engine.plan.host_s_per_param = engine.optimizer.measured_s_per_param() * planned_factor
                 engine.train_step(tok[:, :-1], tok[:, 1:])
+        engine.synchronize()
         measured, planned = engine.host_rate()
-        engine.close()
         assert measured > 0 and engine.optimizer.updated_numel == _RATE_CHECK_STEP * sum(
             p.numel() for p in model.parameters())
-        return caplog.text
+        text = caplog.text
+        if then is not None:
+            text = then(engine, measured)
+        engine.close()
+        return text
 
     assert "optimistic" in train(0.1)  # planned 10x faster than the steps ran
     assert "pessimistic" in train(10.0)
-    assert "host optimizer ran" not in train(1.0)
+
+    def check_at(factor):
+        def then(engine, measured):  # the threshold alone, on a settled measurement (no timing noise)
+            engine.plan.host_s_per_param = measured * factor
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="xpu.memferry"):
+                engine._check_host_rate()
+            return caplog.text
+        return then
+
+    assert "host optimizer ran" not in train(1.0, check_at(1.0))
+    assert "host optimizer ran" not in train(1.0, check_at(1 / 1.2))
+    assert "optimistic" in train(1.0, check_at(1 / 1.3))
