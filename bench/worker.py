@@ -366,6 +366,8 @@ def run_spec(spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | 
             fpt = flops_per_token(scenario.family, **dims)
             row["flops_per_token"] = fpt
             row["tflops"] = fpt * row["tokens_per_s"] / 1e12
+            if all(x is None for x in losses):  # one part of a step timed alone: no training throughput
+                row["tokens_per_s"] = row["tflops"] = None
             stats = backend.memory_stats(dev)
             tracked = getattr(system, "tracks_device_memory", True)
             row["peak_device_gb"] = stats.peak_allocated / _GB if tracked else None

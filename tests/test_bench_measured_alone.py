@@ -73,6 +73,7 @@ def test_memferry_host_optimizer_alone_row_has_no_loss(cpu_backend):
     row = _row({"name": "memferry", "label": "memferry-host-optimizer", "options": {"measure": "host-optimizer"}})
     assert row["status"] == "ok", row
     assert row["loss"] is None and row["losses"] == [None] * 3 and row["step_s"] > 0
+    assert row["tokens_per_s"] is None and row["tflops"] is None  # not a training step: no throughput
 
 
 def test_memferry_bad_measure_is_refused_before_building_anything(cpu_backend):
