@@ -81,3 +81,33 @@ def test_memferry_bad_measure_is_refused_before_building_anything(cpu_backend):
 
     with pytest.raises(ValueError, match="measure must be 'step' or 'host-optimizer'"):
         MemFerrySystem(_ctx(cpu_backend, {"measure": "optimizer"}))
+
+
+def test_memferry_notes_wait_for_the_last_step_s_host_updates(cpu_backend):
+    """The per-step host figures in the row's notes average every step's updates: read right
+    after the last step, they must wait for that step's updates (still running on the host)."""
+    import time
+
+    from strategies.memferry.bench_system import MemFerrySystem
+
+    options = {"plan": "prefetch", "max_grad_norm": None, "host_threads": None, "host_kernel": "auto", "loss_chunks": 1,
+               "memory_margin": 0.10, "measure": "step"}
+    system = MemFerrySystem(_ctx(cpu_backend, options))
+    kernel = system.engine.optimizer.kernel
+    real = kernel.apply
+
+    def slow(s, coef):  # a host update that outlasts the device's step
+        time.sleep(0.05)
+        return real(s, coef)
+
+    kernel.apply = slow
+    try:
+        inputs, targets = _batch(cpu_backend)
+        for _ in range(2):
+            system.step(inputs, targets)
+        notes = system.notes
+        total = sum(s.master.numel() for s in system.engine.shadow.shadows)
+        assert system.engine.optimizer.updated_numel == 2 * total, notes
+        assert "host AdamW" in notes and "ns/param" in notes
+    finally:
+        system.close()

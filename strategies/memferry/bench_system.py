@@ -77,6 +77,9 @@ class MemFerrySystem(BenchSystem):
         """The plan, and the host optimizer's milliseconds per step by phase."""
         if not self._steps:
             return self._plan_note
+        # The last step's updates may still be running: wait, or the per-step averages below
+        # would count a part of that step's host work as if it were all of it.
+        self.engine.optimizer.wait_all()
         phases = ", ".join(f"{k} {v * 1e3 / self._steps:.1f}" for k, v in self.engine.optimizer.time_s.items())
         measured, planned = self.engine.host_rate()
         rate = "" if measured is None else f"; host AdamW {measured * 1e9:.3f} ns/param" + (
