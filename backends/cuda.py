@@ -8,7 +8,6 @@ is how ``device_view`` builds a CUDA tensor over host memory without a C++ exten
 """
 from __future__ import annotations
 
-import mmap
 import os
 import sys
 import threading
@@ -19,6 +18,7 @@ import torch
 
 from xpu.backend import Backend, MemoryStats
 from xpu.capabilities import Capabilities
+from xpu.hostmem import anonymous_mapping
 from xpu.topology import HOST, DeviceSpec, Link, Topology
 
 __all__ = ["CudaBackend", "pcie_GBps", "nvlink_GBps_per_link"]
@@ -124,7 +124,7 @@ class CudaBackend(Backend):
             return torch.empty(0, dtype=torch.uint8)
         # An anonymous mapping is page-aligned, so no two buffers share a page and each can be
         # registered (and unregistered) on its own.
-        mapping = mmap.mmap(-1, nbytes)
+        mapping = anonymous_mapping(nbytes)  # huge pages if XPU_HOST_HUGEPAGES=1
         buf = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
         self.register_host(buf)
         weakref.finalize(buf.untyped_storage(), self._unregister_ptr, buf.data_ptr())

@@ -48,7 +48,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
-import mmap
 import os
 import re
 import subprocess
@@ -62,6 +61,7 @@ import torch
 from xpu.backend import Backend, MemoryStats
 from xpu.capabilities import Capabilities
 from xpu.errors import CapabilityError, XpuError
+from xpu.hostmem import anonymous_mapping
 from xpu.topology import HOST, DeviceSpec, Link, Topology
 
 __all__ = [
@@ -607,7 +607,7 @@ class NpuBackend(Backend):
             return _pinned_by_torch(nbytes)
         # An anonymous mapping is page-aligned, so no two buffers share a page and each can
         # be registered and unregistered on its own.
-        mapping = mmap.mmap(-1, nbytes)
+        mapping = anonymous_mapping(nbytes)  # huge pages if XPU_HOST_HUGEPAGES=1
         buf = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
         try:
             self._register_span(buf, owner=mapping)

@@ -9,6 +9,8 @@
 # 3. MemFerry's host AdamW alone (the bench's memferry-host-optimizer row) over 2, 5 and 18 units
 #    (1, 4 and 17 layers): does the rate per parameter fall as the units grow?
 # 4. the same at 17 layers with the host optimizer's threads pinned to 16, then 8;
+# 4b. the 17-layer alone row again with XPU_HOST_HUGEPAGES=1 (pinned buffers advised onto 2 MiB
+#     pages), and whether the kernel gave huge pages at all (AnonHugePages around a 1 GiB buffer);
 # 5. also (issue 5's gradient write): diag_dha_linear.py, whose fb_host_ring column says whether
 #    host_linear's backward is faster with grad_write="ring" than with the DHA write.
 set -uo pipefail
@@ -39,6 +41,18 @@ d["model"]["layers"], d["steps"] = 17, 5
 yaml.safe_dump(d, open(os.environ.get("OUT", "/tmp") + "/host-rate/threads.yaml", "w"))
 PY
 timeout 200 python3 -m xpu bench $R/threads.yaml --out $R/alone-17-threads --no-progress > $R/alone-17-threads.log 2>&1
+XPU_HOST_HUGEPAGES=1 timeout 150 python3 -m xpu bench examples/bench/starved-16gb.yaml --systems memferry-host-optimizer \
+  --set model.layers=17 --set steps=5 --out $R/alone-17-hugepages --no-progress > $R/alone-17-hugepages.log 2>&1
+XPU_HOST_HUGEPAGES=1 python3 - <<'PY' | tee $R/hugepages.txt
+import xpu
+def anon_huge():
+    return [l for l in open("/proc/meminfo") if l.startswith("AnonHugePages")][0].strip()
+print("before:", anon_huge())
+b = xpu.get_backend()
+buf = b.alloc_pinned(1 << 30)
+buf.fill_(1)
+print("with a 1 GiB pinned buffer (XPU_HOST_HUGEPAGES=1):", anon_huge())
+PY
 python3 - <<'PY'
 import glob, json, os
 out = os.environ.get("OUT", "/tmp")

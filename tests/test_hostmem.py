@@ -1,0 +1,42 @@
+"""xpu.hostmem: the anonymous mappings behind pinned buffers, and the opt-in huge-page advice."""
+from __future__ import annotations
+
+import pytest
+
+from xpu import hostmem
+
+
+@pytest.fixture
+def advised(monkeypatch):
+    calls = []
+    monkeypatch.setattr(hostmem, "advise_huge_pages", lambda mapping: calls.append(len(mapping)) or True)
+    return calls
+
+
+def test_mappings_are_exact_and_advised_only_when_asked(monkeypatch, advised):
+    monkeypatch.delenv(hostmem.ENV, raising=False)
+    assert len(hostmem.anonymous_mapping(3 * hostmem.HUGE_PAGE_BYTES + 5)) == 3 * hostmem.HUGE_PAGE_BYTES + 5
+    assert advised == []  # default: 4 KiB pages, as before
+    monkeypatch.setenv(hostmem.ENV, "1")
+    hostmem.anonymous_mapping(4 * hostmem.HUGE_PAGE_BYTES)
+    hostmem.anonymous_mapping(4096)  # smaller than one huge page: nothing to advise
+    assert advised == [4 * hostmem.HUGE_PAGE_BYTES]
+    monkeypatch.setenv(hostmem.ENV, "0")
+    hostmem.anonymous_mapping(4 * hostmem.HUGE_PAGE_BYTES)
+    assert advised == [4 * hostmem.HUGE_PAGE_BYTES]
+
+
+def test_a_bad_setting_or_size_says_what_would_work(monkeypatch):
+    monkeypatch.setenv(hostmem.ENV, "yes")
+    with pytest.raises(ValueError, match="XPU_HOST_HUGEPAGES must be 1 .* or 0, got 'yes'"):
+        hostmem.anonymous_mapping(hostmem.HUGE_PAGE_BYTES)
+    monkeypatch.delenv(hostmem.ENV)
+    with pytest.raises(ValueError, match="positive size"):
+        hostmem.anonymous_mapping(0)
+
+
+def test_the_real_advice_never_raises():
+    mapping = hostmem.anonymous_mapping(2 * hostmem.HUGE_PAGE_BYTES)
+    assert hostmem.advise_huge_pages(mapping) in (True, False)  # False where the kernel has no THP
+    mapping[0:4] = b"abcd"  # still ordinary memory
+    assert mapping[0:4] == b"abcd"

@@ -1,0 +1,58 @@
+"""Anonymous host mappings for the backends' pinned buffers, optionally on huge pages.
+
+Why a mapping of our own: a page-aligned mapping per buffer registers (pins) and unregisters
+on its own, exactly sized (see ``backends/cuda.py``). Why huge pages, optionally: the host
+optimizer streams tens of GB of pinned buffers per step; with 4 KiB pages that is millions of
+page-table entries, and the page walks compete with the data for the CPU's caches. With
+``XPU_HOST_HUGEPAGES=1`` each mapping is advised ``MADV_HUGEPAGE`` before it is registered, so
+where the kernel's transparent huge pages are ``madvise`` or ``always`` the memory is faulted
+in as 2 MiB pages. Off by default until a GPU machine has measured it (see
+``bench/scripts/gpu_host_rate.sh``); where the kernel refuses, the advice is a no-op.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+
+__all__ = ["anonymous_mapping", "huge_pages_wanted", "advise_huge_pages", "HUGE_PAGE_BYTES", "ENV"]
+
+#: The environment variable that asks for huge pages: ``1`` (advise) or ``0``/unset (do not).
+ENV = "XPU_HOST_HUGEPAGES"
+#: Size of one transparent huge page on x86-64 and (4 KiB-granule) arm64.
+HUGE_PAGE_BYTES = 2 << 20
+
+
+def huge_pages_wanted() -> bool:
+    """Whether ``XPU_HOST_HUGEPAGES`` asks for huge pages.
+
+    Raises:
+        ValueError: the variable holds something other than ``0`` or ``1``.
+    """
+    value = os.environ.get(ENV, "0").strip()
+    if value not in ("0", "1", ""):
+        raise ValueError(f"{ENV} must be 1 (advise huge pages for pinned host buffers) or 0, got {value!r}")
+    return value == "1"
+
+
+def advise_huge_pages(mapping: mmap.mmap) -> bool:
+    """Advise ``MADV_HUGEPAGE`` on ``mapping``; False where this Python or kernel cannot."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or not hasattr(mapping, "madvise"):
+        return False
+    try:
+        mapping.madvise(advice)
+    except OSError:  # e.g. a kernel built without transparent huge pages
+        return False
+    return True
+
+
+def anonymous_mapping(nbytes: int) -> mmap.mmap:
+    """A page-aligned anonymous mapping of ``nbytes`` bytes (> 0), advised onto huge pages when
+    :func:`huge_pages_wanted` and it spans at least one huge page. Touch or register it after
+    this call: the advice applies to pages faulted in afterwards."""
+    if nbytes <= 0:
+        raise ValueError(f"anonymous_mapping needs a positive size, got {nbytes}")
+    mapping = mmap.mmap(-1, nbytes)
+    if nbytes >= HUGE_PAGE_BYTES and huge_pages_wanted():
+        advise_huge_pages(mapping)
+    return mapping
