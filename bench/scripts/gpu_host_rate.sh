@@ -8,7 +8,8 @@
 # 2. the profiler's own figure, host_adamw_rate, on one 50 M buffer, with and without DMA load;
 # 3. MemFerry's host AdamW alone (the bench's memferry-host-optimizer row) over 2, 5 and 18 units
 #    (1, 4 and 17 layers): does the rate per parameter fall as the units grow?
-# 4. the same at 17 layers with the host optimizer's threads pinned to 16, then 8;
+# 4. the same at 17 layers with the host optimizer's threads pinned to 16, then 8, and with the
+#    compiled single-pass kernel;
 # 4b. the 17-layer alone row again with XPU_HOST_HUGEPAGES=1 (pinned buffers advised onto 2 MiB
 #     pages), and whether the kernel gave huge pages at all (AnonHugePages around a 1 GiB buffer);
 # 5. also (issue 5's gradient write): diag_dha_linear.py, whose fb_host_ring column says whether
@@ -36,11 +37,15 @@ python3 - <<'PY'  # one scenario with the host optimizer's threads pinned, 16 th
 import os, yaml
 d = yaml.safe_load(open("examples/bench/starved-16gb.yaml"))
 d["systems"] = [{"name": "memferry", "label": f"memferry-host-optimizer-threads{t}",
-                 "options": {"measure": "host-optimizer", "host_threads": t}} for t in (16, 8)]
+                 "options": {"measure": "host-optimizer", "host_threads": t}} for t in (16, 8)] + [
+    # the compiled single-pass kernel (28 B/param instead of 40), alone: session 2 found it 1.6x
+    # faster than the three passes at a fixed size but 3-4x slower inside training steps
+    {"name": "memferry", "label": "memferry-host-optimizer-single-pass",
+     "options": {"measure": "host-optimizer", "host_kernel": "single-pass"}}]
 d["model"]["layers"], d["steps"] = 17, 5
 yaml.safe_dump(d, open(os.environ.get("OUT", "/tmp") + "/host-rate/threads.yaml", "w"))
 PY
-timeout 200 python3 -m xpu bench $R/threads.yaml --out $R/alone-17-threads --no-progress > $R/alone-17-threads.log 2>&1
+timeout 260 python3 -m xpu bench $R/threads.yaml --out $R/alone-17-threads --no-progress > $R/alone-17-threads.log 2>&1
 XPU_HOST_HUGEPAGES=1 timeout 150 python3 -m xpu bench examples/bench/starved-16gb.yaml --systems memferry-host-optimizer \
   --set model.layers=17 --set steps=5 --out $R/alone-17-hugepages --no-progress > $R/alone-17-hugepages.log 2>&1
 XPU_HOST_HUGEPAGES=1 python3 - <<'PY' | tee $R/hugepages.txt
