@@ -92,3 +92,27 @@ def test_invalid_jobs_are_refused_before_processes_start():
         launch([PipelineJob(DIMS, schedule="zb")], 2)
     with pytest.raises(ValueError, match="equal micro-batches"):
         launch([PipelineJob(DIMS, microbatches=3, batch=8)], 2)
+
+
+def test_a_stage_moves_a_host_batch_to_its_device_and_plans_peers_without_touching_them():
+    """pipelining feeds the first stage's input to the module as given, so StageRuntime.step
+    moves a host batch to the stage's device; and the planner takes a peer's memory from the
+    topology, not from a runtime query that would open a context on that device."""
+    from types import SimpleNamespace
+
+    from strategies.mpress.pipeline import _device_total, _on_device
+
+    moved = []
+    backend = SimpleNamespace(device=lambda rank: torch.device("meta"),
+                              to_device=lambda t, rank: moved.append(rank) or t.to("meta"))
+    host = torch.ones(2, 3)
+    assert _on_device(backend, 1, host).device.type == "meta" and moved == [1]
+    assert _on_device(backend, 1, None) is None
+    already = torch.empty(2, device="meta")
+    assert _on_device(backend, 1, already) is already and moved == [1]
+
+    queried = []
+    topo = SimpleNamespace(devices=[SimpleNamespace(index=0, total_bytes=80), SimpleNamespace(index=1, total_bytes=0)])
+    backend = SimpleNamespace(topology=lambda: topo, mem_info=lambda d: queried.append(d) or (1, 64))
+    assert _device_total(backend, 0) == 80 and queried == []
+    assert _device_total(backend, 1) == 64 and queried == [1]  # unknown to the topology: asked at run time

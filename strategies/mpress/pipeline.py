@@ -298,6 +298,24 @@ def _profile_of(executor: Any, stage: Any, rank: int, peak: int, microbatches: i
                         saved=tuple(saved), budget_bytes=budget, clock_s=executor.origin)
 
 
+def _on_device(backend: Any, rank: int, t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` on ``rank``'s device (copied there if it is elsewhere, e.g. a host batch); None stays None."""
+    if t is None or t.device == backend.device(rank):
+        return t
+    return backend.to_device(t, rank)
+
+
+def _device_total(backend: Any, index: int) -> int:
+    """Device ``index``'s whole memory from the topology (NVML on CUDA: no runtime call, so a
+    stage process opens no context on its peers' devices); ``mem_info`` where the topology does
+    not know it."""
+    devices = backend.topology().devices
+    spec = next((d for d in devices if d.index == index), None)
+    if spec is not None and spec.total_bytes:
+        return int(spec.total_bytes)
+    return backend.mem_info(index)[1]
+
+
 class StageRuntime:
     """One rank's pipeline stage, built, profiled, planned and ready to train.
 
@@ -384,7 +402,7 @@ class StageRuntime:
         # Plan, then check the plan by one uncapped step: the model predicts peaks, the cap is
         # enforced on measured ones. A device that overshoots gets its planning budget lowered by
         # the overshoot and the plan is redone (a few rounds at most).
-        plan_budgets = {d: budgets.get(d, backend.mem_info(d)[1]) for d in range(world)}
+        plan_budgets = {d: budgets[d] if d in budgets else _device_total(backend, d) for d in range(world)}
         for attempt in range(4):
             box: list[Any] = [None]
             if rank == 0:
@@ -513,6 +531,9 @@ class StageRuntime:
         """
         stage, schedule = self.stage, self._schedule
         losses: list[torch.Tensor] = []
+        # torch.distributed.pipelining feeds the first stage's inputs (and the last stage's
+        # targets) to the module as given: a host batch must reach this stage's device first.
+        idx, tgt = (_on_device(self.backend, self.rank, t) for t in (idx, tgt))
         with self.backend.device_scope(self.rank):
             if stage.is_first and stage.is_last:
                 schedule.step(idx, target=tgt, losses=losses)
