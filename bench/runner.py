@@ -12,6 +12,7 @@ Python use (the same entry as ``xpu bench``)::
 """
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
 import json
 import os
@@ -41,6 +42,44 @@ def _env() -> dict[str, str]:
     return env
 
 
+# Process groups of the workers running now. Each worker runs in its own session (so a timeout
+# can kill it with its children), which also means a signal ending this process would not
+# reach it: on SIGTERM, SIGINT or SIGHUP (e.g. ``timeout`` around ``xpu bench``) and at exit
+# they are killed here, or they would hold the device into whatever runs next.
+_LIVE_GROUPS: set[int] = set()
+_handlers_installed = False
+
+
+def _kill_live_workers() -> None:
+    for pgid in list(_LIVE_GROUPS):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        _LIVE_GROUPS.discard(pgid)
+
+
+def _install_signal_handlers() -> None:
+    """Kill live workers before this process ends by a signal (once; main thread only)."""
+    global _handlers_installed
+    if _handlers_installed or threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        previous = signal.getsignal(sig)
+
+        def handler(signum: int, frame: Any, previous: Any = previous) -> None:
+            _kill_live_workers()
+            if callable(previous):
+                previous(signum, frame)  # e.g. Python's KeyboardInterrupt for SIGINT
+            elif previous != signal.SIG_IGN:  # the default action: end as the signal would have
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+        signal.signal(sig, handler)
+    atexit.register(_kill_live_workers)
+    _handlers_installed = True
+
+
 def spawn_worker(args: list[str], *, timeout_s: float, log_path: Path | None = None,
                  on_progress: Callable[[dict[str, Any]], None] | None = None) -> tuple[int | None, str, bool]:
     """Run ``python -m bench.worker ARGS`` in its own process group.
@@ -50,8 +89,10 @@ def spawn_worker(args: list[str], *, timeout_s: float, log_path: Path | None = N
     process group is killed (DeepSpeed/ZenFlow may have started children).
     """
     cmd = [sys.executable, "-m", "bench.worker", *args]
+    _install_signal_handlers()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                             env=_env(), cwd=str(REPO_ROOT), start_new_session=True)
+    _LIVE_GROUPS.add(proc.pid)
     tail: list[str] = []
     log = open(log_path, "w") if log_path else None
 
@@ -83,6 +124,8 @@ def spawn_worker(args: list[str], *, timeout_s: float, log_path: Path | None = N
         except ProcessLookupError:
             pass
         proc.wait()
+    finally:
+        _LIVE_GROUPS.discard(proc.pid)
     reader.join(timeout=5)
     if log:
         log.close()

@@ -177,3 +177,39 @@ def test_memferry_timeline_puts_host_updates_on_the_cpu_optimizer_lane(tmp_path)
     spans = [e for e in events if str(e.get("name", "")).startswith("optimizer:host")]
     assert {e["name"] for e in spans} == {"optimizer:host blocks.0", "optimizer:host blocks.1", "optimizer:host rest"}
     assert {lanes[(e["pid"], e["tid"])] for e in spans} == {"CPU optimizer"}
+
+
+def test_a_signal_ending_the_runner_kills_its_live_workers(tmp_path):
+    """Workers run in their own sessions (so a timeout can kill their children too), so a
+    SIGTERM to the runner (``timeout xpu bench ...``) would not reach them: the runner kills
+    them itself, or they would hold the device into the next run."""
+    import signal
+    import time
+
+    script = tmp_path / "runner.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "from bench import runner\n"
+        "p = subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
+        "runner._install_signal_handlers()\n"
+        "runner._LIVE_GROUPS.add(p.pid)\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    worker = int(proc.stdout.readline())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == -signal.SIGTERM  # ended as SIGTERM ends it, after the cleanup
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            break
+        with open(f"/proc/{worker}/stat") as fh:  # a zombie awaiting its reaper is dead too
+            if fh.read().split()[2] == "Z":
+                break
+        time.sleep(0.1)
+    else:
+        os.kill(worker, signal.SIGKILL)
+        pytest.fail("the worker outlived the runner")
