@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,6 +102,32 @@ def test_plan_auto_is_scheduled_once_and_shared_by_every_rank(tmp_path):
     plans = [torch.load(tmp_path / f"auto{r}.pt", weights_only=False) for r in range(WORLD)]
     assert plans[0]["predicted"] is not None
     assert plans[0] == plans[1]
+
+
+def _failing_auto_rank(rank, port, out_dir):
+    os.environ.update(XPU_BACKEND="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import xpu
+
+    xpu.reset_backend()
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    x, y = _data()[0]
+    sample = (x[:2], y[:2]) if rank == 0 else None
+    try:
+        MemFerry(TinyGPT(), optim=AdamW(), plan="auto", loss_fn=lm_loss, device=rank, sample=sample, device_budget=4096)
+        outcome = "no error"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    (Path(out_dir) / f"failed{rank}.txt").write_text(outcome)
+    dist.destroy_process_group()
+
+
+def test_a_plan_the_first_rank_cannot_make_fails_every_rank_instead_of_hanging_them(tmp_path):
+    """Only the first rank schedules; when no plan fits there, the others must hear of it (they
+    raised nothing and waited for a plan, up to gloo's 30-minute default, before)."""
+    mp.start_processes(_failing_auto_rank, args=(_free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
+    first, other = ((tmp_path / f"failed{r}.txt").read_text() for r in range(WORLD))
+    assert first.startswith("ValueError: no plan fits a device budget"), first
+    assert other.startswith("RuntimeError: rank 0 could not schedule MemFerry's plan: ValueError: no plan fits"), other
 
 
 def test_weight_loads_over_the_multipath_copier_train_exactly(cpu_backend):

@@ -14,13 +14,18 @@ its collectives in the same order on every rank.
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DataParallel"]
+__all__ = ["DataParallel", "GROUP_TIMEOUT"]
+
+#: Timeout of the gloo groups MemFerry makes (weight shards, the shared plan). gloo's default
+#: is 30 minutes: a rank that failed would leave the others waiting that long.
+GROUP_TIMEOUT = datetime.timedelta(minutes=5)
 
 
 @dataclass
@@ -57,7 +62,8 @@ class DataParallel:
         if world == 1:
             return None
         ranks = dist.get_process_group_ranks(group)
-        weight_group = dist.new_group(ranks, backend="gloo")  # host tensors: gloo handles them on any device
+        # host tensors: gloo handles them on any device
+        weight_group = dist.new_group(ranks, backend="gloo", timeout=GROUP_TIMEOUT)
         return cls(dist.get_rank(group), world, group, weight_group, device)
 
     def shard(self, numel: int) -> tuple[int, slice]:

@@ -20,7 +20,7 @@ import xpu
 from xpu import Backend
 
 from .config import AdamW, Plan, UnitPlan
-from .data_parallel import DataParallel
+from .data_parallel import GROUP_TIMEOUT, DataParallel
 from .device_optimizer import DeviceOptimizer
 from .executor import Executor, check_plan
 from .host_optimizer import HostOptimizer
@@ -214,11 +214,22 @@ class MemFerry:
         if group is None or dist.get_world_size(group) == 1:
             return self._schedule(*args)
         ranks = dist.get_process_group_ranks(group)
-        box: list[Any] = [self._schedule(*args) if dist.get_rank() == ranks[0] else None]
+        failure: BaseException | None = None
+        box: list[Any] = [None]
+        if dist.get_rank() == ranks[0]:
+            try:
+                box[0] = self._schedule(*args)
+            except Exception as exc:  # every rank raises it, instead of the others waiting for a plan
+                failure, box[0] = exc, RuntimeError(f"rank {ranks[0]} could not schedule MemFerry's plan: "
+                                                    f"{type(exc).__name__}: {exc}")
         # Objects travel over gloo on every backend (NCCL would need them staged on the device).
-        objects = dist.new_group(ranks, backend="gloo")
+        objects = dist.new_group(ranks, backend="gloo", timeout=GROUP_TIMEOUT)
         dist.broadcast_object_list(box, src=ranks[0], group=objects)
         dist.destroy_process_group(objects)
+        if failure is not None:
+            raise failure
+        if isinstance(box[0], BaseException):
+            raise box[0]
         return box[0]
 
     def _schedule(self, model: nn.Module, units: list, blocks: Any, loss_fn: Any, sample: Any,
