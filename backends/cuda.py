@@ -215,8 +215,8 @@ def _nvml_topology(n: int) -> Topology:
 
         pynvml.nvmlInit()
     except Exception as exc:  # no NVML: report devices with a conservative PCIe Gen4 x16 guess
-        links = tuple(Link(HOST, d.index, "pcie", pcie_GBps(4, 16), detail="assumed; NVML unavailable") for d in devices)
-        return Topology(devices, links, source=f"torch (NVML unavailable: {exc})")
+        links = [Link(HOST, d.index, "pcie", pcie_GBps(4, 16), detail="assumed; NVML unavailable") for d in devices]
+        return Topology(devices, tuple(links + _peer_links_nvml_missed(n, links)), source=f"torch (NVML unavailable: {exc})")
 
     by_uuid = {}
     for k in range(pynvml.nvmlDeviceGetCount()):
@@ -275,7 +275,23 @@ def _nvml_topology(n: int) -> Topology:
             elif _try(lambda: pynvml.nvmlDeviceGetP2PStatus(handles[i], handles[j], 0)) == 0:  # READ caps index
                 rate = min(links[i].GBps, links[j].GBps)
                 links.append(Link(i, j, "pcie", rate, detail="PCIe peer-to-peer"))
-    return Topology(tuple(specs), tuple(links), source="nvml")
+    return Topology(tuple(specs), tuple(links + _peer_links_nvml_missed(n, links)), source="nvml")
+
+
+def _peer_links_nvml_missed(n: int, links: list[Link]) -> list[Link]:
+    """A link for each device pair the CUDA runtime can reach directly but NVML reported
+    nothing between (some virtual machines hide NVLink from NVML): without it, route
+    discovery would see no relay. Priced at the slower of the two host links, a floor; the
+    multi-path copier measures real rates as it goes."""
+    known = {(min(l.src, l.dst), max(l.src, l.dst)) for l in links if l.src != HOST}
+    host_rate = {l.dst: l.GBps for l in links if l.src == HOST}
+    out = []
+    for i in range(n):
+        for j in range(i + 1, n):
+            if (i, j) not in known and _try(lambda: torch.cuda.can_device_access_peer(i, j)):
+                rate = min(host_rate.get(i, 0.0), host_rate.get(j, 0.0)) or pcie_GBps(4, 16)
+                out.append(Link(i, j, "peer", rate, detail="peer access (CUDA runtime); NVML reported no link"))
+    return out
 
 
 def _sysfs_numa(bus: Any) -> int | None:
