@@ -357,6 +357,7 @@ class MultiPathCopier:
 
     # ------------------------------------------------------------------ route worker
     def _work(self, runner: _RouteRunner, reports: queue.Queue) -> None:
+        self.backend.bind_process(self.target)  # a new thread starts on device 0 (a context there, per process)
         pending: deque[_Issued] = deque()
         name = runner.route.name
         while True:

@@ -397,3 +397,24 @@ def test_the_plan_keeps_the_host_rate_it_assumed_and_the_engine_warns_when_steps
     assert "host optimizer ran" not in train(1.0, check_at(1.0))
     assert "host optimizer ran" not in train(1.0, check_at(1 / 1.2))
     assert "optimistic" in train(1.0, check_at(1 / 1.3))
+
+
+def test_the_host_optimizer_thread_binds_the_engine_s_device_first(cpu_backend, monkeypatch):
+    """A new thread starts on device 0: the host optimizer's worker binds the engine's device
+    before it waits on any event (else every rank's process opens a context on device 0)."""
+    import threading
+
+    from bench.models import build_model
+    from strategies.memferry import AdamW, MemFerry
+
+    bound = []
+    real = cpu_backend.bind_process
+    monkeypatch.setattr(cpu_backend, "bind_process",
+                        lambda index: bound.append((threading.current_thread().name, index)) or real(index))
+    torch.manual_seed(0)
+    model = build_model("gpt", layers=1, hidden=32, heads=2, vocab=64, seq=16)
+    tok = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    engine = MemFerry(model, optim=AdamW(lr=1e-3), plan="prefetch", backend=cpu_backend, device=1, blocks=model.blocks)
+    engine.train_step(tok[:, :-1], tok[:, 1:])
+    engine.close()
+    assert ("memferry-host-adamw", 1) in bound

@@ -152,7 +152,9 @@ class Backend(abc.ABC):
 
         Collective libraries that stage objects on the current device (NCCL's
         ``all_gather_object``, ``barrier``) then use the rank's own device, not device 0.
-        Unlike :meth:`device_scope` it is not undone; allocation tracking is unchanged.
+        Unlike :meth:`device_scope` it is not undone; allocation tracking is unchanged. CUDA and
+        NPU keep the current device per host thread: a worker thread that touches the device
+        calls it too, or it starts on device 0.
         """
         torch.accelerator.set_device_index(self.index_of(index))
 

@@ -8,6 +8,7 @@ or, step by step: ``loss = loss_fn(engine(batch), targets); engine.backward(loss
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any, Callable
@@ -191,7 +192,8 @@ class MemFerry:
             self.backend.set_memory_cap(self.device, previous_cap)
             raise
         del originals
-        self.optimizer = HostOptimizer(self.cfg, self.shadow.shadows, self.dp)
+        self.optimizer = HostOptimizer(self.cfg, self.shadow.shadows, self.dp,
+                                       bind=functools.partial(self.backend.bind_process, self.device))
         self.device_optimizer = DeviceOptimizer(self.cfg, self.shadow.shadows, self.backend)
         self.copier = self._copier(multipath)
         self.executor = Executor(self.backend, self.device, self.shadow, plan, self.optimizer, self.device_optimizer,

@@ -36,10 +36,15 @@ class HostOptimizer:
         cfg: optimizer settings.
         shadows: all units' buffers, by unit index.
         dp: data-parallel set-up; each update is followed by the exchange of weight shards.
+        bind: called first in the worker thread, e.g. to make the engine's device the thread's
+            current one (a new thread starts on device 0: waiting on an event there would open
+            a context on device 0 in every rank's process).
     """
 
-    def __init__(self, cfg: AdamW, shadows: list[UnitShadow], dp: DataParallel | None = None) -> None:
+    def __init__(self, cfg: AdamW, shadows: list[UnitShadow], dp: DataParallel | None = None,
+                 bind: Callable[[], None] | None = None) -> None:
         self.cfg = cfg
+        self._bind = bind
         self.dp = dp
         self.shadows = shadows
         self.kernel = make_host_kernel(cfg.host_kernel, cfg, [s for s in shadows if s.home == "host"])
@@ -135,6 +140,14 @@ class HostOptimizer:
             raise RuntimeError("the host optimizer failed; training state is no longer consistent") from self._error
 
     def _run(self) -> None:
+        if self._bind is not None:
+            try:
+                self._bind()
+            except BaseException as exc:  # surfaced in the training thread, as any worker failure
+                self._error = exc
+                for ev in self._done:
+                    ev.set()
+                return
         if self.cfg.host_threads is not None:
             torch.set_num_threads(self.cfg.host_threads)  # this thread's OpenMP team
         # Tasks are (kind, argument, callback): ("grad", unit index, wait-for-landing),
