@@ -232,3 +232,21 @@ def test_without_peer_access_only_the_direct_route_is_used(monkeypatch):
         assert torch.equal(copier.h2d(x).synchronize(), x)
     finally:
         xpu.reset_backend()
+
+
+def test_route_threads_bind_the_target_device_first(cpu_backend, monkeypatch):
+    """Each route's thread makes the copier's target its current device before it issues
+    copies: a new thread starts on device 0 (on CUDA, a context there in every process)."""
+    import threading
+
+    bound = []
+    real = cpu_backend.bind_process
+    monkeypatch.setattr(cpu_backend, "bind_process",
+                        lambda index: bound.append((threading.current_thread().name, index)) or real(index))
+    copier = MultiPathCopier(cpu_backend, 1, chunk_bytes=128 * KB, probe=None)
+    src = cpu_backend.host_arena.empty(1 << 20)
+    src.random_(0, 255)
+    assert torch.equal(copier.h2d(src).synchronize(), src)
+    names = {name for name, index in bound if index == 1}
+    assert {f"scaleup-{r.name}" for r in copier.routes} <= names, bound
+    copier.close()
