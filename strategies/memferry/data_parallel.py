@@ -11,6 +11,12 @@ for masters and moments are split ``world`` ways.
 Two process groups keep the collectives of two threads apart: gradients are reduced from the
 training thread, weight shards gathered from the host optimizer's thread; each thread issues
 its collectives in the same order on every rank.
+
+Loading weights to the device, each rank copies only its shard host->device and the ranks
+all-gather the rest device to device, so every rank's host link carries 1/world of each unit
+(ScaleUp-MemFerry's multi-path idea under data parallelism: the peers are the other paths).
+A rank's host working copy then needs only its own shard current; the host-side exchange of
+shards remains only for units read in place by DHA.
 """
 from __future__ import annotations
 
@@ -82,6 +88,16 @@ class DataParallel:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, group=self.grad_group)
         return float(t.item())
+
+    def all_gather_async(self, flat: torch.Tensor) -> Any:
+        """Start filling every rank's shard of device tensor ``flat`` (padded to a multiple of
+        ``world``) from its owner, in place, over the device group (NCCL over NVLink, not the
+        host link). Returns the collective's handle: its ``wait()`` orders the current stream
+        after the gather (and blocks the host only on gloo). Training thread only."""
+        size = flat.numel() // self.world
+        mine = flat[self.rank * size:(self.rank + 1) * size]
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+        return gather(flat, mine, group=self.grad_group, async_op=True)
 
     def gather(self, full: torch.Tensor) -> None:
         """Fill every rank's shard of host tensor ``full`` from its owner (in place)."""

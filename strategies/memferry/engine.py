@@ -192,8 +192,11 @@ class MemFerry:
             self.backend.set_memory_cap(self.device, previous_cap)
             raise
         del originals
+        blocks_ = [u for u in units if u.is_block]
+        read_in_place = frozenset(u.index for u, up in zip(blocks_, plan.units) if "dha" in (up.forward, up.backward))
         self.optimizer = HostOptimizer(self.cfg, self.shadow.shadows, self.dp,
-                                       bind=functools.partial(self.backend.bind_process, self.device))
+                                       bind=functools.partial(self.backend.bind_process, self.device),
+                                       whole_on_host=read_in_place)
         self.device_optimizer = DeviceOptimizer(self.cfg, self.shadow.shadows, self.backend)
         self.copier = self._copier(multipath)
         self.executor = Executor(self.backend, self.device, self.shadow, plan, self.optimizer, self.device_optimizer,

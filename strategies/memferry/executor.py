@@ -230,17 +230,28 @@ class Executor:
                 # allocated on the copy stream could later serve only that stream, and the
                 # device would hold both pools (reserved memory far above what is in use).
                 self.b.realloc_storage(s.device_flat, self.dev)
+            # Under data parallelism this rank brings only its shard over the host link; the
+            # ranks all-gather the rest device to device (data_parallel.py).
+            dp = self.shadow.dp
+            dst, src = (s.device_flat[s.shard], s.work[s.shard]) if dp is not None else (s.device_flat, s.work)
             if self.copier is not None:
                 # Split over routes by the copier's threads; it fences after the compute stream itself.
-                ready: Any = self.copier.copy(s.device_flat, s.work)
+                ready: Any = self.copier.copy(dst, src)
             else:
                 allocated = self.b.event()
                 allocated.record(self.compute)
                 self.h2d.wait_event(allocated)
-                self.b.copy(s.device_flat, s.work, self.h2d)
+                self.b.copy(dst, src, self.h2d)
                 ready = self.b.event()
                 ready.record(self.h2d)
-        self.bytes_h2d += s.nbytes_work
+            if dp is not None:
+                with self.b.use_stream(self.h2d):  # the gather waits for this shard's copy, not for compute
+                    if isinstance(ready, Transfer):
+                        ready.wait(self.h2d)
+                    else:
+                        self.h2d.wait_event(ready)
+                    ready = _Gathered(dp.all_gather_async(s.device_flat))
+        self.bytes_h2d += dst.numel() * dst.element_size()
         self._loaded[index] = ready
 
     def _use(self, s: UnitShadow, mode: str) -> None:
@@ -256,6 +267,8 @@ class Executor:
         ready = self._loaded[index]
         if isinstance(ready, Transfer):
             ready.wait(self.compute)  # a multi-path transfer: the stream waits for its last chunk
+        elif isinstance(ready, _Gathered):
+            ready.work.wait()  # the current (compute) stream waits for the ranks' all-gather
         else:
             self.compute.wait_event(ready)
         s.bind(s.device_views)
@@ -361,6 +374,13 @@ class Executor:
         if self.unit_plans[s.unit.index].backward != "dha":
             self._release(s)
         self.opt.submit(s.unit.index, landed.synchronize)
+
+
+class _Gathered:
+    """A load completed by an all-gather over the ranks (its collective handle)."""
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
 
 
 def check_plan(plan: Plan, n_blocks: int, backend: Backend) -> None:

@@ -35,15 +35,20 @@ class HostOptimizer:
     Args:
         cfg: optimizer settings.
         shadows: all units' buffers, by unit index.
-        dp: data-parallel set-up; each update is followed by the exchange of weight shards.
+        dp: data-parallel set-up; the update of a unit in ``whole_on_host`` is followed by the
+            exchange of weight shards on the host.
+        whole_on_host: indices of units whose whole working copy is read in host memory (DHA):
+            under data parallelism only these exchange updated shards on the host; the others
+            are loaded shard by shard and all-gathered on the devices.
         bind: called first in the worker thread, e.g. to make the engine's device the thread's
             current one (a new thread starts on device 0: waiting on an event there would open
             a context on device 0 in every rank's process).
     """
 
     def __init__(self, cfg: AdamW, shadows: list[UnitShadow], dp: DataParallel | None = None,
-                 bind: Callable[[], None] | None = None) -> None:
+                 bind: Callable[[], None] | None = None, whole_on_host: frozenset[int] = frozenset()) -> None:
         self.cfg = cfg
+        self.whole_on_host = whole_on_host
         self._bind = bind
         self.dp = dp
         self.shadows = shadows
@@ -193,9 +198,9 @@ class HostOptimizer:
         for phase, seconds in self.kernel.apply(s, coef).items():
             self.time_s[phase] += seconds
         self.updated_numel += s.master.numel()
-        if self.dp is not None:
+        if self.dp is not None and index in self.whole_on_host:
             t0 = time.perf_counter()
-            self.dp.gather(s.work)  # every rank's working copy whole again for the next forward
+            self.dp.gather(s.work)  # read whole in place by DHA: every rank's copy whole again
             self.time_s["writeback"] += time.perf_counter() - t0
         self._done[index].set()
 
