@@ -49,6 +49,7 @@ def _rank(rank, port, plan_spec, clip, out_dir):
     engine.close()
     torch.save({"losses": losses, "model": state["model"], "host_units": host_units, "bytes_h2d": loaded},
                os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()  # see _failing_auto_rank
     dist.destroy_process_group()
 
 
@@ -113,6 +114,7 @@ def _auto_rank(rank, port, out_dir):
     engine.close()
     torch.save({"units": plan.units, "rest": plan.rest_optimizer, "predicted": plan.predicted_step_s},
                os.path.join(out_dir, f"auto{rank}.pt"))
+    dist.barrier()  # see _failing_auto_rank
     dist.destroy_process_group()
 
 

@@ -78,15 +78,12 @@ def _dp_rank(rank, port, plan_spec, clip, out_dir, env):
                 losses.append(engine.train_step(x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]).item())
             state = engine.state_dict()  # a collective: every rank gets the whole
             shadows = engine.shadow.shadows
-            routed: dict[str, int] = {}
-            if engine.copier is not None:  # weight loads over the multi-path copier (on by default under DP with peers)
-                for obs in engine.copier.policy.history:
-                    routed[obs.route] = routed.get(obs.route, 0) + obs.nbytes
-            out = {"losses": losses, "model": state["model"],
+            out = {"losses": losses, "model": state["model"], "bytes_h2d": engine.executor.bytes_h2d,
+                   "copier": engine.copier is not None,
                    "host_units": [(s.unit.numel, s.master.numel()) for s in shadows if s.home == "host"],
                    "device_units": sum(s.home == "device" for s in shadows),
                    "backend": backend.name, "dist_backend": str(dist.get_backend(engine.dp.grad_group)),
-                   "dp_device": str(engine.dp.device), "routed": routed}
+                   "dp_device": str(engine.dp.device)}
             engine.close()
         finally:
             dist.destroy_process_group()
@@ -128,14 +125,21 @@ def _check_data_parallel(b, tmp_path, plan_spec, clip, env):
 
 @pytest.mark.parametrize("plan_spec, clip", DP_PLANS)
 def test_data_parallel_memferry_on_two_devices_equals_one_process(two_devices, tmp_path, plan_spec, clip):
-    """MemFerry under data parallelism on devices 0 and 1 (gradients all-reduced over NCCL on
-    CUDA, host shards exchanged over gloo) trains like plain AdamW on the whole batch."""
+    """MemFerry under data parallelism on devices 0 and 1 (gradients all-reduced and weight
+    shards all-gathered over NCCL on CUDA) trains like plain AdamW on the whole batch."""
     ranks = _check_data_parallel(two_devices, tmp_path, plan_spec, clip, _child_env())
-    if two_devices.caps.peer_access:
-        # Multipath is on by default under DP where peers are reachable: each rank's weight loads
-        # went over the copier (its direct link and the relay through the other device).
-        for r, res in enumerate(ranks):
-            assert sum(res["routed"].values()) > 0 and f"host->{r}" in res["routed"], res["routed"]
+    # Each rank brought only its shard of every load over its host link (the ranks all-gathered
+    # the rest device to device), so half of what one process loads for the same steps.
+    torch.manual_seed(0)
+    alone = MemFerry(TinyGPT(), optim=AdamW(lr=3e-3, weight_decay=0.1, max_grad_norm=clip),
+                     plan=Plan.from_spec(plan_spec, 4), loss_fn=lm_loss, backend=two_devices, device=0)
+    for x, y in _data():
+        alone.train_step(x[: x.shape[0] // WORLD], y[: y.shape[0] // WORLD])
+    one = alone.executor.bytes_h2d
+    alone.close()
+    for res in ranks:
+        assert not res["copier"]  # no relays under DP: the peers' links carry their own shards
+        assert res["bytes_h2d"] == pytest.approx(one / WORLD, rel=0.02), (res["bytes_h2d"], one)
 
 
 # ---------------------------------------------------------------------------------------------

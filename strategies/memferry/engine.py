@@ -123,8 +123,12 @@ class MemFerry:
             whole world when torch.distributed is initialised with several ranks, else none.
         sample: ``(inputs, targets)`` of one batch, for ``plan="auto"``.
         multipath: route weight loads through the scaleup multi-path copier (the direct host link
-            plus relays through peer devices, split adaptively: ScaleUp-MemFerry). None: on under
-            data parallelism where the backend reaches peers, else off.
+            plus relays through peer devices, split adaptively: ScaleUp-MemFerry), for a process
+            whose peers' host links are idle. None or False: off. Under data parallelism the
+            ranks already use each other's links: each loads its shard and they all-gather the
+            rest on the devices, and relays would compete with the peers' own loads; there the
+            copier's transfers are also host-synchronous (a shard must be on the device before
+            its all-gather is queued).
         memory_margin: with ``plan="auto"``, the share of predicted peak memory added for
             allocator fragmentation before comparing with ``device_budget`` (0.10: safe; on the
             H200 the caching allocator reserved 6.5 % above the allocated peak).
@@ -206,7 +210,7 @@ class MemFerry:
 
     def _copier(self, multipath: bool | None) -> Any:
         """The multi-path copier for weight loads, or None (see ``multipath``)."""
-        if multipath is False or (multipath is None and (self.dp is None or not self.backend.caps.peer_access)):
+        if not multipath:
             return None
         from scaleup import MultiPathCopier
 
