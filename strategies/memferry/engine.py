@@ -196,8 +196,7 @@ class MemFerry:
             self.backend.set_memory_cap(self.device, previous_cap)
             raise
         del originals
-        blocks_ = [u for u in units if u.is_block]
-        read_in_place = frozenset(u.index for u, up in zip(blocks_, plan.units) if "dha" in (up.forward, up.backward))
+        read_in_place = frozenset(u.index for u, up in zip(units, plan.units) if "dha" in (up.forward, up.backward))
         self.optimizer = HostOptimizer(self.cfg, self.shadow.shadows, self.dp,
                                        bind=functools.partial(self.backend.bind_process, self.device),
                                        whole_on_host=read_in_place)

@@ -245,11 +245,10 @@ class Executor:
                 ready = self.b.event()
                 ready.record(self.h2d)
             if dp is not None:
-                with self.b.use_stream(self.h2d):  # the gather waits for this shard's copy, not for compute
-                    if isinstance(ready, Transfer):
+                # Queued from the copy stream: the gather follows this shard's copy, not compute.
+                with self.b.use_stream(self.h2d):
+                    if isinstance(ready, Transfer):  # the copier's chunks ran on its own streams
                         ready.wait(self.h2d)
-                    else:
-                        self.h2d.wait_event(ready)
                     ready = _Gathered(dp.all_gather_async(s.device_flat))
         self.bytes_h2d += dst.numel() * dst.element_size()
         self._loaded[index] = ready

@@ -148,10 +148,8 @@ class HostOptimizer:
         if self._bind is not None:
             try:
                 self._bind()
-            except BaseException as exc:  # surfaced in the training thread, as any worker failure
-                self._error = exc
-                for ev in self._done:
-                    ev.set()
+            except BaseException as exc:
+                self._fail(exc)
                 return
         if self.cfg.host_threads is not None:
             torch.set_num_threads(self.cfg.host_threads)  # this thread's OpenMP team
@@ -181,11 +179,15 @@ class HostOptimizer:
                     for i in self._pending:
                         self._update(i, arg)
                     self._pending, self._sqnorm = [], 0.0
-            except BaseException as exc:  # surface in the training thread, never lose it
-                self._error = exc
-                for ev in self._done:
-                    ev.set()
+            except BaseException as exc:
+                self._fail(exc)
                 return
+
+    def _fail(self, exc: BaseException) -> None:
+        """Keep ``exc`` for the training thread (``_raise_if_failed``) and release every waiter."""
+        self._error = exc
+        for ev in self._done:
+            ev.set()
 
     def _update(self, index: int, coef: float) -> None:
         # A named span, so a profiler trace (the benchmark's timelines) shows host updates
