@@ -40,3 +40,25 @@ def test_the_real_advice_never_raises():
     assert hostmem.advise_huge_pages(mapping) in (True, False)  # False where the kernel has no THP
     mapping[0:4] = b"abcd"  # still ordinary memory
     assert mapping[0:4] == b"abcd"
+
+
+def _sharing(mapping) -> str:
+    """'p' (private) or 's' (shared): the mapping's line in /proc/self/maps."""
+    import ctypes
+
+    start = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    for line in open("/proc/self/maps"):
+        lo, hi = (int(a, 16) for a in line.split()[0].split("-"))
+        if lo <= start < hi:
+            return line.split()[1][3]
+    raise AssertionError("mapping not found in /proc/self/maps")
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="needs Linux /proc")
+def test_huge_page_mappings_are_private(monkeypatch):
+    """Shared anonymous memory is shmem, which takes no transparent huge pages by default: the
+    advice only works on a private mapping."""
+    monkeypatch.setenv(hostmem.ENV, "1")
+    assert _sharing(hostmem.anonymous_mapping(2 * hostmem.HUGE_PAGE_BYTES)) == "p"
+    monkeypatch.setenv(hostmem.ENV, "0")
+    assert _sharing(hostmem.anonymous_mapping(2 * hostmem.HUGE_PAGE_BYTES)) == "s"  # unchanged default

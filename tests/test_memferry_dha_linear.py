@@ -206,20 +206,23 @@ def test_dha_mode_needs_the_capability(cpu_backend):
 
 
 # ---------------------------------------------------------------------- traffic and memory
-@pytest.mark.parametrize("dha", [True, False])
-def test_streamed_path_moves_each_weight_byte_once_per_pass(cpu_backend, dha):
+@pytest.mark.parametrize("dha,grad_write", [(True, "auto"), (True, "dha"), (False, "auto")])
+def test_streamed_path_moves_each_weight_byte_once_per_pass(cpu_backend, dha, grad_write):
     b = CountingBackend(cpu_backend, dha=dha, async_copy=True)
     w, x, bvec, dy = make(b, (4, 50), True)  # 200 rows: streamed
     wbytes = w.numel() * 4
     counter = TransferCounter()
     wh, gh = host_tensor(b, w), b.host_arena.empty(w.shape, w.dtype)
     xd = dev_tensor(b, x).requires_grad_()
-    y = host_linear(xd, wh, dev_tensor(b, bvec), b, 0, gh, chunk_bytes=CHUNK, counter=counter)
+    y = host_linear(xd, wh, dev_tensor(b, bvec), b, 0, gh, chunk_bytes=CHUNK, counter=counter, grad_write=grad_write)
     assert (b.h2d, b.d2h) == (wbytes, 0)  # forward: the weight, once
     y.backward(dev_tensor(b, dy))
     assert b.h2d == 2 * wbytes  # backward: the weight once more, for dX
-    assert b.d2h == (0 if dha else wbytes)  # the gradient once: by DHA write or by the copy ring
-    assert counter.dha_write_bytes == (wbytes if dha else 0)
+    # the gradient once: a streamed pass takes it home through the copy ring unless told to write in place
+    in_place = grad_write == "dha"
+    assert b.d2h == (0 if in_place else wbytes)
+    assert counter.dha_write_bytes == (wbytes if in_place else 0)
+    close(gh, reference(w, x, bvec, dy)[2])
     assert counter.h2d_bytes == 2 * wbytes and counter.dha_read_bytes == 0
 
 
@@ -295,7 +298,8 @@ def test_streamed_device_memory_is_two_chunks_not_the_weight(cpu_backend):
     base = b.memory_stats(0).allocated
     y.backward(dyd)
     backward_peak = b.memory_stats(0).peak_allocated - base
-    assert backward_peak <= rows * in_f * 4 + out_f * 4 + slots + rows * chunk_rows * 4  # dX, dbias, slots, temps
+    # dX, dbias, two weight slots, two gradient slots (the ring takes dW home), temps
+    assert backward_peak <= rows * in_f * 4 + out_f * 4 + 2 * slots + rows * chunk_rows * 4
     assert backward_peak < wbytes
     close(gh, reference(w, x, bvec, dy)[2])
 

@@ -59,6 +59,7 @@ def test_plans_train_like_mixed_precision_adamw_on_the_device(gpu_backend, name)
         torch.testing.assert_close(state[pname]["master"], master, atol=5e-3, rtol=0, msg=pname)
     if name == "dha-streamed":
         assert counter.modes.get("stream/forward", 0) > 0 and counter.modes.get("stream/backward", 0) > 0
-        assert counter.dha_write_bytes > 0  # weight gradients written into host memory by the device
+        # at 8 x 64 tokens the weights stream, and their gradients go home through the copy ring
+        assert counter.d2h_bytes > 0 and counter.dha_write_bytes == 0
     if name in ("offload", "dha-streamed"):
         assert swapped["bytes"].get("host", 0) > 0 and swapped["swapped_in"] == swapped["bytes"]["host"]

@@ -52,7 +52,11 @@ def anonymous_mapping(nbytes: int) -> mmap.mmap:
     this call: the advice applies to pages faulted in afterwards."""
     if nbytes <= 0:
         raise ValueError(f"anonymous_mapping needs a positive size, got {nbytes}")
-    mapping = mmap.mmap(-1, nbytes)
     if nbytes >= HUGE_PAGE_BYTES and huge_pages_wanted():
+        # Private, not mmap's default shared mapping: shared anonymous memory is shmem, whose
+        # huge pages follow shmem_enabled ("never" by default), so the advice did nothing there
+        # (H200 machine, 2026-12-01: AnonHugePages stayed 0 kB).
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         advise_huge_pages(mapping)
-    return mapping
+        return mapping
+    return mmap.mmap(-1, nbytes)

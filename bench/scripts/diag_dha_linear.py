@@ -15,8 +15,9 @@ weight gradient (dW = dY^T X, [n, n] into pinned host memory)
 forward + backward (dX and dW into host memory)
     ``fb_copy``      copy W in, F.linear, autograd, copy W in again for dX (as an offloading
                      system would that frees W between passes), dW copied home;
-    ``fb_host``      host_linear with ``grad_out`` (dX by the ring, dW by DHA write);
-    ``fb_host_ring`` the same with ``grad_write="ring"`` (dW through device slots and a copy stream).
+    ``fb_host``      host_linear with ``grad_out`` and ``grad_write="dha"`` (dX by the ring, dW by DHA write);
+    ``fb_host_ring`` the same with ``grad_write="ring"`` (dW through device slots and a copy stream;
+                     what ``"auto"`` does where the weight streams).
 
 Also: the link rate of a plain 128 MB copy each way, a chunk-size sweep of the ring at one M,
 whether the link carries both directions at once (copy in beside copy out, copy in beside a
@@ -120,7 +121,7 @@ def main() -> None:
             g_host.copy_(g, non_blocking=True)
             return y, dx
 
-        def fb_host(grad_write: str = "auto"):
+        def fb_host(grad_write: str = "dha"):
             host_linear(xg, w_host, None, b, dev, g_host, grad_write=grad_write).backward(dy)
 
         r["fb_copy_ms"] = timed(fb_copy)

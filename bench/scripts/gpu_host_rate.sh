@@ -29,6 +29,34 @@ for duty in (0.0, 0.35):
     print(f"host_adamw_rate one 50 M buffer, dma_duty {duty}: {r * 1e9:.3f} ns/param, threads {torch.get_num_threads()}")
 PY
 cat $R/profiler-rate.txt
+python3 - > $R/buffers-rate.txt 2>&1 <<'PY'  # one buffer reused vs many distinct buffers in turn
+import time, statistics, torch, xpu
+from strategies.memferry.config import AdamW
+from strategies.memferry.host_kernel import make_host_kernel
+from strategies.memferry.shadow import UnitShadow
+b = xpu.get_backend()
+n = 50_331_648
+def unit():
+    a = b.host_arena
+    master, m, v, stage = (a.empty(n, torch.float32) for _ in range(4))
+    work, g = a.empty(n, torch.bfloat16), a.empty(n, torch.bfloat16)
+    for t in (master, stage): t.normal_()
+    for t in (m, v, work, g): t.zero_()
+    return UnitShadow(None, work, master, m, v, g, g, None, [])
+units = [unit() for _ in range(12)]
+k = make_host_kernel("torch", AdamW(lr=1e-4, weight_decay=0.0, host_kernel="torch"), units)
+for threads in (torch.get_num_threads(), 8):
+    torch.set_num_threads(threads)
+    for count in (1, 4, 12):
+        ts = []
+        for rep in range(3):
+            t0 = time.perf_counter()
+            for u in units[:count]:
+                k.apply(u, 1.0)
+            ts.append(time.perf_counter() - t0)
+        print(f"threads {threads:2d} units {count:2d}: {min(ts) / (count * n) * 1e9:.3f} ns/param (best of 3), median {statistics.median(ts) / (count * n) * 1e9:.3f}")
+PY
+cat $R/buffers-rate.txt
 for L in 1 4 17; do
   timeout 150 python3 -m xpu bench examples/bench/starved-16gb.yaml --systems memferry-host-optimizer \
     --set model.layers=$L --set steps=5 --out $R/alone-$L --no-progress > $R/alone-$L.log 2>&1

@@ -14,8 +14,9 @@ The step, as the executor runs it (``executor.py``), in steady state:
   block's copy). A block planned DHA in forward runs its large linears as ``host_linear``
   (``dha_linear.py``) in both passes: at M = tokens per step above ``DHA_MAX_ROWS`` the
   weight streams through the copy engine once per pass, ``max(compute, 1.15 x bytes / h2d)``
-  forward and ``max(compute, 1.15 x (bytes / h2d + bytes / d2h))`` backward (the weight in,
-  its gradient written home, one after the other as measured on the H200); at small M it is
+  forward and ``max(c, l) + 0.5 min(c, l)`` backward with ``l = 1.15 x bytes / link`` (the
+  weight in and its gradient home through the ring overlap on the full-duplex link, fitted on
+  the H200: ``RING_SERIAL``); at small M it is
   read in place, ``max(compute, bytes / dha rate)``. Plain kernels over a DHA view (a block
   DHA only in backward, with recompute) cost ``max(compute, bytes / dha rate) * penalty(M)``,
   the penalty from the probe's ``dha_matmul`` rows (cuBLAS re-reads host weights per output
@@ -189,6 +190,11 @@ class OptionCost:
 #: Streamed host_linear against the bare link time of its weight (H200: 2.64 ms against 2.33 ms
 #: for 128 MiB at M=4096, bench/scripts/diag_dha_linear.py).
 STREAM_OVERHEAD = 1.15
+#: Share of the shorter of (compute, link) that host_linear's backward adds to the longer one.
+#: Fitted on the H200 (8192x8192 bf16 weight, ring gradient write): backward 3.1 / 3.4 / 8.5 ms
+#: measured at M = 1024 / 4096 / 16384, 3.0 / 3.5 / 7.4 ms modelled (diag_dha_linear.py,
+#: 2026-12-01).
+RING_SERIAL = 0.5
 
 
 def _mode_time(mode: str, base: float, nbytes: int, links: Links, penalty: float) -> float:
@@ -201,10 +207,11 @@ def _mode_time(mode: str, base: float, nbytes: int, links: Links, penalty: float
 
 
 def _ring_bytes(tokens: int) -> int:
-    """Device memory of host_linear's two weight slots while it streams (none when in place)."""
+    """Device memory of host_linear's ring while it streams (none when in place): backward
+    holds two weight slots and two gradient slots."""
     from .dha_linear import CHUNK_BYTES, DHA_MAX_ROWS
 
-    return 2 * CHUNK_BYTES if tokens > DHA_MAX_ROWS else 0
+    return 4 * CHUNK_BYTES if tokens > DHA_MAX_ROWS else 0
 
 
 def _host_linear_time(base: float, nbytes: int, links: Links, tokens: int, backward: bool) -> float:
@@ -215,8 +222,12 @@ def _host_linear_time(base: float, nbytes: int, links: Links, tokens: int, backw
         return math.inf
     if tokens <= DHA_MAX_ROWS:  # read in place: one GEMM tile, each byte crosses once
         return max(base, nbytes / (links.dha_read_GBps * 1e9) * (2 if backward else 1))
-    link = nbytes / (links.h2d_GBps * 1e9) + (nbytes / (links.d2h_GBps * 1e9) if backward else 0.0)
-    return max(base, STREAM_OVERHEAD * link)
+    if not backward:
+        return max(base, STREAM_OVERHEAD * nbytes / (links.h2d_GBps * 1e9))
+    # Backward: the weight in (for dX) and its gradient out through the ring share the
+    # full-duplex link; the ring's slot waits put part of the compute in series with it.
+    link = STREAM_OVERHEAD * nbytes / (min(links.h2d_GBps, links.d2h_GBps) * 1e9)
+    return max(base, link) + RING_SERIAL * min(base, link)
 
 
 def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan, prefetch_depth: int = 1) -> OptionCost:

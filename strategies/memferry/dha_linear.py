@@ -20,15 +20,16 @@ Backward moves the weight once more (``dX = dY @ W``, streamed the same way: row
 meets column chunk k of dY, ``dX = sum_k dY[:, rows_k] @ W_k``) and never holds a whole weight
 gradient on the device when ``grad_out`` is given: ``dW = dY^T @ X`` is written straight into
 that pinned host tensor, chunk by chunk, interleaved with the dX chunks (chunk k's gradient
-rows go out while weight chunk k+1 comes in). With ``caps.dha`` the GEMM writes host memory
-through the device view; without it (or with ``grad_write="ring"``) each chunk goes through a
-two-slot device ring and a device->host copy stream.
+rows go out while weight chunk k+1 comes in). In a streamed pass (and with
+``grad_write="ring"``, or without ``caps.dha``) each chunk goes through a two-slot device ring
+and a device->host copy stream; where the weight is read in place (``"dha"`` mode, or with
+``grad_write="dha"``) the GEMM writes host memory through the device view.
 
 Measured (H200, PCIe ~55 GB/s each way, W 8192x8192 bf16, ``bench/scripts/diag_dha_linear.py``):
 forward 2.6-2.8 ms for M = 256..4096 (copy-then-GEMM 2.5-3.1 ms, cuBLAS on the DHA view 5-42
-ms), 3.2 ms at M=16384 (copy-then-GEMM 5.2 ms). Backward costs about one weight in plus one
-gradient out, one after the other (~5 ms at M=4096): the two directions did not overlap here,
-whether the gradient GEMM ran interleaved on the compute stream or whole on a side stream.
+ms), 3.2 ms at M=16384 (copy-then-GEMM 5.2 ms). Backward with the ring: 3.1 ms at M=1024, 3.4
+ms at 4096, 8.5 ms at 16384 (one weight in and its gradient out, largely overlapped); with the
+DHA write instead 4.8, 5.0 and 10.3 ms (2026-12-01).
 
 Ordering is by events only; the host never waits. Contracts for callers:
 
@@ -147,10 +148,11 @@ def host_linear(x: torch.Tensor, weight_host: torch.Tensor, bias: torch.Tensor |
         counter: a :class:`TransferCounter` to add this call's traffic to.
         grad_write: how ``grad_out`` is written: ``"dha"`` (the GEMM writes host memory through
             the device view), ``"ring"`` (the GEMM writes a two-slot device ring, a copy stream
-            takes each chunk home), or ``"auto"``: ``"dha"`` where ``caps.dha``, else ``"ring"``.
-            On the H200 the ring held 92-96 % of the device->host line rate at M = 1024-8192,
-            the DHA write 93-74 % (bench/results/2026-11-29-h200-session4/diag-dw-write.txt);
-            "auto" stays DHA until a whole training step has measured the ring.
+            takes each chunk home), or ``"auto"``: ``"dha"`` where the weight is read in place
+            (``"dha"`` mode), else ``"ring"``. On the H200 the ring held 92-96 % of the
+            device->host line rate at M = 1024-8192, the DHA write 93-74 %
+            (bench/results/2026-11-29-h200-session4/diag-dw-write.txt), and a streamed forward +
+            backward ran 1.6-1.8 ms faster with the ring (2026-12-01).
 
     Returns:
         ``[..., out_features]`` on the device.
@@ -174,7 +176,11 @@ def host_linear(x: torch.Tensor, weight_host: torch.Tensor, bias: torch.Tensor |
     chosen = choose_mode(rows, backend, dha_max_rows, mode)
     row_bytes = max(1, weight_host.shape[1] * weight_host.element_size())
     chunk_rows = weight_host.shape[0] if chosen == "copy" else max(1, min(weight_host.shape[0], chunk_bytes // row_bytes))
-    dha_write = grad_write == "dha" or (grad_write == "auto" and backend.caps.dha)
+    # "auto" writes in place only where the weight is read in place too. A streamed pass takes
+    # the gradient home through the ring: its device->host copies overlap the next weight chunk
+    # coming in, and a whole forward + backward ran 1.6-1.8 ms faster per 8192x8192 weight than
+    # with the DHA write at M = 1024..16384 (H200, bench/results/2026-12-01-h200-session5).
+    dha_write = grad_write == "dha" or (grad_write == "auto" and backend.caps.dha and chosen == "dha")
     cfg = _Config(backend, dev, weight_host, grad_out, chosen, max(1, chunk_rows), grad_ready, counter, dha_write)
     autograd_weight = weight if weight is not None else weight_host
     return _HostLinear.apply(x, autograd_weight, bias, cfg)
