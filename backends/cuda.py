@@ -49,6 +49,19 @@ def _check(err: Any, what: str) -> int:
     return code
 
 
+def _has_triton() -> bool:
+    """Whether Triton is installed and torch judges this GPU able to run its kernels."""
+    from xpu import triton_dha
+
+    if not triton_dha.available():
+        return False
+    try:
+        from torch.utils._triton import has_triton  # checks the device's compute capability too
+    except ImportError:
+        return True
+    return bool(has_triton())
+
+
 class _HostAlias:
     """Presents a host address as CUDA memory (``__cuda_array_interface__``) and keeps its owner alive."""
 
@@ -86,7 +99,7 @@ class CudaBackend(Backend):
         peer = any(torch.cuda.can_device_access_peer(a, b) for a in range(n) for b in range(n) if a != b)
         uva = sys.platform.startswith("linux") and sys.maxsize > 2**32
         return Capabilities(dha=uva, peer_access=peer, ipc=sys.platform.startswith("linux"),
-                            async_copy=True, host_register=True, timing_events=True)
+                            async_copy=True, host_register=True, timing_events=True, triton=_has_triton())
 
     # ------------------------------------------------------------------ identity
     def device_count(self) -> int:

@@ -25,6 +25,8 @@ class Capabilities:
         host_register: an existing host tensor can be pinned in place
             (``Backend.register_host``).
         timing_events: events can measure elapsed time between two records.
+        triton: Triton kernels compile and run on the devices, over ``device_view`` tensors
+            too (``xpu.triton_dha``).
     """
 
     dha: bool = False
@@ -33,6 +35,7 @@ class Capabilities:
     async_copy: bool = False
     host_register: bool = False
     timing_events: bool = True
+    triton: bool = False
 
     def as_dict(self) -> dict[str, bool]:
         """The flags as a plain dict, for JSON and tables."""

@@ -55,9 +55,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from xpu import Backend, CapabilityError
+from xpu import Backend, CapabilityError, triton_dha
 
-__all__ = ["host_linear", "choose_mode", "TransferCounter", "DHA_MAX_ROWS", "CHUNK_BYTES", "MODES", "GRAD_WRITES"]
+__all__ = ["host_linear", "choose_mode", "TransferCounter", "DHA_MAX_ROWS", "CHUNK_BYTES", "MODES", "GRAD_WRITES", "KERNELS"]
 
 #: Largest M (rows of the flattened input) read in place by DHA: one GEMM M-tile, so the
 #: weight crosses the link once.
@@ -69,6 +69,8 @@ CHUNK_BYTES = 8 << 20
 MODES = ("auto", "dha", "stream", "copy")
 #: Ways :func:`host_linear` writes the weight gradient home (``grad_write``).
 GRAD_WRITES = ("auto", "dha", "ring")
+#: What :func:`host_linear` computes on host memory in place with (``kernels``).
+KERNELS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -120,7 +122,8 @@ def host_linear(x: torch.Tensor, weight_host: torch.Tensor, bias: torch.Tensor |
                 backend: Backend | None = None, device: int | None = None, grad_out: torch.Tensor | None = None, *,
                 weight: torch.Tensor | None = None, mode: str = "auto", dha_max_rows: int = DHA_MAX_ROWS,
                 chunk_bytes: int = CHUNK_BYTES, grad_ready: Callable[[Any], None] | None = None,
-                counter: TransferCounter | None = None, grad_write: str = "auto") -> torch.Tensor:
+                counter: TransferCounter | None = None, grad_write: str = "auto",
+                kernels: str = "auto") -> torch.Tensor:
     """``F.linear(x, W, bias)`` where ``W`` (``weight_host``) lives in pinned host memory.
 
     Each weight byte crosses the host link once per forward and once per backward that needs
@@ -153,13 +156,18 @@ def host_linear(x: torch.Tensor, weight_host: torch.Tensor, bias: torch.Tensor |
             device->host line rate at M = 1024-8192, the DHA write 93-74 %
             (bench/results/2026-11-29-h200-session4/diag-dw-write.txt), and a streamed forward +
             backward ran 1.6-1.8 ms faster with the ring (2026-12-01).
+        kernels: what computes on host memory in place (``"dha"`` mode, DHA gradient writes):
+            ``"triton"`` (``xpu.triton_dha``: each host byte crosses once by construction,
+            needs ``caps.triton``), ``"torch"`` (the vendor GEMM over the device view), or
+            ``"auto"``: ``"triton"`` where ``caps.triton``.
 
     Returns:
         ``[..., out_features]`` on the device.
 
     Raises:
         TypeError, ValueError: bad shapes, dtypes or placements (checked before any work).
-        CapabilityError: ``mode="dha"`` or ``grad_write="dha"`` without ``caps.dha``.
+        CapabilityError: ``mode="dha"`` or ``grad_write="dha"`` without ``caps.dha``;
+            ``kernels="triton"`` without ``caps.triton``.
     """
     if backend is None:
         import xpu
@@ -172,6 +180,11 @@ def host_linear(x: torch.Tensor, weight_host: torch.Tensor, bias: torch.Tensor |
     if grad_write == "dha" and not backend.caps.dha:
         raise CapabilityError(f"host_linear grad_write 'dha' needs Direct Host Access, which backend '{backend.name}' "
                               f"lacks (caps.dha is False); use grad_write='auto' or 'ring'")
+    if kernels not in KERNELS:
+        raise ValueError(f"host_linear: kernels must be one of {KERNELS}, got {kernels!r}")
+    if kernels == "triton" and not backend.caps.triton:
+        raise CapabilityError(f"host_linear kernels 'triton' needs Triton on backend '{backend.name}' (caps.triton is "
+                              f"False: is the triton package installed?); use kernels='auto' or 'torch'")
     rows = x.numel() // weight_host.shape[1] if weight_host.shape[1] else 0
     chosen = choose_mode(rows, backend, dha_max_rows, mode)
     row_bytes = max(1, weight_host.shape[1] * weight_host.element_size())
@@ -181,7 +194,8 @@ def host_linear(x: torch.Tensor, weight_host: torch.Tensor, bias: torch.Tensor |
     # coming in, and a whole forward + backward ran 1.6-1.8 ms faster per 8192x8192 weight than
     # with the DHA write at M = 1024..16384 (H200, bench/results/2026-12-01-h200-session5).
     dha_write = grad_write == "dha" or (grad_write == "auto" and backend.caps.dha and chosen == "dha")
-    cfg = _Config(backend, dev, weight_host, grad_out, chosen, max(1, chunk_rows), grad_ready, counter, dha_write)
+    triton = kernels == "triton" or (kernels == "auto" and backend.caps.triton)
+    cfg = _Config(backend, dev, weight_host, grad_out, chosen, max(1, chunk_rows), grad_ready, counter, dha_write, triton)
     autograd_weight = weight if weight is not None else weight_host
     return _HostLinear.apply(x, autograd_weight, bias, cfg)
 
@@ -200,6 +214,21 @@ class _Config:
     grad_ready: Callable[[Any], None] | None
     counter: TransferCounter | None
     dha_write: bool
+    triton: bool = False
+
+    def read_once(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``a @ b (+ bias)`` with ``b`` a device view of host memory, read in place (the
+        vendor GEMM past the rows one Triton program holds: only a forced ``mode="dha"``)."""
+        if self.triton and a.shape[0] <= triton_dha.MAX_ROWS:
+            return triton_dha.mm_read_once(a, b, bias)
+        return torch.addmm(bias, a, b) if bias is not None else torch.mm(a, b)
+
+    def write_once(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = a @ b`` with ``out`` a device view of host memory, written in place."""
+        if self.triton:
+            triton_dha.mm_write_once(a, b, out)
+        else:
+            torch.mm(a, b, out=out)
 
 
 def _check(x: Any, w: Any, bias: Any, b: Backend, grad_out: Any, weight: Any, chunk_bytes: Any, dha_max_rows: Any) -> None:
@@ -341,7 +370,7 @@ class _GradWriter:
         """Queue rows ``r0:r1`` of the gradient on the compute stream (in slot-sized pieces
         through the ring: a whole in-place-mode gradient is more rows than one slot)."""
         if self.dha:
-            torch.mm(self.dy[:, r0:r1].t(), self.x, out=self.view[r0:r1])
+            self.cfg.write_once(self.dy[:, r0:r1].t(), self.x, self.view[r0:r1])
             return
         for a, z in _bounds(r1 - r0, self.slots[0].shape[0]):
             self._ring(r0 + a, r0 + z)
@@ -391,7 +420,7 @@ class _HostLinear(torch.autograd.Function):
         with b.device_scope(dev):
             x2d = x.reshape(-1, in_f)
             if cfg.mode == "dha":
-                y = F.linear(x2d, b.device_view(w, dev), bias)
+                y = cfg.read_once(x2d, b.device_view(w, dev).t(), bias)
                 if cfg.counter is not None:
                     cfg.counter.dha_read_bytes += w.numel() * w.element_size()
             else:
@@ -423,7 +452,7 @@ class _HostLinear(torch.autograd.Function):
             writer = _GradWriter(cfg, dy, x2d) if cfg.grad_out is not None else None
             if cfg.mode == "dha":
                 if need_dx:
-                    dx = torch.mm(dy, b.device_view(w, dev))
+                    dx = cfg.read_once(dy, b.device_view(w, dev))
                     if cfg.counter is not None:
                         cfg.counter.dha_read_bytes += w.numel() * w.element_size()
                 if writer is not None:
