@@ -6,9 +6,18 @@ The cpu reference backend runs everywhere; ``cuda`` runs on the GPU machine unde
 """
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 import xpu
+
+# Triton reads TRITON_INTERPRET once, when its @jit decorators first run (torch.compile imports
+# triton early in a session), so the interpreter is chosen here, before any test: where there
+# is no accelerator, xpu.triton_dha's kernels can only run interpreted (test_triton_dha.py).
+if not torch.accelerator.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _backend_params():

@@ -1,6 +1,8 @@
 """xpu.triton_dha: the kernels on the CPU through Triton's interpreter (skipped where triton is
-not installed; the GPU run is in test_memferry_gpu.py), and host_linear's choice of them."""
+not installed; the GPU run is at the end of this file), and host_linear's choice of them."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -9,15 +11,14 @@ from tests.test_memferry_dha_linear import CHUNK, CountingBackend, close, host_t
 from xpu import CapabilityError, triton_dha
 
 @pytest.fixture
-def interpreted(monkeypatch):
-    """Triton's interpreter on CPU tensors; the jitted kernel is rebuilt under it and after it.
-    fp32 only: the interpreter's bfloat16 is not faithful. Skips where triton is not installed."""
+def interpreted():
+    """Triton's interpreter on CPU tensors (conftest.py chooses it for the whole session where
+    there is no accelerator). fp32 only: the interpreter's bfloat16 is not faithful. Skips where
+    triton is not installed, or runs compiled."""
     if not triton_dha.available():
         pytest.skip("triton is not installed")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    triton_dha._kernel.cache_clear()
-    yield
-    triton_dha._kernel.cache_clear()
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton runs compiled in this session (an accelerator is present): see the gpu tests below")
 
 
 @pytest.mark.parametrize("m", [1, 5, 16, 128])
