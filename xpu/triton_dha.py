@@ -11,11 +11,12 @@ copy-then-GEMM at M = 4096, DESIGN.md §3). These kernels fix the tiling instead
   program writes its tile once, straight over the link, and no device buffer holds the result.
 
 Both accumulate in fp32 and round once to ``C``'s dtype; fp32 operands multiply in full fp32
-(not TF32), as torch's matmuls do by default. Triton is imported on first use, so
-this module imports anywhere. A backend with ``Capabilities.triton`` runs them on its devices;
-elsewhere, or with ``TRITON_INTERPRET=1`` on CPU tensors in tests, the same code runs in
-Triton's interpreter. ``strategies/memferry/dha_linear.py`` uses them for the weights it reads
-in place (``kernels="triton"``).
+(not TF32), as torch's matmuls do by default. Triton is imported on first use, so this module
+imports anywhere. A backend with ``Capabilities.triton`` runs them compiled on its devices; with
+``TRITON_INTERPRET=1`` set before triton is first imported, the same code runs on CPU tensors in
+Triton's interpreter (the tests do). ``host_linear`` (``strategies/memferry/dha_linear.py``)
+uses them where it computes on host memory in place and ``caps.triton`` holds. On the H200 they
+run at parity with cuBLAS there (bench/results/2026-12-01-h200-session5, section 5).
 """
 from __future__ import annotations
 
