@@ -1,6 +1,8 @@
 """xpu.hostmem: the anonymous mappings behind pinned buffers, and the opt-in huge-page advice."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from xpu import hostmem
@@ -54,7 +56,7 @@ def _sharing(mapping) -> str:
     raise AssertionError("mapping not found in /proc/self/maps")
 
 
-@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="needs Linux /proc")
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
 def test_huge_page_mappings_are_private(monkeypatch):
     """Shared anonymous memory is shmem, which takes no transparent huge pages by default: the
     advice only works on a private mapping."""

@@ -97,14 +97,20 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
+@pytest.fixture
+def triton_gpu(gpu_backend):
+    """The GPU backend, where Triton runs on it (skips otherwise)."""
+    if not gpu_backend.caps.triton:
+        pytest.skip("no Triton on this GPU (caps.triton is False)")
+    return gpu_backend
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 64, 128, 4096])
-def test_kernels_over_host_memory_match_fp32_in_bf16(gpu_backend, m):
+def test_kernels_over_host_memory_match_fp32_in_bf16(triton_gpu, m):
     """Forward and dX read a pinned bf16 weight in place, dW is written into pinned memory in
     place: each within bf16 rounding of an fp32 reference (and dW leaves its neighbours alone)."""
-    b = gpu_backend
-    if not b.caps.triton:
-        pytest.skip("no Triton on this GPU (caps.triton is False)")
+    b = triton_gpu
     g = torch.Generator().manual_seed(m)
     w = torch.randn(1000, 768, generator=g) * 0.05
     w_host = b.host_arena.empty(w.shape, torch.bfloat16)
@@ -126,10 +132,8 @@ def test_kernels_over_host_memory_match_fp32_in_bf16(gpu_backend, m):
 
 
 @pytest.mark.gpu
-def test_host_linear_in_place_with_triton_equals_the_vendor_gemm(gpu_backend):
-    b = gpu_backend
-    if not b.caps.triton:
-        pytest.skip("no Triton on this GPU (caps.triton is False)")
+def test_host_linear_in_place_with_triton_equals_the_vendor_gemm(triton_gpu):
+    b = triton_gpu
     from strategies.memferry.dha_linear import TransferCounter, host_linear
 
     g = torch.Generator().manual_seed(0)

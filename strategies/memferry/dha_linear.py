@@ -53,7 +53,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from xpu import Backend, CapabilityError, triton_dha
 
