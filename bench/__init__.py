@@ -4,7 +4,7 @@
     from bench import run_bench                    # the same from Python
     result = run_bench("examples/bench/tiny.yaml", out_dir="/tmp/bench")
 
-Modules: :mod:`bench.models` (GPT, Llama-style, Hugging Face; parameter and FLOP counts),
+Modules: :mod:`strategies.models` (GPT, Llama-style, Hugging Face; parameter and FLOP counts),
 :mod:`bench.scenario` (YAML scenarios), :mod:`bench.systems` (the registry; one file per
 baseline family), :mod:`bench.worker` (one system in one fresh process),
 :mod:`bench.runner` (systems one after another), :mod:`bench.maxmodel` (largest model

@@ -17,6 +17,8 @@ import shlex
 import sys
 from typing import Any
 
+from xpu.cli import register_command
+
 __all__ = ["add_arguments", "run"]
 
 
@@ -50,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    from .config_checks import parse_set_items
+    from strategies.training.checks import parse_set_items
     from .scenario import ScenarioError
 
     out = parse_set_items(args.set, ScenarioError)
@@ -135,3 +137,7 @@ def run(args: argparse.Namespace) -> int:
         if result.get("plot_skipped"):
             print(result["plot_skipped"])
     return 0
+
+
+# `xpu <name>`: this module registers itself (the `xpu.commands` entry point in pyproject.toml names it).
+register_command("bench", "bench.cli", "run systems side by side on one model and memory cap", order=18)

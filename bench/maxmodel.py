@@ -152,7 +152,7 @@ def max_model_for_system(scenario: Scenario, label: str, out_dir: Path | None = 
         on_trial: called with each trial's summary as it finishes.
         journal: finished trials to reuse and to add to (None: every trial runs).
     """
-    from .models import param_count
+    from strategies.models import param_count
 
     entry = scenario.entry(label)
     spec = get_system(entry.name)

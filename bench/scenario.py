@@ -38,7 +38,7 @@ from typing import Any
 
 from xpu.errors import XpuError
 
-from .config_checks import apply_overrides, check_model_section, nonneg_int, positive_int
+from strategies.training.checks import apply_overrides, check_model_section, nonneg_int, positive_int
 
 __all__ = ["Scenario", "SystemEntry", "MaxModelConfig", "ScenarioError", "load_scenario", "resolve_scenario_path",
            "KNOBS", "EXAMPLES_DIR"]

@@ -314,7 +314,7 @@ def run_spec(spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | 
         import torch
 
         import xpu
-        from .models import flops_per_token, param_count
+        from strategies.models import flops_per_token, param_count
         from .systems import load_factory
         from .systems.base import DTYPES, SystemContext
 

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import xpu  # noqa: E402
-from bench.models import build_model, flops_per_token  # noqa: E402
+from strategies.models import build_model, flops_per_token  # noqa: E402
 from strategies.memferry import AdamW, MemFerry, Plan  # noqa: E402
 
 PRESETS = {

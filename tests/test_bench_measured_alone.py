@@ -48,7 +48,7 @@ def test_torch_without_optimizer_row_has_losses_and_timing(cpu_backend):
 
 
 def test_memferry_host_optimizer_alone_updates_every_parameter_by_one_adam_step(cpu_backend):
-    from strategies.memferry.bench_system import MemFerrySystem
+    from bench.systems.memferry import MemFerrySystem
 
     options = {"plan": "auto", "max_grad_norm": None, "host_threads": None, "host_kernel": "auto", "loss_chunks": 1,
                "memory_margin": 0.10, "measure": "host-optimizer"}
@@ -77,7 +77,7 @@ def test_memferry_host_optimizer_alone_row_has_no_loss(cpu_backend):
 
 
 def test_memferry_bad_measure_is_refused_before_building_anything(cpu_backend):
-    from strategies.memferry.bench_system import MemFerrySystem
+    from bench.systems.memferry import MemFerrySystem
 
     with pytest.raises(ValueError, match="measure must be 'step' or 'host-optimizer'"):
         MemFerrySystem(_ctx(cpu_backend, {"measure": "optimizer"}))
@@ -88,7 +88,7 @@ def test_memferry_notes_wait_for_the_last_step_s_host_updates(cpu_backend):
     after the last step, they must wait for that step's updates (still running on the host)."""
     import time
 
-    from strategies.memferry.bench_system import MemFerrySystem
+    from bench.systems.memferry import MemFerrySystem
 
     options = {"plan": "prefetch", "max_grad_norm": None, "host_threads": None, "host_kernel": "auto", "loss_chunks": 1,
                "memory_margin": 0.10, "measure": "step"}

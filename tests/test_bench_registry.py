@@ -1,4 +1,4 @@
-"""Systems register themselves (strategies/<name>/bench.py, or register_system) and the harness runs them unchanged."""
+"""Systems register themselves (register_system, or an entry point of another package) and the harness runs them unchanged."""
 from __future__ import annotations
 
 import re
@@ -16,44 +16,49 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def fresh_registry(monkeypatch):
-    monkeypatch.setattr(systems, "_systems", dict(systems._systems))
-    monkeypatch.setattr(systems, "_errors", [])
-    monkeypatch.setattr(systems, "_discovered", False)
+    monkeypatch.setattr(systems.SYSTEMS, "_plugins", dict(systems.SYSTEMS._plugins))
+    monkeypatch.setattr(systems.SYSTEMS, "_errors", [])
+    monkeypatch.setattr(systems.SYSTEMS, "_discovered", False)
     yield systems
 
 
-def test_a_strategy_registers_from_its_own_package(tmp_path, monkeypatch, fresh_registry, cpu_backend):
-    import strategies
+def _entry_points(monkeypatch, *eps):
+    """Stand-in for the installed packages' ``xpu.bench_systems`` entry points."""
+    from importlib.metadata import EntryPoint
 
-    pkg = tmp_path / "strategies" / "toystrat"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "bench.py").write_text(textwrap.dedent('''
+    import xpu.plugins
+
+    found = [EntryPoint(name, value, systems.ENTRY_POINT_GROUP) for name, value in eps]
+    monkeypatch.setattr(xpu.plugins, "entry_points", lambda group: [e for e in found if e.group == group])
+
+
+def test_another_package_registers_a_system_by_entry_point(tmp_path, monkeypatch, fresh_registry, cpu_backend):
+    (tmp_path / "toypkg").mkdir()
+    (tmp_path / "toypkg" / "__init__.py").write_text("")
+    (tmp_path / "toypkg" / "register.py").write_text(textwrap.dedent('''
         from bench.systems import register_system
-        register_system("toystrat", "strategies.toystrat.system:make", options={"scale": 1.0},
+        register_system("toystrat", "toypkg.system:make", options={"scale": 1.0},
                         description="a toy strategy: the torch system under another name")
     '''))
-    (pkg / "system.py").write_text(textwrap.dedent('''
+    (tmp_path / "toypkg" / "system.py").write_text(textwrap.dedent('''
         from bench.systems.torch_ref import TorchSystem
         def make(ctx):
             ctx.options = {"precision": "pure", "recompute": False, "fused": True, "optimizer": True}
             return TorchSystem(ctx)
     '''))
-    monkeypatch.setattr(strategies, "__path__", [*strategies.__path__, str(tmp_path / "strategies")])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _entry_points(monkeypatch, ("toy", "toypkg.register"), ("direct", "toypkg.system:make"))
     assert "toystrat" in systems.registered_systems()
+    assert systems.get_system("direct").target == "toypkg.system:make"  # a target entry is registered as it is
     scenario = load_scenario("tiny", {"systems": [{"name": "toystrat", "options": {"scale": 2.0}}]})
     row = run_spec({"scenario": scenario.to_dict(), "label": "toystrat", "timeline_path": None}, in_process=True)
     assert row["status"] == "ok" and row["options"] == {"scale": 2.0}
 
 
 def test_a_broken_registration_is_reported_not_fatal(tmp_path, monkeypatch, fresh_registry):
-    import strategies
-
-    pkg = tmp_path / "strategies" / "brokenstrat"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "bench.py").write_text("raise RuntimeError('boom')\n")
-    monkeypatch.setattr(strategies, "__path__", [*strategies.__path__, str(tmp_path / "strategies")])
+    (tmp_path / "brokenstrat.py").write_text("raise RuntimeError('boom')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _entry_points(monkeypatch, ("broken", "brokenstrat"))
     assert "torch" in systems.registered_systems()
     assert any("brokenstrat" in e and "boom" in e for e in systems.discovery_errors())
 

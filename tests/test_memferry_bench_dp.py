@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import xpu
-from bench.models import build_model
+from strategies.models import build_model
 from bench.scenario import load_scenario
 from bench.systems import get_system
 from bench.systems.base import SystemContext
@@ -45,7 +45,7 @@ def _reference_losses(scenario, steps: int, clip: float | None) -> list[float]:
 
 def test_memferry_dp_is_registered_with_its_options():
     spec = get_system("memferry-dp")
-    assert spec.target == "strategies.memferry.bench_dp:make"
+    assert spec.target == "bench.systems.memferry_dp:make"
     assert spec.options == {"ranks": 2, "plan": "prefetch+recompute", "max_grad_norm": None, "loss_chunks": 1,
                             "host_threads": None, "host_kernel": "auto", "memory_margin": 0.10}
 
@@ -119,7 +119,7 @@ def _ctx(backend: _Backend | None = None, batch: int = 4, **options) -> SystemCo
 def test_bad_options_fail_before_processes_start(backend, batch, options, match, monkeypatch):
     import torch.multiprocessing as mp
 
-    from strategies.memferry import bench_dp
+    from bench.systems import memferry_dp as bench_dp
 
     def no_spawn(*a, **k):
         raise AssertionError("a process was about to start")
@@ -132,7 +132,7 @@ def test_bad_options_fail_before_processes_start(backend, batch, options, match,
 def test_cpu_virtual_devices_fixed_by_a_per_device_list_are_a_limit(monkeypatch):
     import torch.multiprocessing as mp
 
-    from strategies.memferry import bench_dp
+    from bench.systems import memferry_dp as bench_dp
 
     monkeypatch.setattr(mp, "get_context", lambda *a, **k: pytest.fail("a process was about to start"))
     # A per-device capacity list fixes the virtual device count: the system must not raise it.

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from bench.models import build_model
+from strategies.models import build_model
 from strategies.memferry import AdamW, MemFerry, Plan, UnitPlan
 from test_memferry_numerics import mixed_precision_reference
 

@@ -90,7 +90,7 @@ def test_engine_in_bf16_same_with_either_kernel(cpu_backend):
     engine with torch's three-pass kernel; the kernel in use is the one asked for."""
     import copy
 
-    from bench.models import build_model
+    from strategies.models import build_model
     from strategies.memferry import MemFerry
 
     torch.manual_seed(0)
@@ -111,7 +111,7 @@ def test_engine_in_bf16_same_with_either_kernel(cpu_backend):
 def test_bf16_host_units_hold_16_bytes_per_parameter(cpu_backend):
     """Work copy 2 + fp32 master 4 + two moments 8 + gradient landing zone 2: the fp32
     gradient is only ever a chunk of scratch (TorchKernel), never a whole-unit buffer."""
-    from bench.models import build_model
+    from strategies.models import build_model
     from strategies.memferry import MemFerry
 
     model = build_model("gpt", layers=2, hidden=32, heads=4, vocab=64, seq=16, dtype=torch.bfloat16)

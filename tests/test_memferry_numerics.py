@@ -187,7 +187,7 @@ def test_bad_plans_are_refused_before_anything_changes(cpu_backend):
 def test_sliced_loss_model_trains_exactly(cpu_backend):
     """The benchmark GPT with its loss in recomputed slices (the head runs again inside
     backward, while the rest unit is loaded) still trains as plain PyTorch does."""
-    from bench.models import build_model
+    from strategies.models import build_model
 
     torch.manual_seed(0)
     # no biases: the key bias's gradient is rounding noise (see Block above)
@@ -232,7 +232,7 @@ def test_bf16_engine_equals_mixed_precision_adamw_reference(cpu_backend):
     """In bf16, MemFerry is the usual mixed-precision AdamW: bf16 weights and gradients, fp32
     masters and moments, the bf16 copy rounded from the master after each update. Checked
     against that loop written out in plain PyTorch (same batch six times)."""
-    from bench.models import build_model
+    from strategies.models import build_model
 
     torch.manual_seed(0)
     model = build_model("gpt", layers=3, hidden=64, heads=4, vocab=128, seq=32, dtype=torch.bfloat16)
@@ -256,7 +256,7 @@ def test_compute_dtype_keeps_an_fp32_model_s_values_as_masters(cpu_backend):
     """An fp32 model trained in bf16 (``compute_dtype``): the masters are its fp32 values,
     not their bf16 roundings, training is the mixed-precision loop started from them, and the
     state dict comes back in fp32 and round-trips exactly."""
-    from bench.models import build_model
+    from strategies.models import build_model
 
     torch.manual_seed(0)
     model = build_model("gpt", layers=3, hidden=64, heads=4, vocab=128, seq=32)  # fp32
@@ -398,7 +398,7 @@ def test_budgets_below_the_minimum_and_too_little_host_memory_are_refused_before
 def test_llama_style_model_trains_exactly(cpu_backend):
     """The harness's Llama variant (RMSNorm, SwiGLU, rotary, grouped-query attention), its
     blocks found automatically, under a plan mixing every mode: as plain PyTorch AdamW."""
-    from bench.models import build_model
+    from strategies.models import build_model
 
     torch.manual_seed(0)
     model = build_model("llama", layers=4, hidden=64, heads=4, kv_heads=2, vocab=64, seq=16)
@@ -414,7 +414,7 @@ def test_hugging_face_causal_lm_trains_exactly(cpu_backend):
     """A transformers causal LM built from a config (no download): its decoder layers are the
     blocks; trained as plain PyTorch AdamW would."""
     pytest.importorskip("transformers")
-    from bench.models import build_model
+    from strategies.models import build_model
 
     torch.manual_seed(0)
     model = build_model("hf", config={"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,

@@ -189,7 +189,7 @@ def test_links_from_probe_and_topology(cpu_backend):
 
 # ---------------------------------------------------------------------------------------------
 def test_profiler_on_the_cpu_backend_with_a_tiny_gpt(cpu_backend):
-    from bench.models import build_model
+    from strategies.models import build_model
 
     torch.manual_seed(0)
     model = build_model("gpt", layers=2, hidden=64, heads=4, vocab=128, seq=32)
@@ -234,7 +234,7 @@ def test_device_homed_bytes_match_what_the_engine_holds(cpu_backend):
     """The cost model's per-parameter device bytes are what ShadowModel really keeps between steps."""
     import torch
 
-    from bench.models import build_model
+    from strategies.models import build_model
     from strategies.memferry import MemFerry
     from strategies.memferry.cost import device_bytes_per_param
 
@@ -258,7 +258,7 @@ def test_auto_plan_profiles_schedules_and_trains_exactly(cpu_backend, caplog):
 
     import torch
 
-    from bench.models import build_model
+    from strategies.models import build_model
     from strategies.memferry import AdamW, MemFerry
     from test_memferry_numerics import reference_self_loss
 
@@ -301,7 +301,7 @@ def test_dha_forward_blocks_are_priced_as_streamed_linears_at_large_m():
 def test_auto_plan_under_a_cap_set_beforehand_profiles_within_it(cpu_backend):
     """The harness caps the device before the engine exists: the profiler's device-AdamW rate
     measurement must size itself to what the cap leaves (it once asked for 20 MB under 12)."""
-    from bench.models import build_model
+    from strategies.models import build_model
     from strategies.memferry import AdamW, MemFerry
 
     torch.manual_seed(0)
@@ -355,7 +355,7 @@ def test_the_plan_keeps_the_host_rate_it_assumed_and_the_engine_warns_when_steps
     more than 25 % (the prediction is then off by about that much of the host's share)."""
     import logging
 
-    from bench.models import build_model
+    from strategies.models import build_model
     from strategies.memferry import AdamW, MemFerry
     from strategies.memferry.engine import _RATE_CHECK_STEP
 
@@ -408,7 +408,7 @@ def test_the_host_optimizer_thread_binds_the_engine_s_device_first(cpu_backend, 
     before it waits on any event (else every rank's process opens a context on device 0)."""
     import threading
 
-    from bench.models import build_model
+    from strategies.models import build_model
     from strategies.memferry import AdamW, MemFerry
 
     bound = []

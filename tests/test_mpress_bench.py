@@ -39,7 +39,7 @@ def _xpu_bench(scenario: Path, out: Path, *args: str) -> subprocess.CompletedPro
 
 def test_mpress_is_registered_with_its_options():
     spec = get_system("mpress")
-    assert spec.target == "strategies.mpress.bench_system:make"
+    assert spec.target == "bench.systems.mpress:make"
     assert spec.options == {"stages": 2, "microbatches": 4, "schedule": "1f1b", "plan": "auto"}
 
 
@@ -105,7 +105,7 @@ def _ctx(**options) -> SystemContext:
 def test_bad_options_fail_before_processes_start(options, match, monkeypatch):
     import torch.multiprocessing as mp
 
-    from strategies.mpress import bench_system
+    from bench.systems import mpress as bench_system
 
     def no_spawn(*a, **k):
         raise AssertionError("a process was about to start")

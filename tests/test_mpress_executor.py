@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.models import build_model
+from strategies.models import build_model
 from strategies.mpress import Decision, StageExecutor, split_model
 from strategies.mpress.ipc import RegionAllocator, export_buffer, import_buffer, unlink_buffer
 from strategies.mpress.planner import BlockProfile, InfeasibleBudgetError, StageProfile, format_plan, plan_offload

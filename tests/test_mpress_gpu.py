@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.models import build_model
+from strategies.models import build_model
 from strategies.mpress import StageExecutor, split_model
 from strategies.mpress.stages import lm_loss
 

@@ -21,7 +21,7 @@ import torch
 import yaml
 
 import xpu
-from bench.models import build_model
+from strategies.models import build_model
 from strategies.mpress import StageExecutor
 from strategies.mpress.ipc import export_buffer, import_buffer, unlink_buffer
 from strategies.mpress.pipeline import PipelineJob, launch

@@ -51,7 +51,7 @@ def test_autodetect_prefers_priority_and_warns_on_fallback(monkeypatch, caplog):
 
 
 def test_registration_is_one_line_and_lazy(monkeypatch):
-    monkeypatch.setattr(registry, "_entries", dict(registry._entries))
+    monkeypatch.setattr(registry.BACKENDS, "_plugins", dict(registry.BACKENDS.plugins()))
     xpu.register_backend("toy", "tests.toy_backend_does_not_exist:Toy", priority=-5)
     assert xpu.registered_backends()[-1] == "toy"
     status = xpu.backend_status()

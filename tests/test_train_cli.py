@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from strategies.trainer import (STRATEGIES, OptimizerConfig, TokenWindows, TrainConfigError, load_config, lr_at,
+from strategies.training import (STRATEGIES, OptimizerConfig, TokenWindows, TrainConfigError, load_config, lr_at,
                                 markov_corpus, train)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +54,7 @@ def test_bad_config_is_a_one_line_error_before_anything_runs(tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("xpu train: error: unknown strategy 'nope'")
-    assert all(name in lines[0] for name in STRATEGIES)
+    assert all(name in lines[0] for name in STRATEGIES.names())
     assert proc.stdout == ""  # nothing was built or printed
 
 
@@ -129,7 +129,7 @@ def test_checkpoint_and_resume_continue_the_same_trajectory(cpu_backend, tmp_pat
 def test_bf16_memferry_keeps_fp32_masters_from_the_fp32_initial_weights(cpu_backend, tmp_path):
     """In bf16, MemFerry's masters start from the fp32 model the config seeds, not from its
     bf16 rounding, and its checkpoints hold fp32 weights."""
-    from bench.models import build_model
+    from strategies.models import build_model
 
     ckdir = tmp_path / "ck"
     train(load_config(_micro(strategy={"name": "memferry", "options": {"plan": "prefetch"}}, dtype="bf16", steps=1,

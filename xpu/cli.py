@@ -1,7 +1,10 @@
 """The ``xpu`` command: ``xpu info``, ``xpu probe``, and the commands other packages add.
 
-Each subcommand lives in its own module with ``add_arguments(parser)`` and ``run(args) -> int``;
-this file only lists them, so adding one is one line in :data:`COMMANDS`.
+A subcommand is a module with ``add_arguments(parser)`` and ``run(args) -> int``. This layer
+knows only its own two; the layers above add theirs by registering with
+:func:`register_command` from a module named in the ``xpu.commands`` entry-point group
+(``pyproject.toml``: ``train`` from the training package, ``mpress``, ``bench``), so ``xpu``
+imports nothing above itself.
 """
 from __future__ import annotations
 
@@ -10,32 +13,46 @@ import importlib
 import sys
 
 from .errors import XpuError
+from .plugins import PluginRegistry
 
-__all__ = ["COMMANDS", "main"]
+__all__ = ["COMMANDS", "register_command", "main"]
 
-#: subcommand -> (module, one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {
-    "info": ("xpu.commands.info", "backend, devices, memory, capabilities and topology"),
-    "probe": ("xpu.commands.probe", "measure link bandwidths and DHA matmul; cache the result"),
-    "bench": ("bench.cli", "run systems side by side on one model and memory cap"),
-    "train": ("xpu.commands.train", "train a model from a YAML config"),
-    "mpress": ("xpu.commands.mpress", "MPress pipeline training from a YAML config, one process per stage via torchrun"),
-}
+#: Subcommands: name -> ``"module:run"``, with ``help`` in the plugin's metadata.
+COMMANDS = PluginRegistry("command", group="xpu.commands")
+
+
+def register_command(name: str, module: str, help: str, *, order: int = 0) -> None:
+    """Add ``xpu NAME``, implemented by ``module`` (its ``add_arguments`` and ``run``).
+
+    Args:
+        name: the subcommand.
+        module: dotted module name; imported only when ``name`` is the command given.
+        help: one line for ``xpu --help``.
+        order: listing position in ``xpu --help`` (higher first).
+    """
+    COMMANDS.register(name, f"{module}:run", priority=order, help=help)
+
+
+register_command("info", "xpu.commands.info", "backend, devices, memory, capabilities and topology", order=20)
+register_command("probe", "xpu.commands.probe", "measure link bandwidths and DHA matmul; cache the result", order=19)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``xpu`` console script; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="xpu", description="Train models larger than accelerator memory.")
+    epilog = "".join(f"\n(a command failed to register: {e})" for e in COMMANDS.errors()) or None
+    parser = argparse.ArgumentParser(prog="xpu", description="Train models larger than accelerator memory.",
+                                     epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     # Only the chosen command's module is imported: one command's heavy or missing imports
     # (the benchmark harness, DeepSpeed) never break another (``xpu info``).
     chosen = next((a for a in argv if not a.startswith("-")), None)
     module = None
-    for name, (module_name, help_text) in COMMANDS.items():
+    for name, plugin in COMMANDS.plugins().items():
+        help_text = plugin.meta.get("help", "")
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
-            module = importlib.import_module(module_name)
+            module = importlib.import_module(plugin.target.partition(":")[0])
             module.add_arguments(command_parser)
     args = parser.parse_args(argv)
     try:

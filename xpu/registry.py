@@ -4,22 +4,21 @@ Backends register a lazy factory (``"module:Class"``) with a priority; nothing i
 until a backend is asked for. Why a backend could not be used is remembered and reported,
 so ``XPU_BACKEND=cuda`` on a machine without CUDA says what is missing instead of silently
 falling back. Adding a backend means one new file in ``backends/`` and one
-``register_backend`` line in ``backends/__init__.py`` (or an ``xpu.backends`` entry point in
-another package).
+``register_backend`` line in ``backends/__init__.py``; another package adds its own through an
+``xpu.backends`` entry point (:mod:`xpu.plugins`). This module imports no backend itself: the
+in-tree ones are found through this project's own ``xpu.backends`` entry point.
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import threading
-from dataclasses import dataclass
-from importlib.metadata import entry_points
 
 from .backend import Backend
 from .errors import BackendUnavailableError, UnknownBackendError
+from .plugins import Plugin, PluginRegistry, load_target
 
-__all__ = ["register_backend", "registered_backends", "backend_status", "get_backend", "reset_backend", "ENV_VAR"]
+__all__ = ["BACKENDS", "register_backend", "registered_backends", "backend_status", "get_backend", "reset_backend", "ENV_VAR"]
 
 #: The environment variable that picks a backend by name.
 ENV_VAR = "XPU_BACKEND"
@@ -27,15 +26,8 @@ ENV_VAR = "XPU_BACKEND"
 _log = logging.getLogger("xpu")
 
 
-@dataclass
-class _Entry:
-    name: str
-    target: str
-    priority: int
-
-
-_entries: dict[str, _Entry] = {}
-_discovered = False
+#: The backends: in-tree ones and any another package adds (entry-point group ``xpu.backends``).
+BACKENDS = PluginRegistry("backend", group="xpu.backends")
 _lock = threading.RLock()
 _active: Backend | None = None
 
@@ -49,34 +41,19 @@ def register_backend(name: str, target: str, *, priority: int = 0) -> None:
             with a ``unavailable_reason()`` classmethod (None when usable).
         priority: auto-detection tries higher priorities first.
     """
-    with _lock:
-        _entries[name] = _Entry(name, target, priority)
-
-
-def _discover() -> None:
-    global _discovered
-    with _lock:
-        if _discovered:
-            return
-        _discovered = True
-        importlib.import_module("backends")  # the in-tree registrations
-        for ep in entry_points(group="xpu.backends"):
-            if ep.name not in _entries:
-                register_backend(ep.name, ep.value, priority=10)
+    BACKENDS.register(name, target, priority=priority)
 
 
 def registered_backends() -> list[str]:
     """Names of all registered backends, highest priority first."""
-    _discover()
-    return [e.name for e in sorted(_entries.values(), key=lambda e: -e.priority)]
+    return BACKENDS.names()
 
 
-def _load_class(entry: _Entry) -> type[Backend]:
-    module_name, _, class_name = entry.target.partition(":")
-    return getattr(importlib.import_module(module_name), class_name)
+def _load_class(entry: Plugin) -> type[Backend]:
+    return load_target(entry.target)
 
 
-def _why_unusable(entry: _Entry) -> str | None:
+def _why_unusable(entry: Plugin) -> str | None:
     try:
         cls = _load_class(entry)
     except Exception as exc:  # an import error is exactly the reason we want to report
@@ -86,20 +63,19 @@ def _why_unusable(entry: _Entry) -> str | None:
 
 def backend_status() -> dict[str, str | None]:
     """For every registered backend, None if usable here, else why not."""
-    return {name: _why_unusable(_entries[name]) for name in registered_backends()}
+    return {name: _why_unusable(plugin) for name, plugin in BACKENDS.plugins().items()}
 
 
 def _create(name: str) -> Backend:
-    names = registered_backends()
-    if name not in _entries:
-        raise UnknownBackendError(
-            f"{ENV_VAR}={name!r} is not a known backend; valid values: {', '.join(sorted(names))} "
-            f"(or leave {ENV_VAR} unset to auto-detect)"
-        )
-    reason = _why_unusable(_entries[name])
+    plugins = BACKENDS.plugins()
+    if name not in plugins:
+        known = ", ".join(sorted(plugins)) or "none are registered: install the package (`pip install -e .`)"
+        raise UnknownBackendError(f"{ENV_VAR}={name!r} is not a known backend; valid values: {known} "
+                                  f"(or leave {ENV_VAR} unset to auto-detect)")
+    reason = _why_unusable(plugins[name])
     if reason is not None:
         raise BackendUnavailableError(f"backend '{name}' is not usable here: {reason}")
-    return _load_class(_entries[name])()
+    return _load_class(plugins[name])()
 
 
 def get_backend(name: str | None = None) -> Backend:
@@ -123,15 +99,18 @@ def get_backend(name: str | None = None) -> Backend:
             _active = _create(wanted.strip().lower())
             return _active
         reasons = {}
-        for candidate in registered_backends():
-            reason = _why_unusable(_entries[candidate])
+        for candidate, plugin in BACKENDS.plugins().items():
+            reason = _why_unusable(plugin)
             if reason is None:
-                _active = _load_class(_entries[candidate])()
-                if reasons and _entries[candidate].priority <= 0:  # a last-resort backend: say so
+                _active = _load_class(plugin)()
+                if reasons and plugin.priority <= 0:  # a last-resort backend: say so
                     _log.warning("xpu: no %s usable; using the '%s' backend (`xpu info` says why)",
                                  " or ".join(reasons), candidate)
                 return _active
             reasons[candidate] = reason
+        if not reasons:
+            raise BackendUnavailableError("no backend is registered: install the package (`pip install -e .`), "
+                                          "whose xpu.backends entry point registers the in-tree ones")
         raise BackendUnavailableError("no registered backend is usable: " + "; ".join(f"{k}: {v}" for k, v in reasons.items()))
 
 

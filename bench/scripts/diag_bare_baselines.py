@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from bench.models import build_model
+from strategies.models import build_model
 
 DIMS = {"layers": 24, "hidden": 2048, "heads": 16, "vocab": 32000, "seq": 1024}
 

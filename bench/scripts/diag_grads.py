@@ -15,7 +15,7 @@ import copy
 import torch
 
 import xpu
-from bench.models import build_model
+from strategies.models import build_model
 from strategies.memferry import AdamW, MemFerry, Plan
 
 

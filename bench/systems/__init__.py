@@ -1,40 +1,33 @@
-"""Registry of benchmarked systems: built-in baselines plus whatever our strategies register.
+"""Registry of benchmarked systems: the baselines and our strategies, one registration line each.
 
-A system is a name bound lazily to a factory ``"package.module:callable"``; nothing is
-imported until a worker process runs it. The factory takes a
-:class:`~bench.systems.base.SystemContext` and returns a
-:class:`~bench.systems.base.BenchSystem` (one training step per ``step()`` call).
-
-How a strategy adds itself, without changing the harness: in its own package, a module
-``strategies/<name>/bench.py`` (imported by discovery) or an entry point in the
-``xpu.bench_systems`` group (``name = "pkg.module:factory"``) does::
+A system is a name bound lazily to a factory ``"package.module:callable"`` (an
+:class:`xpu.plugins.PluginRegistry`); nothing is imported until a worker process runs it. The
+factory takes a :class:`~bench.systems.base.SystemContext` and returns a
+:class:`~bench.systems.base.BenchSystem` (one training step per ``step()`` call). Each system's
+adapter is one file in this folder; another package adds systems through the
+``xpu.bench_systems`` entry-point group: a ``"pkg.module:factory"`` entry is registered under
+its name, and a module entry is imported so that its own :func:`register_system` calls run::
 
     from bench.systems import register_system
 
-    register_system(
-        "memferry",                               # the name scenarios use
-        "strategies.memferry.bench_system:make",  # factory(ctx) -> BenchSystem, imported lazily
-        options={"reserve_gb": 0.0},              # accepted options and their defaults
-        description="MemFerry: host-homed parameters, DHA + prefetch",
-    )
+    register_system("mysys", "mypkg.bench_adapter:make",   # factory(ctx) -> BenchSystem, imported lazily
+                    options={"scale": 1.0},                 # accepted options and their defaults
+                    description="one line for --list-systems")
 
-Discovery imports ``strategies``, then ``strategies.<sub>.bench`` for every subpackage that
-has one, then the entry points. A registration module that fails to import is reported
-(:func:`discovery_errors`) and skipped; the other systems still run.
+A registration module that fails to import is reported (:func:`discovery_errors`) and
+skipped; the other systems still run.
 """
 from __future__ import annotations
 
-import importlib
 import importlib.util
-import pkgutil
-import threading
 import traceback
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import Any, Callable
 
+from xpu.plugins import PluginRegistry, load_target
+
 __all__ = [
-    "SystemSpec", "register_system", "registered_systems", "get_system", "load_factory",
+    "SystemSpec", "SYSTEMS", "register_system", "registered_systems", "get_system", "load_factory",
     "missing_requirement", "discovery_errors", "ENTRY_POINT_GROUP",
 ]
 
@@ -67,10 +60,8 @@ class SystemSpec:
     period_option: str | None = None
 
 
-_systems: dict[str, SystemSpec] = {}
-_errors: list[str] = []
-_discovered = False
-_lock = threading.RLock()
+#: Every system, with its :class:`SystemSpec` in the plugin's ``spec`` metadata.
+SYSTEMS = PluginRegistry("system", group=ENTRY_POINT_GROUP)
 
 
 def register_system(name: str, target: str, *, approximate: bool = False, requires: tuple[str, ...] | list[str] = (),
@@ -91,11 +82,8 @@ def register_system(name: str, target: str, *, approximate: bool = False, requir
     Raises:
         ValueError: ``target`` is not of the form ``"module:callable"``.
     """
-    if ":" not in target:
-        raise ValueError(f"system target must be 'package.module:callable', got {target!r}")
-    with _lock:
-        _systems[name] = SystemSpec(name, target, approximate, tuple(requires), dict(options or {}), description,
-                                    period_option)
+    SYSTEMS.register(name, target, spec=SystemSpec(name, target, approximate, tuple(requires), dict(options or {}),
+                                                   description, period_option))
 
 
 # The built-in baselines (DESIGN.md §3). Options are validated against these defaults. Option
@@ -122,53 +110,30 @@ register_system("deepspeed-zenflow", "bench.systems.deepspeed_offload:make_zenfl
                 period_option="update_interval",
                 description="DeepSpeed ZeRO-2 offload + ZenFlow (approximate: stale updates by design; read its loss)")
 
-
-def _discover() -> None:
-    global _discovered
-    with _lock:
-        if _discovered:
-            return
-        _discovered = True
-        # Our strategies register themselves from strategies/<name>/bench.py.
-        try:
-            pkg = importlib.import_module("strategies")
-        except ImportError:
-            pkg = None
-        if pkg is not None and hasattr(pkg, "__path__"):
-            for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda i: i.name):
-                if not info.ispkg:
-                    continue
-                module = f"strategies.{info.name}.bench"
-                try:
-                    if importlib.util.find_spec(module) is not None:
-                        importlib.import_module(module)
-                except Exception as exc:  # a broken strategy must not take the baselines down
-                    _errors.append(f"{module}: {type(exc).__name__}: {exc}")
-        for ep in entry_points(group=ENTRY_POINT_GROUP):
-            if ep.name in _systems:
-                continue
-            try:
-                loaded = ep.load()
-            except Exception as exc:
-                _errors.append(f"entry point {ep.name} ({ep.value}): {type(exc).__name__}: {exc}")
-                continue
-            # An entry point may name a factory directly, or a registration function to call.
-            if getattr(loaded, "__bench_register__", False):
-                loaded()
-            else:
-                register_system(ep.name, ep.value)
+# Ours.
+register_system("memferry", "bench.systems.memferry:make",
+                options={"plan": "prefetch+recompute", "max_grad_norm": None, "host_threads": None,
+                         "host_kernel": "auto", "loss_chunks": 1, "memory_margin": 0.10, "measure": "step"},
+                description="MemFerry: parameters homed in host memory; per-block prefetch / DHA / device-homed plans")
+register_system("memferry-dp", "bench.systems.memferry_dp:make",
+                options={"ranks": 2, "plan": "prefetch+recompute", "max_grad_norm": None, "loss_chunks": 1,
+                         "host_threads": None, "host_kernel": "auto", "memory_margin": 0.10},
+                description="MemFerry data parallel: one rank process per device, the scenario's batch split between "
+                            "them, gradients averaged, host optimizer sharded by rank")
+register_system("mpress", "bench.systems.mpress:make",
+                options={"stages": 2, "microbatches": 4, "schedule": "1f1b", "plan": "auto"},
+                description="MPress: pipeline stages in their own processes (one device each), activations kept, "
+                            "recomputed, host- or peer-swapped per block by the planner")
 
 
 def discovery_errors() -> list[str]:
     """Registration modules that failed to import during discovery (each with its error)."""
-    _discover()
-    return list(_errors)
+    return SYSTEMS.errors()
 
 
 def registered_systems() -> dict[str, SystemSpec]:
-    """All registered systems by name (built-ins first, then discovered ones)."""
-    _discover()
-    return dict(_systems)
+    """All registered systems by name (in registration order; entry points' after ours)."""
+    return {name: plugin.meta.get("spec") or SystemSpec(name, plugin.target) for name, plugin in SYSTEMS.plugins().items()}
 
 
 def get_system(name: str) -> SystemSpec:
@@ -185,8 +150,7 @@ def get_system(name: str) -> SystemSpec:
 
 def load_factory(spec: SystemSpec) -> Callable[..., Any]:
     """Import and return the factory of ``spec`` (this is where its packages get imported)."""
-    module_name, _, attr = spec.target.partition(":")
-    return getattr(importlib.import_module(module_name), attr)
+    return load_target(spec.target)
 
 
 def missing_requirement(spec: SystemSpec, extra: tuple[str, ...] = ()) -> str | None:

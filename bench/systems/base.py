@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..models import CausalLM, build_model
+from strategies.models import CausalLM, build_model
 
 __all__ = ["SystemContext", "BenchSystem", "phase", "forward_backward", "module_step", "engine_step", "DTYPES",
            "init_single_process_group"]
@@ -32,7 +32,7 @@ class SystemContext:
         backend: the process's :class:`xpu.Backend`.
         device_index: the device to train on.
         family: model family (``gpt``, ``llama``, ``hf``).
-        dims: model dimensions, ``seq`` included (see :mod:`bench.models`).
+        dims: model dimensions, ``seq`` included (see :mod:`strategies.models`).
         dtype: the compute dtype (bf16 on accelerators by default, fp32 on the cpu backend).
         batch: micro-batch size.
         seq: sequence length.

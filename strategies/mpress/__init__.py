@@ -2,7 +2,7 @@
 peer devices (D2D swap), to the host, or recompute them, chosen per block by a planner.
 
 Modules:
-    stages: split a :class:`bench.models.CausalLM` into pipeline stages (embeddings on the
+    stages: split a :class:`strategies.models.CausalLM` into pipeline stages (embeddings on the
         first, head and loss on the last).
     executor: saved-tensor hooks that keep, recompute, host-swap or peer-swap each block's
         saved activations (and profile them).

@@ -6,7 +6,7 @@
     xpu mpress examples/mpress/tiny.yaml --profile-json prof.json   # also dump every saved tensor of the profiled step
     torchrun --standalone --nproc_per_node 2 -m xpu mpress examples/mpress/tiny.yaml   # the same, by hand
 
-The config is an ``xpu train`` config (:mod:`strategies.trainer`) whose strategy is ``mpress``::
+The config is an ``xpu train`` config (:mod:`strategies.training`) whose strategy is ``mpress``::
 
     model: {family: gpt, layers: 4, hidden: 64, heads: 4, vocab: 256}   # gpt | llama (hf cannot be split)
     strategy:
@@ -57,7 +57,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from strategies.trainer import TrainConfig, TrainConfigError
+from strategies.training import TrainConfig, TrainConfigError
 
 __all__ = ["MPressConfig", "MPressConfigError", "OPTIONS", "load_config", "under_torchrun", "launch_command",
            "check_devices", "run_rank", "reference_losses"]
@@ -82,7 +82,7 @@ class MPressConfig:
     Attributes:
         train: the train-config part (model, optimizer, data, steps, batch, seq, dtype, seed,
             log_every, device_budget: the budget of each stage's device), validated by
-            :class:`~strategies.trainer.TrainConfig`.
+            :class:`~strategies.training.TrainConfig`.
         stages, microbatches, schedule, plan, counts, profile: the pipeline options (:data:`OPTIONS`).
         source: the YAML file it came from, if any.
     """
@@ -129,7 +129,7 @@ def load_config(source: str | Path | dict[str, Any], overrides: dict[str, Any] |
     Raises:
         MPressConfigError: a missing file, bad YAML, or any invalid key or value.
     """
-    from bench.config_checks import apply_overrides, read_config_source
+    from strategies.training.checks import apply_overrides, read_config_source
 
     data, path = read_config_source(source, MPressConfigError)
     name, base_dir, shown = (path.stem, path.resolve().parent, str(path)) if path is not None else (None, None, None)
@@ -335,7 +335,7 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
     import torch.distributed as dist
 
     import xpu
-    from strategies.trainer import lr_at, make_data, resolve_dtype  # the same dtype choice and batches as `xpu train`
+    from strategies.training import lr_at, make_data, resolve_dtype  # the same dtype choice and batches as `xpu train`
     from xpu.units import format_bytes
 
     from .pipeline import StageRuntime, adamw_with_states
@@ -456,7 +456,7 @@ def reference_losses(config: MPressConfig, backend: Any = None) -> list[float]:
     Same model (built from ``seed``), batches, AdamW and learning-rate schedule; no budget
     (the reference is the arithmetic, not the memory plan).
     """
-    from strategies.trainer import train
+    from strategies.training import train
 
     data = config.train.to_dict()
     data.update(strategy={"name": "torch", "options": {}}, device_budget=None)

@@ -63,7 +63,7 @@ class PipelineJob:
     """One pipeline training run.
 
     Attributes:
-        dims: model dimensions for :func:`bench.models.build_model` (``seq`` included).
+        dims: model dimensions for :func:`strategies.models.build_model` (``seq`` included).
         family: model family (``gpt`` or ``llama``).
         schedule: ``"gpipe"`` or ``"1f1b"``.
         microbatches: micro-batches per step.
@@ -80,7 +80,7 @@ class PipelineJob:
         profile: run the profiled iteration even when ``plan`` does not need it.
         min_bytes: saved tensors smaller than this are always kept.
         overlap: override for the planner's copy/compute overlap (None: ``caps.async_copy``).
-        dtype: parameter dtype of the model (None: fp32, the default of :func:`bench.models.build_model`).
+        dtype: parameter dtype of the model (None: fp32, the default of :func:`strategies.models.build_model`).
         profile_mode: one of :data:`PROFILE_MODES`: how the profiled iteration treats activations.
     """
 
@@ -115,7 +115,7 @@ class PipelineJob:
             raise ValueError(f"unknown profile_mode {self.profile_mode!r}; valid: {', '.join(PROFILE_MODES)}")
         if not (self.plan in PLANNED + ("keep",) or isinstance(self.plan, dict)):
             raise ValueError(f"plan must be 'keep', 'auto', 'recompute' or {{stage: {{block: decision}}}}, got {self.plan!r}")
-        from bench.models import validate_dims
+        from strategies.models import validate_dims
 
         validate_dims(self.family, dict(self.dims))
         if self.dims["layers"] < stages:
@@ -139,7 +139,7 @@ def _data(job: PipelineJob) -> tuple[torch.Tensor, torch.Tensor]:
 
 def reference(job: PipelineJob) -> dict[str, Any]:
     """The same training run unpipelined, in this process: ``{"losses": [...], "grads": {name: tensor}}``."""
-    from bench.models import build_model
+    from strategies.models import build_model
 
     torch.manual_seed(job.seed)
     model = build_model(job.family, dtype=job.dtype, **job.dims)
@@ -354,7 +354,7 @@ class StageRuntime:
         import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        from bench.models import build_model
+        from strategies.models import build_model
         from xpu.units import parse_bytes
 
         from .executor import StageExecutor

@@ -1,4 +1,4 @@
-"""Benchmark models: DESIGN.md §3 GPT size, FLOP formula, the Llama variant's shapes and GQA."""
+"""The shared models (strategies.models): docs/design.md §3 GPT size, FLOP formula, the Llama variant's shapes and GQA."""
 from __future__ import annotations
 
 import importlib.util
@@ -6,8 +6,8 @@ import importlib.util
 import pytest
 import torch
 
-from bench.models import (apply_rotary, build_model, embedding_param_count, flops_per_token, llama_ffn, param_count,
-                          rotary_tables, validate_dims)
+from strategies.models import (apply_rotary, build_model, embedding_param_count, flops_per_token, llama_ffn, param_count,
+                              rotary_tables, validate_dims)
 
 DESIGN = dict(layers=24, hidden=2048, heads=16, vocab=32000, seq=1024)
 

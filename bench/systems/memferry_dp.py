@@ -35,7 +35,7 @@ Options:
         separately could home different units on the device, and their collectives would not
         line up).
     max_grad_norm: global-norm clipping over the averaged gradient (None: off).
-    loss_chunks: compute the loss over this many token slices (see ``bench_system.py``).
+    loss_chunks: compute the loss over this many token slices (see ``bench/systems/memferry.py``).
     host_threads, host_kernel, memory_margin: as ``memferry``'s. Without ``host_threads``
         each rank's torch uses ``cpu_count // ranks`` threads, so the ranks do not
         oversubscribe the host they share.
@@ -48,10 +48,10 @@ from typing import Any
 
 import torch
 
-from bench.systems.base import BenchSystem, SystemContext, phase
-from bench.systems.rank_pool import DataParallelRows, RankChannel, RankPool, mean_loss, rank_env, peaks_text
+from .base import BenchSystem, SystemContext, phase
+from .rank_pool import DataParallelRows, RankChannel, RankPool, mean_loss, rank_env, peaks_text
 
-from .config import AdamW, Plan
+from strategies.memferry import AdamW, Plan
 
 __all__ = ["MemFerryDPSystem", "DPJob", "build_job", "make"]
 
@@ -102,7 +102,7 @@ def build_job(ctx: SystemContext) -> tuple[DPJob, dict[str, str]]:
         ValueError: a bad option (fewer than 2 ranks, more ranks than devices, a batch that
             does not split into equal micro-batches, an unknown plan, bad optimizer settings).
     """
-    from bench.models import build_model
+    from strategies.models import build_model
 
     opts = ctx.options
     ranks = opts["ranks"]
@@ -221,9 +221,9 @@ def _rank_main(channel: RankChannel, job: DPJob) -> None:
     import torch.distributed as dist
 
     import xpu
-    from bench.models import build_model
+    from strategies.models import build_model
 
-    from .engine import MemFerry
+    from strategies.memferry import MemFerry
 
     engine = None
     try:

@@ -5,15 +5,17 @@
     xpu train examples/train/gpt-tiny-memferry.yaml --set checkpoint.dir=runs/t --set checkpoint.every=100
     xpu train examples/train/gpt-tiny-memferry.yaml --resume runs/t --steps 800
 
-The config format is documented in :mod:`strategies.trainer`; a bad config is a one-line
+The config format is documented in :mod:`strategies.training`; a bad config is a one-line
 error (exit status 2) before anything is built. Heavy imports happen in :func:`run`: the
-``xpu`` CLI imports this module only when ``train`` is the command.
+``xpu`` CLI imports this module for every command (to list it).
 """
 from __future__ import annotations
 
 import argparse
 import json
 from typing import Any
+
+from xpu.cli import register_command
 
 __all__ = ["add_arguments", "run"]
 
@@ -31,8 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    from bench.config_checks import parse_set_items
-    from strategies.trainer import TrainConfigError
+    from strategies.training.checks import parse_set_items
+    from strategies.training import TrainConfigError
 
     out = parse_set_items(args.set, TrainConfigError)
     if args.steps is not None:
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from strategies.trainer import RunInfo, StepReport, TrainCallback, load_config, train
+    from strategies.training import RunInfo, StepReport, TrainCallback, load_config, train
 
     config = load_config(args.config, _overrides(args))
     # Log lines go to stderr with --json so stdout stays one parseable object.
@@ -130,3 +132,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_dict(), default=str))
     return 0
+
+
+# `xpu <name>`: this module registers itself (the `xpu.commands` entry point in pyproject.toml names it).
+register_command("train", "strategies.training.cli", "train a model from a YAML config", order=10)

@@ -1,4 +1,4 @@
-"""Checks and overrides shared by the YAML configs of ``xpu bench`` scenarios and ``xpu train``.
+"""Checks and overrides shared by every YAML config of the project: ``xpu train``, ``xpu mpress`` and ``xpu bench`` scenarios.
 
 Each check raises the caller's own error type (a ``ValueError`` subclass), so every message a
 user sees names the file kind it came from.
@@ -51,8 +51,8 @@ def positive_number(key: str, value: Any, error: type[Exception] = ValueError) -
 
 
 def check_model_section(model: Any, family: str, dims: dict[str, Any], error: type[Exception] = ValueError) -> None:
-    """The ``model:`` mapping names a known family with valid dimensions (see ``bench.models``)."""
-    from .models import validate_dims
+    """The ``model:`` mapping names a known family with valid dimensions (see :mod:`strategies.models`)."""
+    from strategies.models import validate_dims
 
     if not isinstance(model, dict) or "family" not in model:
         raise error("'model' must be a mapping with a 'family' (gpt, llama or hf) and its dimensions")

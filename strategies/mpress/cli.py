@@ -10,7 +10,7 @@ torchrun's module (``python -m torch.distributed.run --standalone --nproc_per_no
 mpress ...``); under torchrun (``LOCAL_RANK`` and ``WORLD_SIZE`` set) it runs this rank's stage.
 A bad config is a one-line error (exit status 2) before any process starts. The config format
 and the training loop are documented in :mod:`strategies.mpress.launcher`. Heavy imports happen
-in :func:`run`: the ``xpu`` CLI imports this module only when ``mpress`` is the command.
+in :func:`run`: the ``xpu`` CLI imports this module for every command (to list it).
 """
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ import argparse
 import os
 import sys
 from typing import Any
+
+from xpu.cli import register_command
 
 __all__ = ["add_arguments", "run"]
 
@@ -55,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     """Dotted config overrides from ``--set`` and the flags (flags win)."""
-    from bench.config_checks import parse_set_items
+    from strategies.training.checks import parse_set_items
     from strategies.mpress.launcher import MPressConfigError
 
     out = parse_set_items(args.set, MPressConfigError)
@@ -187,3 +189,7 @@ def _out_of_memory(exc: BaseException, oom_type: type) -> BaseException | None:
         seen.add(id(node))
         node = node.__cause__ or node.__context__
     return None
+
+
+# `xpu <name>`: this module registers itself (the `xpu.commands` entry point in pyproject.toml names it).
+register_command("mpress", "strategies.mpress.cli", "MPress pipeline training from a YAML config, one process per stage via torchrun", order=9)

@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from bench.systems.base import BenchSystem, SystemContext, engine_step, phase
+from .base import BenchSystem, SystemContext, engine_step, phase
 
-from .config import AdamW, Plan
-from .engine import MemFerry
+from strategies.memferry import AdamW, MemFerry, Plan
 
 __all__ = ["MemFerrySystem", "make"]
 

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from bench.systems.base import BenchSystem, SystemContext, phase
-from bench.systems.rank_pool import RankChannel, RankPool
+from .base import BenchSystem, SystemContext, phase
+from .rank_pool import RankChannel, RankPool
 
-from .pipeline import SCHEDULES, PipelineJob, adamw_with_states
+from strategies.mpress.pipeline import SCHEDULES, PipelineJob, adamw_with_states
 
 __all__ = ["MPressSystem", "make", "PLANS"]
 
@@ -166,8 +166,8 @@ def _stage_main(channel: RankChannel, job: PipelineJob, adamw: dict[str, Any], d
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     import xpu
 
-    from .pipeline import StageRuntime
-    from .planner import InfeasibleBudgetError
+    from strategies.mpress.pipeline import StageRuntime
+    from strategies.mpress.planner import InfeasibleBudgetError
 
     runtime = None
     try:

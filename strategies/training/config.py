@@ -1,0 +1,356 @@
+"""The training config: its sections, its validation (every key and value checked before anything
+is built), and how a YAML file plus ``--set`` overrides become one (:func:`load_config`).
+
+YAML shape (every key but ``model`` optional)::
+
+    name: gpt-tiny                 # default: the file's name
+    description: ...
+    model: {family: gpt, layers: 4, hidden: 128, heads: 4, vocab: 256}   # strategies.models families
+    strategy:                      # or just a name: `strategy: torch`
+      name: memferry               # memferry | torch (see strategies.training.registry)
+      options: {plan: prefetch+recompute, max_grad_norm: 1.0}
+    device_budget: 16GB            # most device memory the run may use (null: the whole device)
+    optimizer: {lr: 1.0e-3, betas: [0.9, 0.999], eps: 1.0e-8, weight_decay: 0.01,
+                schedule: cosine, warmup_steps: 20, min_lr: 1.0e-4}       # schedule: constant | cosine
+    steps: 400                     # total optimizer steps (a resumed run continues up to this)
+    batch: 16
+    seq: 64
+    dtype: auto                    # auto: bf16 on an accelerator, fp32 on the cpu backend; fp32 | bf16
+    seed: 0
+    data: {kind: synthetic, branching: 4}   # or {kind: text, path: data/tiny.txt} (byte-level, vocab 256)
+    log_every: 25
+    checkpoint: {every: 100, dir: runs/gpt-tiny}   # also written after the last step
+    resume: runs/gpt-tiny          # a checkpoint file, or a folder (its latest step-*.pt)
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from xpu.errors import XpuError
+
+from .checks import apply_overrides, check_model_section, nonneg_int, positive_int, positive_number, read_config_source
+
+__all__ = ["TrainConfig", "StrategyConfig", "OptimizerConfig", "DataConfig", "CheckpointConfig", "TrainConfigError",
+           "load_config", "resolve_dtype", "TEXT_VOCAB"]
+
+#: Byte-level text: one token per byte.
+TEXT_VOCAB = 256
+_DTYPES = ("auto", "fp32", "bf16")
+_SCHEDULES = ("constant", "cosine")
+_DATA_KINDS = ("synthetic", "text")
+
+
+class TrainConfigError(XpuError, ValueError):
+    """A training config that cannot run as written; the message says what is wrong and what is valid."""
+
+
+# ---------------------------------------------------------------------------------- config sections
+@dataclass
+class StrategyConfig:
+    """Which strategy trains the model, and its options (defaults from :data:`STRATEGIES`)."""
+
+    name: str = "memferry"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW settings and the learning-rate schedule.
+
+    Attributes:
+        lr: peak learning rate.
+        betas, eps, weight_decay: as ``torch.optim.AdamW`` (decoupled weight decay).
+        schedule: ``constant``, or ``cosine`` decay from ``lr`` to ``min_lr`` over the steps after warm-up.
+        warmup_steps: linear warm-up from ``lr / warmup_steps`` to ``lr`` (0: none).
+        min_lr: the cosine schedule's final learning rate.
+    """
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+
+
+@dataclass
+class DataConfig:
+    """Where batches come from: ``synthetic`` (Markov chain with ``branching``) or ``text`` (``path``, byte-level)."""
+
+    kind: str = "synthetic"
+    path: str | None = None
+    branching: int = 4
+
+
+@dataclass
+class CheckpointConfig:
+    """Write a checkpoint every ``every`` steps (and after the last one) into ``dir``."""
+
+    dir: str
+    every: int = 0
+
+
+@dataclass
+class TrainConfig:
+    """Everything one training run needs (see the module docstring for the YAML shape).
+
+    Build one with :func:`load_config` (YAML path or dict, plus overrides) or
+    :meth:`from_dict`; both validate in full.
+    """
+
+    model: dict[str, Any]
+    name: str = "train"
+    description: str = ""
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    device_budget: str | int | None = None
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    steps: int = 100
+    batch: int = 8
+    seq: int = 256
+    dtype: str = "auto"
+    seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
+    log_every: int = 10
+    checkpoint: CheckpointConfig | None = None
+    resume: str | None = None
+    #: Folder that relative ``data.path`` values are looked up in first (the config file's); not a YAML key.
+    base_dir: str | None = field(default=None, metadata={"internal": True})
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def family(self) -> str:
+        """The model family."""
+        return self.model["family"]
+
+    def model_dims(self) -> dict[str, Any]:
+        """Model dimensions with ``seq`` included (what ``strategies.models.build_model`` takes)."""
+        dims = {k: v for k, v in self.model.items() if k != "family"}
+        dims.setdefault("seq", self.seq)
+        return dims
+
+    def vocab(self) -> int | None:
+        """The model's vocabulary size (None for an ``hf`` config that leaves it to transformers)."""
+        if self.family == "hf":
+            value = self.model["config"].get("vocab_size")
+            return int(value) if value is not None else None
+        return int(self.model["vocab"])
+
+    def n_blocks(self) -> int | None:
+        """Number of transformer blocks (None for an ``hf`` config that does not say)."""
+        if self.family == "hf":
+            cfg = self.model["config"]
+            value = cfg.get("num_hidden_layers", cfg.get("n_layer"))
+            return int(value) if value is not None else None
+        return int(self.model["layers"])
+
+    def data_path(self) -> Path:
+        """The text file of ``data.path``: next to the config file if it exists there, else from the working directory."""
+        path = Path(str(self.data.path)).expanduser()
+        if not path.is_absolute() and self.base_dir is not None and (Path(self.base_dir) / path).exists():
+            return Path(self.base_dir) / path
+        return path
+
+    # ------------------------------------------------------------------ (de)serialisation
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], name: str | None = None, base_dir: str | Path | None = None) -> "TrainConfig":
+        """Build and validate a config from a YAML-shaped dict.
+
+        Raises:
+            TrainConfigError: unknown or bad keys or values; the message lists the valid ones.
+        """
+        if not isinstance(data, dict):
+            raise TrainConfigError(f"a training config must be a mapping of keys to values, got {type(data).__name__}")
+        data = copy.deepcopy(data)
+        valid = _public_keys(cls)
+        unknown = set(data) - set(valid)
+        if unknown:
+            raise TrainConfigError(f"unknown key(s) {sorted(unknown)}; valid keys: {', '.join(valid)}")
+        if "model" not in data:
+            raise TrainConfigError("a training config needs 'model': {family: gpt|llama|hf, <dimensions>}")
+        data["strategy"] = _section_strategy(data.get("strategy", "memferry"))
+        data["optimizer"] = _section(OptimizerConfig, "optimizer", data.get("optimizer") or {})
+        data["data"] = _section(DataConfig, "data", data.get("data") or {})
+        if data.get("checkpoint") is not None:
+            ck = data["checkpoint"]
+            if isinstance(ck, dict) and "dir" not in ck:
+                raise TrainConfigError("checkpoint needs 'dir' (the folder to write step-N.pt files to), e.g. {every: 100, dir: runs/x}")
+            data["checkpoint"] = _section(CheckpointConfig, "checkpoint", ck)
+        if name and "name" not in data:
+            data["name"] = name
+        config = cls(**data, base_dir=str(base_dir) if base_dir is not None else None)
+        config.validate()
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        """A YAML/JSON-friendly dict that :meth:`from_dict` reads back (what checkpoints record)."""
+        out = asdict(self)
+        out.pop("base_dir")
+        out["optimizer"]["betas"] = list(out["optimizer"]["betas"])
+        return out
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Check every value and fill in strategy option defaults.
+
+        Raises:
+            TrainConfigError: what is wrong, with the valid values.
+        """
+        check_model_section(self.model, self.family, self.model_dims(), TrainConfigError)
+        for key in ("steps", "batch", "seq", "log_every"):
+            _positive_int(key, getattr(self, key))
+        _nonneg_int("seed", self.seed)
+        if self.model_dims().get("seq") is not None and self.model_dims()["seq"] < self.seq:
+            raise TrainConfigError(f"model.seq ({self.model['seq']}) is shorter than seq ({self.seq}); drop model.seq or raise it")
+        if self.dtype not in _DTYPES:
+            raise TrainConfigError(f"dtype {self.dtype!r} is not valid; valid: {', '.join(_DTYPES)}")
+        if self.device_budget is not None:
+            from xpu.units import parse_bytes
+
+            try:
+                if parse_bytes(self.device_budget) <= 0:
+                    raise ValueError("a device budget must be positive")
+            except ValueError as exc:
+                raise TrainConfigError(f"device_budget: {exc}") from None
+        self._validate_optimizer()
+        self._validate_data()
+        self._validate_strategy()
+        if self.checkpoint is not None:
+            _nonneg_int("checkpoint.every", self.checkpoint.every)
+            if not isinstance(self.checkpoint.dir, str) or not self.checkpoint.dir:
+                raise TrainConfigError(f"checkpoint.dir must be a folder path, got {self.checkpoint.dir!r}")
+        if self.resume is not None and not isinstance(self.resume, str):
+            raise TrainConfigError(f"resume must be a checkpoint file or folder path, got {self.resume!r}")
+
+    def _validate_optimizer(self) -> None:
+        o = self.optimizer
+        for key in ("lr", "eps"):
+            _positive_number(f"optimizer.{key}", getattr(o, key))
+        for key in ("weight_decay", "min_lr"):
+            value = getattr(o, key)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise TrainConfigError(f"optimizer.{key} must be a non-negative number, got {value!r}")
+        if (not isinstance(o.betas, (list, tuple)) or len(o.betas) != 2
+                or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas)):
+            raise TrainConfigError(f"optimizer.betas must be two numbers in [0, 1), got {o.betas!r}")
+        o.betas = (float(o.betas[0]), float(o.betas[1]))
+        if o.schedule not in _SCHEDULES:
+            raise TrainConfigError(f"optimizer.schedule {o.schedule!r} is not valid; valid: {', '.join(_SCHEDULES)}")
+        _nonneg_int("optimizer.warmup_steps", o.warmup_steps)
+        if o.min_lr > o.lr:
+            raise TrainConfigError(f"optimizer.min_lr ({o.min_lr}) must not exceed optimizer.lr ({o.lr})")
+
+    def _validate_data(self) -> None:
+        d = self.data
+        if d.kind not in _DATA_KINDS:
+            raise TrainConfigError(f"data.kind {d.kind!r} is not valid; valid: {', '.join(_DATA_KINDS)}")
+        vocab = self.vocab()
+        if d.kind == "synthetic":
+            if d.path is not None:
+                raise TrainConfigError("data.path is for kind: text; synthetic data takes only 'branching'")
+            _positive_int("data.branching", d.branching)
+            if vocab is None:
+                raise TrainConfigError("synthetic data needs the model's vocab size: give model.config.vocab_size")
+            if d.branching > vocab:
+                raise TrainConfigError(f"data.branching ({d.branching}) cannot exceed the model's vocab ({vocab})")
+            return
+        if not d.path or not isinstance(d.path, str):
+            raise TrainConfigError("data kind 'text' needs 'path': a local text file, read byte-level")
+        if vocab is not None and vocab < TEXT_VOCAB:
+            raise TrainConfigError(f"text data is byte-level ({TEXT_VOCAB} tokens) but the model's vocab is {vocab}; "
+                                   f"set model.vocab to at least {TEXT_VOCAB}")
+        path = self.data_path()
+        if not path.is_file():
+            where = f" (looked in {self.base_dir} and the working directory)" if self.base_dir else ""
+            raise TrainConfigError(f"data.path {d.path!r}: no such file{where}")
+        size = path.stat().st_size
+        if size < self.seq + 2:
+            raise TrainConfigError(f"data.path {d.path!r} holds {size} bytes; a window of seq + 1 = {self.seq + 1} "
+                                   f"tokens needs at least {self.seq + 2}: lower seq or use a longer file")
+
+    def _validate_strategy(self) -> None:
+        from .registry import get_strategy  # the registry's specs check their own options
+
+        s = self.strategy
+        spec = get_strategy(s.name)
+        if not isinstance(s.options, dict):
+            raise TrainConfigError(f"strategy.options must be a mapping, got {s.options!r}")
+        bad = set(s.options) - set(spec.options)
+        if bad:
+            raise TrainConfigError(f"strategy {s.name!r} has no option(s) {sorted(bad)}; "
+                                   f"valid options: {', '.join(sorted(spec.options)) or 'none'}")
+        s.options = {**copy.deepcopy(spec.options), **s.options}
+        if spec.check is not None:
+            spec.check(s.options, self)
+
+
+def _public_keys(cls: type) -> list[str]:
+    return [f.name for f in fields(cls) if not f.metadata.get("internal")]
+
+
+def _section(cls: type, label: str, value: Any) -> Any:
+    if not isinstance(value, dict):
+        raise TrainConfigError(f"'{label}' must be a mapping with keys {', '.join(_public_keys(cls))}; got {value!r}")
+    unknown = set(value) - set(_public_keys(cls))
+    if unknown:
+        raise TrainConfigError(f"unknown {label} key(s) {sorted(unknown)}; valid: {', '.join(_public_keys(cls))}")
+    return cls(**value)
+
+
+def _section_strategy(value: Any) -> StrategyConfig:
+    if isinstance(value, str):
+        return StrategyConfig(value)
+    if isinstance(value, dict) and "name" not in value:
+        raise TrainConfigError(f"strategy needs a 'name' ({_strategy_names()}), e.g. {{name: memferry, options: {{plan: prefetch}}}}")
+    if isinstance(value, dict):
+        config = _section(StrategyConfig, "strategy", value)
+        config.options = dict(config.options or {})
+        return config
+    raise TrainConfigError(f"strategy is a name ({_strategy_names()}) or {{name:, options:}}; got {value!r}")
+
+
+def _strategy_names() -> str:
+    from .registry import STRATEGIES
+
+    return ", ".join(STRATEGIES.names())
+
+
+def _positive_int(key: str, value: Any) -> None:
+    positive_int(key, value, TrainConfigError)
+
+
+def _nonneg_int(key: str, value: Any) -> None:
+    nonneg_int(key, value, TrainConfigError)
+
+
+def _positive_number(key: str, value: Any) -> None:
+    positive_number(key, value, TrainConfigError)
+
+
+def load_config(source: str | Path | dict[str, Any], overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Load a config from a YAML path or a dict, apply dotted ``overrides``, validate.
+
+    ``overrides`` maps dotted keys to values, e.g. ``{"model.layers": 2, "steps": 20}``.
+
+    Raises:
+        TrainConfigError: missing file, unreadable YAML, a bad override or an invalid config.
+    """
+    data, path = read_config_source(source, TrainConfigError)
+    name, base_dir = (path.stem, path.resolve().parent) if path is not None else (None, None)
+    # `--set strategy.options.x=` on a bare-name strategy; `--set checkpoint.dir=` on `checkpoint: null`
+    apply_overrides(data, overrides, TrainConfigError, promote={"strategy": "name"})
+    return TrainConfig.from_dict(data, name=name, base_dir=base_dir)
+
+
+
+def resolve_dtype(config: TrainConfig, backend: Any) -> tuple[str, torch.dtype]:
+    """The compute dtype's name and torch dtype for ``config`` on ``backend`` ("auto" resolved)."""
+    # bf16 where there is a real device with asynchronous copies; fp32 on the cpu reference,
+    # where bf16 is slow and exactness checks want fp32 (as examples/memferry_gpt.py decides).
+    name = config.dtype if config.dtype != "auto" else ("bf16" if backend.caps.async_copy else "fp32")
+    return name, {"fp32": torch.float32, "bf16": torch.bfloat16}[name]

@@ -1,0 +1,138 @@
+"""The strategies ``xpu train`` ships: MemFerry, and the plain PyTorch reference (``torch``)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checks import positive_number
+from .config import TrainConfig, TrainConfigError, resolve_dtype
+from .registry import StrategySpec, TrainEngine
+
+__all__ = ["TorchEngine", "MEMFERRY", "TORCH"]
+
+
+def _check_grad_norm(options: dict[str, Any]) -> None:
+    value = options.get("max_grad_norm")
+    if value is not None:
+        positive_number("strategy.options.max_grad_norm", value, TrainConfigError)
+
+
+def _check_memferry(options: dict[str, Any], config: TrainConfig) -> None:
+    from strategies.memferry import Plan
+
+    _check_grad_norm(options)
+    if not isinstance(options["plan"], str):
+        raise TrainConfigError(f"strategy.options.plan must be a plan name such as 'prefetch+recompute' or 'auto', "
+                               f"got {options['plan']!r}")
+    chunks = options["loss_chunks"]
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise TrainConfigError(f"strategy.options.loss_chunks must be a positive integer (1: the loss over all tokens "
+                               f"at once), got {chunks!r}")
+    margin = options["memory_margin"]
+    if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise TrainConfigError(f"strategy.options.memory_margin must lie in [0, 1), got {margin!r}")
+    n_blocks = config.n_blocks()
+    if n_blocks is not None and options["plan"] != "auto":
+        try:
+            Plan.from_spec(options["plan"], n_blocks)
+        except ValueError as exc:
+            raise TrainConfigError(f"strategy.options.plan: {exc}") from None
+
+
+def _build_memferry(model: nn.Module, config: TrainConfig, backend: Any, device: int) -> TrainEngine:
+    from strategies.memferry import AdamW, MemFerry, Plan
+
+    o, opts = config.optimizer, config.strategy.options
+    cfg = AdamW(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=opts["max_grad_norm"])
+    sample = None
+    if opts["plan"] == "auto":  # the scheduler profiles one batch of the run's shape (its values do not matter)
+        g = torch.Generator().manual_seed(config.seed)
+        tokens = torch.randint(0, config.vocab() or 256, (config.batch, config.seq + 1), generator=g)
+        sample = (tokens[:, :-1], tokens[:, 1:])
+        plan: Any = "auto"
+    else:
+        plan = Plan.from_spec(opts["plan"], len(model.blocks))
+    if opts["loss_chunks"] > 1:
+        if not hasattr(model, "loss_chunks"):
+            raise TrainConfigError("strategy.options.loss_chunks needs a model that slices its loss (gpt or llama)")
+        model.loss_chunks = opts["loss_chunks"]
+    # MemFerry is a TrainEngine as it is; its set_lr is queued behind pending host updates.
+    return MemFerry(model, optim=cfg, device_budget=config.device_budget, plan=plan, backend=backend, device=device,
+                    sample=sample, memory_margin=float(opts["memory_margin"]), compute_dtype=resolve_dtype(config, backend)[1],
+                    blocks=model.blocks)  # named: a 1-block model has no list to find
+
+class TorchEngine:
+    """The ``torch`` reference: the model and ``torch.optim.AdamW`` all on the device, weights in the compute dtype."""
+
+    def __init__(self, model: nn.Module, config: TrainConfig, backend: Any, device: int) -> None:
+        o, opts = config.optimizer, config.strategy.options
+        self.backend, self.device = backend, device
+        self.max_grad_norm = opts["max_grad_norm"]
+        # Copy every tensor with the backend rather than model.to(device): on the cpu backend
+        # ``to`` would be a no-op and the weights would not count against the virtual device.
+        with backend.device_scope(device):
+            for p in model.parameters():
+                p.data = backend.to_device(p.data, device)
+            for module in model.modules():
+                for name, buf in module.named_buffers(recurse=False):
+                    setattr(module, name, backend.to_device(buf, device))
+        self.model = model
+        self.model.recompute = bool(opts["recompute"])  # CausalLM's per-block checkpointing
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                           weight_decay=o.weight_decay)
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward, backward, optional clipping, AdamW step."""
+        with self.backend.device_scope(self.device):
+            inputs, targets = self.backend.to_device(inputs, self.device), self.backend.to_device(targets, self.device)
+            loss = self.model(inputs, targets)
+            loss.backward()
+            if self.max_grad_norm is not None:
+                nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def set_lr(self, lr: float) -> None:
+        """Learning rate for the next step."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def state_dict(self) -> dict[str, Any]:
+        """Host copies of the weights, and torch's optimizer state."""
+        self.synchronize()
+        return {"model": {k: v.to("cpu", copy=True) for k, v in self.model.state_dict().items()},
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load weights and optimizer state."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def synchronize(self) -> None:
+        """Wait for the device."""
+        self.backend.synchronize(self.device)
+
+    def close(self) -> None:
+        """Drop the device copies."""
+        self.model, self.optimizer = None, None  # type: ignore[assignment]
+
+
+def _check_torch(options: dict[str, Any], config: TrainConfig) -> None:
+    _check_grad_norm(options)
+    if not isinstance(options["recompute"], bool):
+        raise TrainConfigError(f"strategy.options.recompute must be true or false, got {options['recompute']!r}")
+
+
+#: strategy name -> spec; adding a strategy (``mpress``) is one line here plus its builder.
+
+
+MEMFERRY = StrategySpec(_build_memferry, {"plan": "prefetch", "max_grad_norm": None, "loss_chunks": 1,
+                                          "memory_margin": 0.10},
+                        "MemFerry: parameters homed in host memory, per-block plan, host AdamW", _check_memferry,
+                        takes_budget=True, fp32_model=True)
+TORCH = StrategySpec(TorchEngine, {"max_grad_norm": None, "recompute": False},
+                     "plain PyTorch reference: model and torch AdamW all on the device", _check_torch)

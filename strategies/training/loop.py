@@ -1,0 +1,113 @@
+"""The training loop: build what the config names, then step, log and checkpoint (:func:`train`)."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoints import load_checkpoint, save_checkpoint
+from .config import TrainConfig, TrainConfigError, resolve_dtype
+from .data import make_data
+from .registry import TrainEngine, get_strategy
+from .reports import RunInfo, StepReport, TrainCallback, TrainResult
+from .schedule import lr_at
+
+__all__ = ["train"]
+
+
+def train(config: TrainConfig, callback: TrainCallback | None = None, backend: Any = None) -> TrainResult:
+    """Train ``config.model`` with ``config.strategy`` for ``config.steps`` steps (continuing a checkpoint if ``resume``).
+
+    Everything that can be checked is checked before the model is built: the config
+    (already, by :func:`load_config`), the device budget against the device, the resume
+    checkpoint against the config, the data file. The process-wide device memory cap is put
+    back as it was when the run ends.
+
+    Raises:
+        TrainConfigError: a budget larger than the device, an unusable checkpoint.
+        torch.OutOfMemoryError: the run needs more device memory than the budget.
+    """
+    import xpu
+    from strategies.models import build_model
+    from xpu.units import parse_bytes
+
+    config.validate()  # idempotent; covers a TrainConfig built directly rather than by load_config
+    callback = callback or TrainCallback()
+    backend = backend or xpu.get_backend()
+    device = backend.index_of(None)
+    spec = get_strategy(config.strategy.name)
+    budget = parse_bytes(config.device_budget) if config.device_budget is not None else None
+    total = next(d.total_bytes for d in backend.topology().devices if d.index == device)
+    if budget is not None and budget > total:
+        raise TrainConfigError(f"device_budget {xpu.format_bytes(budget)} exceeds device {device}'s "
+                               f"{xpu.format_bytes(total)} on the {backend.name} backend")
+    resumed_from, state = load_checkpoint(config) if config.resume else (None, None)
+    if config.checkpoint is not None:
+        try:  # an unwritable folder fails now, not after the first hour of training
+            Path(config.checkpoint.dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TrainConfigError(f"checkpoint.dir {config.checkpoint.dir!r}: {exc.strerror or exc}") from None
+    data, data_desc = make_data(config)
+    dtype_name, dtype = resolve_dtype(config, backend)
+
+    # Seed a private copy of the host RNG: the same config builds the same initial weights
+    # whatever the caller did before, and the caller's RNG stream is left alone.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        model = build_model(config.family, dtype=torch.float32 if spec.fp32_model else dtype, **config.model_dims())
+    params = sum(p.numel() for p in model.parameters())
+
+    previous_cap = backend.memory_cap(device)
+    engine: TrainEngine | None = None
+    try:
+        if budget is not None and not spec.takes_budget:
+            backend.set_memory_cap(device, budget)
+        engine = spec.build(model, config, backend, device)
+        backend.reset_peak_memory(device)  # after set-up: a scheduler's profiling step is not the run
+        start = 0
+        if state is not None:
+            engine.load_state_dict(state["engine"])
+            data.load_state_dict(state["data"])
+            start = int(state["step"])
+        del model, state
+        info = RunInfo(config.name, backend.name, device, dtype_name, params, config.strategy.name,
+                       dict(config.strategy.options), budget, data_desc, start, config.steps,
+                       config.batch * config.seq, str(resumed_from) if resumed_from else None,
+                       engine.plan.describe() if config.strategy.options.get("plan") == "auto" else None)
+        callback.on_start(info)
+        steps, losses, lrs, times, checkpoints = [], [], [], [], []
+        every = config.checkpoint.every if config.checkpoint else 0
+        t_begin = time.perf_counter()
+        for i in range(start, config.steps):
+            lr = lr_at(config.optimizer, i, config.steps)
+            engine.set_lr(lr)
+            inputs, targets = data.next()
+            t0 = time.perf_counter()
+            loss = float(engine.train_step(inputs, targets))  # reading it back waits for this step's forward
+            step_s = time.perf_counter() - t0
+            n = i + 1
+            saved = None
+            if config.checkpoint is not None and ((every and n % every == 0) or n == config.steps):
+                saved = str(save_checkpoint(Path(config.checkpoint.dir), n, engine, data, config))
+                checkpoints.append(saved)
+            steps.append(n)
+            losses.append(loss)
+            lrs.append(lr)
+            times.append(step_s)
+            peak = backend.memory_stats(device).peak_reserved
+            callback.on_step(StepReport(n, config.steps, loss, lr, step_s, peak,
+                                        log=n % config.log_every == 0 or n == config.steps or n == start + 1,
+                                        checkpoint=saved))
+        engine.synchronize()
+        wall = time.perf_counter() - t_begin
+        stats = backend.memory_stats(device)
+        step_total = sum(times)
+        return TrainResult(steps, losses, lrs, times, stats.peak_reserved, stats.peak_allocated, wall,
+                           config.batch * config.seq * len(times) / step_total if step_total else 0.0, checkpoints, info)
+    finally:
+        if engine is not None:
+            engine.close()
+        if backend.memory_cap(device) != previous_cap:
+            backend.set_memory_cap(device, previous_cap)

@@ -1,0 +1,91 @@
+"""What a run tells its caller: :class:`RunInfo` before, a :class:`StepReport` per step, a :class:`TrainResult` after."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["RunInfo", "StepReport", "TrainCallback", "TrainResult"]
+
+
+@dataclass
+class RunInfo:
+    """What a run is about to do (given to :meth:`TrainCallback.on_start`)."""
+
+    name: str
+    backend: str
+    device: int
+    dtype: str
+    params: int
+    strategy: str
+    options: dict[str, Any]
+    device_budget: int | None
+    data: str
+    start_step: int
+    steps: int
+    tokens_per_step: int
+    resumed_from: str | None
+    plan: str | None = None  # the strategy's explained plan, when it chose one (MemFerry's scheduler)
+
+
+@dataclass
+class StepReport:
+    """One finished step (given to :meth:`TrainCallback.on_step`).
+
+    Attributes:
+        step: 1-based step number; ``steps`` the total.
+        loss: the step's loss; ``lr`` the rate it was updated with.
+        step_s: wall seconds of the step, the loss read back included.
+        peak_device_bytes: the device memory high-water mark of the run so far.
+        log: True on every ``log_every``-th step and the last one.
+        checkpoint: the file written after this step, if one was.
+    """
+
+    step: int
+    steps: int
+    loss: float
+    lr: float
+    step_s: float
+    peak_device_bytes: int
+    log: bool
+    checkpoint: str | None = None
+
+
+class TrainCallback:
+    """Hooks :func:`train` calls; the defaults do nothing (the CLI's progress bar overrides them)."""
+
+    def on_start(self, info: RunInfo) -> None:
+        """Before the first step."""
+
+    def on_step(self, report: StepReport) -> None:
+        """After every step."""
+
+
+@dataclass
+class TrainResult:
+    """What a run did.
+
+    Attributes:
+        steps: 1-based step numbers run here (a resumed run starts after the checkpoint's step).
+        losses, lrs, step_times_s: per step run here.
+        peak_device_bytes: device memory high-water mark (reserved) from engine set-up on.
+        peak_allocated_bytes: the same for live tensors.
+        wall_s: seconds from the first step to the end of the last, checkpoints included.
+        tokens_per_s: trained tokens per second of step time.
+        checkpoints: files written.
+        info: the run's :class:`RunInfo`.
+    """
+
+    steps: list[int]
+    losses: list[float]
+    lrs: list[float]
+    step_times_s: list[float]
+    peak_device_bytes: int
+    peak_allocated_bytes: int
+    wall_s: float
+    tokens_per_s: float
+    checkpoints: list[str]
+    info: RunInfo
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly."""
+        return asdict(self)
