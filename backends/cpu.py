@@ -184,7 +184,7 @@ class CpuBackend(Backend):
         return topo
 
     def _detect_caps(self) -> Capabilities:
-        return Capabilities(dha=True, peer_access=any(not l.is_host_link for l in self._topology.links),
+        return Capabilities(dha=True, virtual_devices=True, peer_access=any(not l.is_host_link for l in self._topology.links),
                             ipc=True, async_copy=False, host_register=True, timing_events=True)
 
     # ------------------------------------------------------------------ identity

@@ -185,7 +185,7 @@ def describe() -> dict[str, Any]:
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,
-            "accelerator_runtime": getattr(torch.version, backend.device_type, None) if backend.device_type != "cpu" else None,
+            "accelerator_runtime": None if backend.caps.virtual_devices else getattr(torch.version, backend.device_type, None),
             "deepspeed": _version("deepspeed"),
             "transformers": _version("transformers"),
             "xpu-offload": getattr(xpu, "__version__", None),
@@ -195,16 +195,12 @@ def describe() -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------- one run
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _prepare_env(spec: dict[str, Any]) -> None:
+    from xpu.dist import free_port
+
     # One-process distributed launch for FSDP2 and DeepSpeed (DeepSpeed needs all five).
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
         os.environ.setdefault(key, value)
     scen = spec["scenario"]
@@ -258,7 +254,7 @@ def _activities(backend: Any) -> list[Any]:
     # ProfilerActivity names the accelerator kinds: CUDA, XPU, MTIA, HPU; Ascend goes through PrivateUse1.
     name = {"npu": "PrivateUse1"}.get(backend.device_type, backend.device_type.upper())
     act = getattr(ProfilerActivity, name, None)
-    if backend.device_type != "cpu" and act is not None and act in supported_activities():
+    if not backend.caps.virtual_devices and act is not None and act in supported_activities():
         acts.append(act)
     return acts
 
@@ -322,7 +318,7 @@ def run_spec(spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | 
         dims = scenario.model_dims()
         dtype_name = scenario.dtype
         if dtype_name == "auto":
-            dtype_name = "fp32" if backend.device_type == "cpu" else "bf16"
+            dtype_name = "fp32" if backend.caps.virtual_devices else "bf16"
         row["dtype"] = dtype_name
         row["params"] = param_count(scenario.family, **dims)
         if eff["device_mem_gb"]:

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 import xpu
+from xpu import in_host_memory
 from xpu.units import parse_bytes
 
 from .chunks import TensorGroup, as_group, byte_view, check_pairs, device_outputs, make_chunks
@@ -118,7 +119,7 @@ class TransferEngine:
         srcs, single = as_group(src, "src")
         dev = b.index_of(device)
         for i, s in enumerate(srcs):
-            if s.device.type != "cpu":
+            if not in_host_memory(s):
                 raise ValueError(f"src[{i}] is on {s.device}; h2d copies from host memory")
         src_bytes = [byte_view(s, f"src[{i}]") for i, s in enumerate(srcs)]
         outs = device_outputs(b, srcs, out, dev)
@@ -159,7 +160,7 @@ class TransferEngine:
             outs, _ = as_group(out, "out")
             check_pairs(srcs, outs)
             for i, o in enumerate(outs):
-                if o.device.type != "cpu":
+                if not in_host_memory(o):
                     raise ValueError(f"out[{i}] is on {o.device}; d2h writes host memory")
         dst_bytes = [byte_view(o, f"out[{i}]") for i, o in enumerate(outs)]
         pinned = [b.is_pinned(o) for o in outs]

@@ -35,6 +35,7 @@ import torch
 
 import xpu
 from xpu.topology import HOST
+from xpu import in_host_memory
 from xpu.units import parse_bytes
 
 from .chunks import Chunk, TensorGroup, as_group, byte_view, device_outputs, make_chunks
@@ -188,7 +189,7 @@ class MultiPathCopier:
         b = self.backend
         srcs, single = as_group(src, "src")
         for i, s in enumerate(srcs):
-            if s.device.type != "cpu":
+            if not in_host_memory(s):
                 raise ValueError(f"src[{i}] is on {s.device}; the multi-path copier reads host memory")
         src_bytes = [byte_view(s, f"src[{i}]") for i, s in enumerate(srcs)]
         outs = device_outputs(b, srcs, out, self.target)

@@ -79,7 +79,7 @@ def toy_registered(monkeypatch):
 @pytest.fixture
 def worker_env(monkeypatch):
     """As in a bench worker: the cpu backend and one virtual device; the system gives its ranks one each."""
-    from bench.systems.rank_pool import free_port
+    from xpu.dist import free_port
 
     monkeypatch.setenv("XPU_BACKEND", "cpu")
     monkeypatch.setenv("XPU_CPU_DEVICES", "1")

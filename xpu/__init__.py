@@ -19,6 +19,7 @@ from .errors import (
     UnknownBackendError,
     XpuError,
 )
+from .hostmem import in_host_memory
 from .registry import backend_status, get_backend, register_backend, registered_backends, reset_backend
 from .topology import HOST, DeviceSpec, Link, Topology, preset
 from .units import format_bytes, parse_bytes
@@ -28,7 +29,7 @@ __all__ = [
     "BackendUnavailableError", "CapabilityError", "DeviceOutOfMemoryError", "HostMemoryBudgetError",
     "UnknownBackendError", "XpuError",
     "backend_status", "get_backend", "register_backend", "registered_backends", "reset_backend",
-    "HOST", "DeviceSpec", "Link", "Topology", "preset", "format_bytes", "parse_bytes",
+    "in_host_memory", "HOST", "DeviceSpec", "Link", "Topology", "preset", "format_bytes", "parse_bytes",
 ]
 
 __version__ = "0.1.0"

@@ -27,6 +27,10 @@ class Capabilities:
         timing_events: events can measure elapsed time between two records.
         triton: Triton kernels compile and run on the devices, over ``device_view`` tensors
             too (``xpu.triton_dha``).
+        virtual_devices: the devices are budgeted slices of host memory (the cpu reference
+            backend): device tensors are torch CPU tensors, other libraries (DeepSpeed, the
+            profiler, torch's allocator statistics) see no device, and any number of devices
+            can be made up for a test (``XPU_CPU_DEVICES``).
     """
 
     dha: bool = False
@@ -36,6 +40,7 @@ class Capabilities:
     host_register: bool = False
     timing_events: bool = True
     triton: bool = False
+    virtual_devices: bool = False
 
     def as_dict(self) -> dict[str, bool]:
         """The flags as a plain dict, for JSON and tables."""

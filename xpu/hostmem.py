@@ -14,12 +14,23 @@ from __future__ import annotations
 import mmap
 import os
 
-__all__ = ["anonymous_mapping", "huge_pages_wanted", "advise_huge_pages", "HUGE_PAGE_BYTES", "ENV"]
+import torch
+
+__all__ = ["in_host_memory", "anonymous_mapping", "huge_pages_wanted", "advise_huge_pages", "HUGE_PAGE_BYTES", "ENV"]
 
 #: The environment variable that asks for huge pages: ``1`` (advise) or ``0``/unset (do not).
 ENV = "XPU_HOST_HUGEPAGES"
 #: Size of one transparent huge page on x86-64 and (4 KiB-granule) arm64.
 HUGE_PAGE_BYTES = 2 << 20
+
+
+def in_host_memory(t: torch.Tensor) -> bool:
+    """Whether torch places ``t`` in host memory (pinned or not).
+
+    On the cpu backend every virtual device's tensors are host tensors too, so this says where
+    the bytes live as torch sees them, not which of the backend's devices owns them.
+    """
+    return t.device.type == "cpu"
 
 
 def huge_pages_wanted() -> bool:

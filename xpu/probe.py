@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from .backend import Backend
+from .timing import median_event_seconds
 
 __all__ = ["ProbeConfig", "run_probe", "cache_path", "load_cached", "save_cached", "machine_name"]
 
@@ -92,18 +93,7 @@ class _Timer:
         self.backend, self.cfg = backend, cfg
 
     def ms(self, fn: Callable[[], None], stream: Any) -> float:
-        b = self.backend
-        times = []
-        for i in range(self.cfg.warmup + self.cfg.repeats):
-            start, end = b.event(timing=True), b.event(timing=True)
-            with b.use_stream(stream):
-                start.record(stream)
-                fn()
-                end.record(stream)
-            end.synchronize()
-            if i >= self.cfg.warmup:
-                times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        return 1e3 * median_event_seconds(self.backend, stream, fn, repeats=self.cfg.repeats, warmup=self.cfg.warmup)
 
 
 def _gbps(nbytes: int, ms: float) -> float:

@@ -161,7 +161,7 @@ def init_single_process_group(backend_name: str) -> None:
         if "MASTER_PORT" in os.environ and "MASTER_ADDR" in os.environ:  # the worker (or a launcher) chose it
             dist.init_process_group(backend=backend_name, rank=0, world_size=1)
         else:  # a free port, without leaving it in the environment for later processes to collide on
-            from .rank_pool import free_port
+            from xpu.dist import free_port
 
             dist.init_process_group(backend=backend_name, rank=0, world_size=1,
                                     init_method=f"tcp://127.0.0.1:{free_port()}")

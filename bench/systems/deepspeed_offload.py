@@ -113,7 +113,7 @@ class DeepSpeedSystem(BenchSystem):
         _set_launch_env()
         import deepspeed  # ModuleNotFoundError here -> the row says "missing"
 
-        if ctx.backend.device_type == "cpu":
+        if ctx.backend.caps.virtual_devices:
             # DeepSpeed would pick its own accelerator, not our virtual device; say so plainly.
             raise RuntimeError("DeepSpeed offload baselines need an accelerator; the cpu reference backend has none")
         self.config = ds_config(kind, ctx)

@@ -43,8 +43,8 @@ class FSDP2OffloadSystem(BenchSystem):
         # tracker cannot follow FSDP2's DTensor storages (they are resized in place): run
         # untracked there, so the code path is exercised in CI, and say memory is not tracked.
         host_scope = getattr(backend, "host_scope", None)
-        self._scope = host_scope if backend.device_type == "cpu" and host_scope else contextlib.nullcontext
-        self.tracks_device_memory = backend.device_type != "cpu"
+        self._scope = host_scope if backend.caps.virtual_devices and host_scope else contextlib.nullcontext
+        self.tracks_device_memory = not backend.caps.virtual_devices
         with self._scope():
             self._setup(ctx)
 
@@ -60,7 +60,7 @@ class FSDP2OffloadSystem(BenchSystem):
         # fp32 parameters built on the host: with CPU offload the shards stay there.
         self.model = ctx.build_model(device="cpu", dtype=torch.float32)
         self.model.train()
-        on_accelerator = backend.device_type != "cpu"
+        on_accelerator = not backend.caps.virtual_devices
         offload = CPUOffloadPolicy(pin_memory=bool(ctx.options["pin_memory"]) and on_accelerator)
         mp = MixedPrecisionPolicy(param_dtype=ctx.dtype, reduce_dtype=torch.float32)
         reshard = bool(ctx.options["reshard_after_forward"])

@@ -20,10 +20,8 @@ dict. A rank that fails sends ``("error", rank, {"type", "message", "traceback",
 """
 from __future__ import annotations
 
-import datetime
 import os
 import queue
-import socket
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -32,17 +30,13 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["RankPool", "RankChannel", "free_port", "cpu_device_env", "rank_env", "split_batch", "mean_loss", "peaks_text", "DataParallelRows"]
+from xpu.dist import free_port, init_local_group
+
+__all__ = ["RankPool", "RankChannel", "cpu_device_env", "rank_env", "split_batch", "mean_loss", "peaks_text", "DataParallelRows"]
 
 #: The command that ends a rank's command loop.
 _STOP = "stop"
 
-
-def free_port() -> int:
-    """A free TCP port on the loopback interface (for the process group's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 def cpu_device_env(ranks: int) -> dict[str, str] | None:
     """Environment that gives the cpu backend's rank processes ``ranks`` virtual devices.
@@ -57,7 +51,6 @@ def cpu_device_env(ranks: int) -> dict[str, str] | None:
     return {"XPU_CPU_DEVICES": str(max(ranks, int(os.environ.get("XPU_CPU_DEVICES", "1") or 1)))}
 
 
-
 def rank_env(name: str, backend: Any, ranks: int, batch: int) -> dict[str, str]:
     """Check that ``ranks`` processes fit here and split ``batch``; their environment additions.
 
@@ -67,7 +60,7 @@ def rank_env(name: str, backend: Any, ranks: int, batch: int) -> dict[str, str]:
     so together their pinned arenas keep to the scenario's ``XPU_HOST_MEM_BUDGET``).
     """
     env: dict[str, str] = {}
-    cpu_env = cpu_device_env(ranks) if backend.device_type == "cpu" else None
+    cpu_env = cpu_device_env(ranks) if backend.caps.virtual_devices else None
     if cpu_env is not None:
         env.update(cpu_env)
     elif backend.device_count() < ranks:
@@ -164,11 +157,7 @@ class RankChannel:
         ``timeout_s`` bounds every collective: a rank that dies must not leave its peers
         waiting forever.
         """
-        import torch.distributed as dist
-
-        dist.init_process_group(dist_backend, rank=self.rank, world_size=self.world,
-                                init_method=f"tcp://127.0.0.1:{self.port}",
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        init_local_group(dist_backend, self.rank, self.world, self.port, timeout_s)
 
     @staticmethod
     def leave_process_group() -> None:

@@ -54,7 +54,7 @@ from typing import Any, Callable
 
 import torch
 
-from xpu import Backend, CapabilityError, triton_dha
+from xpu import Backend, CapabilityError, in_host_memory, triton_dha
 
 __all__ = ["host_linear", "choose_mode", "TransferCounter", "DHA_MAX_ROWS", "CHUNK_BYTES", "MODES", "GRAD_WRITES", "KERNELS"]
 
@@ -241,9 +241,9 @@ def _check(x: Any, w: Any, bias: Any, b: Backend, grad_out: Any, weight: Any, ch
     if x.dim() < 1 or x.shape[-1] != in_f:
         raise ValueError(f"host_linear: x's last dimension must be in_features={in_f} (weight {tuple(w.shape)}), "
                          f"got x of shape {tuple(x.shape)}")
-    if w.device.type != "cpu" or not b.is_pinned(w):
+    if not in_host_memory(w) or not b.is_pinned(w):
         raise ValueError("host_linear: weight_host must be pinned host memory (backend.host_arena.empty or "
-                         f"register_host), got a {'device' if w.device.type != 'cpu' else 'pageable or device'} tensor")
+                         f"register_host), got a {'device' if not in_host_memory(w) else 'pageable or device'} tensor")
     if not w.is_contiguous():
         raise ValueError("host_linear: weight_host must be contiguous (row chunks are copied as one block each)")
     if x.device.type != b.device_type:
@@ -262,7 +262,7 @@ def _check(x: Any, w: Any, bias: Any, b: Backend, grad_out: Any, weight: Any, ch
             raise ValueError(f"host_linear: grad_out must be a {w.dtype} tensor of the weight's shape {tuple(w.shape)}, got "
                              + (f"{grad_out.dtype} {tuple(grad_out.shape)}" if isinstance(grad_out, torch.Tensor)
                                 else type(grad_out).__name__))
-        if grad_out.device.type != "cpu" or not b.is_pinned(grad_out) or not grad_out.is_contiguous():
+        if not in_host_memory(grad_out) or not b.is_pinned(grad_out) or not grad_out.is_contiguous():
             raise ValueError("host_linear: grad_out must be contiguous pinned host memory (backend.host_arena.empty)")
     if weight is not None:
         if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != tuple(w.shape):

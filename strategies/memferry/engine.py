@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import xpu
-from xpu import Backend
+from xpu import Backend, in_host_memory
 
 from .config import AdamW, Plan, UnitPlan
 from .data_parallel import GROUP_TIMEOUT, DataParallel
@@ -368,6 +368,6 @@ class MemFerry:
         self.shadow.release()
 
     def _to_device(self, x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+        if isinstance(x, torch.Tensor) and in_host_memory(x):
             return self.backend.to_device(x, self.device)
         return x

@@ -99,9 +99,7 @@ class MPressConfig:
     @property
     def budget(self) -> int | None:
         """Each stage's device budget in bytes (None: the whole device)."""
-        from xpu.units import parse_bytes
-
-        return parse_bytes(self.train.device_budget) if self.train.device_budget is not None else None
+        return self.train.device_budget  # bytes: TrainConfig.validate parsed it
 
     def job(self, dtype: Any = None) -> Any:
         """The :class:`~strategies.mpress.pipeline.PipelineJob` every rank builds its stage from.

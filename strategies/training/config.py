@@ -108,6 +108,7 @@ class TrainConfig:
     name: str = "train"
     description: str = ""
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    #: Bytes once validated (the YAML may say ``16GB``); None: the whole device.
     device_budget: str | int | None = None
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     steps: int = 100
@@ -209,11 +210,12 @@ class TrainConfig:
             raise TrainConfigError(f"model.seq ({self.model['seq']}) is shorter than seq ({self.seq}); drop model.seq or raise it")
         if self.dtype not in _DTYPES:
             raise TrainConfigError(f"dtype {self.dtype!r} is not valid; valid: {', '.join(_DTYPES)}")
-        if self.device_budget is not None:
+        if self.device_budget is not None:  # parsed here, once: everything after sees bytes
             from xpu.units import parse_bytes
 
             try:
-                if parse_bytes(self.device_budget) <= 0:
+                self.device_budget = parse_bytes(self.device_budget)
+                if self.device_budget <= 0:
                     raise ValueError("a device budget must be positive")
             except ValueError as exc:
                 raise TrainConfigError(f"device_budget: {exc}") from None

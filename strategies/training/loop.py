@@ -31,14 +31,13 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
     """
     import xpu
     from strategies.models import build_model
-    from xpu.units import parse_bytes
 
     config.validate()  # idempotent; covers a TrainConfig built directly rather than by load_config
     callback = callback or TrainCallback()
     backend = backend or xpu.get_backend()
     device = backend.index_of(None)
     spec = get_strategy(config.strategy.name)
-    budget = parse_bytes(config.device_budget) if config.device_budget is not None else None
+    budget = config.device_budget  # bytes: validate() parsed it
     total = next(d.total_bytes for d in backend.topology().devices if d.index == device)
     if budget is not None and budget > total:
         raise TrainConfigError(f"device_budget {xpu.format_bytes(budget)} exceeds device {device}'s "

@@ -1,0 +1,47 @@
+"""xpu's shared helpers: the event timer and the distributed helpers every multi-process part uses."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from xpu.dist import decide_on_first_rank, free_port, init_local_group
+from xpu.timing import event_seconds, median_event_seconds
+
+
+def test_event_timer_times_the_work_between_its_events(cpu_backend):
+    b = cpu_backend
+    stream = b.stream(0)
+    x = b.to_device(torch.ones(256, 256), 0)
+    ran = []
+    seconds = event_seconds(b, stream, lambda: ran.append(x @ x))
+    assert len(ran) == 1 and seconds >= 0.0
+    calls = []
+    median_event_seconds(b, stream, lambda: calls.append(1), repeats=3, warmup=2)
+    assert len(calls) == 5
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        median_event_seconds(b, stream, lambda: None, repeats=0)
+
+
+def test_free_port_is_bindable_on_loopback():
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+@pytest.fixture
+def one_rank_group():
+    init_local_group("gloo", 0, 1, free_port(), timeout_s=60)
+    yield
+    dist.destroy_process_group()
+
+
+def test_first_rank_decides_and_its_failure_is_raised(one_rank_group):
+    assert decide_on_first_rank(lambda: {"plan": 3}) == {"plan": 3}
+    with pytest.raises(ZeroDivisionError):
+        decide_on_first_rank(lambda: 1 / 0, what="the plan")
+    sent = ValueError("a result that is an exception is raised on every rank")
+    with pytest.raises(ValueError, match="raised on every rank"):
+        decide_on_first_rank(lambda: sent)

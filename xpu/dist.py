@@ -1,0 +1,72 @@
+"""What every multi-process part needs from ``torch.distributed``, written once: a free loopback
+port, a process group joined over it with a bounded timeout, and "the first rank decides".
+
+MemFerry's data parallelism, MPress's stages and the harness's rank pools all start process
+groups on one machine and all make one rank compute a plan the others must share; a rank that
+fails must make every rank fail with its message, never leave the others waiting.
+"""
+from __future__ import annotations
+
+import datetime
+import socket
+from typing import Any, Callable, TypeVar
+
+__all__ = ["free_port", "init_local_group", "decide_on_first_rank"]
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_local_group(dist_backend: str, rank: int, world: int, port: int, timeout_s: float) -> None:
+    """Join the default process group of ``world`` ranks on this machine, rendezvous on ``port``.
+
+    ``timeout_s`` bounds every collective of the group: a rank that dies or stops must not
+    leave its peers waiting for torch's 30-minute default.
+    """
+    import torch.distributed as dist
+
+    dist.init_process_group(dist_backend, rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def decide_on_first_rank(decide: Callable[[], T], group: Any = None, *, what: str = "the decision",
+                         timeout: datetime.timedelta | None = None) -> T:
+    """Run ``decide`` on the group's first rank and return its result on every rank.
+
+    If ``decide`` raises there, every rank raises: the first rank its own exception, the others
+    a ``RuntimeError`` naming the rank and the error, instead of waiting for a result that never
+    comes. Results travel over a gloo group made for the purpose (NCCL would need them staged
+    on the device), bounded by ``timeout``.
+
+    Args:
+        decide: what the first rank computes; its result must pickle.
+        group: the process group (None: the default group).
+        what: names the decision in the other ranks' error message.
+        timeout: the gloo group's timeout (None: the default group's).
+    """
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    box: list[Any] = [None]
+    failure: BaseException | None = None
+    if dist.get_rank() == ranks[0]:
+        try:
+            box[0] = decide()
+        except Exception as exc:
+            failure, box[0] = exc, RuntimeError(f"rank {ranks[0]} could not make {what}: {type(exc).__name__}: {exc}")
+    objects = dist.new_group(ranks, backend="gloo", **({"timeout": timeout} if timeout is not None else {}))
+    try:
+        dist.broadcast_object_list(box, src=ranks[0], group=objects)
+    finally:
+        dist.destroy_process_group(objects)
+    if failure is not None:
+        raise failure
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
