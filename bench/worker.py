@@ -428,6 +428,7 @@ def _profile_step(backend: Any, dev: int, system: Any, inputs: Any, targets: Any
         with torch.profiler.profile(activities=_activities(backend), **_all_threads()) as prof:
             backend.synchronize(dev)
             system.step(inputs, targets)
+            system.finish()  # a host optimizer's updates belong to this step's timeline too
             backend.synchronize(dev)
         with tempfile.TemporaryDirectory() as tmp:
             raw_path = Path(tmp) / "raw.json"

@@ -72,7 +72,7 @@ def make_toy(ctx: SystemContext) -> BenchSystem:
 def toy_registered(monkeypatch):
     """The registry with the toy system added (restored afterwards)."""
     systems.registered_systems()  # discover first, so the restored registry is the full one
-    monkeypatch.setattr(systems, "_systems", dict(systems._systems))
+    monkeypatch.setattr(systems.SYSTEMS, "_plugins", dict(systems.SYSTEMS.plugins()))
     systems.register_system(TOY, f"{__name__}:make_toy", options={"ranks": 1, "oom_rank": -1})
 
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import xpu
+from xpu import Capabilities
 from strategies.models import build_model
 from bench.scenario import load_scenario
 from bench.systems import get_system
@@ -87,6 +88,7 @@ class _Backend:
     def __init__(self, device_type: str = "cuda", devices: int = 2) -> None:
         self.device_type = self.name = device_type
         self.dist_backend = "nccl" if device_type == "cuda" else "gloo"
+        self.caps = Capabilities(virtual_devices=device_type == "cpu")
         self._devices = devices
 
     def memory_cap(self, index: int):

@@ -99,6 +99,12 @@ class BenchSystem(abc.ABC):
         can label them. Do not synchronise: the worker does, around the step.
         """
 
+    def finish(self) -> None:
+        """Wait for work a step left running off the device (e.g. host optimizer threads).
+
+        The worker calls it before it ends a profiled step's trace, so that work is in the timeline.
+        """
+
     def close(self) -> None:
         """Release what the system holds (process groups, engines); called once at the end."""
 

@@ -85,6 +85,10 @@ class MemFerrySystem(BenchSystem):
             f" (planned {planned * 1e9:.3f})" if planned else "")
         return f"{self._plan_note}; host optimizer ms/step: {phases}{rate}"
 
+    def finish(self) -> None:
+        """Wait for the host optimizer's pending updates."""
+        self.engine.optimizer.wait_all()
+
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         self._steps += 1
         if self._optimizer_alone:
