@@ -34,7 +34,7 @@ def profiler_rate(backend: xpu.Backend, numel: int) -> None:
 
     for duty in (0.0, 0.35):
         rate = host_adamw_rate(numel, torch.bfloat16, 3, backend, "torch", 0, duty)
-        print(f"host_adamw_rate one {numel / 1e6:.0f} M buffer, dma_duty {duty}: {rate * 1e9:.3f} ns/param, "
+        print(f"host_adamw_rate one {numel:,}-parameter buffer, dma_duty {duty}: {rate * 1e9:.3f} ns/param, "
               f"threads {torch.get_num_threads()}")
 
 

@@ -77,6 +77,11 @@ for name in ("results.json", "results.partial.json", "max_model.json"):
         continue
     print(f"== {path}")
     for r in json.load(open(path)).get("rows", []):
+        if "max_value" in r:  # a max-model row: the largest that trained, and the trials
+            trials = " ".join(f'{t.get("value")}:{t.get("status")}' for t in r.get("trials") or [])
+            print(f'{r["system"]:<28} {r["status"]:<7} largest {r.get("knob")}={r.get("max_value")} '
+                  f'({r.get("max_params")} params) trials {trials} | {(r.get("reason") or "")[:200]}')
+            continue
         print(f'{r["system"]:<28} {r["status"]:<7} median {r.get("step_s")} mean {r.get("step_mean_s")} '
               f'peak {r.get("peak_device_gb")} loss {r.get("loss")} | {r.get("notes") or ""} {(r.get("reason") or "")[:200]}')
 PY

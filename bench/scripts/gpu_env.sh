@@ -21,7 +21,7 @@
 
 SITE=/tmp/site
 export GPU_T0=${GPU_T0:-$(date +%s)}
-DEADLINE_S=${DEADLINE_S:-570}
+export DEADLINE_S=${DEADLINE_S:-570}
 
 # A marker spares the later scripts of a call the import check (it imports torch: seconds).
 if [ -d .whl ] && [ ! -f "$SITE/.deepspeed-installed" ]; then
