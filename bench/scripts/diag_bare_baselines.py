@@ -1,10 +1,10 @@
-"""The DESIGN.md §3 baselines as bare scripts, outside the harness, to check what it adds.
+"""The docs/design.md §3 baselines as bare scripts, outside the harness, to check what it adds.
 
     python3 bench/scripts/diag_bare_baselines.py z2|z3|fsdp2 [--steps 5 --warmup 2]
 
 Builds the same GPT (24 x 2048, vocab 32000, batch 8 x 1024, bf16) and trains it with
 DeepSpeed ZeRO-2 / ZeRO-3 offload or FSDP2 + CPUOffloadPolicy configured exactly as
-DESIGN.md §3 lists, timing each step between device synchronisations: no worker process,
+docs/design.md §3 lists, timing each step between device synchronisations: no worker process,
 no host-memory sampler, no progress lines, no profiler labels. Run it beside ``xpu bench``
 in one lease: if both give the same step time, the harness adds nothing and any gap to the
 anchors is the machine's. Prints one JSON line.

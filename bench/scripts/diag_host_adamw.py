@@ -6,7 +6,7 @@ Measures, on one block-sized flat buffer (pinned, as the shadow model's), the ho
 optimizer's three phases (gradient upcast bf16->fp32, fused AdamW, fp32->bf16 write-back)
 in a worker thread as HostOptimizer runs them, for several OpenMP thread counts, alone, with
 a busy Python main thread (as during a step: it launches kernels), and with host<->device
-DMA running. With ``--full``, also the DESIGN.md §3 calibration: fused AdamW over 1.34 B
+DMA running. With ``--full``, also the docs/design.md §3 calibration: fused AdamW over 1.34 B
 fp32 parameters with the default threads (0.30 s on the lent H200 machine on 2026-11-29),
 which says whether this machine's CPU is as fast as when the anchors were measured. A
 single-pass variant compiled by torch.compile (upcast + AdamW + write-back in one loop) is
@@ -191,7 +191,7 @@ def chunked_kernel(ph: Phases, threads: int | None, load: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--numel", type=int, default=50_331_648)  # one DESIGN GPT block (hidden 2048)
+    ap.add_argument("--numel", type=int, default=50_331_648)  # one docs/design.md §3 GPT block (hidden 2048)
     ap.add_argument("--full", action="store_true")
     ap.add_argument("--threads", default="")
     args = ap.parse_args()
@@ -210,7 +210,7 @@ def main() -> None:
             t = time.perf_counter()
             opt.step()
             ts.append(time.perf_counter() - t)
-        res = {"case": "calibration: fused AdamW 1.34B fp32, default threads (DESIGN: 0.30 s)",
+        res = {"case": "calibration: fused AdamW 1.34B fp32, default threads (docs/design.md §3: 0.30 s)",
                "s": round(statistics.median(ts[1:]), 3)}
         print(json.dumps(res), flush=True)
         results.append(res)

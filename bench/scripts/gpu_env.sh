@@ -1,10 +1,52 @@
-# Sourced by the GPU scripts (from the checkout's root): DeepSpeed from the carried .whl/ into
-# /tmp/site (once per machine), the environment every run shares, and `probe_once DIR`.
+# bench/scripts/gpu_env.sh: the set-up every GPU script shares. Sourced, never run, from the
+# checkout's root on the device machine (the other gpu_*.sh source it themselves).
+#
+# Usage:   source bench/scripts/gpu_env.sh
+# Example: source bench/scripts/gpu_env.sh && within 60 python3 bench/scripts/diag_dw_write.py
+#
+# Once per machine (a warm machine keeps /tmp between calls):
+#   - DeepSpeed and its dependencies from the carried .whl/ into /tmp/site (skipped without
+#     .whl/: prepare it here with `bash ../shared/device-wheels/prep.sh`, then carry [".whl"]);
+#   - this checkout installed editable (`pip install -e .`, no dependencies, no index), so the
+#     `xpu` command and the entry-point groups (xpu.commands, xpu.backends) are registered;
+#     done again when the checkout's path or pyproject.toml changes.
+# Every time: the environment of every run (PYTHONPATH, XPU_BACKEND=cuda, NVLink multicast
+# off, DeepSpeed's build folder) and these helpers:
+#   probe_once DIR     `xpu probe` once per machine kind (cached); its JSON into DIR the first time
+#   left               seconds left before the deadline, DEADLINE_S (570) after GPU_T0
+#   within MAX CMD...  run CMD for at most MAX seconds and what is left; skipped (rc 124) under 20 s
+#   lap MESSAGE        print MESSAGE with the seconds since GPU_T0
+# GPU_T0 is set here unless already exported: `export GPU_T0=$(date +%s)` before several
+# scripts in one device call gives them one deadline (the device allows 600 s per call).
+
 SITE=/tmp/site
-if [ -d .whl ] && ! PYTHONPATH="$SITE" python3 -c "import deepspeed" >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl
-  DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" .whl/deepspeed-*.tar.gz
+export GPU_T0=${GPU_T0:-$(date +%s)}
+export DEADLINE_S=${DEADLINE_S:-570}
+
+# A marker spares the later scripts of a call the import check (it imports torch: seconds).
+if [ -d .whl ] && [ ! -f "$SITE/.deepspeed-installed" ]; then
+  if ! PYTHONPATH="$SITE" python3 -c "import deepspeed" >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl
+    DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" .whl/deepspeed-*.tar.gz
+  fi
+  PYTHONPATH="$SITE" python3 -c "import deepspeed" >/dev/null 2>&1 && touch "$SITE/.deepspeed-installed"
 fi
+
+# The editable install registers the package's entry points; a marker keyed by the checkout's
+# path and pyproject.toml keeps it to once per machine and checkout.
+_xpu_key="$PWD $(cksum < pyproject.toml)"
+if [ "$(cat "$SITE/.xpu-offload-editable" 2>/dev/null)" != "$_xpu_key" ]; then
+  mkdir -p "$SITE"
+  if PIP_ROOT_USER_ACTION=ignore python3 -m pip install -q --disable-pip-version-check \
+       --no-deps --no-build-isolation --no-index -e . > "$SITE/pip-editable.log" 2>&1; then
+    echo "$_xpu_key" > "$SITE/.xpu-offload-editable"
+  else
+    echo "gpu_env.sh: pip install -e . failed (entry points unregistered; see $SITE/pip-editable.log):" >&2
+    tail -3 "$SITE/pip-editable.log" >&2
+  fi
+fi
+unset _xpu_key
+
 # NVLink multicast stays off on the lent machines (device README), in every process we start.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 XPU_BACKEND=cuda TORCH_EXTENSIONS_DIR=/tmp/ds_ext
@@ -13,4 +55,13 @@ export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 XPU_BACKEND=cuda TORCH_EXTENSI
 probe_once() {
   python3 -c "import sys, xpu; from xpu.probe import load_cached; sys.exit(load_cached(xpu.get_backend()) is None)" \
     || python3 -m xpu probe --json > "$1/xpu-probe.json" 2>/dev/null
+}
+
+left() { echo $(( DEADLINE_S - ($(date +%s) - GPU_T0) )); }
+lap() { echo "[$(( $(date +%s) - GPU_T0 )) s] $*"; }
+within() {
+  local max=$1 n; shift; n=$(left)
+  if [ "$n" -lt 20 ]; then lap "skipped (no time left): $*"; return 124; fi
+  [ "$max" -lt "$n" ] && n=$max
+  timeout "$n" "$@"
 }

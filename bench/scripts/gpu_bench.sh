@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# bench/scripts/gpu_bench.sh: one `xpu bench` scenario on the device machine, within the
+# device's time limit, into one result that later calls on the same warm machine append to.
+#
+# Usage: bash bench/scripts/gpu_bench.sh SCENARIO [--systems A,B,...] [--out DIR] [XPU BENCH ARGS...]
+#   SCENARIO   a name in examples/bench/ (design-s3, design-s3-capped, starved-16gb, x2-dp, ...)
+#              or a YAML path
+#   --systems  labels or system names; each runs in its own `xpu bench --append` call, in the
+#              order given, with what is left of the deadline (a system with under 20 s left is
+#              skipped, so the copy below always happens). Without it, one call runs the whole
+#              scenario (a cut-off leaves the finished rows in results.partial.json).
+#   --out DIR  where xpu bench writes (default /tmp/bench/<scenario name>); a later call on the
+#              same warm machine appends to it
+#   the rest   given to every `xpu bench` call: --set KEY=VALUE, --device-mem-gb N, --no-timeline,
+#              --max-model --knob-range LO:HI ... With --max-model all systems go in one call: the
+#              search's trial journal in DIR lets a re-run go on where a cut-off one stopped
+#              (copy the returned folder back into the checkout and carry it).
+# Environment: SYSTEMS (as --systems), DEADLINE_S (570) and GPU_T0 (see gpu_env.sh).
+# Output: DIR (results.json/.md/.png, timelines/, logs/, bench-*.log), then a summary of the
+# rows, and DIR copied to $OUT/<basename of DIR>/ when $OUT is set (the device tool's folder).
+#
+# Examples (carry [".whl"] for the DeepSpeed rows):
+#   bash bench/scripts/gpu_bench.sh design-s3 --systems torch,fsdp2-offload,deepspeed-z2-offload
+#   bash bench/scripts/gpu_bench.sh design-s3 --systems deepspeed-twinflow-0.5,deepspeed-zenflow   # next call appends
+#   bash bench/scripts/gpu_bench.sh starved-16gb --systems memferry-host-optimizer --set model.layers=17 --out /tmp/alone-17
+#   bash bench/scripts/gpu_bench.sh starved-16gb --systems memferry-auto --max-model --knob-range 128:160 \
+#        --set max_model.resolution=32 --out bench/results/starved-16gb/max-model
+# Run it from the checkout's root (relative paths are taken from there).
+set -uo pipefail
+
+SCENARIO=${1:?usage: gpu_bench.sh SCENARIO [--systems A,B] [--out DIR] [xpu bench args]}
+shift
+SYSTEMS=${SYSTEMS:-}
+DIR=""
+EXTRA=()
+MAX_MODEL=""
+while [ $# -gt 0 ]; do
+  case $1 in
+    --systems) SYSTEMS=$2; shift 2 ;;
+    --systems=*) SYSTEMS=${1#*=}; shift ;;
+    --out) DIR=$2; shift 2 ;;
+    --out=*) DIR=${1#*=}; shift ;;
+    --max-model) MAX_MODEL=1; EXTRA+=("$1"); shift ;;
+    *) EXTRA+=("$1"); shift ;;
+  esac
+done
+NAME=$(basename "$SCENARIO" .yaml)
+DIR=${DIR:-/tmp/bench/$NAME}
+mkdir -p "$DIR"
+
+source bench/scripts/gpu_env.sh
+probe_once "$DIR"
+lap "probe ($NAME into $DIR)"
+
+rc=0
+bench() {  # bench LOG_NAME [xpu bench args]: one call with what is left of the deadline
+  local log=$DIR/bench-$1.log; shift
+  within 100000 python3 -m xpu bench "$SCENARIO" --out "$DIR" --no-progress "$@" ${EXTRA[@]+"${EXTRA[@]}"} > "$log" 2>&1
+  local r=$?; lap "xpu bench $* rc=$r (log $log)"; [ $r -ne 0 ] && rc=$r; tail -3 "$log"
+}
+if [ -n "$MAX_MODEL" ]; then
+  bench max-model ${SYSTEMS:+--systems "$SYSTEMS"}
+elif [ -n "$SYSTEMS" ]; then
+  for s in ${SYSTEMS//,/ }; do
+    bench "$s" --systems "$s" --append
+  done
+else
+  bench all --append
+fi
+
+python3 - "$DIR" <<'PY'
+import json, os, sys
+d = sys.argv[1]
+for name in ("results.json", "results.partial.json", "max_model.json"):
+    path = os.path.join(d, name)
+    if not os.path.exists(path):
+        continue
+    print(f"== {path}")
+    for r in json.load(open(path)).get("rows", []):
+        if "max_value" in r:  # a max-model row: the largest that trained, and the trials
+            trials = " ".join(f'{t.get("value")}:{t.get("status")}' for t in r.get("trials") or [])
+            print(f'{r["system"]:<28} {r["status"]:<7} largest {r.get("knob")}={r.get("max_value")} '
+                  f'({r.get("max_params")} params) trials {trials} | {(r.get("reason") or "")[:200]}')
+            continue
+        print(f'{r["system"]:<28} {r["status"]:<7} median {r.get("step_s")} mean {r.get("step_mean_s")} '
+              f'peak {r.get("peak_device_gb")} loss {r.get("loss")} | {r.get("notes") or ""} {(r.get("reason") or "")[:200]}')
+PY
+
+if [ -n "${OUT:-}" ]; then
+  mkdir -p "$OUT/$(basename "$DIR")"
+  cp -r "$DIR"/. "$OUT/$(basename "$DIR")/"
+fi
+exit $rc
