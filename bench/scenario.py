@@ -38,7 +38,7 @@ from typing import Any
 
 from xpu.errors import XpuError
 
-from strategies.training.checks import apply_overrides, check_model_section, nonneg_int, positive_int
+from strategies.training.checks import apply_overrides, check_model_section, model_dims, nonneg_int, positive_int
 
 __all__ = ["Scenario", "SystemEntry", "MaxModelConfig", "ScenarioError", "load_scenario", "resolve_scenario_path",
            "KNOBS", "EXAMPLES_DIR"]
@@ -132,9 +132,7 @@ class Scenario:
 
     def model_dims(self) -> dict[str, Any]:
         """Model dimensions with ``seq`` included (what ``build_model`` takes)."""
-        dims = {k: v for k, v in self.model.items() if k != "family"}
-        dims.setdefault("seq", self.seq)
-        return dims
+        return model_dims(self.model, self.seq)
 
     def entry(self, label: str) -> SystemEntry:
         """The system entry with this label."""

@@ -9,7 +9,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
-__all__ = ["positive_int", "nonneg_int", "positive_number", "check_model_section", "apply_overrides",
+__all__ = ["positive_int", "nonneg_int", "positive_number", "model_dims", "check_model_section", "apply_overrides",
            "parse_set_items", "read_config_source"]
 
 
@@ -48,6 +48,14 @@ def positive_number(key: str, value: Any, error: type[Exception] = ValueError) -
     """``value`` must be an int or float > 0 (bools refused)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
         raise error(f"{key} must be a positive number, got {value!r}")
+
+
+def model_dims(model: dict[str, Any], seq: int) -> dict[str, Any]:
+    """A ``model:`` section's dimensions: without ``family``, ``seq`` defaulting to the run's
+    (what :func:`strategies.models.build_model` takes)."""
+    dims = {k: v for k, v in model.items() if k != "family"}
+    dims.setdefault("seq", seq)
+    return dims
 
 
 def check_model_section(model: Any, family: str, dims: dict[str, Any], error: type[Exception] = ValueError) -> None:

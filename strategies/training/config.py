@@ -33,7 +33,7 @@ import torch
 
 from xpu.errors import XpuError
 
-from .checks import apply_overrides, check_model_section, nonneg_int, positive_int, positive_number, read_config_source
+from .checks import apply_overrides, check_model_section, model_dims, nonneg_int, positive_int, positive_number, read_config_source
 
 __all__ = ["TrainConfig", "StrategyConfig", "OptimizerConfig", "DataConfig", "CheckpointConfig", "TrainConfigError",
            "load_config", "resolve_dtype", "TEXT_VOCAB"]
@@ -131,9 +131,7 @@ class TrainConfig:
 
     def model_dims(self) -> dict[str, Any]:
         """Model dimensions with ``seq`` included (what ``strategies.models.build_model`` takes)."""
-        dims = {k: v for k, v in self.model.items() if k != "family"}
-        dims.setdefault("seq", self.seq)
-        return dims
+        return model_dims(self.model, self.seq)
 
     def vocab(self) -> int | None:
         """The model's vocabulary size (None for an ``hf`` config that leaves it to transformers)."""
