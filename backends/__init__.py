@@ -1,4 +1,7 @@
-"""One file per device family; each registers here with one line.
+"""One module per device family; each registers here with one line.
+
+The NPU backend keeps its helpers beside it: ``npu_topology`` (npu-smi, nominal rates) and
+``npu_hostreg`` (host-memory registrations).
 
 Higher priority wins auto-detection (``XPU_BACKEND`` unset): an NPU, then a CUDA GPU, else
 the cpu reference backend.

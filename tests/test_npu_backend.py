@@ -1,4 +1,4 @@
-"""Tests of backends/npu.py against the recording stand-in torch_npu (tests/fake_torch_npu.py).
+"""Tests of the NPU backend (backends/npu*.py) against the recording stand-in torch_npu (tests/fake_torch_npu.py).
 
 They check what the backend asks torch_npu for (names, device indices, flags, sizes), the
 host-registration arithmetic, the npu-smi parser and the registry's choice. Nothing here
@@ -16,14 +16,11 @@ import pytest
 import torch
 
 import backends.npu as npu_mod
+import backends.npu_hostreg as hostreg_mod
+import backends.npu_topology as topo_mod
 import fake_torch_npu as fake_npu
-from backends.npu import (
-    NpuBackend,
-    npu_smi_peer_links,
-    numa_node_of_cpus,
-    parse_npu_smi_topo,
-    soc_rates,
-)
+from backends.npu import NpuBackend
+from backends.npu_topology import npu_smi_peer_links, numa_node_of_cpus, parse_npu_smi_topo, soc_rates
 from fake_torch_npu import SAMPLE_910B_TOPO, SAMPLE_A3_TOPO, SAMPLE_PCIE_TOPO
 from xpu import registry
 from xpu.errors import BackendUnavailableError, CapabilityError, XpuError
@@ -51,7 +48,7 @@ def install(clean_env):
 
     def _install(topo_text: str = SAMPLE_910B_TOPO, **kwargs) -> fake_npu.FakeNpu:
         fake = fake_npu.install(clean_env, **kwargs)
-        clean_env.setattr(npu_mod, "_run_npu_smi_topo", lambda timeout=10.0: topo_text)
+        clean_env.setattr(topo_mod, "_run_npu_smi_topo", lambda timeout=10.0: topo_text)
         return fake
 
     return _install
@@ -408,7 +405,7 @@ def test_parse_910b_sample():
 
 def test_topology_910b_full_mesh(backend, fake, monkeypatch):
     numa = {6: set(range(144, 168)), 4: set(range(96, 120)), 0: set(range(0, 24)), 2: set(range(48, 72))}
-    monkeypatch.setattr(npu_mod, "_host_numa_cpus", lambda: numa)
+    monkeypatch.setattr(topo_mod, "_host_numa_cpus", lambda: numa)
     topo = backend.topology()
     assert [d.numa_node for d in topo.devices] == [6, 6, 4, 4, 0, 0, 2, 2]  # from the CPU Affinity column
     assert topo.source == "npu-smi"
@@ -485,7 +482,7 @@ def test_topology_without_npu_smi(install, monkeypatch):
     def missing(timeout=10.0):
         raise FileNotFoundError(2, "No such file or directory", "npu-smi")
 
-    monkeypatch.setattr(npu_mod, "_run_npu_smi_topo", missing)
+    monkeypatch.setattr(topo_mod, "_run_npu_smi_topo", missing)
     topo = NpuBackend().topology()
     assert topo.source.startswith("torch_npu (npu-smi unavailable: FileNotFoundError")
     assert topo.device_count == 8 and all(l.is_host_link for l in topo.links) and len(topo.links) == 8
@@ -509,11 +506,11 @@ def test_npu_smi_runner(monkeypatch):
         seen.append((cmd, kwargs))
         return Proc(0, SAMPLE_A3_TOPO, "") if len(seen) == 1 else Proc(255, "", "This device does not support querying topo.\n")
 
-    monkeypatch.setattr(npu_mod.subprocess, "run", run)
-    assert npu_mod._run_npu_smi_topo() == SAMPLE_A3_TOPO
+    monkeypatch.setattr(topo_mod.subprocess, "run", run)
+    assert topo_mod._run_npu_smi_topo() == SAMPLE_A3_TOPO
     assert seen[0][0] == ["npu-smi", "info", "-t", "topo"] and seen[0][1]["timeout"] > 0
     with pytest.raises(RuntimeError, match="status 255: This device does not support"):
-        npu_mod._run_npu_smi_topo()
+        topo_mod._run_npu_smi_topo()
 
 
 def test_numa_node_of_cpus():
@@ -530,9 +527,10 @@ def test_describe_reports_routes(backend):
     assert set(info["dha_routes"]) == {"vllm_ascend_op", "npurt_pinned_register"}
 
 
-def test_backend_file_never_names_torch_cuda():
-    text = Path(npu_mod.__file__).read_text()
-    assert "torch.cuda" not in text and ".cuda(" not in text
+def test_backend_files_never_name_torch_cuda():
+    for module in (npu_mod, topo_mod, hostreg_mod):
+        text = Path(module.__file__).read_text()
+        assert "torch.cuda" not in text and ".cuda(" not in text, module.__name__
 
 
 # ---------------------------------------------------------------------------- real hardware
