@@ -40,8 +40,8 @@ smoke)
   grep -h "^| " $R/small-*/results.md 2>/dev/null | cut -c1-260
   within 90 python3 -m xpu probe --device 1 --json > $R/xpu-probe-dev1.json 2> $R/xpu-probe-dev1.log; lap probe dev1 rc=$?
   within 90 python3 -m xpu probe --device 0 --json > $R/xpu-probe-dev0.json 2> $R/xpu-probe-dev0.log; lap probe dev0 rc=$?
-  within 60 python3 -m scaleup.bench_multipath --targets 0 --sizes 256MiB,1GiB --preset dgx-h200 --out $R/multipath-dev0 > $R/multipath-dev0.log 2>&1; lap multipath dev0 rc=$?
-  within 60 python3 -m scaleup.bench_multipath --targets all --sizes 256MiB,1GiB --preset dgx-h200 --out $R/multipath-all > $R/multipath-all.log 2>&1; lap multipath all rc=$?
+  within 60 python3 -m bench.transfers.multipath --targets 0 --sizes 256MiB,1GiB --preset dgx-h200 --out $R/multipath-dev0 > $R/multipath-dev0.log 2>&1; lap multipath dev0 rc=$?
+  within 60 python3 -m bench.transfers.multipath --targets all --sizes 256MiB,1GiB --preset dgx-h200 --out $R/multipath-all > $R/multipath-all.log 2>&1; lap multipath all rc=$?
   tail -25 $R/multipath-dev0.log 2>/dev/null; tail -12 $R/multipath-all.log 2>/dev/null
   ;;
 mpress-max)
