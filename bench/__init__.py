@@ -9,7 +9,8 @@ Modules: :mod:`strategies.models` (GPT, Llama-style, Hugging Face; parameter and
 baseline family), :mod:`bench.worker` (one system in one fresh process),
 :mod:`bench.runner` (systems one after another), :mod:`bench.maxmodel` (largest model
 that trains under caps), :mod:`bench.report` (JSON, markdown, plot, timelines),
-:mod:`bench.cli` (``xpu bench``).
+:mod:`bench.cli` (``xpu bench``), :mod:`bench.transfers` (:mod:`scaleup`'s transfer
+benchmarks and bandwidth predictions).
 """
 from __future__ import annotations
 

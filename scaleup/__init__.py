@@ -7,7 +7,9 @@
 * :class:`MultiPathCopier` (``multipath.py``): one host→device transfer split over routes,
   shares learnt online, failed or stalled routes dropped without losing data.
 * :class:`PathSimulator` (``simulator.py``): the same policy on modelled links, for
-  convergence tests and predictions (``python -m scaleup.predict``).
+  convergence tests and bandwidth predictions.
+
+Benchmarks and prediction scripts built on this library live in the harness, not here.
 """
 from .chunks import byte_view
 from .engine import TransferEngine

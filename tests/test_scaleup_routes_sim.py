@@ -1,8 +1,6 @@
 """Path discovery, fair sharing, the splitting policy and the path simulator (no devices needed)."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from scaleup import SplitPolicy, discover_routes, expected_aggregate_GBps, max_min_rates, resource_capacities, shared_resources
@@ -125,13 +123,3 @@ def test_simulator_failure_resends_and_delivers_everything():
     assert sum(res.bytes_per_route.values()) == 2 * 2**30
     with pytest.raises(RuntimeError, match="every route failed"):
         PathSimulator(routes[:1], caps, chunk_bytes=8 * MB).run(2**30, events=[Fail(0.001, "host->0")])
-
-
-def test_prediction_script_writes_labelled_json(tmp_path):
-    from scaleup import predict
-
-    data = predict.predict(counts=(1, 2), nbytes=256 * MB)
-    text = json.dumps(data)
-    assert "PREDICTION" in data["what"] and "assumptions" in text
-    dgx = data["scenarios"]["DGX H200 (PCIe Gen5 + NVSwitch)"]["rows"]
-    assert dgx[1]["gain"] > 1.9

@@ -1,6 +1,6 @@
 """Predict multi-path host→device bandwidth for 1, 2, 4 and 8 devices with the path simulator.
 
-    python -m scaleup.predict --out bench/results
+    python -m bench.transfers.predict --out bench/results
 
 Writes ``scaleup-prediction.json`` (every figure, with the assumed link rates) and, when
 matplotlib is installed, ``scaleup-prediction.png``. These are simulator predictions from
@@ -20,8 +20,7 @@ from typing import Any, Callable
 
 from xpu.topology import Topology, preset
 
-from .routes import discover_routes, expected_aggregate_GBps, resource_capacities
-from .simulator import PathSimulator
+from scaleup import PathSimulator, discover_routes, expected_aggregate_GBps, resource_capacities
 
 __all__ = ["SCENARIOS", "predict", "main"]
 
@@ -70,7 +69,7 @@ def predict(counts: tuple[int, ...] = (1, 2, 4, 8), nbytes: int = 4 * 2**30, chu
         "what": "SIMULATOR PREDICTION (not a measurement): host->device bandwidth into one device when it "
                 "loads over its own host link plus relays through n-1 idle peers",
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, "-m", "scaleup.predict"] + sys.argv[1:]),
+        "command": " ".join([Path(sys.executable).name, "-m", "bench.transfers.predict"] + sys.argv[1:]),
         "transfer_bytes": nbytes,
         "chunk_bytes": chunk_bytes,
         "device_counts": list(counts),
@@ -121,7 +120,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Write the prediction JSON (and PNG when matplotlib is available) into ``--out``."""
-    parser = argparse.ArgumentParser(prog="python -m scaleup.predict", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.transfers.predict", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results", help="output folder (default bench/results)")
     args = parser.parse_args(argv)
     out = Path(args.out)

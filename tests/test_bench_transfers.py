@@ -1,9 +1,11 @@
-"""The multi-path benchmark (``python -m scaleup.bench_multipath``) on the cpu backend's 4 virtual devices.
+"""The transfer benchmarks and predictions of :mod:`bench.transfers`, on the cpu backend.
 
-The cpu backend's figures are meaningless as speeds (its copies are synchronous memcpys on a
-shared host); what is checked here is that every configuration is measured, relays carry
-bytes, predictions sit beside the measurements, and that the byte check really withholds the
-number of a copier that delivers wrong data.
+The multi-path benchmark (``python -m bench.transfers.multipath``) runs on the cpu backend's 4
+virtual devices. The cpu backend's figures are meaningless as speeds (its copies are
+synchronous memcpys on a shared host); what is checked here is that every configuration is
+measured, relays carry bytes, predictions sit beside the measurements, and that the byte check
+really withholds the number of a copier that delivers wrong data. The engine benchmark and
+the prediction script get a smoke run each.
 """
 from __future__ import annotations
 
@@ -13,7 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import scaleup.bench_multipath as bm
+import bench.transfers.multipath as bm
+from bench.transfers import engine as be
+from bench.transfers import predict
+from bench.transfers.multipath_measure import POISON, auto_chunk, fill_pattern, verify_bytes
 from scaleup import BackendLink, TransferEngine
 
 MiB = 2**20
@@ -38,7 +43,7 @@ def test_main_measures_every_configuration_and_predicts_beside_it(cpu_bench, tmp
 
     for key in ("machine", "date", "torch", "command", "topology", "settings"):
         assert result[key], key
-    assert result["torch"] == torch.__version__ and "bench_multipath" in result["command"]
+    assert result["torch"] == torch.__version__ and "bench.transfers.multipath" in result["command"]
     assert result["ok"] and result["mismatches"] == []
 
     relays = ["host->1->0", "host->2->0", "host->3->0"]
@@ -121,30 +126,50 @@ def test_a_route_that_corrupts_data_gets_no_number(cpu_bench, monkeypatch, capsy
 def test_the_byte_check_catches_misplaced_foreign_and_missing_bytes(cpu_bench):
     b = cpu_bench
     n = 1 * MiB + 5  # a tail that is not a whole word
-    src = bm.fill_pattern(b.host_arena.empty(n), salt=1)
-    other = bm.fill_pattern(b.host_arena.empty(n), salt=2)
+    src = fill_pattern(b.host_arena.empty(n), salt=1)
+    other = fill_pattern(b.host_arena.empty(n), salt=2)
     scratch = b.host_arena.empty(n)
     dst = b.empty(n, torch.uint8, 0)
     words = src[: n // 8 * 8].view(torch.int64)
     assert torch.unique(words).numel() == words.numel()  # every word says where it belongs
     with TransferEngine(b) as engine:
         dst.copy_(src)
-        assert bm.verify_bytes(engine, 0, dst, src, scratch) == {"ok": True}
+        assert verify_bytes(engine, 0, dst, src, scratch) == {"ok": True}
         half = n // 2 // 8 * 8  # two halves swapped: same bytes, wrong places
         dst[:half].copy_(src[half:2 * half])
         dst[half:2 * half].copy_(src[:half])
-        assert not bm.verify_bytes(engine, 0, dst, src, scratch)["ok"]
+        assert not verify_bytes(engine, 0, dst, src, scratch)["ok"]
         dst.copy_(other)  # another device's data
-        assert not bm.verify_bytes(engine, 0, dst, src, scratch)["ok"]
+        assert not verify_bytes(engine, 0, dst, src, scratch)["ok"]
         dst.copy_(src)
-        dst[-3:].fill_(bm.POISON)  # the tail never written
-        check = bm.verify_bytes(engine, 0, dst, src, scratch)
-        assert check == {"ok": False, "bad_bytes": 3, "first_bad_offset": n - 3, "expected": 0xA5, "got": bm.POISON}
+        dst[-3:].fill_(POISON)  # the tail never written
+        check = verify_bytes(engine, 0, dst, src, scratch)
+        assert check == {"ok": False, "bad_bytes": 3, "first_bad_offset": n - 3, "expected": 0xA5, "got": POISON}
 
 
 def test_auto_chunk_gives_every_route_room():
-    assert bm.auto_chunk(1 * MiB) == 64 * 1024
-    assert bm.auto_chunk(4 * MiB) == 256 * 1024
-    assert bm.auto_chunk(64 * MiB) == 4 * MiB
-    assert bm.auto_chunk(2**30) == 8 * MiB
-    assert bm.auto_chunk(1000) == 64 * 1024
+    assert auto_chunk(1 * MiB) == 64 * 1024
+    assert auto_chunk(4 * MiB) == 256 * 1024
+    assert auto_chunk(64 * MiB) == 4 * MiB
+    assert auto_chunk(2**30) == 8 * MiB
+    assert auto_chunk(1000) == 64 * 1024
+
+
+def test_engine_bench_smoke_run_writes_its_json(cpu_bench, tmp_path, capsys):
+    assert be.main(["--out", str(tmp_path), "--quick", "--no-pageable", "--trials", "1"]) == 0
+    files = list(tmp_path.glob("scaleup-engine-cpu-*.json"))
+    assert len(files) == 1
+    result = json.loads(files[0].read_text())
+    assert result["command"].startswith("python -m bench.transfers.engine --out")
+    assert [r["size_bytes"] for r in result["rows"]] == [1 * MiB, 4 * MiB, 16 * MiB]
+    assert all(r["engine_h2d_exact"] for r in result["rows"])
+    assert "eng H2D" in capsys.readouterr().out
+
+
+def test_prediction_script_writes_labelled_json(tmp_path):
+    data = predict.predict(counts=(1, 2), nbytes=256 * MiB)
+    text = json.dumps(data)
+    assert "PREDICTION" in data["what"] and "assumptions" in text
+    assert "-m bench.transfers.predict" in data["command"]
+    dgx = data["scenarios"]["DGX H200 (PCIe Gen5 + NVSwitch)"]["rows"]
+    assert dgx[1]["gain"] > 1.9

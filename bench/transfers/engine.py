@@ -1,7 +1,7 @@
 """Benchmark the transfer engine against raw copies, side by side, in one run.
 
-    python -m scaleup.bench_engine --out bench/results            # on the GPU machine
-    XPU_BACKEND=cpu python -m scaleup.bench_engine --out /tmp/b --quick   # smoke run
+    python -m bench.transfers.engine --out bench/results            # on the GPU machine
+    XPU_BACKEND=cpu python -m bench.transfers.engine --out /tmp/b --quick   # smoke run
 
 For each size (64 MiB, 256 MiB, 1 GiB; ``--quick``: 1, 4, 16 MiB) it measures, on the selected
 backend's device:
@@ -37,7 +37,7 @@ import torch
 import xpu
 from xpu.probe import machine_name
 
-from .engine import TransferEngine
+from scaleup import TransferEngine
 
 __all__ = ["run_bench", "main"]
 
@@ -164,7 +164,7 @@ def _table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark, write JSON into ``--out``, print the table last."""
-    parser = argparse.ArgumentParser(prog="python -m scaleup.bench_engine", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.transfers.engine", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for the JSON result")
     parser.add_argument("--quick", action="store_true", help="small sizes (1, 4, 16 MiB): a smoke run, e.g. on the cpu backend")
     parser.add_argument("--device", type=int, default=0)
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         "backend": backend.name,
         "caps": backend.caps.as_dict(),
         "date": started.isoformat(timespec="seconds"),
-        "command": " ".join(["python", "-m", "scaleup.bench_engine"] + (sys.argv[1:] if argv is None else list(argv))),
+        "command": " ".join(["python", "-m", "bench.transfers.engine"] + (sys.argv[1:] if argv is None else list(argv))),
         "torch": torch.__version__,
         "method": "median of trials; each trial issues `repeats` ops back to back, host-timed to final sync",
         **bench,
