@@ -36,6 +36,7 @@ import torch
 
 import xpu
 from xpu.probe import machine_name
+from xpu.timing import median_event_seconds
 
 from scaleup import TransferEngine
 
@@ -56,18 +57,6 @@ def _wall(backend: xpu.Backend, dev: int, fn: Callable[[], Any], repeats: int, t
                 h.synchronize()
         backend.synchronize(dev)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _event_ms(backend: xpu.Backend, stream: Any, fn: Callable[[], None], trials: int) -> float:
-    times = []
-    for _ in range(trials):
-        start, end = backend.event(timing=True), backend.event(timing=True)
-        start.record(stream)
-        fn()
-        end.record(stream)
-        end.synchronize()
-        times.append(start.elapsed_time(end))
     return statistics.median(times)
 
 
@@ -109,7 +98,7 @@ def run_bench(backend: xpu.Backend, sizes: list[int], *, device: int = 0, repeat
                 fn()  # warm up streams, staging and the allocator
             engine.synchronize()
             b.synchronize(dev)
-            row["raw_h2d_event_GBps"] = _gbps(size, _event_ms(b, s1, raw_h2d, trials) / 1e3)
+            row["raw_h2d_event_GBps"] = _gbps(size, median_event_seconds(b, s1, raw_h2d, repeats=trials, warmup=0))
             row["raw_h2d_GBps"] = _gbps(reps * size, _wall(b, dev, raw_h2d, reps, trials))
             row["engine_h2d_GBps"] = _gbps(reps * size, _wall(b, dev, lambda: engine.h2d(src, out=dev_a), reps, trials))
             row["raw_d2h_GBps"] = _gbps(reps * size, _wall(b, dev, raw_d2h, reps, trials))

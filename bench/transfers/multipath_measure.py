@@ -12,10 +12,11 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 import xpu
+from xpu.timing import median_event_seconds
 from scaleup import Transfer, TransferEngine
 
 __all__ = ["POISON", "fill_pattern", "verify_bytes", "auto_chunk", "fmt_size", "gbps", "time_transfers",
-           "event_ms", "summarize", "ratio", "failed", "measure_links"]
+           "summarize", "ratio", "failed", "measure_links"]
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 #: Destinations (and the read-back buffer) are filled with this byte before every transfer, so
@@ -125,21 +126,6 @@ def time_transfers(backend: xpu.Backend, devices: Sequence[int], issue: Callable
     return times, handles
 
 
-def event_ms(backend: xpu.Backend, stream: Any, fn: Callable[[], None], repeats: int = 3, warmup: int = 1) -> float:
-    """Median milliseconds of ``fn``'s work on ``stream``, timed with the backend's events."""
-    times = []
-    for i in range(warmup + repeats):
-        start, end = backend.event(timing=True), backend.event(timing=True)
-        with backend.use_stream(stream):
-            start.record(stream)
-            fn()
-            end.record(stream)
-        end.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def summarize(times: Sequence[float], nbytes: int, check: dict[str, Any]) -> dict[str, Any]:
     """GB/s of the median time, unless the bytes were wrong: then no number at all."""
     med = statistics.median(times)
@@ -176,7 +162,7 @@ def measure_links(backend: xpu.Backend, targets: Sequence[int], nbytes: int, pro
     h2d: dict[str, float] = {}
     for d in range(n):
         dst, s = b.empty(nbytes, torch.uint8, d), b.stream(d)
-        h2d[str(d)] = gbps(nbytes, event_ms(b, s, lambda: b.copy(dst, src, s)) / 1e3)
+        h2d[str(d)] = gbps(nbytes, median_event_seconds(b, s, lambda: b.copy(dst, src, s)))
         del dst
     b.host_arena.release(src)
     peer: dict[str, float] = {}
@@ -189,7 +175,7 @@ def measure_links(backend: xpu.Backend, targets: Sequence[int], nbytes: int, pro
                     a, s = b.empty(nbytes, torch.uint8, p), b.stream(p)
                 c = b.empty(nbytes, torch.uint8, t)
                 with b.device_scope(p):
-                    peer[f"{p}->{t}"] = gbps(nbytes, event_ms(b, s, lambda: b.copy(c, a, s)) / 1e3)
+                    peer[f"{p}->{t}"] = gbps(nbytes, median_event_seconds(b, s, lambda: b.copy(c, a, s)))
                 del a, c
     return {"size_bytes": nbytes, "h2d_GBps": h2d, "peer_GBps": peer}
 
