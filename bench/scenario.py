@@ -6,7 +6,7 @@ unknown key, model family, system or system option is an error that names the va
 YAML shape (every key but ``model`` and ``systems`` optional)::
 
     name: design-s3
-    description: DESIGN.md §3 anchor scenario
+    description: docs/design.md §3 anchor scenario
     model: {family: gpt, layers: 24, hidden: 2048, heads: 16, vocab: 32000}
     batch: 8
     seq: 1024

@@ -25,7 +25,7 @@ def test_named_scenarios_load():
     eff = s.effective(zen)
     assert eff["steps"] % zen.options["update_interval"] == 0 and eff["loss_after"] == 9
     assert s.effective(s.entry("torch"))["total_steps"] == 22
-    short = load_scenario("design-s3", {"steps": 5})  # DESIGN.md §3's own 5 steps
+    short = load_scenario("design-s3", {"steps": 5})  # docs/design.md §3's own 5 steps
     assert short.effective(short.entry("torch"))["total_steps"] == 9  # extra untimed steps to reach loss_after
     assert s.entry("deepspeed-twinflow-0.2").options["ratio"] == 0.2
     assert load_scenario("tiny").dtype == "fp32"

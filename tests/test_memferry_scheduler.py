@@ -16,20 +16,20 @@ from strategies.memferry.units import split_units
 GB = 1e9
 
 # ---------------------------------------------------------------------------------------------
-# A profile of the DESIGN.md §3 GPT on the H200, reconstructed from what was measured there:
+# A profile of the docs/design.md §3 GPT on the H200, reconstructed from what was measured there:
 #   parameters: 24 blocks of 12*h^2 + 13*h (h = 2048), 1,339,674,624 in all (bench results rows);
-#   compute: plain all-on-device step 0.132 s (DESIGN §3), split by FLOPs: a block's forward
+#   compute: plain all-on-device step 0.132 s (docs/design.md §3), split by FLOPs: a block's forward
 #     ~0.9 TFLOP, the head's 1.07 TFLOP, backward = 2x forward -> 1.64 ms / 3.28 ms per block,
 #     rest (embeddings, head, loss) 1.95 + 3.9 ms; with recompute that gives 0.163 s against
 #     the measured 0.158 s;
-#   activations: ~12 GB of the 22.6 GB all-on-device peak (DESIGN §3) -> 0.5 GB per block; with
+#   activations: ~12 GB of the 22.6 GB all-on-device peak (docs/design.md §3) -> 0.5 GB per block; with
 #     recompute only the block input, 8*1024*2048 bf16 = 33.5 MB;
 #   loss peak: logits in bf16 + fp32 logits + their fp32 gradient, 8192*32000*(2+4+4) B = 2.6 GB
 #     (the capped device12 run died allocating 1000 MiB of them);
 #   host AdamW: 0.64 s per 1.34 B parameters with the bf16<->fp32 conversions (host_optimizer_s
 #     per step 0.635-0.715 in bench/results/2026-11-29-h200-memferry/plans.jsonl);
 #   device AdamW: 40 B/param of HBM traffic at ~4 TB/s -> 1e-11 s/param (an estimate);
-#   links: 55.2 GB/s both ways, DHA read 53 GB/s, DHA matmul rows of DESIGN §3.
+#   links: 55.2 GB/s both ways, DHA read 53 GB/s, DHA matmul rows of docs/design.md §3.
 H, L, BATCH, SEQ = 2048, 24, 8, 1024
 BLOCK = 12 * H * H + 13 * H
 TOTAL = 1_339_674_624
@@ -42,7 +42,7 @@ def h200_profile() -> StepProfile:
                        0.64 / TOTAL, 1.0e-11, "cuda", "NVIDIA H200 (reconstructed)")
 
 
-H200_LINKS = Links(55.2, 55.2, 53.0, H200_DHA_ROWS, "DESIGN.md §3")
+H200_LINKS = Links(55.2, 55.2, 53.0, H200_DHA_ROWS, "docs/design.md §3")
 
 #: (plan spec, measured median step s, source) on the H200, same model and batch.
 MEASURED = [

@@ -7,7 +7,7 @@ page-table entries, and the page walks compete with the data for the CPU's cache
 ``XPU_HOST_HUGEPAGES=1`` each mapping is advised ``MADV_HUGEPAGE`` before it is registered, so
 where the kernel's transparent huge pages are ``madvise`` or ``always`` the memory is faulted
 in as 2 MiB pages. Off by default until a GPU machine has measured it (see
-``bench/scripts/gpu_host_rate.sh``); where the kernel refuses, the advice is a no-op.
+``bench/scripts/diag_host_rate.py``); where the kernel refuses, the advice is a no-op.
 """
 from __future__ import annotations
 

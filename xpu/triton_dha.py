@@ -2,7 +2,7 @@
 
 Why: over a ``Backend.device_view`` of pinned host memory, a vendor GEMM picks its own tiling
 and reads an operand once per tile of the other one (cuBLAS on the H200: 13x slower than
-copy-then-GEMM at M = 4096, DESIGN.md §3). These kernels fix the tiling instead:
+copy-then-GEMM at M = 4096, docs/design.md §3). These kernels fix the tiling instead:
 
 * :func:`mm_read_once` computes ``C = A @ B`` for a short ``A`` (at most :data:`MAX_ROWS` rows,
   in device memory) and a ``B`` that may be host memory. One program owns a column block of

@@ -86,7 +86,7 @@ def register_system(name: str, target: str, *, approximate: bool = False, requir
                                                    description, period_option))
 
 
-# The built-in baselines (DESIGN.md §3). Options are validated against these defaults. Option
+# The built-in baselines (docs/design.md §3). Options are validated against these defaults. Option
 # "ranks" (1: one process) runs a baseline data-parallel on that many devices (bench/systems/multirank.py).
 register_system("torch", "bench.systems.torch_ref:make",
                 options={"precision": "pure", "recompute": False, "fused": True, "optimizer": True},

@@ -1,4 +1,4 @@
-"""DeepSpeed baselines, configured exactly as DESIGN.md §3 describes.
+"""DeepSpeed baselines, configured exactly as docs/design.md §3 describes.
 
 * ``deepspeed-z2-offload``: ZeRO-2, optimizer offloaded to CPU (anchor 0.865 s, 17.7 GB);
 * ``deepspeed-z3-offload``: ZeRO-3, parameters and optimizer offloaded, model built under
@@ -8,7 +8,7 @@
 * ``deepspeed-zenflow``: the ZeRO-2 offload config plus a ``zenflow`` block (anchor: median
   0.219 s, every 4th step 0.9 s, mean 0.35 s, 18.2 GB; approximate: stale updates).
 
-The JSON below is DESIGN.md §3's, plus explicit ``optimizer.params`` equal to DeepSpeed's own
+The JSON below is docs/design.md §3's, plus explicit ``optimizer.params`` equal to DeepSpeed's own
 AdamW defaults (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0) taken from the
 scenario, so every system trains with the same hyper-parameters and their losses compare.
 The ``config`` option deep-merges further keys into the generated config (for experiments;
@@ -119,7 +119,7 @@ class DeepSpeedSystem(BenchSystem):
         self.config = ds_config(kind, ctx)
         self.kind = kind
         if self.config["zero_optimization"]["stage"] == 3:
-            # DESIGN.md §3: stage 3 builds the model under zero.Init (partitioned as it is built).
+            # docs/design.md §3: stage 3 builds the model under zero.Init (partitioned as it is built).
             with deepspeed.zero.Init(config_dict_or_path=self.config):
                 model = ctx.build_model()
         else:

@@ -1,6 +1,6 @@
-"""The ``fsdp2-offload`` system: PyTorch FSDP2 with ``CPUOffloadPolicy`` (DESIGN.md §3 anchor 0.640 s).
+"""The ``fsdp2-offload`` system: PyTorch FSDP2 with ``CPUOffloadPolicy`` (docs/design.md §3 anchor 0.640 s).
 
-Configured as DESIGN.md §3 says: ``fully_shard`` on each block and on the root, with
+Configured as docs/design.md §3 says: ``fully_shard`` on each block and on the root, with
 ``CPUOffloadPolicy()`` and ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``,
 fp32 parameters (sharded parameters, gradients and AdamW states live in pinned host
 memory), fused AdamW stepping on the CPU, one process. The device type and the collective

@@ -1,10 +1,10 @@
-"""The ``torch`` system: plain PyTorch with everything on the device (DESIGN.md §3 anchor 0.132 s).
+"""The ``torch`` system: plain PyTorch with everything on the device (docs/design.md §3 anchor 0.132 s).
 
 Options:
     precision: ``"pure"`` (default; the anchor's setup) keeps weights, gradients and AdamW
         states in the scenario dtype (bf16 on an accelerator); ``"amp"`` keeps fp32 weights
         and states and runs forward/backward under autocast to the scenario dtype.
-    recompute: recompute each block in backward (DESIGN.md §3: 0.158 s, 11.3 GB).
+    recompute: recompute each block in backward (docs/design.md §3: 0.158 s, 11.3 GB).
     fused: use the fused AdamW kernel.
     optimizer: False times forward and backward alone (no optimizer, gradients dropped each
         step): the device's compute time measured alone, a floor for offloading systems.

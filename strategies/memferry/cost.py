@@ -20,7 +20,7 @@ The step, as the executor runs it (``executor.py``), in steady state:
   read in place, ``max(compute, bytes / dha rate)``. Plain kernels over a DHA view (a block
   DHA only in backward, with recompute) cost ``max(compute, bytes / dha rate) * penalty(M)``,
   the penalty from the probe's ``dha_matmul`` rows (cuBLAS re-reads host weights per output
-  tile: DESIGN.md §3). The first block's copy is not overlapped.
+  tile: docs/design.md §3). The first block's copy is not overlapped.
 * **rest** (embeddings, head, loss) forward + backward between the passes: ``t_rest``.
 * **backward**, blocks ``N-1..0``: ``psi_i = max(b_i, y_{i-1})`` with ``b`` recompute (in the
   backward mode) + backward + the device AdamW of a device-homed unit, ``y`` the copy of the
@@ -78,7 +78,7 @@ __all__ = ["Links", "links_from_probe", "OptionCost", "option_cost", "Prediction
            "initial_state", "advance", "finish", "device_bytes_per_param", "H200_DHA_ROWS"]
 
 #: DHA matmul slow-down against copy-then-matmul, by M (rows), measured on the H200
-#: (DESIGN.md §3: 8192x8192 bf16 weight; 2.66/2.49 ms at M=64, 5.3/2.5 at 256, 42/3.1 at 4096,
+#: (docs/design.md §3: 8192x8192 bf16 weight; 2.66/2.49 ms at M=64, 5.3/2.5 at 256, 42/3.1 at 4096,
 #: 391/5.2 at 16384). Used only when no probe with ``dha_matmul`` rows is cached.
 H200_DHA_ROWS: tuple[tuple[int, float], ...] = ((64, 2.66 / 2.49), (256, 5.3 / 2.5), (4096, 42 / 3.1),
                                                 (16384, 391 / 5.2))

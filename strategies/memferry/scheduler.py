@@ -50,7 +50,7 @@ _GB = 1e9
 #: Block count up to which every block gets its own choice by default; longer models are
 #: decided in groups of consecutive blocks, about this many groups (see ``schedule``).
 GROUP_ABOVE = 24
-#: Label cap past ``GROUP_ABOVE`` blocks. On the DESIGN.md §3 profile (24 blocks) 300 labels
+#: Label cap past ``GROUP_ABOVE`` blocks. On the docs/design.md §3 profile (24 blocks) 300 labels
 #: predicted within 0.6 % of 4000 in a third of the time; 96 blocks in groups of 4 took 23 s.
 LONG_MODEL_LABELS = 300
 

@@ -28,7 +28,7 @@ FAMILIES: dict[str, tuple[Callable[..., CausalLM], set[str], set[str]]] = {
 
 
 def default_dims(family: str) -> dict[str, Any]:
-    """The DESIGN.md §3 dimensions for ``gpt``, a Llama of the same width for ``llama``."""
+    """The docs/design.md §3 dimensions for ``gpt``, a Llama of the same width for ``llama``."""
     if family == "gpt":
         return {"layers": 24, "hidden": 2048, "heads": 16, "vocab": 32000}
     if family == "llama":
@@ -131,7 +131,7 @@ def flops_per_token(family: str, **dims: Any) -> float:
     weight is used once per token in a matmul: 2 FLOPs forward, 4 backward), L layers, S the
     sequence length (``dims["seq"]``, default 1024) and d = heads * head_dim: the attention scores and their weighted sum,
     2 * 2 * S * d forward per layer, three times that with backward, counted over the full
-    S x S square as PaLM (appendix B) and Megatron-LM do. For the DESIGN.md §3 GPT at S=1024
+    S x S square as PaLM (appendix B) and Megatron-LM do. For the docs/design.md §3 GPT at S=1024
     this is 8.25e9 FLOPs per token.
     """
     n = param_count(family, **dims) - embedding_param_count(family, **dims)

@@ -45,7 +45,7 @@ class GPTBlock(nn.Module):
 
 
 class GPT(CausalLM):
-    """The GPT of DESIGN.md §3 (24 layers, hidden 2048, heads 16, vocab 32000: 1.34e9 parameters)."""
+    """The GPT of docs/design.md §3 (24 layers, hidden 2048, heads 16, vocab 32000: 1.34e9 parameters)."""
 
     def __init__(self, layers: int, hidden: int, heads: int, vocab: int, seq: int = 1024,
                  mlp_ratio: int = 4, bias: bool = True, pos_emb: str = "none") -> None:
