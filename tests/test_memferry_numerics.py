@@ -228,7 +228,19 @@ def mixed_precision_reference(model, x, y, steps, lr, weight_decay, device=None,
     return losses, [m.detach().cpu() for m in masters]
 
 
-def test_bf16_engine_equals_mixed_precision_adamw_reference(cpu_backend):
+@pytest.fixture
+def one_thread():
+    """One intra-op thread while the test runs: a bf16 matmul's sums are rounded in an order that
+    depends on how many threads split them, and over six Adam steps a near-zero gradient whose
+    sign that rounding flips moves its master by up to 2 lr, so the comparison would depend on the
+    machine's thread count. With one thread the engine and the reference sum alike everywhere."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_bf16_engine_equals_mixed_precision_adamw_reference(cpu_backend, one_thread):
     """In bf16, MemFerry is the usual mixed-precision AdamW: bf16 weights and gradients, fp32
     masters and moments, the bf16 copy rounded from the master after each update. Checked
     against that loop written out in plain PyTorch (same batch six times)."""
