@@ -77,6 +77,7 @@ class CudaBackend(Backend):
     device_type = "cuda"
     dist_backend = "nccl"
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
+    virtual_devices = False
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

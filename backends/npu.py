@@ -451,6 +451,7 @@ class NpuBackend(Backend):
     device_type = "npu"
     dist_backend = "hccl"
     visible_devices_env = _VISIBLE_ENV
+    virtual_devices = False
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

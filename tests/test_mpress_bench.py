@@ -78,6 +78,7 @@ def test_mpress_matches_torch_loss(tmp_path):
 
 class _Backend:
     device_type, name, dist_backend = "cpu", "cpu", "gloo"
+    virtual_devices = True
 
     def memory_cap(self, index: int):
         return None

@@ -2,8 +2,9 @@
 
 About twenty verbs in five groups (DESIGN.md §4):
 
-* identity: ``name``, ``device_type``, ``dist_backend``, ``visible_devices_env``, ``caps``,
-  ``device_count``, ``device``, ``device_scope``, ``current_device``;
+* identity: ``name``, ``device_type``, ``dist_backend``, ``visible_devices_env``,
+  ``virtual_devices``, ``caps``, ``device_count``, ``env_for_device_count``, ``device``,
+  ``device_scope``, ``current_device``;
 * streams and events: ``stream``, ``current_stream``, ``use_stream``, ``event``,
   ``synchronize``, ``keep_alive``;
 * host memory: ``alloc_pinned``/``free_pinned`` (exact size), ``host_arena`` (reusable,
@@ -85,6 +86,11 @@ class Backend(abc.ABC):
     dist_backend: ClassVar[str]
     #: Environment variable that restricts and orders visible devices, if any.
     visible_devices_env: ClassVar[str | None] = None
+    #: Whether the devices are made up by the backend out of host memory (the cpu reference)
+    #: rather than hardware: their number and capacities are configuration, so a launcher can
+    #: give its child processes more of them (:meth:`env_for_device_count`), and a copy between
+    #: the host and a device is a host memory copy, not traffic on a link.
+    virtual_devices: ClassVar[bool] = False
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -114,6 +120,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def device_count(self) -> int:
         """Number of devices visible to this process."""
+
+    def env_for_device_count(self, count: int) -> dict[str, str] | None:
+        """Environment under which a new process of this backend sees ``count`` devices, made up
+        like the existing ones; None where they cannot be made up (hardware devices, or a
+        configuration that names each device). Only :attr:`virtual_devices` backends can."""
+        return None
 
     def device(self, index: int | None = None) -> torch.device:
         """The ``torch.device`` of device ``index`` (the current device if None).

@@ -76,7 +76,7 @@ def build_job(ctx: SystemContext) -> tuple[PipelineJob, int]:
     if stages > layers:
         raise ValueError(f"mpress: {stages} stages need at least {stages} blocks; the model has {layers} "
                          f"(lower option 'stages' or raise model.layers)")
-    if ctx.backend.device_type != "cpu" and ctx.backend.device_count() < stages:
+    if not ctx.backend.virtual_devices and ctx.backend.device_count() < stages:
         raise ValueError(f"mpress: {stages} stages need {stages} devices; backend '{ctx.backend.name}' "
                          f"has {ctx.backend.device_count()}")
     cap = ctx.backend.memory_cap(ctx.device_index)
@@ -110,7 +110,7 @@ class MPressSystem(BenchSystem):
         self._peaks: list[int | None] = [None] * self.stages
         self._plan_text = ""
         env: dict[str, str] = {}
-        if ctx.backend.device_type == "cpu" and "XPU_CPU_TOPOLOGY" not in os.environ:
+        if ctx.backend.virtual_devices and "XPU_CPU_TOPOLOGY" not in os.environ:
             # The cpu backend's virtual devices: one per stage at least.
             env["XPU_CPU_DEVICES"] = str(max(self.stages, int(os.environ.get("XPU_CPU_DEVICES", "1") or 1)))
         self._pool = RankPool("mpress", "stage", self.stages, _stage_main,
