@@ -1,6 +1,6 @@
 """Splitting a causal LM into pipeline stages: embeddings on the first, head and loss on the last.
 
-Works on :class:`bench.models.GPT` and :class:`bench.models.Llama` (anything with ``tok_emb``,
+Works on :class:`strategies.models.GPT` and :class:`strategies.models.Llama` (anything with ``tok_emb``,
 optional ``pos_emb``, ``blocks``, a final norm ``ln_f`` or ``norm``, and ``head``). A stage
 keeps the original module objects, so its parameter names match the unpipelined model's
 (``blocks.3.fc.weight``...) and gradients can be compared name by name.
@@ -39,7 +39,7 @@ def partition_blocks(num_blocks: int, num_stages: int, counts: list[int] | None 
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32, as :meth:`bench.models.CausalLM.forward` computes it."""
+    """Mean next-token cross-entropy in fp32, as :meth:`strategies.models.CausalLM.forward` computes it."""
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
