@@ -191,6 +191,13 @@ class CpuBackend(Backend):
     def device_count(self) -> int:
         return len(self._devices)
 
+    def env_for_device_count(self, count: int) -> dict[str, str] | None:
+        """``XPU_CPU_DEVICES=count``, unless ``XPU_CPU_TOPOLOGY`` or a comma list of capacities in
+        ``XPU_CPU_DEVICE_MEM`` names each device (then more of them cannot be made up: None)."""
+        if "XPU_CPU_TOPOLOGY" in os.environ or "," in os.environ.get("XPU_CPU_DEVICE_MEM", ""):
+            return None
+        return {"XPU_CPU_DEVICES": str(count)}
+
     def device(self, index: int | None = None) -> torch.device:
         """Always ``torch.device("cpu")``: virtual devices share host memory; the backend knows which is which."""
         if index is not None:

@@ -22,6 +22,17 @@ def test_identity(backend):
     assert json.loads(json.dumps(described))["caps"] == backend.caps.as_dict()
 
 
+def test_only_virtual_devices_can_be_made_up_for_child_processes(backend, monkeypatch):
+    monkeypatch.delenv("XPU_CPU_TOPOLOGY", raising=False)
+    monkeypatch.delenv("XPU_CPU_DEVICE_MEM", raising=False)
+    env = backend.env_for_device_count(backend.device_count() + 2)
+    assert (env is not None) == backend.caps.virtual_devices
+    if backend.caps.virtual_devices:
+        assert env == {"XPU_CPU_DEVICES": str(backend.device_count() + 2)}
+        monkeypatch.setenv("XPU_CPU_DEVICE_MEM", "1GB,2GB")  # names each device: no more can be made up
+        assert backend.env_for_device_count(8) is None
+
+
 def test_bad_device_index_names_the_range(backend):
     n = backend.device_count()
     with pytest.raises(ValueError, match=rf"device index {n} is out of range.*0\.\.{n - 1}"):

@@ -1,6 +1,8 @@
 """`memferry-dp` in `xpu bench`: 2 rank processes (gloo, cpu backend) train like plain PyTorch on the whole batch."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -96,6 +98,11 @@ class _Backend:
 
     def device_count(self) -> int:
         return self._devices
+
+    def env_for_device_count(self, count: int):
+        if not self.caps.virtual_devices or "," in os.environ.get("XPU_CPU_DEVICE_MEM", ""):
+            return None
+        return {"XPU_CPU_DEVICES": str(count)}
 
 
 def _ctx(backend: _Backend | None = None, batch: int = 4, **options) -> SystemContext:

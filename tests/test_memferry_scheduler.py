@@ -278,6 +278,32 @@ def test_auto_plan_profiles_schedules_and_trains_exactly(cpu_backend, caplog):
         MemFerry(build_model("gpt", layers=2, hidden=32, heads=2, vocab=64, seq=8), plan="auto", backend=cpu_backend)
 
 
+def test_plan_for_plans_apart_from_the_engine_and_leaves_the_model_as_it_came(cpu_backend):
+    """plan_for (profiler -> scheduler) gives a Plan the engine then runs as given; with
+    compute_dtype the model is profiled cast and handed back in fp32."""
+    from bench.models import build_model
+    from strategies.memferry import AdamW, MemFerry, Plan, plan_for
+    from test_memferry_numerics import reference_self_loss
+
+    torch.manual_seed(0)
+    model = build_model("gpt", layers=2, hidden=32, heads=2, vocab=64, seq=16)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)) for _ in range(2)]
+    cfg = AdamW(lr=1e-3, weight_decay=0.0)
+    ref_losses, _ = reference_self_loss(model, data, cfg)
+    plan = plan_for(model, data[0], "64MB", optim=cfg, backend=cpu_backend, compute_dtype=torch.bfloat16)
+    assert isinstance(plan, Plan) and plan.predicted_step_s is not None and len(plan.units) == 2
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    plan = plan_for(model, data[0], "64MB", optim=cfg, backend=cpu_backend)
+    engine = MemFerry(model, optim=cfg, plan=plan, device_budget="64MB", backend=cpu_backend)
+    assert engine.plan is plan
+    losses = [engine.train_step(x, y).item() for x, y in data]
+    engine.close()
+    assert losses == pytest.approx(ref_losses, abs=1e-5, rel=1e-5)
+    with pytest.raises(ValueError, match="pass sample="):
+        plan_for(model, None, backend=cpu_backend)
+
+
 def test_dha_forward_blocks_are_priced_as_streamed_linears_at_large_m():
     """At 8192 tokens a DHA-forward block streams its weights (host_linear): about the link
     time of its bytes, not cuBLAS's re-read penalty (13x at M=4096); DHA only in backward

@@ -11,6 +11,8 @@ import pytest
 import torch
 import yaml
 
+from xpu import Capabilities
+
 from bench.systems import get_system
 from bench.systems.base import SystemContext
 
@@ -78,6 +80,7 @@ def test_mpress_matches_torch_loss(tmp_path):
 
 class _Backend:
     device_type, name, dist_backend = "cpu", "cpu", "gloo"
+    caps = Capabilities(virtual_devices=True)
 
     def memory_cap(self, index: int):
         return None

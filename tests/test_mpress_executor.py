@@ -7,7 +7,8 @@ import torch
 from strategies.models import build_model
 from strategies.mpress import Decision, StageExecutor, split_model
 from strategies.mpress.ipc import RegionAllocator, export_buffer, import_buffer, unlink_buffer
-from strategies.mpress.planner import BlockProfile, InfeasibleBudgetError, StageProfile, format_plan, plan_offload
+from strategies.mpress.memory_profile import BlockProfile, StageProfile
+from strategies.mpress.planner import InfeasibleBudgetError, format_plan, plan_offload
 from strategies.mpress.stages import lm_loss, partition_blocks
 
 DIMS = dict(layers=3, hidden=32, heads=2, vocab=64, seq=32)

@@ -100,7 +100,8 @@ def test_a_stage_moves_a_host_batch_to_its_device_and_plans_peers_without_touchi
     topology, not from a runtime query that would open a context on that device."""
     from types import SimpleNamespace
 
-    from strategies.mpress.pipeline import _device_total, _on_device
+    from strategies.mpress.build import _on_device
+    from strategies.mpress.stage_setup import _device_total
 
     moved = []
     backend = SimpleNamespace(device=lambda rank: torch.device("meta"),

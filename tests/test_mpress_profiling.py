@@ -24,8 +24,9 @@ import xpu
 from strategies.models import build_model
 from strategies.mpress import StageExecutor
 from strategies.mpress.ipc import export_buffer, import_buffer, unlink_buffer
+from strategies.mpress.memory_profile import PROFILE_FORMAT, dump_profiles, format_profile, load_profiles
 from strategies.mpress.pipeline import PipelineJob, launch
-from strategies.mpress.planner import PROFILE_FORMAT, Plan, dump_profiles, format_plan, format_profile, load_profiles
+from strategies.mpress.planner import Plan, format_plan
 from strategies.mpress.stages import lm_loss, split_model
 from test_mpress_pipeline import _assert_matches
 

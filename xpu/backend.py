@@ -2,8 +2,9 @@
 
 About twenty verbs in five groups (DESIGN.md §4):
 
-* identity: ``name``, ``device_type``, ``dist_backend``, ``visible_devices_env``, ``caps``,
-  ``device_count``, ``device``, ``device_scope``, ``current_device``;
+* identity: ``name``, ``device_type``, ``dist_backend``, ``visible_devices_env``,
+  ``caps``, ``device_count``, ``env_for_device_count``, ``device``,
+  ``device_scope``, ``current_device``;
 * streams and events: ``stream``, ``current_stream``, ``use_stream``, ``event``,
   ``synchronize``, ``keep_alive``;
 * host memory: ``alloc_pinned``/``free_pinned`` (exact size), ``host_arena`` (reusable,
@@ -85,7 +86,6 @@ class Backend(abc.ABC):
     dist_backend: ClassVar[str]
     #: Environment variable that restricts and orders visible devices, if any.
     visible_devices_env: ClassVar[str | None] = None
-
     @classmethod
     def unavailable_reason(cls) -> str | None:
         """None if this backend can run in this process, else a sentence saying why not.
@@ -114,6 +114,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def device_count(self) -> int:
         """Number of devices visible to this process."""
+
+    def env_for_device_count(self, count: int) -> dict[str, str] | None:
+        """Environment under which a new process of this backend sees ``count`` devices, made up
+        like the existing ones; None where they cannot be made up (hardware devices, or a
+        configuration that names each device). Only backends with ``caps.virtual_devices`` can."""
+        return None
 
     def device(self, index: int | None = None) -> torch.device:
         """The ``torch.device`` of device ``index`` (the current device if None).

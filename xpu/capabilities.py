@@ -30,7 +30,8 @@ class Capabilities:
         virtual_devices: the devices are budgeted slices of host memory (the cpu reference
             backend): device tensors are torch CPU tensors, other libraries (DeepSpeed, the
             profiler, torch's allocator statistics) see no device, and any number of devices
-            can be made up for a test (``XPU_CPU_DEVICES``).
+            can be made up for a child process (``Backend.env_for_device_count``); a copy between
+            the host and a device is a host memory copy, not traffic on a link.
     """
 
     dha: bool = False

@@ -35,19 +35,19 @@ def init_local_group(dist_backend: str, rank: int, world: int, port: int, timeou
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def decide_on_first_rank(decide: Callable[[], T], group: Any = None, *, what: str = "the decision",
+def decide_on_first_rank(decide: Callable[[], T], group: Any = None, *, what: str = "decide",
                          timeout: datetime.timedelta | None = None) -> T:
     """Run ``decide`` on the group's first rank and return its result on every rank.
 
     If ``decide`` raises there, every rank raises: the first rank its own exception, the others
     a ``RuntimeError`` naming the rank and the error, instead of waiting for a result that never
-    comes. Results travel over a gloo group made for the purpose (NCCL would need them staged
+    comes. An exception ``decide`` returns (rather than raises) is raised on every rank as it is. Results travel over a gloo group made for the purpose (NCCL would need them staged
     on the device), bounded by ``timeout``.
 
     Args:
         decide: what the first rank computes; its result must pickle.
         group: the process group (None: the default group).
-        what: names the decision in the other ranks' error message.
+        what: what ``decide`` does, for the other ranks' message ("rank 0 could not WHAT: ...").
         timeout: the gloo group's timeout (None: the default group's).
     """
     import torch.distributed as dist
@@ -59,7 +59,7 @@ def decide_on_first_rank(decide: Callable[[], T], group: Any = None, *, what: st
         try:
             box[0] = decide()
         except Exception as exc:
-            failure, box[0] = exc, RuntimeError(f"rank {ranks[0]} could not make {what}: {type(exc).__name__}: {exc}")
+            failure, box[0] = exc, RuntimeError(f"rank {ranks[0]} could not {what}: {type(exc).__name__}: {exc}")
     objects = dist.new_group(ranks, backend="gloo", **({"timeout": timeout} if timeout is not None else {}))
     try:
         dist.broadcast_object_list(box, src=ranks[0], group=objects)

@@ -109,10 +109,8 @@ class MPressSystem(BenchSystem):
         self._pool: RankPool | None = None
         self._peaks: list[int | None] = [None] * self.stages
         self._plan_text = ""
-        env: dict[str, str] = {}
-        if ctx.backend.caps.virtual_devices and "XPU_CPU_TOPOLOGY" not in os.environ:
-            # The cpu backend's virtual devices: one per stage at least.
-            env["XPU_CPU_DEVICES"] = str(max(self.stages, int(os.environ.get("XPU_CPU_DEVICES", "1") or 1)))
+        # The cpu backend's virtual devices: one per stage at least (None elsewhere).
+        env = ctx.backend.env_for_device_count(max(self.stages, ctx.backend.device_count())) or {}
         self._pool = RankPool("mpress", "stage", self.stages, _stage_main,
                               args=(self.job, ctx.adamw_kwargs(), ctx.backend.dist_backend), env=env,
                               setup_timeout_s=_SETUP_TIMEOUT_S)

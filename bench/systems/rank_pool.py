@@ -32,23 +32,10 @@ import torch.multiprocessing as mp
 
 from xpu.dist import free_port, init_local_group
 
-__all__ = ["RankPool", "RankChannel", "cpu_device_env", "rank_env", "split_batch", "mean_loss", "peaks_text", "DataParallelRows"]
+__all__ = ["RankPool", "RankChannel", "rank_env", "split_batch", "mean_loss", "peaks_text", "DataParallelRows"]
 
 #: The command that ends a rank's command loop.
 _STOP = "stop"
-
-
-def cpu_device_env(ranks: int) -> dict[str, str] | None:
-    """Environment that gives the cpu backend's rank processes ``ranks`` virtual devices.
-
-    None when the number of virtual devices is fixed by ``XPU_CPU_TOPOLOGY`` (a JSON file) or
-    by a per-device ``XPU_CPU_DEVICE_MEM`` list: then the backend's own count is the limit.
-    """
-    topology = os.environ.get("XPU_CPU_TOPOLOGY")
-    if (topology and os.path.exists(topology)) or "," in os.environ.get("XPU_CPU_DEVICE_MEM", ""):
-        return None
-    # The worker sets XPU_CPU_DEVICES=1 for single-device systems; the ranks need one device each.
-    return {"XPU_CPU_DEVICES": str(max(ranks, int(os.environ.get("XPU_CPU_DEVICES", "1") or 1)))}
 
 
 def rank_env(name: str, backend: Any, ranks: int, batch: int) -> dict[str, str]:
@@ -56,11 +43,11 @@ def rank_env(name: str, backend: Any, ranks: int, batch: int) -> dict[str, str]:
 
     Raises before any process starts: more ranks than devices, or a global batch that does
     not split into ``ranks`` equal micro-batches. The additions: virtual devices on the cpu
-    backend (:func:`cpu_device_env`), and the host budget split between the ranks (one host,
+    backend (``Backend.env_for_device_count``), and the host budget split between the ranks (one host,
     so together their pinned arenas keep to the scenario's ``XPU_HOST_MEM_BUDGET``).
     """
     env: dict[str, str] = {}
-    cpu_env = cpu_device_env(ranks) if backend.caps.virtual_devices else None
+    cpu_env = backend.env_for_device_count(max(ranks, backend.device_count()))
     if cpu_env is not None:
         env.update(cpu_env)
     elif backend.device_count() < ranks:

@@ -5,6 +5,13 @@
         loss = engine.train_step(batch, targets)
 
 or, step by step: ``loss = loss_fn(engine(batch), targets); engine.backward(loss); engine.step()``.
+
+The engine runs a given :class:`~strategies.memferry.config.Plan` (the executor). A plan chosen
+for the model comes from :func:`~strategies.memferry.planning.plan_for` (profiler, then cost
+model and scheduler); ``plan="auto"`` calls it first::
+
+    plan = plan_for(model, (inputs, targets), device_budget="16GB", optim=cfg)
+    engine = MemFerry(model, optim=cfg, device_budget="16GB", plan=plan)
 """
 from __future__ import annotations
 
@@ -20,11 +27,13 @@ from torch import nn
 import xpu
 from xpu import Backend, in_host_memory
 
+from .compute_dtype import cast_parameters, check_compute_dtype, restore_parameters
 from .config import AdamW, Plan, UnitPlan
-from .data_parallel import GROUP_TIMEOUT, DataParallel
+from .data_parallel import DataParallel
 from .device_optimizer import DeviceOptimizer
 from .executor import Executor, check_plan
 from .host_optimizer import HostOptimizer
+from .planning import plan_for
 from .shadow import ShadowModel
 from .units import split_units
 
@@ -65,37 +74,6 @@ def _check_budget(units: list, plan: Plan, device_homes: set[int], device_budget
             f"or plan='auto' to let the scheduler fit the budget")
 
 
-def _check_compute_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
-    """Refuse a ``compute_dtype`` that is not a floating dtype, or a model it does not apply to."""
-    if dtype is None:
-        return
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"compute_dtype must be a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
-    other = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype not in (torch.float32, dtype)})
-    if other:
-        raise ValueError(f"compute_dtype={dtype} needs fp32 (or {dtype}) parameters, found {', '.join(other)}; "
-                         f"build the model in fp32, or leave compute_dtype out to compute in the parameters' dtype")
-
-
-def _cast_parameters(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """Cast trainable floating parameters to ``dtype``; their original tensors by name."""
-    originals: dict[str, torch.Tensor] = {}
-    if dtype is None:
-        return originals
-    for name, p in model.named_parameters():
-        if p.requires_grad and p.dtype != dtype:
-            originals[name] = p.data
-            p.data = p.data.to(dtype)
-    return originals
-
-
-def _restore_parameters(model: nn.Module, originals: dict[str, torch.Tensor]) -> None:
-    """Undo :func:`_cast_parameters` for the parameters whose originals are still held."""
-    for name, p in model.named_parameters():
-        if name in originals:
-            p.data = originals[name]
-
-
 class MemFerry:
     """Train ``model`` with its parameters homed in host memory.
 
@@ -108,11 +86,13 @@ class MemFerry:
         optim: optimizer settings (AdamW).
         device_budget: most device memory this engine may use, e.g. ``"16GB"`` (None: the
             whole device). Enforced as a per-process cap, as a smaller device would.
-        plan: per-block execution plan: a :class:`Plan`, a :meth:`Plan.from_spec` name,
-            ``"auto"`` (profile one step on ``sample``, then let the scheduler choose under
-            ``device_budget``; the plan is logged and kept in :attr:`plan`; under data
-            parallelism the first rank profiles and schedules and every rank takes its plan, so
-            all ranks home the same units alike), or None (every block ``prefetch``, depth 1).
+        plan: per-block execution plan: a :class:`Plan` (e.g. from
+            :func:`~strategies.memferry.planning.plan_for`), a :meth:`Plan.from_spec` name,
+            ``"auto"`` (:func:`~strategies.memferry.planning.plan_for` first: profile one step on
+            ``sample``, then let the scheduler choose under ``device_budget``; the plan is logged
+            and kept in :attr:`plan`; under data parallelism the first rank profiles and
+            schedules and every rank takes its plan, so all ranks home the same units alike), or
+            None (every block ``prefetch``, depth 1).
         loss_fn: ``loss_fn(outputs, targets)`` for :meth:`train_step`; None means the model
             returns the loss itself when called as ``model(inputs, targets)``.
         blocks: the repeated blocks, if auto-detection should not choose.
@@ -158,20 +138,21 @@ class MemFerry:
     ) -> None:
         if not 0.0 <= memory_margin < 1.0:
             raise ValueError(f"memory_margin must lie in [0, 1), got {memory_margin}")
-        _check_compute_dtype(model, compute_dtype)
+        check_compute_dtype(model, compute_dtype)
         self.backend = backend or xpu.get_backend()
         self.device = self.backend.index_of(device)
         self.cfg = optim or AdamW()
         # Cast before anything reads the model (the scheduler profiles it in its compute dtype);
         # the fp32 originals stay alive only until the shadow model has taken them as masters.
-        originals = _cast_parameters(model, compute_dtype)
+        originals = cast_parameters(model, compute_dtype)
         previous_cap = self.backend.memory_cap(self.device)
         try:
             units = split_units(model, blocks)
             n_blocks = sum(u.is_block for u in units)
-            if plan == "auto":
-                plan = self._shared_schedule(process_group, model, units, blocks, loss_fn, sample, device_budget, n_blocks,
-                                             memory_margin)
+            if plan == "auto":  # the convenience form: plan first (the model is already cast)
+                plan = plan_for(model, sample, device_budget, optim=self.cfg, loss_fn=loss_fn, blocks=blocks,
+                                device=self.device, backend=self.backend, process_group=process_group,
+                                memory_margin=memory_margin)
             elif isinstance(plan, str):
                 plan = Plan.from_spec(plan, n_blocks)
             plan = plan or Plan.uniform(n_blocks, UnitPlan("prefetch", "prefetch"))
@@ -192,7 +173,7 @@ class MemFerry:
         except BaseException:
             # Refused (a bad budget, no fitting plan, too little host memory): give the caller
             # back the model as it came; units already made into shadows are the engine's.
-            _restore_parameters(model, originals)
+            restore_parameters(model, originals)
             self.backend.set_memory_cap(self.device, previous_cap)
             raise
         del originals
@@ -214,51 +195,6 @@ class MemFerry:
         from scaleup import MultiPathCopier
 
         return MultiPathCopier(self.backend, self.device, chunk_bytes=8 << 20, probe="auto")
-
-    def _shared_schedule(self, group: Any, *args: Any) -> Plan:
-        """:meth:`_schedule` here, or on the group's first rank and broadcast to the others."""
-        if group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            group = dist.group.WORLD
-        if group is None or dist.get_world_size(group) == 1:
-            return self._schedule(*args)
-        ranks = dist.get_process_group_ranks(group)
-        failure: BaseException | None = None
-        box: list[Any] = [None]
-        if dist.get_rank() == ranks[0]:
-            try:
-                box[0] = self._schedule(*args)
-            except Exception as exc:  # every rank raises it, instead of the others waiting for a plan
-                failure, box[0] = exc, RuntimeError(f"rank {ranks[0]} could not schedule MemFerry's plan: "
-                                                    f"{type(exc).__name__}: {exc}")
-        # Objects travel over gloo on every backend (NCCL would need them staged on the device).
-        objects = dist.new_group(ranks, backend="gloo", timeout=GROUP_TIMEOUT)
-        dist.broadcast_object_list(box, src=ranks[0], group=objects)
-        dist.destroy_process_group(objects)
-        if failure is not None:
-            raise failure
-        if isinstance(box[0], BaseException):
-            raise box[0]
-        return box[0]
-
-    def _schedule(self, model: nn.Module, units: list, blocks: Any, loss_fn: Any, sample: Any,
-                  device_budget: Any, n_blocks: int, margin: float = 0.10) -> Plan:
-        """Profile one step and pick the fastest plan the budget allows (the scheduler)."""
-        from xpu.units import parse_bytes
-
-        from .cost import links_from_probe
-        from .profiler import profile_step
-        from .scheduler import schedule
-
-        if sample is None:
-            raise ValueError("plan='auto' profiles one step first: pass sample=(inputs, targets) of one batch")
-        inputs, targets = sample
-        profile = profile_step(model, units, self.backend, self.device, inputs, targets, loss_fn=loss_fn, blocks=blocks,
-                               host_kernel=self.cfg.host_kernel)
-        budget = parse_bytes(device_budget) if device_budget is not None else self.backend.mem_info(self.device)[0]
-        plan = schedule(profile, links_from_probe(self.backend, self.device), budget, n_blocks,
-                        allow_dha=self.backend.caps.dha, margin=margin)
-        _log.info("MemFerry plan for %s:\n%s", type(model).__name__, plan.describe())
-        return plan
 
     # ------------------------------------------------------------------ training
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:

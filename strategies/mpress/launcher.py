@@ -27,7 +27,7 @@ recomputation (the recompute-only baseline); ``keep``: no offload; or a forced
 ``{stage: {block: decision}}`` such as ``{0: {0: host, 1: recompute}, 1: {2: "peer:0"}}``),
 ``counts`` (blocks per stage; null: an even split) and ``profile`` (how the profiled step
 treats activations: ``auto`` | ``keep`` | ``host``, see
-:data:`~strategies.mpress.pipeline.PROFILE_MODES`). ``checkpoint`` and ``resume`` are not
+:data:`~strategies.mpress.job.PROFILE_MODES`). ``checkpoint`` and ``resume`` are not
 supported yet.
 
 Each rank builds the whole model from ``seed`` on the host, keeps its own stage on device
@@ -41,8 +41,8 @@ When a step is profiled (``plan: auto``, or ``--profile-json``), rank 0 also pri
 stage: its measured peak, budget and spare memory, and its saved tensors in short (count,
 bytes, the top producing ops by bytes, median lifetime). ``--profile-json PATH`` profiles a
 step whatever the plan and writes every stage's profile with all its tensor records
-(:func:`~strategies.mpress.planner.dump_profiles`; read back with
-:func:`~strategies.mpress.planner.load_profiles`), even when no plan fits the budget.
+(:func:`~strategies.mpress.memory_profile.dump_profiles`; read back with
+:func:`~strategies.mpress.memory_profile.load_profiles`), even when no plan fits the budget.
 """
 from __future__ import annotations
 
@@ -102,12 +102,12 @@ class MPressConfig:
         return self.train.device_budget  # bytes: TrainConfig.validate parsed it
 
     def job(self, dtype: Any = None) -> Any:
-        """The :class:`~strategies.mpress.pipeline.PipelineJob` every rank builds its stage from.
+        """The :class:`~strategies.mpress.job.PipelineJob` every rank builds its stage from.
 
         Its ``steps``, ``lr`` and data are not used: :func:`run_rank` drives the steps itself
         with AdamW and the config's data.
         """
-        from .pipeline import PipelineJob
+        from .job import PipelineJob
 
         budget = self.budget
         return PipelineJob(dims=self.train.model_dims(), family=self.train.family, schedule=self.schedule,
@@ -190,7 +190,7 @@ def _positive(key: str, value: Any) -> int:
 def _check_pipeline(c: MPressConfig) -> None:
     """Every pipeline check that needs no device (the rest is :func:`check_devices`)."""
     from .executor import Decision
-    from .pipeline import PROFILE_MODES, SCHEDULES
+    from .job import PROFILE_MODES, SCHEDULES
     from .stages import partition_blocks
 
     t = c.train
@@ -271,9 +271,9 @@ def check_devices(config: MPressConfig, backend: Any, *, add_virtual: bool = Fal
     env: dict[str, str] = {}
     devices = list(backend.topology().devices)
     # A comma list of capacities names each device: more of them cannot be made up.
-    if (add_virtual and backend.name == "cpu" and len(devices) < config.stages
-            and "XPU_CPU_TOPOLOGY" not in os.environ and "," not in os.environ.get("XPU_CPU_DEVICE_MEM", "")):
-        env["XPU_CPU_DEVICES"] = str(config.stages)
+    made_up = backend.env_for_device_count(config.stages) if add_virtual and len(devices) < config.stages else None
+    if made_up:
+        env.update(made_up)
         devices += [devices[0]] * (config.stages - len(devices))
     if len(devices) < config.stages:
         raise MPressConfigError(f"{config.stages} stages need {config.stages} devices, one each; backend "
@@ -317,12 +317,12 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
 
     Joins the process group from torchrun's environment (the backend's collective library:
     gloo on the cpu backend), builds, profiles and plans the stage
-    (:class:`~strategies.mpress.pipeline.StageRuntime`, with AdamW states allocated first so
-    the plan counts them), applies the budget as the device's memory cap and trains
+    (:mod:`strategies.mpress.stage_setup`, with AdamW states allocated first so the plan
+    counts them), applies the budget as the device's memory cap and trains
     ``steps`` steps. Rank 0 logs through ``log`` (default: print to stdout, or stderr with
     ``json_out``) and, with ``json_out``, prints the summary as one JSON line on stdout.
     With ``profile_json``, a step is profiled whatever the plan and rank 0 writes every
-    stage's profile there (:func:`~strategies.mpress.planner.dump_profiles`).
+    stage's profile there (:func:`~strategies.mpress.memory_profile.dump_profiles`).
 
     Raises:
         MPressConfigError: the world size does not match the stages, or the devices do not fit.
@@ -336,8 +336,11 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
     from strategies.training import lr_at, make_data, resolve_dtype  # the same dtype choice and batches as `xpu train`
     from xpu.units import format_bytes
 
-    from .pipeline import StageRuntime, adamw_with_states
-    from .planner import dump_profiles, format_plan, format_profile
+    from .build import adamw_with_states, build_stage
+    from .memory_profile import dump_profiles, format_profile
+    from .planner import format_plan
+    from .profiling import profile_stages
+    from .stage_setup import plan_and_run
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != config.stages:
@@ -362,14 +365,13 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
         job = config.job(dtype)
         if profile_json is not None:
             job = replace(job, profile=True)
-        runtime = StageRuntime(job, rank, world, backend,
-                               prepare=lambda stage: box.append(adamw_with_states(stage, adamw)))
+        built = build_stage(job, rank, world, backend, prepare=lambda stage: box.append(adamw_with_states(stage, adamw)))
+        profiled = profile_stages(built)
         if profile_json is not None and rank == 0:
-            # Before a refusal too: the profile is what says why no plan fits.
-            dump_profiles(runtime.profiles, profile_json, name=t.name, stages=world, schedule=config.schedule,
+            # Before planning: on a refusal the profile is what says why no plan fits.
+            dump_profiles(profiled.stages, profile_json, name=t.name, stages=world, schedule=config.schedule,
                           microbatches=config.microbatches, backend=backend.name)
-        if runtime.infeasible is not None:
-            raise runtime.infeasible
+        runtime = plan_and_run(built, profiled)  # raises InfeasibleBudgetError on every rank when no plan fits
         stage, optimizer = runtime.stage, box[0]
         # (parameters, how it was profiled, its decisions) of every stage, for rank 0's report.
         facts: list[Any] = [None] * world

@@ -1,0 +1,101 @@
+"""Planning a MemFerry run: profile one step, then let the scheduler choose the plan.
+
+    plan = plan_for(model, (inputs, targets), device_budget="16GB", optim=cfg)   # profiler -> cost model/scheduler
+    engine = MemFerry(model, optim=cfg, device_budget="16GB", plan=plan)         # executor
+
+:func:`plan_for` measures one step (:func:`~strategies.memferry.profiler.profile_step`), reads
+the link rates (:func:`~strategies.memferry.cost.links_from_probe`) and asks the scheduler
+(:func:`~strategies.memferry.scheduler.schedule`) for the fastest plan whose predicted peak
+fits the budget. ``MemFerry(..., plan="auto", sample=...)`` calls it first. Under data
+parallelism the group's first rank profiles and schedules and the others take its plan, so
+every rank homes the same units alike.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import xpu
+from xpu import Backend
+from xpu.dist import decide_on_first_rank
+
+from .compute_dtype import cast_parameters, check_compute_dtype, restore_parameters
+from .config import AdamW, Plan
+from .data_parallel import GROUP_TIMEOUT
+from .units import split_units
+
+__all__ = ["plan_for"]
+
+_log = logging.getLogger("xpu.memferry")
+
+
+def plan_for(model: nn.Module, sample: tuple[Any, Any] | None, device_budget: int | str | None = None, *,
+             optim: AdamW | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+             blocks: nn.ModuleList | None = None, device: int | None = None, backend: Backend | None = None,
+             process_group: Any = None, memory_margin: float = 0.10,
+             compute_dtype: torch.dtype | None = None) -> Plan:
+    """The plan MemFerry's scheduler picks for ``model`` under ``device_budget``, from one profiled step.
+
+    The arguments mean what they mean to :class:`~strategies.memferry.engine.MemFerry`; the
+    model is left as it came (with ``compute_dtype``, it is profiled cast and cast back).
+
+    Args:
+        model: the model on the host.
+        sample: ``(inputs, targets)`` of one batch, the step profiled (None on data-parallel
+            ranks other than the group's first, which take its plan).
+        device_budget: most device memory the run may use (None: what the device has free).
+        optim: the optimizer settings training will use (its host kernel is measured).
+        loss_fn, blocks, device, backend, process_group, memory_margin, compute_dtype: as
+            :class:`~strategies.memferry.engine.MemFerry`'s.
+
+    Raises:
+        ValueError: no ``sample`` where one is profiled, a bad ``memory_margin`` or
+            ``compute_dtype``, or a budget no plan fits.
+    """
+    if not 0.0 <= memory_margin < 1.0:
+        raise ValueError(f"memory_margin must lie in [0, 1), got {memory_margin}")
+    backend = backend or xpu.get_backend()
+    index = backend.index_of(device)
+
+    def plan_here() -> Plan:
+        return _profile_and_schedule(model, sample, device_budget, optim or AdamW(), loss_fn, blocks, index, backend,
+                                     memory_margin, compute_dtype)
+
+    if process_group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        process_group = dist.group.WORLD
+    if process_group is None or dist.get_world_size(process_group) == 1:
+        return plan_here()
+    # Scheduled once, on the first rank; a failure there raises on every rank instead of hanging them.
+    return decide_on_first_rank(plan_here, process_group, what="schedule MemFerry's plan", timeout=GROUP_TIMEOUT)
+
+
+def _profile_and_schedule(model: nn.Module, sample: Any, device_budget: Any, optim: AdamW, loss_fn: Any, blocks: Any,
+                          index: int, backend: Backend, margin: float, compute_dtype: torch.dtype | None) -> Plan:
+    """Profile one step here and pick the fastest plan the budget allows."""
+    from xpu.units import parse_bytes
+
+    from .cost import links_from_probe
+    from .profiler import profile_step
+    from .scheduler import schedule
+
+    check_compute_dtype(model, compute_dtype)
+    originals = cast_parameters(model, compute_dtype)  # profiled as it will compute
+    try:
+        units = split_units(model, blocks)
+        n_blocks = sum(u.is_block for u in units)
+        if sample is None:
+            raise ValueError("plan='auto' profiles one step first: pass sample=(inputs, targets) of one batch")
+        inputs, targets = sample
+        profile = profile_step(model, units, backend, index, inputs, targets, loss_fn=loss_fn, blocks=blocks,
+                               host_kernel=optim.host_kernel)
+        budget = parse_bytes(device_budget) if device_budget is not None else backend.mem_info(index)[0]
+        plan = schedule(profile, links_from_probe(backend, index), budget, n_blocks, allow_dha=backend.caps.dha,
+                        margin=margin)
+    finally:
+        restore_parameters(model, originals)
+    _log.info("MemFerry plan for %s:\n%s", type(model).__name__, plan.describe())
+    return plan

@@ -1,0 +1,152 @@
+"""Building one rank's pipeline stage: the first set-up step, before any profile or plan.
+
+:func:`build_stage` builds the job's whole model on the host from its seed, keeps this rank's
+stage (:func:`~strategies.mpress.stages.split_model`), moves its parameters to device ``rank``
+and wraps it in a ``torch.distributed.pipelining`` schedule. The :class:`BuiltStage` it
+returns can already step (every block kept); profiling and the plan decide later what its
+executor does with the saved activations.
+
+:func:`adamw_with_states` is the ``prepare`` hook that makes the optimizer states exist
+before profiling, so that the plan counts them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .executor import StageExecutor
+from .job import PipelineJob, job_batch
+from .stages import StageModule
+
+__all__ = ["BuiltStage", "build_stage", "adamw_with_states"]
+
+
+@dataclass
+class BuiltStage:
+    """One rank's stage on its device, driven by the job's pipeline schedule; no plan yet.
+
+    Attributes:
+        job: the job it was built for.
+        rank, world: this stage's index and the pipeline depth.
+        backend: the process's :class:`xpu.Backend`.
+        stage: this rank's :class:`~strategies.mpress.stages.StageModule`, on device ``rank``.
+        params: the stage's parameters (executors tell them apart from saved activations).
+        schedule: the GPipe or 1F1B schedule that runs :attr:`stage` with its peers.
+        budgets: device -> byte budget (the job's, parsed).
+    """
+
+    job: PipelineJob
+    rank: int
+    world: int
+    backend: Any
+    stage: StageModule
+    params: list[torch.Tensor]
+    schedule: Any
+    budgets: dict[int, int]
+
+    def executor(self, decisions: dict[int, Any] | None = None,
+                 peer_regions: dict[int, torch.Tensor] | None = None) -> StageExecutor:
+        """A :class:`~strategies.mpress.executor.StageExecutor` for this stage carrying out ``decisions``."""
+        return StageExecutor(self.backend, self.rank, decisions, params=self.params, peer_regions=peer_regions,
+                             min_bytes=self.job.min_bytes)
+
+    def step(self, idx: torch.Tensor | None, tgt: torch.Tensor | None) -> list[torch.Tensor]:
+        """One pipelined forward and backward of the whole batch; the last stage's per-micro-batch losses.
+
+        ``idx`` is read by the first stage, ``tgt`` by the last (others may pass None).
+        Gradients accumulate into the stage's parameters (scaled so that they are the
+        gradients of the mean over micro-batches).
+        """
+        stage, schedule = self.stage, self.schedule
+        losses: list[torch.Tensor] = []
+        # torch.distributed.pipelining feeds the first stage's inputs (and the last stage's
+        # targets) to the module as given: a host batch must reach this stage's device first.
+        idx, tgt = (_on_device(self.backend, self.rank, t) for t in (idx, tgt))
+        with self.backend.device_scope(self.rank):
+            if stage.is_first and stage.is_last:
+                schedule.step(idx, target=tgt, losses=losses)
+            elif stage.is_first:
+                schedule.step(idx)
+            elif stage.is_last:
+                schedule.step(target=tgt, losses=losses)
+            else:
+                schedule.step()
+        return [l.detach() for l in losses]
+
+    def trial_step(self) -> None:
+        """One step on the job's own batch (:func:`~strategies.mpress.job.job_batch`): what profiling and
+        calibration measure; the caller drops the gradients."""
+        self.step(*job_batch(self.job))
+
+
+def build_stage(job: PipelineJob, rank: int, world: int, backend: Any,
+                prepare: Callable[[torch.nn.Module], None] | None = None) -> BuiltStage:
+    """Build this rank's stage of ``job`` on device ``rank``; every rank builds the same model from the job's seed.
+
+    Args:
+        job: the job.
+        rank, world: this stage's index and the pipeline depth.
+        backend: the process's :class:`xpu.Backend`.
+        prepare: called with the stage once its parameters are on the device, under the
+            device's scope and before any profiling (e.g. to allocate optimizer states so
+            that the profiled peaks and hence the plan count them).
+    """
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from strategies.models import build_model
+    from xpu.units import parse_bytes
+
+    from .stages import lm_loss, split_model
+
+    torch.manual_seed(job.seed)
+    # Host memory, not counted: only this stage moves to the device.
+    model = build_model(job.family, dtype=job.dtype, **job.dims)
+    stage = split_model(model, world, list(job.counts) if job.counts else None)[rank]
+    del model
+    with backend.device_scope(rank):
+        for p in stage.parameters():
+            p.data = backend.to_device(p.data, rank)
+        if prepare is not None:
+            prepare(stage)
+    params = list(stage.parameters())
+    stage.executor = StageExecutor(backend, rank, params=params, min_bytes=job.min_bytes)
+    pipe = PipelineStage(stage, rank, world, backend.device(rank))
+    schedule = (ScheduleGPipe if job.schedule == "gpipe" else Schedule1F1B)(pipe, job.microbatches, loss_fn=lm_loss)
+    budgets = {int(d): parse_bytes(b) for d, b in (job.budgets or {}).items()}
+    return BuiltStage(job, rank, world, backend, stage, params, schedule, budgets)
+
+
+def adamw_with_states(stage: torch.nn.Module, adamw: dict[str, Any]) -> torch.optim.AdamW:
+    """AdamW over ``stage``'s parameters with its states already allocated (and still initial).
+
+    The states exist before the stage is profiled, so the planner sees them in the peaks.
+    They are made by AdamW itself: one step on zero gradients at learning rate 0 leaves the
+    parameters and the moments unchanged (all zero), then the step counters are reset.
+    """
+    params = [p for p in stage.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, **adamw)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    for p in params:
+        p.grad = None
+        step = optimizer.state[p].get("step")
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+        elif step is not None:
+            optimizer.state[p]["step"] = 0
+    return optimizer
+
+
+def _on_device(backend: Any, rank: int, t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` on ``rank``'s device (copied there if it is elsewhere, e.g. a host batch); None stays None."""
+    if t is None or t.device == backend.device(rank):
+        return t
+    return backend.to_device(t, rank)
