@@ -22,6 +22,8 @@ RANK = {name: i for i, name in enumerate(LAYERS)}
 _TARGET = re.compile(r"^(%s)(\.\w+)*(:[\w.]+)?$" % "|".join(LAYERS))
 #: Where a backend's name or a device type may be compared with a literal.
 NAME_AWARE = ("xpu", "backends")
+#: CUDA-only diagnoses, exempt from the torch.cuda lint as well (test_no_device_calls_outside_backends).
+DIAGNOSES = "bench/scripts/diag_"
 _DEVICE_NAMES = {"cpu", "cuda", "npu"}
 
 
@@ -103,7 +105,9 @@ def _name_comparisons(path: Path) -> list[str]:
 
 
 def test_only_backends_and_xpu_compare_backend_names_or_device_types():
-    bad = [hit for layer, path in _modules() if layer not in NAME_AWARE for hit in _name_comparisons(path)]
+    bad = [hit for layer, path in _modules()
+           if layer not in NAME_AWARE and not str(path.relative_to(ROOT)).startswith(DIAGNOSES)
+           for hit in _name_comparisons(path)]
     assert not bad, ("compare capabilities (backend.caps) or ask xpu (xpu.in_host_memory) instead of names:\n"
                      + "\n".join(bad))
 

@@ -164,8 +164,8 @@ def _stage_main(channel: RankChannel, job: PipelineJob, adamw: dict[str, Any], d
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     import xpu
 
-    from strategies.mpress.pipeline import StageRuntime
     from strategies.mpress.planner import InfeasibleBudgetError
+    from strategies.mpress.stage_setup import setup_stage
 
     runtime = None
     try:
@@ -177,9 +177,7 @@ def _stage_main(channel: RankChannel, job: PipelineJob, adamw: dict[str, Any], d
         def prepare(stage: torch.nn.Module) -> None:
             box.append(adamw_with_states(stage, adamw))
 
-        runtime = StageRuntime(job, rank, world, backend, prepare=prepare)
-        if runtime.infeasible is not None:
-            raise runtime.infeasible
+        runtime = setup_stage(job, rank, world, backend, prepare=prepare)  # raises InfeasibleBudgetError
         optimizer = box[0]
         runtime.apply_cap()
         channel.reply("ready", {"plan_text": runtime.result.get("plan_text", ""),

@@ -1,6 +1,6 @@
 """Running an MPress plan: one rank's stage with the plan's peer pools open and its executor set.
 
-:meth:`StageRuntime.from_plan` takes a built stage (:mod:`strategies.mpress.build`), its
+:class:`StageRuntime` takes a built stage (:mod:`strategies.mpress.build`), its
 profiles (:mod:`strategies.mpress.profiling`) and the plan every rank agreed on
 (:func:`~strategies.mpress.stage_setup.plan_stage`), and opens the peer pools: each device that
 hosts regions exports them (counted against its own budget) and the writers import them
@@ -11,12 +11,11 @@ steps together.
 from __future__ import annotations
 
 import gc
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from .build import BuiltStage
-from .job import PipelineJob
 from .planner import Plan, format_plan
 from .profiling import Profiled
 
@@ -26,9 +25,9 @@ __all__ = ["StageRuntime"]
 class StageRuntime:
     """One rank's pipeline stage following a plan, ready to train.
 
-    Build it with :meth:`from_plan` (the steps of :mod:`strategies.mpress.stage_setup`), or in
-    one call with ``StageRuntime(job, rank, world, backend, prepare)``. Construction is
-    collective, so every rank of the group must construct its runtime together. Afterwards
+    Built from a plan by the steps of :mod:`strategies.mpress.stage_setup` (``setup_stage`` runs
+    them all). Construction is collective, so every rank of the group must construct its runtime
+    together. Afterwards
     :meth:`step` runs one pipelined forward/backward (gradients accumulate in the stage's
     parameters; the caller zeroes them and steps its optimizer) and :meth:`close` releases the
     pools (also collective). The benchmark system keeps one alive across steps.
@@ -42,44 +41,17 @@ class StageRuntime:
         budgets: device -> byte budget (the job's, parsed).
         profile: this stage's profile, when one was taken.
         profiles: every stage's profile, by stage (all None when none was taken); the planner's input.
-        plan: the plan every rank agreed on (None when infeasible).
-        infeasible: the one-call constructor's :class:`~strategies.mpress.planner.InfeasibleBudgetError`
-            when no plan fits, else None (:meth:`from_plan` always has a plan).
+        plan: the plan every rank agreed on.
         decisions: this stage's per-block decisions.
         owned: the peer-pool buffers this device hosts; regions: peer -> the region this stage writes there.
         result: what :func:`~strategies.mpress.pipeline.run_jobs` reports so far (``plan_text``,
             ``profile``, ``profile_choice``, ``calibration``).
     """
 
-    def __init__(self, job: PipelineJob, rank: int, world: int, backend: Any,
-                 prepare: Callable[[torch.nn.Module], None] | None = None) -> None:
-        """Every set-up step in one call (collective), as :func:`~strategies.mpress.stage_setup.setup_stage`
-        does, except that a budget no plan fits leaves :attr:`infeasible` set instead of raising.
-
-        ``prepare`` is :func:`~strategies.mpress.build.build_stage`'s.
-        """
-        from .build import build_stage
-        from .planner import InfeasibleBudgetError
-        from .profiling import profile_stages
-        from .stage_setup import calibrate, plan_stage, planning_budgets
-
-        built = build_stage(job, rank, world, backend, prepare)
-        profiled = profile_stages(built)
-        self._adopt(built, profiled)
-        budgets = planning_budgets(built)
-        try:
-            self.follow(plan_stage(built, profiled, budgets))
-            calibrate(self, budgets)
-        except InfeasibleBudgetError as exc:
-            self.infeasible = exc
-
-    @classmethod
-    def from_plan(cls, built: BuiltStage, plan: Plan, profiled: Profiled) -> "StageRuntime":
+    def __init__(self, built: BuiltStage, plan: Plan, profiled: Profiled) -> None:
         """The runtime of ``built`` following ``plan`` (collective: every rank opens the peer pools together)."""
-        runtime = cls.__new__(cls)  # the set-up steps are done: skip the one-call constructor
-        runtime._adopt(built, profiled)
-        runtime.follow(plan)
-        return runtime
+        self._adopt(built, profiled)
+        self.follow(plan)
 
     def _adopt(self, built: BuiltStage, profiled: Profiled) -> None:
         """Take over ``built`` and its profiles, following no plan yet."""
@@ -93,7 +65,6 @@ class StageRuntime:
         if profiled.own is not None:
             self.result["profile"] = profiled.own
         self.plan: Plan | None = None
-        self.infeasible: Any = None
         self.decisions: dict[int, Any] = {}
         self.owned: list[Any] = []
         self.regions: dict[int, Any] = {}

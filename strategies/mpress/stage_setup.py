@@ -6,7 +6,7 @@
     # which is:
     budgets = planning_budgets(built)
     plan = plan_stage(built, profiled, budgets)                 # 3. plan on rank 0, shared with every rank
-    runtime = StageRuntime.from_plan(built, plan, profiled)     # 4. run: peer pools and executor per the plan
+    runtime = StageRuntime(built, plan, profiled)               # 4. run: peer pools and executor per the plan
     calibrate(runtime, budgets)                                 # 5. measure the plan; re-plan while over
 
 :func:`setup_stage` runs them all. A budget no plan fits raises
@@ -56,7 +56,7 @@ def plan_and_run(built: BuiltStage, profiled: Profiled) -> StageRuntime:
         InfeasibleBudgetError: no plan fits (on every rank).
     """
     budgets = planning_budgets(built)
-    runtime = StageRuntime.from_plan(built, plan_stage(built, profiled, budgets), profiled)
+    runtime = StageRuntime(built, plan_stage(built, profiled, budgets), profiled)
     calibrate(runtime, budgets)
     return runtime
 
