@@ -225,6 +225,20 @@ def install(monkeypatch: Any, **kwargs: Any) -> FakeNpu:
 
 
 # ---------------------------------------------------------------------------- npu-smi samples
+
+#: The legend `npu-smi info -t topo` prints under every matrix.
+_LEGEND = """
+Legend:
+
+  X    = Self
+  SYS  = Path traversing PCIe and NUMA nodes. Nodes are connected through SMP, such as QPI, UPI.
+  PHB  = Path traversing PCIe and the PCIe host bridge of a CPU.
+  PIX  = Path traversing a single PCIe switch
+  PXB  = Path traversing multiple PCIe switches
+  HCCS = Connection traversing HCCS.
+  NA   = Unknown relationship.
+"""
+
 #: 8 x Ascend 910B3 (Atlas 800T A2), HCCS full mesh, as published in the ms-swift NPU docs.
 SAMPLE_910B_TOPO = """\
 \t   NPU0       NPU1       NPU2       NPU3       NPU4       NPU5       NPU6       NPU7       CPU Affinity
@@ -236,17 +250,7 @@ NPU4       HCCS       HCCS       HCCS       HCCS       X          HCCS       HCC
 NPU5       HCCS       HCCS       HCCS       HCCS       HCCS       X          HCCS       HCCS       0-23
 NPU6       HCCS       HCCS       HCCS       HCCS       HCCS       HCCS       X          HCCS       48-71
 NPU7       HCCS       HCCS       HCCS       HCCS       HCCS       HCCS       HCCS       X          48-71
-
-Legend:
-
-  X    = Self
-  SYS  = Path traversing PCIe and NUMA nodes. Nodes are connected through SMP, such as QPI, UPI.
-  PHB  = Path traversing PCIe and the PCIe host bridge of a CPU.
-  PIX  = Path traversing a single PCIe switch
-  PXB  = Path traversing multiple PCIe switches
-  HCCS = Connection traversing HCCS.
-  NA   = Unknown relationship.
-"""
+""" + _LEGEND
 
 #: A hand-written PCIe-only 4-NPU host: pairs under one switch (PIX), one host bridge
 #: (PHB) within a socket, SMP across sockets (SYS). Not a captured output.
@@ -256,17 +260,7 @@ NPU0       X          PIX        SYS        SYS        0-31
 NPU1       PIX        X          SYS        SYS        0-31
 NPU2       SYS        SYS        X          PHB        32-63
 NPU3       SYS        SYS        PHB        X          32-63
-
-Legend:
-
-  X    = Self
-  SYS  = Path traversing PCIe and NUMA nodes. Nodes are connected through SMP, such as QPI, UPI.
-  PHB  = Path traversing PCIe and the PCIe host bridge of a CPU.
-  PIX  = Path traversing a single PCIe switch
-  PXB  = Path traversing multiple PCIe switches
-  HCCS = Connection traversing HCCS.
-  NA   = Unknown relationship.
-"""
+""" + _LEGEND
 
 #: Two dies of one 910C in a container (A3), as printed in an sglang issue: host Phy-IDs,
 #: SIO between them, no CPU Affinity column.

@@ -68,22 +68,19 @@ def test_missing_package_of_a_system_reads_missing(fresh_registry, cpu_backend):
     assert "no_such_pkg_xyz" in systems.missing_requirement(systems.get_system("needs-nothing-real"))
 
 
-def test_import_error_inside_a_system_reads_missing(tmp_path, monkeypatch, fresh_registry, cpu_backend):
-    (tmp_path / "needs_pkg.py").write_text("def make(ctx):\n    import no_such_pkg_xyz\n")
+@pytest.mark.parametrize("body, status, reason", [
+    ("    import no_such_pkg_xyz\n", "missing", "no_such_pkg_xyz"),  # an import error inside: the package is missing
+    ("    raise ValueError('bad setup')\n", "error", "bad setup"),
+])
+def test_a_failing_system_factory_reads_missing_or_error(tmp_path, monkeypatch, fresh_registry, cpu_backend,
+                                                         body, status, reason):
+    module = f"odd_sys_{status}"  # a module name per case: the first import would be reused
+    (tmp_path / f"{module}.py").write_text("def make(ctx):\n" + body)
     monkeypatch.syspath_prepend(str(tmp_path))
-    systems.register_system("needs-pkg", "needs_pkg:make")
-    scenario = load_scenario("tiny", {"systems": ["needs-pkg"]})
-    row = run_spec({"scenario": scenario.to_dict(), "label": "needs-pkg", "timeline_path": None}, in_process=True)
-    assert row["status"] == "missing" and "no_such_pkg_xyz" in row["reason"]
-
-
-def test_error_inside_a_system_reads_error(tmp_path, monkeypatch, fresh_registry, cpu_backend):
-    (tmp_path / "bad_sys.py").write_text("def make(ctx):\n    raise ValueError('bad setup')\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    systems.register_system("bad-sys", "bad_sys:make")
-    scenario = load_scenario("tiny", {"systems": ["bad-sys"]})
-    row = run_spec({"scenario": scenario.to_dict(), "label": "bad-sys", "timeline_path": None}, in_process=True)
-    assert row["status"] == "error" and "bad setup" in row["reason"]
+    systems.register_system("odd-sys", f"{module}:make")
+    scenario = load_scenario("tiny", {"systems": ["odd-sys"]})
+    row = run_spec({"scenario": scenario.to_dict(), "label": "odd-sys", "timeline_path": None}, in_process=True)
+    assert row["status"] == status and reason in row["reason"]
 
 
 def test_bench_never_calls_device_modules_directly():

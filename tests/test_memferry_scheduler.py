@@ -281,7 +281,7 @@ def test_auto_plan_profiles_schedules_and_trains_exactly(cpu_backend, caplog):
 def test_plan_for_plans_apart_from_the_engine_and_leaves_the_model_as_it_came(cpu_backend):
     """plan_for (profiler -> scheduler) gives a Plan the engine then runs as given; with
     compute_dtype the model is profiled cast and handed back in fp32."""
-    from bench.models import build_model
+    from strategies.models import build_model
     from strategies.memferry import AdamW, MemFerry, Plan, plan_for
     from test_memferry_numerics import reference_self_loss
 

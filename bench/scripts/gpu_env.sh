@@ -41,8 +41,19 @@ if [ "$(cat "$SITE/.xpu-offload-editable" 2>/dev/null)" != "$_xpu_key" ]; then
        --no-deps --no-build-isolation --no-index -e . > "$SITE/pip-editable.log" 2>&1; then
     echo "$_xpu_key" > "$SITE/.xpu-offload-editable"
   else
-    echo "gpu_env.sh: pip install -e . failed (entry points unregistered; see $SITE/pip-editable.log):" >&2
-    tail -3 "$SITE/pip-editable.log" >&2
+    # No build backend offline: write the package's metadata into /tmp/site by hand (importlib
+    # reads entry points from any *.dist-info on sys.path; modules come from $PWD as before).
+    echo "gpu_env.sh: pip install -e . failed (see $SITE/pip-editable.log); registering the entry points by hand" >&2
+    python3 - "$SITE" <<'PY' && echo "$_xpu_key" > "$SITE/.xpu-offload-editable"
+import pathlib, sys, tomllib
+project = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]
+info = pathlib.Path(sys.argv[1]) / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info"
+info.mkdir(parents=True, exist_ok=True)
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
+groups = {"console_scripts": project.get("scripts", {}), **project.get("entry-points", {})}
+(info / "entry_points.txt").write_text("".join(
+    f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in items.items()) + "\n" for g, items in groups.items()))
+PY
   fi
 fi
 unset _xpu_key

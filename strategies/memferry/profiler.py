@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from xpu import Backend
+from xpu.timing import event_seconds
 
 from .units import Unit
 
@@ -144,14 +145,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _timed(backend: Backend, device: int, fn: Callable[[], None]) -> float:
-    """Seconds of ``fn``'s device work, by events on the current stream."""
-    stream = backend.current_stream(device)
-    start, end = backend.event(timing=True), backend.event(timing=True)
-    start.record(stream)
-    fn()
-    end.record(stream)
-    end.synchronize()
-    return start.elapsed_time(end) * 1e-3
+    """Seconds of ``fn``'s device work on the current stream."""
+    return event_seconds(backend, backend.current_stream(device), fn)
 
 
 def _capture_block_input(model: nn.Module, first_block: nn.Module, inputs: Any, targets: Any,
