@@ -184,3 +184,53 @@ def test_weight_loads_over_the_multipath_copier_train_exactly(cpu_backend):
         torch.testing.assert_close(state[name], ref, atol=1e-5, rtol=1e-5, msg=name)
     assert sum(routed.values()) > 0
     assert any(n > 0 for name, n in routed.items() if name != "host->0")  # a relay through a peer carried bytes
+
+
+def _stopping_rank(rank, port, out_dir):
+    """Rank 1 stops itself (SIGSTOP) before its first step; rank 0 must fail within the bound."""
+    import signal
+    import time
+
+    os.environ.update(XPU_BACKEND="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), XPU_COLLECTIVE_TIMEOUT_S="5")
+    import xpu
+
+    xpu.reset_backend()
+    # The default group's own timeout is gloo's 30 minutes: MemFerry must not rely on it.
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.manual_seed(0)
+    engine = MemFerry(TinyGPT(), optim=AdamW(), plan=Plan.from_spec("prefetch", 4), loss_fn=lm_loss, device=rank)
+    x, y = _data()[0]
+    (Path(out_dir) / f"ready{rank}").write_text("")
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        engine.train_step(x[:2], y[:2])
+        outcome = "no error"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    (Path(out_dir) / "rank0.txt").write_text(f"{time.monotonic() - t0:.1f}\n{outcome}")
+    os._exit(0)  # the peer is stopped: no orderly teardown is possible
+
+
+def test_a_stopped_rank_makes_the_other_fail_in_bounded_time_naming_the_ranks(tmp_path):
+    """A rank stopped by SIGSTOP: the other's gradient all-reduce ends with an error within the
+    bound (XPU_COLLECTIVE_TIMEOUT_S), though the caller's default group has gloo's 30 minutes."""
+    import signal
+    import time
+
+    ctx = mp.start_processes(_stopping_rank, args=(_free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn",
+                             join=False)
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "rank0.txt").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join(10)
+    elapsed, outcome = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+    assert outcome.startswith("CollectiveTimeoutError: data-parallel MemFerry, rank 0 of ranks [0, 1]: "), outcome
+    assert "XPU_COLLECTIVE_TIMEOUT_S" in outcome and "a peer rank stopped or died" in outcome
+    assert float(elapsed) < 60

@@ -45,3 +45,16 @@ def test_first_rank_decides_and_its_failure_is_raised(one_rank_group):
     sent = ValueError("a result that is an exception is raised on every rank")
     with pytest.raises(ValueError, match="raised on every rank"):
         decide_on_first_rank(lambda: sent)
+
+
+def test_collective_timeout_reads_its_variable_and_names_it_when_bad(monkeypatch):
+    from xpu.dist import TIMEOUT_ENV, collective_timeout
+
+    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    assert collective_timeout().total_seconds() == 300
+    monkeypatch.setenv(TIMEOUT_ENV, "7.5")
+    assert collective_timeout().total_seconds() == 7.5
+    for bad in ("soon", "0", "-3"):
+        monkeypatch.setenv(TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match=f"XPU_COLLECTIVE_TIMEOUT_S='{bad}' is not a positive number of seconds"):
+            collective_timeout()

@@ -8,12 +8,16 @@ fails must make every rank fail with its message, never leave the others waiting
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from typing import Any, Callable, TypeVar
 
-__all__ = ["free_port", "init_local_group", "decide_on_first_rank"]
+__all__ = ["free_port", "init_local_group", "decide_on_first_rank", "collective_timeout", "TIMEOUT_ENV"]
 
 T = TypeVar("T")
+
+#: Seconds that bound every collective of the groups our strategies make (default 300).
+TIMEOUT_ENV = "XPU_COLLECTIVE_TIMEOUT_S"
 
 
 def free_port() -> int:
@@ -70,3 +74,24 @@ def decide_on_first_rank(decide: Callable[[], T], group: Any = None, *, what: st
     if isinstance(box[0], BaseException):
         raise box[0]
     return box[0]
+
+
+def collective_timeout(default_s: float = 300.0) -> datetime.timedelta:
+    """How long a collective of our own groups may wait: ``XPU_COLLECTIVE_TIMEOUT_S``, else ``default_s``.
+
+    A rank that stopped or died must end its peers' waits with an error in bounded time, not
+    after gloo's 30-minute default.
+
+    Raises:
+        ValueError: the variable is not a positive number of seconds (names the variable).
+    """
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None or not raw.strip():
+        return datetime.timedelta(seconds=default_s)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds (e.g. 300)")
+    return datetime.timedelta(seconds=seconds)

@@ -8,9 +8,12 @@ writes the shard of the compute-dtype working copy, and the ranks then exchange 
 rank's working copy is whole again for the next forward. Host optimizer work and host memory
 for masters and moments are split ``world`` ways.
 
-Two process groups keep the collectives of two threads apart: gradients are reduced from the
-training thread, weight shards gathered from the host optimizer's thread; each thread issues
-its collectives in the same order on every rank.
+Two process groups of MemFerry's own keep the collectives of two threads apart: gradients are
+reduced from the training thread (on the caller's collective library), weight shards gathered
+from the host optimizer's thread (gloo); each thread issues its collectives in the same order
+on every rank. Both are bounded by ``XPU_COLLECTIVE_TIMEOUT_S`` (:func:`xpu.dist.collective_timeout`),
+whatever timeout the caller's group has: a rank that stops makes the others fail with a message
+naming the group, never wait for gloo's 30-minute default.
 
 Loading weights to the device, each rank copies only its shard host->device and the ranks
 all-gather the rest device to device, so every rank's host link carries 1/world of each unit
@@ -27,11 +30,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DataParallel", "GROUP_TIMEOUT"]
+from xpu.dist import collective_timeout
 
-#: Timeout of the gloo groups MemFerry makes (weight shards, the shared plan). gloo's default
-#: is 30 minutes: a rank that failed would leave the others waiting that long.
-GROUP_TIMEOUT = datetime.timedelta(minutes=5)
+__all__ = ["DataParallel", "CollectiveTimeoutError"]
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective of data-parallel MemFerry did not complete: a peer rank stopped, died or lagged."""
+
+
+#: How to change the bound, for messages.
+XPU_TIMEOUT_HINT = "XPU_COLLECTIVE_TIMEOUT_S sets it"
 
 
 @dataclass
@@ -41,7 +50,7 @@ class DataParallel:
     Attributes:
         rank: this process's rank in ``grad_group``.
         world: number of ranks.
-        grad_group: group for device-side gradient reduction (the device's collective library).
+        grad_group: group for device-side gradient reduction (the caller's collective library).
         weight_group: gloo group for host-side exchange of updated weight shards.
         device: where ``grad_group`` collectives put their tensors.
     """
@@ -51,6 +60,8 @@ class DataParallel:
     grad_group: Any
     weight_group: Any
     device: torch.device
+    timeout: datetime.timedelta = datetime.timedelta(minutes=5)
+    ranks: tuple[int, ...] = ()
 
     @classmethod
     def create(cls, device: torch.device, group: Any = None) -> "DataParallel | None":
@@ -68,9 +79,18 @@ class DataParallel:
         if world == 1:
             return None
         ranks = dist.get_process_group_ranks(group)
+        timeout = collective_timeout()
+        # Our own groups, so the bound holds whatever the caller's default group was made with.
+        grad_group = dist.new_group(ranks, backend=dist.get_backend(group), timeout=timeout)
         # host tensors: gloo handles them on any device
-        weight_group = dist.new_group(ranks, backend="gloo", timeout=GROUP_TIMEOUT)
-        return cls(dist.get_rank(group), world, group, weight_group, device)
+        weight_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        return cls(dist.get_rank(group), world, grad_group, weight_group, device, timeout, tuple(ranks))
+
+    def _failed(self, what: str, exc: BaseException) -> CollectiveTimeoutError:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return CollectiveTimeoutError(
+            f"data-parallel MemFerry, rank {self.rank} of ranks {list(self.ranks)}: {what} did not complete within "
+            f"{self.timeout.total_seconds():.0f} s ({XPU_TIMEOUT_HINT}): a peer rank stopped or died ({first[:300]})")
 
     def shard(self, numel: int) -> tuple[int, slice]:
         """The padded length (a multiple of ``world``) and this rank's slice of a flat unit."""
@@ -79,14 +99,28 @@ class DataParallel:
         return padded, slice(self.rank * size, (self.rank + 1) * size)
 
     def average(self, flat: torch.Tensor) -> None:
-        """Sum ``flat`` over ranks in place and divide by the world size."""
-        dist.all_reduce(flat, group=self.grad_group)
+        """Sum ``flat`` over ranks in place and divide by the world size.
+
+        Raises:
+            CollectiveTimeoutError: a peer did not take part within the timeout.
+        """
+        try:
+            dist.all_reduce(flat, group=self.grad_group)
+        except RuntimeError as exc:  # gloo's and NCCL's timeouts (DistBackendError is a RuntimeError)
+            raise self._failed("a gradient all-reduce", exc) from exc
         flat.div_(self.world)
 
     def all_sum(self, value: float) -> float:
-        """Sum a scalar over ranks (gradient norms for clipping); training thread only."""
+        """Sum a scalar over ranks (gradient norms for clipping); training thread only.
+
+        Raises:
+            CollectiveTimeoutError: a peer did not take part within the timeout.
+        """
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=self.grad_group)
+        try:
+            dist.all_reduce(t, group=self.grad_group)
+        except RuntimeError as exc:
+            raise self._failed("the gradient-norm all-reduce", exc) from exc
         return float(t.item())
 
     def all_gather_async(self, flat: torch.Tensor) -> Any:
@@ -97,11 +131,33 @@ class DataParallel:
         size = flat.numel() // self.world
         mine = flat[self.rank * size:(self.rank + 1) * size]
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-        return gather(flat, mine, group=self.grad_group, async_op=True)
+        try:
+            return _Bounded(gather(flat, mine, group=self.grad_group, async_op=True), self, "a weight all-gather")
+        except RuntimeError as exc:
+            raise self._failed("a weight all-gather", exc) from exc
 
     def gather(self, full: torch.Tensor) -> None:
         """Fill every rank's shard of host tensor ``full`` from its owner (in place)."""
         size = full.numel() // self.world
         shards = list(full.split(size))
         mine = shards[self.rank].clone()
-        dist.all_gather(shards, mine, group=self.weight_group)
+        try:
+            dist.all_gather(shards, mine, group=self.weight_group)
+        except RuntimeError as exc:
+            raise self._failed("a weight-shard all-gather", exc) from exc
+
+
+@dataclass
+class _Bounded:
+    """A collective's handle whose ``wait`` says which collective of which ranks did not complete."""
+
+    work: Any
+    dp: DataParallel
+    what: str
+
+    def wait(self) -> Any:
+        """Wait as the handle does; a timeout becomes :class:`CollectiveTimeoutError`."""
+        try:
+            return self.work.wait()
+        except RuntimeError as exc:
+            raise self.dp._failed(self.what, exc) from exc

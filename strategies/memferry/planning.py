@@ -21,11 +21,10 @@ from torch import nn
 
 import xpu
 from xpu import Backend
-from xpu.dist import decide_on_first_rank
+from xpu.dist import collective_timeout, decide_on_first_rank
 
 from .compute_dtype import cast_parameters, check_compute_dtype, restore_parameters
 from .config import AdamW, Plan
-from .data_parallel import GROUP_TIMEOUT
 from .units import split_units
 
 __all__ = ["plan_for"]
@@ -70,7 +69,7 @@ def plan_for(model: nn.Module, sample: tuple[Any, Any] | None, device_budget: in
     if process_group is None or dist.get_world_size(process_group) == 1:
         return plan_here()
     # Scheduled once, on the first rank; a failure there raises on every rank instead of hanging them.
-    return decide_on_first_rank(plan_here, process_group, what="schedule MemFerry's plan", timeout=GROUP_TIMEOUT)
+    return decide_on_first_rank(plan_here, process_group, what="schedule MemFerry's plan", timeout=collective_timeout())
 
 
 def _profile_and_schedule(model: nn.Module, sample: Any, device_budget: Any, optim: AdamW, loss_fn: Any, blocks: Any,
