@@ -64,6 +64,8 @@ class SystemEntry:
         label: the row's name (default: ``name``); must be unique within the scenario.
         options: system options (unknown ones are errors; defaults filled in by :meth:`Scenario.validate`).
         steps, warmup, device_mem_gb: per-system overrides of the scenario's values (None: inherit).
+        uncapped: this system runs with no device cap whatever the scenario's; what an entry's
+            explicit ``device_mem_gb: null`` means (written out as ``uncapped: true``).
     """
 
     name: str
@@ -72,6 +74,7 @@ class SystemEntry:
     steps: int | None = None
     warmup: int | None = None
     device_mem_gb: float | None = None
+    uncapped: bool = False
 
     def __post_init__(self) -> None:
         self.label = self.label or self.name
@@ -152,7 +155,7 @@ class Scenario:
             period = entry.options[spec.period_option]
             steps = period * math.ceil(steps / period)  # whole update intervals, so the mean is fair
         total = max(warmup + steps, self.loss_after or 0)
-        cap = self.device_mem_gb if entry.device_mem_gb is None else entry.device_mem_gb
+        cap = None if entry.uncapped else self.device_mem_gb if entry.device_mem_gb is None else entry.device_mem_gb
         return {"steps": steps, "warmup": warmup, "total_steps": total, "device_mem_gb": cap,
                 "loss_after": self.loss_after or total}
 
@@ -292,7 +295,11 @@ def _entry(item: Any) -> SystemEntry:
             raise ScenarioError(f"system entry {item!r} needs a 'name'")
         if not isinstance(item.get("options", {}) or {}, dict):
             raise ScenarioError(f"'options' of system {item['name']!r} must be a mapping")
-        return SystemEntry(**{**item, "options": dict(item.get("options") or {})})
+        # An explicit `device_mem_gb: null` lifts the scenario's cap (a round trip carries `uncapped`).
+        uncapped = item.get("uncapped", "device_mem_gb" in item and item["device_mem_gb"] is None)
+        if not isinstance(uncapped, bool):
+            raise ScenarioError(f"'uncapped' of system {item['name']!r} must be true or false, got {uncapped!r}")
+        return SystemEntry(**{**item, "options": dict(item.get("options") or {}), "uncapped": uncapped})
     raise ScenarioError(f"a system entry is a name or a mapping with 'name', got {item!r}")
 
 

@@ -98,3 +98,15 @@ def test_scenario_env_reaches_the_worker_environment(monkeypatch):
     with pytest.raises(ScenarioError, match="env must map variable names to strings"):
         Scenario.from_dict({"model": {"family": "gpt", "layers": 1, "hidden": 32, "heads": 4, "vocab": 16},
                             "systems": ["torch"], "env": {"A": [1]}})
+
+
+def test_a_system_s_own_null_cap_lifts_the_scenario_s_and_survives_the_round_trip():
+    s = load_scenario(_tiny(device_mem_gb=0.5, systems=[
+        "torch", {"name": "torch", "label": "uncapped", "device_mem_gb": None},
+        {"name": "torch", "label": "own-cap", "device_mem_gb": 2.0}]))
+    caps = {e.label: s.effective(e)["device_mem_gb"] for e in s.systems}
+    assert caps == {"torch": 0.5, "uncapped": None, "own-cap": 2.0}
+    again = load_scenario(s.to_dict())  # what a worker process reads
+    assert {e.label: again.effective(e)["device_mem_gb"] for e in again.systems} == caps
+    with pytest.raises(ScenarioError, match="'uncapped' of system 'torch' must be true or false"):
+        load_scenario(_tiny(systems=[{"name": "torch", "uncapped": "yes"}]))
