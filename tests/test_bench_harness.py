@@ -213,3 +213,26 @@ def test_a_signal_ending_the_runner_kills_its_live_workers(tmp_path):
     else:
         os.kill(worker, signal.SIGKILL)
         pytest.fail("the worker outlived the runner")
+
+
+def test_an_exact_system_whose_loss_departs_from_torch_is_flagged_not_the_approximate_one():
+    from bench.report import flag_loss_outliers, markdown_table
+
+    def row(label, name, loss, approximate=False):
+        return {"system": label, "system_name": name, "status": "ok", "loss": loss, "loss_step": 9,
+                "approximate": approximate}
+
+    rows = [row("torch", "torch", 0.010), row("fsdp2-offload", "fsdp2-offload", 0.011),
+            row("deepspeed-z3-offload", "deepspeed-z3-offload", 207.0), row("zenflow", "deepspeed-zenflow", 5.7, True)]
+    flag_loss_outliers(rows)
+    flagged = {r["system"] for r in rows if r.get("loss_flag")}
+    assert flagged == {"deepspeed-z3-offload"}
+    assert "departs from 0.010 (torch) at step 9" in rows[2]["loss_flag"]
+    # without a torch row, the median of three or more exact rows is the reference; two are never judged
+    rest = rows[1:3]
+    flag_loss_outliers(rest)
+    assert not any(r.get("loss_flag") for r in rest)
+    flag_loss_outliers(rows)
+    result = {"scenario": {"name": "s", "model": {"family": "gpt"}, "batch": 1, "seq": 1, "dtype": "fp32"},
+              "machine": "m", "date": "d", "command": "c", "rows": rows}
+    assert "| deepspeed-z3-offload | ok, loss? | " in markdown_table(result)
