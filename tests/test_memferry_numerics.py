@@ -439,3 +439,22 @@ def test_hugging_face_causal_lm_trains_exactly(cpu_backend):
     losses = [engine.train_step(x, y).item() for x, y in data]
     engine.close()
     assert losses == pytest.approx(ref_losses, abs=1e-5, rel=1e-5)
+
+
+@pytest.mark.parametrize("plan", ["prefetch", "dha", "resident2"])
+def test_a_weight_tied_between_two_blocks_trains_exactly(cpu_backend, plan):
+    """A tensor shared by blocks 0 and 1 lives in the always-resident rest unit (an offloaded
+    block would leave the other block a tensor of no storage), and training equals torch's AdamW."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    model.blocks[1].proj.weight = model.blocks[0].proj.weight
+    cfg = AdamW(lr=3e-3, weight_decay=0.1, max_grad_norm=0.5)
+    data = batches(4)
+    ref_losses, ref_params = reference(model, data, cfg)
+    engine = MemFerry(copy.deepcopy(model), optim=cfg, plan=plan, loss_fn=lm_loss, backend=cpu_backend)
+    losses = [engine.train_step(x, y).item() for x, y in data]
+    state = engine.state_dict()["model"]
+    engine.close()
+    assert losses == pytest.approx(ref_losses, abs=1e-5, rel=1e-5)
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(state[name], ref, atol=1e-5, rtol=1e-5, msg=name)

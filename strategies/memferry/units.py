@@ -64,8 +64,10 @@ def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
 def split_units(model: nn.Module, blocks: nn.ModuleList | None = None) -> list[Unit]:
     """Units for each block (in list order) and a final ``rest`` unit with all other parameters.
 
-    Tied parameters (one tensor reachable under two names) belong to the first unit that
-    reaches them; a parameter shared between a block and ``rest`` stays in the block.
+    A parameter reachable from more than one unit (a weight tied between two blocks, or between
+    a block and the embeddings or head) goes to ``rest``, which stays on the device: a block's
+    unit is offloaded after its use, and another unit's use of the same tensor must not find it
+    gone. Each parameter appears once, under the first name that reaches it.
     """
     if blocks is None:
         prefix, blocks = find_blocks(model)
@@ -73,12 +75,23 @@ def split_units(model: nn.Module, blocks: nn.ModuleList | None = None) -> list[U
         prefix = next((n for n, m in model.named_modules() if m is blocks), None)
         if prefix is None:
             raise ValueError("blocks= must be a module inside the model")
+    names = [f"{prefix}.{i}" if prefix else str(i) for i in range(len(blocks))]
+    owners: dict[int, set[int | str]] = {}
+    for i, block in enumerate(blocks):
+        for p in block.parameters():
+            owners.setdefault(id(p), set()).add(i)
+    # By module identity, not by name: a model may also reach its block list under a second name.
+    in_blocks = {id(m) for block in blocks for m in block.modules()}
+    for module in model.modules():
+        if id(module) not in in_blocks:
+            for p in module.parameters(recurse=False):
+                owners.setdefault(id(p), set()).add("rest")
     seen: set[int] = set()
     units = []
     for i, block in enumerate(blocks):
-        unit = Unit(i, f"{prefix}.{i}" if prefix else str(i), block)
+        unit = Unit(i, names[i], block)
         for name, p in block.named_parameters(prefix=unit.name):
-            if id(p) not in seen and p.requires_grad:
+            if id(p) not in seen and p.requires_grad and owners[id(p)] == {i}:
                 seen.add(id(p))
                 unit.params.append((name, p))
         units.append(unit)
