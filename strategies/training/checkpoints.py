@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from .config import CheckpointWriteError, TrainConfig, TrainConfigError
+from .config import CheckpointWriteError, TrainConfig, TrainConfigError, TrainingDivergedError
 from .data import TokenWindows
 from .registry import TrainEngine
 
@@ -281,6 +281,18 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _nonfinite(obj: Any, name: str = "") -> str | None:
+    """The dotted name of the first floating tensor in ``obj`` holding a NaN or an infinity, else None."""
+    if isinstance(obj, torch.Tensor):
+        return name if obj.is_floating_point() and not bool(torch.isfinite(obj).all()) else None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for key, value in items:
+        found = _nonfinite(value, f"{name}.{key}" if name else str(key))
+        if found is not None:
+            return found
+    return None
+
+
 def _write(tmp: Path, header: bytes, blob: bytes) -> None:
     with open(tmp, "wb") as f:
         f.write(_MAGIC)
@@ -297,14 +309,22 @@ def save_checkpoint(directory: Path, step: int, engine: TrainEngine, data: Token
     Raises:
         CheckpointWriteError: the folder cannot take the file (disk full, read-only, ...); the earlier
             checkpoints are untouched and the partial temporary file is removed.
+        TrainingDivergedError: the state holds NaN or infinite values (the step's update diverged
+            though its loss, computed before the update, was finite); nothing is written.
     """
     final = directory / f"step-{step:07d}.pt"
     tmp = directory / f".{final.name}.tmp-{os.getpid()}"
+    state = engine.state_dict()
+    bad = _nonfinite(state)  # one pass over the tensors, small beside serialising them
+    if bad is not None:
+        raise TrainingDivergedError(f"step {step}: {bad} holds NaN or infinite values (diverged); the run stopped "
+                                    f"without writing {final.name}, the earlier checkpoints in {str(directory)!r} "
+                                    f"are kept; lower optimizer.lr or set strategy.options.max_grad_norm, then resume")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         _remove_stale_tmps(directory)
         buf = io.BytesIO()
-        torch.save({"engine": engine.state_dict(), "data": data.state_dict(), "config": config.to_dict(),
+        torch.save({"engine": state, "data": data.state_dict(), "config": config.to_dict(),
                     "dtype": dtype_name}, buf)
         blob = buf.getvalue()
         del buf
