@@ -259,3 +259,29 @@ def test_a_state_gone_non_finite_after_a_finite_loss_is_not_saved(cpu_backend, t
     msg = _one_line(exc)
     assert msg.startswith("step 2: model.") and "without writing step-0000002.pt" in msg and str(d) in msg
     assert _names(d) == ["step-0000001.pt"]
+
+
+def test_a_real_full_disk(cpu_backend, tmp_path):
+    """A tmpfs too small for a third checkpoint, in a private mount namespace (skipped where unshare is not allowed)."""
+    import shutil
+
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {tmp_path}"],
+                           capture_output=True, text=True, timeout=30) if shutil.which("unshare") else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip(f"no private tmpfs here (unshare -rm + mount): {probe.stderr.strip() if probe else 'no unshare'}")
+    one = Path(_run(cpu_backend, _cfg(tmp_path / "probe", steps=1)).checkpoints[0]).stat().st_size
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump(_cfg(mnt / "ck", steps=4)))
+    pages = (int(one * 2.5) // 4096 + 1) * 4096  # room for two checkpoints, not three
+    script = (f"mount -t tmpfs -o size={pages} tmpfs {mnt} && {sys.executable} -m xpu train {cfg} --no-progress; "
+              f"echo rc=$?; ls -a {mnt / 'ck'}")
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=dict(os.environ, XPU_BACKEND="cpu", PYTHONPATH=str(ROOT)))
+    err = [line for line in proc.stderr.strip().splitlines() if "error" in line]
+    print(proc.stderr)
+    assert "rc=2" in proc.stdout, proc.stdout + proc.stderr
+    assert len(err) == 1 and "no space left on device" in err[0] and "step-0000003.pt" in err[0], proc.stderr
+    listed = proc.stdout.split("rc=2", 1)[1].split()
+    assert sorted(n for n in listed if n not in (".", "..")) == ["step-0000001.pt", "step-0000002.pt"]
