@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from strategies.training import (STRATEGIES, OptimizerConfig, TokenWindows, TrainConfigError, load_config, lr_at,
-                                markov_corpus, train)
+                                markov_corpus, read_checkpoint, train)
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "examples" / "train" / "gpt-tiny-memferry.yaml"
@@ -134,7 +134,7 @@ def test_bf16_memferry_keeps_fp32_masters_from_the_fp32_initial_weights(cpu_back
     ckdir = tmp_path / "ck"
     train(load_config(_micro(strategy={"name": "memferry", "options": {"plan": "prefetch"}}, dtype="bf16", steps=1,
                              optimizer={"lr": 1e-30}, checkpoint={"every": 1, "dir": str(ckdir)})), backend=cpu_backend)
-    state = torch.load(ckdir / "step-0000001.pt", weights_only=True)["engine"]
+    state = read_checkpoint(ckdir / "step-0000001.pt")["engine"]
     torch.manual_seed(0)
     init = build_model("gpt", seq=16, **{k: v for k, v in MICRO.items() if k != "family"})  # the config's seed, fp32
     for name, p in init.named_parameters():

@@ -10,9 +10,9 @@ docstring), :mod:`.checks` (the check and override helpers every config of the p
 :mod:`.engines` (MemFerry and the torch reference), :mod:`.checkpoints`, :mod:`.reports`
 (callbacks and results), :mod:`.loop` (:func:`train`), :mod:`.cli` (``xpu train``).
 """
-from .checkpoints import find_checkpoint
+from .checkpoints import find_checkpoint, read_checkpoint
 from .config import (TEXT_VOCAB, CheckpointConfig, DataConfig, OptimizerConfig, StrategyConfig, TrainConfig,
-                     TrainConfigError, load_config, resolve_dtype)
+                     TrainConfigError, CheckpointWriteError, TrainingDivergedError, load_config, resolve_dtype)
 from .data import TokenWindows, make_data, markov_corpus
 from .engines import TorchEngine
 from .loop import train
@@ -22,7 +22,7 @@ from .schedule import lr_at
 
 __all__ = [
     "TrainConfig", "StrategyConfig", "OptimizerConfig", "DataConfig", "CheckpointConfig", "TrainConfigError",
-    "StrategySpec", "STRATEGIES", "register_strategy", "get_strategy", "TrainEngine", "TorchEngine", "TokenWindows",
+    "CheckpointWriteError", "TrainingDivergedError", "read_checkpoint", "StrategySpec", "STRATEGIES", "register_strategy", "get_strategy", "TrainEngine", "TorchEngine", "TokenWindows",
     "StepReport", "RunInfo", "TrainCallback", "TrainResult", "load_config", "train", "lr_at", "markov_corpus",
     "find_checkpoint", "make_data", "resolve_dtype", "TEXT_VOCAB",
 ]

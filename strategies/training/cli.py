@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(YAML value syntax); repeatable")
     parser.add_argument("--steps", type=int, help="total steps (a resumed run continues up to this)")
     parser.add_argument("--resume", metavar="PATH", help="continue from a checkpoint file, or the latest step-*.pt in a folder")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start over in a checkpoint.dir that holds another run's step-*.pt files (deletes them)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar; log lines only")
     parser.add_argument("--json", action="store_true", help="print the result (losses, step times, memory) as one JSON object at the end")
 
@@ -41,6 +43,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["steps"] = args.steps
     if args.resume is not None:
         out["resume"] = args.resume
+    if getattr(args, "overwrite", False):
+        out["checkpoint.overwrite"] = True
     return out
 
 
@@ -89,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
                 self.task = self.progress.add_task("train", total=info.steps, completed=info.start_step,
                                                    loss="-", step_ms="-", mem="-")
                 self.progress.start()
+
+        def on_notice(self, message: str) -> None:
+            console.print(f"note: {message}")
 
         def on_step(self, r: StepReport) -> None:
             self.last_step = r.step

@@ -19,7 +19,8 @@ YAML shape (every key but ``model`` optional)::
     seed: 0
     data: {kind: synthetic, branching: 4}   # or {kind: text, path: data/tiny.txt} (byte-level, vocab 256)
     log_every: 25
-    checkpoint: {every: 100, dir: runs/gpt-tiny}   # also written after the last step
+    checkpoint: {every: 100, dir: runs/gpt-tiny}   # also written after the last step; keep: N (last N only),
+                                                   # overwrite: true (delete another run's step-*.pt there first)
     resume: runs/gpt-tiny          # a checkpoint file, or a folder (its latest step-*.pt)
 """
 from __future__ import annotations
@@ -36,7 +37,7 @@ from xpu.errors import XpuError
 from .checks import apply_overrides, check_model_section, model_dims, nonneg_int, positive_int, positive_number, read_config_source
 
 __all__ = ["TrainConfig", "StrategyConfig", "OptimizerConfig", "DataConfig", "CheckpointConfig", "TrainConfigError",
-           "load_config", "resolve_dtype", "TEXT_VOCAB"]
+           "CheckpointWriteError", "TrainingDivergedError", "load_config", "resolve_dtype", "TEXT_VOCAB"]
 
 #: Byte-level text: one token per byte.
 TEXT_VOCAB = 256
@@ -47,6 +48,14 @@ _DATA_KINDS = ("synthetic", "text")
 
 class TrainConfigError(XpuError, ValueError):
     """A training config that cannot run as written; the message says what is wrong and what is valid."""
+
+
+class CheckpointWriteError(XpuError, OSError):
+    """A checkpoint could not be written (disk full, read-only folder); the earlier checkpoints are intact."""
+
+
+class TrainingDivergedError(XpuError, ArithmeticError):
+    """The loss became NaN or infinite; the run stopped without checkpointing that state."""
 
 
 # ---------------------------------------------------------------------------------- config sections
@@ -90,10 +99,18 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Write a checkpoint every ``every`` steps (and after the last one) into ``dir``."""
+    """Write a checkpoint every ``every`` steps (and after the last one) into ``dir``.
+
+    Attributes:
+        keep: keep only this run's last ``keep`` checkpoints after each save (None: all).
+        overwrite: a fresh run may start in a folder holding another run's ``step-*.pt``; they are deleted
+            when the run starts (without it such a run is refused).
+    """
 
     dir: str
     every: int = 0
+    keep: int | None = None
+    overwrite: bool = False
 
 
 @dataclass
@@ -224,6 +241,10 @@ class TrainConfig:
             _nonneg_int("checkpoint.every", self.checkpoint.every)
             if not isinstance(self.checkpoint.dir, str) or not self.checkpoint.dir:
                 raise TrainConfigError(f"checkpoint.dir must be a folder path, got {self.checkpoint.dir!r}")
+            if self.checkpoint.keep is not None:
+                _positive_int("checkpoint.keep", self.checkpoint.keep)
+            if not isinstance(self.checkpoint.overwrite, bool):
+                raise TrainConfigError(f"checkpoint.overwrite must be true or false, got {self.checkpoint.overwrite!r}")
         if self.resume is not None and not isinstance(self.resume, str):
             raise TrainConfigError(f"resume must be a checkpoint file or folder path, got {self.resume!r}")
 

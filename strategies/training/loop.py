@@ -1,14 +1,15 @@
 """The training loop: build what the config names, then step, log and checkpoint (:func:`train`)."""
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .checkpoints import load_checkpoint, save_checkpoint
-from .config import TrainConfig, TrainConfigError, resolve_dtype
+from .checkpoints import check_checkpoint_dir, load_checkpoint, new_run_id, prepare_checkpoint_dir, save_checkpoint
+from .config import TrainConfig, TrainConfigError, TrainingDivergedError, resolve_dtype
 from .data import make_data
 from .registry import TrainEngine, get_strategy
 from .reports import RunInfo, StepReport, TrainCallback, TrainResult
@@ -26,7 +27,9 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
     back as it was when the run ends.
 
     Raises:
-        TrainConfigError: a budget larger than the device, an unusable checkpoint.
+        TrainConfigError: a budget larger than the device, an unusable checkpoint, a checkpoint.dir of another run.
+        CheckpointWriteError: a checkpoint could not be written (the earlier ones are kept).
+        TrainingDivergedError: the loss became NaN or infinite (that state is not checkpointed).
         torch.OutOfMemoryError: the run needs more device memory than the budget.
     """
     import xpu
@@ -42,14 +45,16 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
     if budget is not None and budget > total:
         raise TrainConfigError(f"device_budget {xpu.format_bytes(budget)} exceeds device {device}'s "
                                f"{xpu.format_bytes(total)} on the {backend.name} backend")
-    resumed_from, state = load_checkpoint(config) if config.resume else (None, None)
+    dtype_name, dtype = resolve_dtype(config, backend)
+    resumed_from, state, notices = load_checkpoint(config, dtype_name) if config.resume else (None, None, [])
+    run_id = state["run_id"] if state is not None else new_run_id()  # kept across resumes: one run, one id
     if config.checkpoint is not None:
+        check_checkpoint_dir(config, run_id, fresh=state is None)
         try:  # an unwritable folder fails now, not after the first hour of training
             Path(config.checkpoint.dir).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise TrainConfigError(f"checkpoint.dir {config.checkpoint.dir!r}: {exc.strerror or exc}") from None
     data, data_desc = make_data(config)
-    dtype_name, dtype = resolve_dtype(config, backend)
 
     # Seed a private copy of the host RNG: the same config builds the same initial weights
     # whatever the caller did before, and the caller's RNG stream is left alone.
@@ -71,6 +76,10 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
             data.load_state_dict(state["data"])
             start = int(state["step"])
         del model, state
+        if config.checkpoint is not None:  # only now that the run is built: a failed build deletes nothing
+            prepare_checkpoint_dir(config, run_id)
+        for notice in notices:
+            callback.on_notice(notice)
         info = RunInfo(config.name, backend.name, device, dtype_name, params, config.strategy.name,
                        dict(config.strategy.options), budget, data_desc, start, config.steps,
                        config.batch * config.seq, str(resumed_from) if resumed_from else None,
@@ -87,9 +96,15 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
             loss = float(engine.train_step(inputs, targets))  # reading it back waits for this step's forward
             step_s = time.perf_counter() - t0
             n = i + 1
+            if not math.isfinite(loss):  # checked before saving: a NaN state never becomes a checkpoint
+                last = checkpoints[-1] if checkpoints else resumed_from
+                kept = f"the last good checkpoint {last} is kept" if last else "no checkpoint was written"
+                raise TrainingDivergedError(f"step {n}: the loss is {loss} (diverged); the run stopped and {kept}; "
+                                            f"lower optimizer.lr or set strategy.options.max_grad_norm, then resume")
             saved = None
             if config.checkpoint is not None and ((every and n % every == 0) or n == config.steps):
-                saved = str(save_checkpoint(Path(config.checkpoint.dir), n, engine, data, config))
+                saved = str(save_checkpoint(Path(config.checkpoint.dir), n, engine, data, config, run_id, dtype_name,
+                                            config.checkpoint.keep))
                 checkpoints.append(saved)
             steps.append(n)
             losses.append(loss)

@@ -59,6 +59,12 @@ class TrainCallback:
     def on_step(self, report: StepReport) -> None:
         """After every step."""
 
+    def on_notice(self, message: str) -> None:
+        """A one-line notice the run goes on after (e.g. a resume that changed the learning rate); logged by default."""
+        import logging
+
+        logging.getLogger("strategies.training").warning(message)
+
 
 @dataclass
 class TrainResult:
