@@ -83,15 +83,16 @@ def reference_self_loss(model, data, cfg):
     return losses, ref
 
 
-def assert_engine_matches(model, cfg, plan, data, backend, ref_losses, ref):
-    """MemFerry on a copy of ``model`` (computing its own loss) follows the plain-AdamW
-    reference ``ref``: losses and final parameters within 1e-5."""
-    engine = MemFerry(copy.deepcopy(model), optim=cfg, plan=plan, backend=backend)
+def assert_engine_matches(model, cfg, plan, data, backend, ref_losses, ref, loss_fn=None):
+    """MemFerry on a copy of ``model`` (computing its own loss unless ``loss_fn``) follows the
+    plain-AdamW reference ``ref`` (a module, or a dict of its parameters): losses and final
+    parameters within 1e-5."""
+    engine = MemFerry(copy.deepcopy(model), optim=cfg, plan=plan, backend=backend, loss_fn=loss_fn)
     losses = [engine.train_step(x, y).item() for x, y in data]
     state = engine.state_dict()["model"]
     engine.close()
     assert losses == pytest.approx(ref_losses, abs=1e-5, rel=1e-5)
-    for name, p in ref.named_parameters():
+    for name, p in (ref.items() if isinstance(ref, dict) else ref.named_parameters()):
         torch.testing.assert_close(state[name], p.detach(), atol=1e-5, rtol=1e-5, msg=name)
 
 
@@ -451,10 +452,4 @@ def test_a_weight_tied_between_two_blocks_trains_exactly(cpu_backend, plan):
     cfg = AdamW(lr=3e-3, weight_decay=0.1, max_grad_norm=0.5)
     data = batches(4)
     ref_losses, ref_params = reference(model, data, cfg)
-    engine = MemFerry(copy.deepcopy(model), optim=cfg, plan=plan, loss_fn=lm_loss, backend=cpu_backend)
-    losses = [engine.train_step(x, y).item() for x, y in data]
-    state = engine.state_dict()["model"]
-    engine.close()
-    assert losses == pytest.approx(ref_losses, abs=1e-5, rel=1e-5)
-    for name, ref in ref_params.items():
-        torch.testing.assert_close(state[name], ref, atol=1e-5, rtol=1e-5, msg=name)
+    assert_engine_matches(model, cfg, plan, data, cpu_backend, ref_losses, ref_params, loss_fn=lm_loss)
