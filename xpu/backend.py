@@ -32,7 +32,7 @@ import torch
 from .capabilities import Capabilities
 from .errors import CapabilityError
 from .topology import Topology
-from .units import parse_bytes
+from .units import env_bytes, parse_bytes
 
 __all__ = ["Backend", "MemoryStats", "BufferHandle"]
 
@@ -247,7 +247,7 @@ class Backend(abc.ABC):
             from .arena import HostArena
 
             budget = os.environ.get("XPU_HOST_MEM_BUDGET")
-            self._arena = HostArena(self, budget=parse_bytes(budget) if budget else None)
+            self._arena = HostArena(self, budget=env_bytes("XPU_HOST_MEM_BUDGET", budget) if budget else None)
         return self._arena
 
     # ------------------------------------------------------------------ copies and device memory
