@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.multiprocessing as mp
 
-from xpu.dist import free_port, init_local_group
+from xpu.dist import init_local_group, rendezvous_port
 
 __all__ = ["RankPool", "RankChannel", "rank_env", "split_batch", "mean_loss", "peaks_text", "DataParallelRows"]
 
@@ -202,7 +202,7 @@ class RankPool:
         mpctx = mp.get_context("spawn")
         self._commands: list[Any] = [mpctx.Queue() for _ in range(ranks)]
         self._replies: Any = mpctx.Queue()
-        port = free_port()
+        port = rendezvous_port()
         try:
             for rank in range(ranks):
                 channel = RankChannel(rank=rank, world=ranks, port=port, name=name, noun=noun,
