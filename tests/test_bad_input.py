@@ -45,6 +45,7 @@ def _one_error_line(proc: subprocess.CompletedProcess, command: str) -> str:
     ("XPU_CPU_DEVICE_MEM", "1GB,zz", "XPU_CPU_DEVICE_MEM='1GB,zz' is not a size"),
     ("XPU_CPU_DEVICES", "abc", "XPU_CPU_DEVICES='abc' is not a whole number; give one such as 4"),
     ("XPU_CPU_DEVICES", "0", "XPU_CPU_DEVICES='0' must be at least 1"),
+    ("XPU_HOST_MEM_BUDGET", "garbage", "XPU_HOST_MEM_BUDGET='garbage' is not a size; give bytes or a size such as 2GB"),
 ])
 def test_a_bad_cpu_backend_variable_is_one_line_naming_it(var, value, says):
     proc = _xpu("info", env={var: value})

@@ -98,6 +98,11 @@ class Backend(abc.ABC):
         self._caps: Capabilities | None = None
         self._arena = None
         self._caps_bytes: dict[int, int] = {}
+        # Checked now, though the arena is made on first use: a bad value is refused before any
+        # work starts (``xpu info`` included), not halfway through a run.
+        budget = os.environ.get("XPU_HOST_MEM_BUDGET")
+        if budget:
+            env_bytes("XPU_HOST_MEM_BUDGET", budget)
 
     # ------------------------------------------------------------------ identity
     @property
