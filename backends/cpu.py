@@ -32,9 +32,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from xpu.backend import Backend, BufferHandle, MemoryStats
 from xpu.capabilities import Capabilities
-from xpu.errors import DeviceOutOfMemoryError
+from xpu.errors import DeviceOutOfMemoryError, EnvSettingError
 from xpu.topology import Topology, preset
-from xpu.units import format_bytes, parse_bytes
+from xpu.units import env_bytes, env_int, format_bytes, parse_bytes
 
 __all__ = ["CpuBackend", "CpuStream", "CpuEvent"]
 
@@ -161,16 +161,20 @@ class CpuBackend(Backend):
             if os.path.exists(chosen):
                 with open(chosen) as fh:
                     return Topology.from_json(fh.read())
-            count = int(os.environ.get("XPU_CPU_DEVICES", "8"))
+            count = env_int("XPU_CPU_DEVICES", os.environ.get("XPU_CPU_DEVICES", "8"), least=1)
             return preset(chosen, count)
-        count = int(os.environ.get("XPU_CPU_DEVICES", "4"))
-        if count < 1:
-            raise ValueError(f"XPU_CPU_DEVICES must be at least 1, got {count}")
-        mems = [parse_bytes(m) for m in os.environ.get("XPU_CPU_DEVICE_MEM", "2GB").split(",")]
+        count = env_int("XPU_CPU_DEVICES", os.environ.get("XPU_CPU_DEVICES", "4"), least=1)
+        # The whole value is named in the error (not one item of a comma list): that is what the user typed.
+        raw = os.environ.get("XPU_CPU_DEVICE_MEM", "2GB")
+        try:
+            mems = [parse_bytes(m) for m in raw.split(",")]
+        except ValueError:
+            env_bytes("XPU_CPU_DEVICE_MEM", raw, also=" (or a comma list, one per device)")  # raises, naming it
+            raise
         if len(mems) == 1:
             mems *= count
         if len(mems) != count:
-            raise ValueError(f"XPU_CPU_DEVICE_MEM lists {len(mems)} capacities for {count} devices; give one or {count}")
+            raise EnvSettingError(f"XPU_CPU_DEVICE_MEM lists {len(mems)} capacities for {count} devices; give one or {count}")
         host = float(os.environ.get("XPU_CPU_HOST_GBPS", "25"))
         peer = float(os.environ.get("XPU_CPU_PEER_GBPS", "100"))
         topo = Topology.uniform(count, device_bytes=mems[0], host=("virtual", host),

@@ -38,7 +38,7 @@ from typing import Any
 
 from xpu.errors import XpuError
 
-from strategies.training.checks import apply_overrides, check_model_section, model_dims, nonneg_int, positive_int
+from strategies.training.checks import apply_overrides, check_model_section, load_yaml, model_dims, nonneg_int, positive_int
 
 __all__ = ["Scenario", "SystemEntry", "MaxModelConfig", "ScenarioError", "load_scenario", "resolve_scenario_path",
            "KNOBS", "EXAMPLES_DIR"]
@@ -349,7 +349,7 @@ def load_scenario(source: str | Path | dict[str, Any], overrides: dict[str, Any]
         path = resolve_scenario_path(source)
         name = path.stem
         try:
-            data = yaml.safe_load(path.read_text())
+            data = load_yaml(path.read_text())
         except yaml.YAMLError as exc:
             raise ScenarioError(f"{path}: not valid YAML: {exc}") from None
     apply_overrides(data, overrides, ScenarioError)

@@ -148,8 +148,8 @@ def test_a_plan_the_first_rank_cannot_make_fails_every_rank_instead_of_hanging_t
     raised nothing and waited for a plan, up to gloo's 30-minute default, before)."""
     mp.start_processes(_failing_auto_rank, args=(_free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
     first, other = ((tmp_path / f"failed{r}.txt").read_text() for r in range(WORLD))
-    assert first.startswith("ValueError: no plan fits a device budget"), first
-    assert other.startswith("RuntimeError: rank 0 could not schedule MemFerry's plan: ValueError: no plan fits"), other
+    assert first.startswith("NoPlanFitsError: no plan fits a device budget"), first
+    assert other.startswith("RuntimeError: rank 0 could not schedule MemFerry's plan: NoPlanFitsError: no plan fits"), other
 
 
 def test_weight_loads_over_the_multipath_copier_train_exactly(cpu_backend):

@@ -156,8 +156,9 @@ def test_infeasible_budget_names_the_minimum():
     rng = random.Random(3)
     prof, links = _fix(random_profile(rng, 3)), random_links(rng)
     need = min_budget(prof, links)
-    with pytest.raises(ValueError, match=r"needs .* GB \(%d bytes" % need):
+    with pytest.raises(ValueError, match=r"needs [0-9.]+ [kMGT]?B \(%d bytes" % need) as info:  # a NoPlanFitsError
         schedule(prof, links, need - 1, 3)
+    assert info.value.minimum == need
     schedule(prof, links, need, 3, explain=False)  # and the minimum itself works
 
 

@@ -32,7 +32,7 @@ import torch
 from .capabilities import Capabilities
 from .errors import CapabilityError
 from .topology import Topology
-from .units import parse_bytes
+from .units import env_bytes, parse_bytes
 
 __all__ = ["Backend", "MemoryStats", "BufferHandle"]
 
@@ -98,6 +98,11 @@ class Backend(abc.ABC):
         self._caps: Capabilities | None = None
         self._arena = None
         self._caps_bytes: dict[int, int] = {}
+        # Checked now, though the arena is made on first use: a bad value is refused before any
+        # work starts (``xpu info`` included), not halfway through a run.
+        budget = os.environ.get("XPU_HOST_MEM_BUDGET")
+        if budget:
+            env_bytes("XPU_HOST_MEM_BUDGET", budget)
 
     # ------------------------------------------------------------------ identity
     @property
@@ -247,7 +252,7 @@ class Backend(abc.ABC):
             from .arena import HostArena
 
             budget = os.environ.get("XPU_HOST_MEM_BUDGET")
-            self._arena = HostArena(self, budget=parse_bytes(budget) if budget else None)
+            self._arena = HostArena(self, budget=env_bytes("XPU_HOST_MEM_BUDGET", budget) if budget else None)
         return self._arena
 
     # ------------------------------------------------------------------ copies and device memory

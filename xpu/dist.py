@@ -1,5 +1,5 @@
-"""What every multi-process part needs from ``torch.distributed``, written once: a free loopback
-port, a process group joined over it with a bounded timeout, and "the first rank decides".
+"""What every multi-process part needs from ``torch.distributed``, written once: a rendezvous id,
+a process group joined through it with a bounded timeout, and "the first rank decides".
 
 MemFerry's data parallelism, MPress's stages and the harness's rank pools all start process
 groups on one machine and all make one rank compute a plan the others must share; a rank that
@@ -10,9 +10,11 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import tempfile
 from typing import Any, Callable, TypeVar
 
-__all__ = ["free_port", "init_local_group", "decide_on_first_rank", "collective_timeout", "TIMEOUT_ENV"]
+__all__ = ["free_port", "rendezvous_port", "rendezvous_path", "init_local_group", "decide_on_first_rank",
+           "collective_timeout", "TIMEOUT_ENV"]
 
 T = TypeVar("T")
 
@@ -27,16 +29,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rendezvous_path(port: int) -> str:
+    """The file through which the ranks of the local group with rendezvous id ``port`` meet."""
+    folder = os.path.join(tempfile.gettempdir(), f"xpu-rendezvous-{os.getuid()}")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    return os.path.join(folder, str(port))
+
+
+def rendezvous_port() -> int:
+    """A rendezvous id for :func:`init_local_group`, its file reserved (created empty) now.
+
+    A free loopback port, so it is unique among this machine's live groups like a TCP
+    rendezvous was; the file is created exclusively, so an id whose file a crashed group left
+    behind is skipped rather than read.
+    """
+    for _ in range(100):
+        port = free_port()
+        try:
+            os.close(os.open(rendezvous_path(port), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
+            continue
+        return port
+    raise RuntimeError(f"no free rendezvous id: 100 tries found a file in {os.path.dirname(rendezvous_path(0))}; "
+                       f"remove its stale files")
+
+
 def init_local_group(dist_backend: str, rank: int, world: int, port: int, timeout_s: float) -> None:
-    """Join the default process group of ``world`` ranks on this machine, rendezvous on ``port``.
+    """Join the default process group of ``world`` ranks on this machine, rendezvous id ``port``.
+
+    The ranks meet through a file (:func:`rendezvous_path`; torch removes it when every rank has
+    left), not a TCP store: torch's ``TCPStore`` listens on every interface (``[::]:port``)
+    whatever host it is given, and a one-machine group has no business being reachable from
+    the network. gloo's own pair sockets are put on the loopback interface too
+    (``GLOO_SOCKET_IFNAME=lo`` unless set). ``port`` is best from :func:`rendezvous_port`.
 
     ``timeout_s`` bounds every collective of the group: a rank that dies or stops must not
     leave its peers waiting for torch's 30-minute default.
     """
     import torch.distributed as dist
 
-    dist.init_process_group(dist_backend, rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo otherwise binds the hostname's address
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.FileStore(rendezvous_path(port), world)
+    store.set_timeout(timeout)
+    dist.init_process_group(dist_backend, rank=rank, world_size=world, store=store, timeout=timeout)
 
 
 def decide_on_first_rank(decide: Callable[[], T], group: Any = None, *, what: str = "decide",

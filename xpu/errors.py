@@ -13,6 +13,7 @@ __all__ = [
     "BackendUnavailableError",
     "CapabilityError",
     "HostMemoryBudgetError",
+    "EnvSettingError",
     "DeviceOutOfMemoryError",
 ]
 
@@ -35,6 +36,13 @@ class CapabilityError(XpuError, NotImplementedError):
 
 class HostMemoryBudgetError(XpuError, MemoryError):
     """A pinned-host allocation that would exceed the arena's host-memory budget."""
+
+
+class EnvSettingError(XpuError, ValueError):
+    """An environment variable (``XPU_CPU_DEVICES``, ``XPU_HOST_MEM_BUDGET``, ...) whose value
+    cannot be read; the message names the variable, its value and what would work.
+
+    It is a ``ValueError`` too, so callers that caught the parse error before still do."""
 
 
 #: Out-of-memory on a device. It *is* ``torch.OutOfMemoryError`` (the type torch.cuda and

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["parse_bytes", "format_bytes"]
+__all__ = ["parse_bytes", "format_bytes", "env_bytes", "env_int"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -47,3 +47,35 @@ def format_bytes(nbytes: int | float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1000
     return f"{value:.2f} TB"
+
+
+def env_bytes(name: str, value: str, *, also: str = "") -> int:
+    """``parse_bytes(value)`` for the environment variable ``name``.
+
+    Raises:
+        xpu.errors.EnvSettingError: the value is not a size; the one-line message names the
+            variable and its value (``also`` adds what else the variable accepts).
+    """
+    try:
+        return parse_bytes(value)
+    except ValueError:
+        from .errors import EnvSettingError  # lazy: this module stays free of torch
+
+        raise EnvSettingError(f"{name}={value!r} is not a size; give bytes or a size such as 2GB{also}") from None
+
+
+def env_int(name: str, value: str, *, least: int | None = None) -> int:
+    """``int(value)`` for the environment variable ``name``, at least ``least`` if given.
+
+    Raises:
+        xpu.errors.EnvSettingError: the value is not a whole number (or is below ``least``).
+    """
+    from .errors import EnvSettingError
+
+    try:
+        number = int(value.strip())
+    except ValueError:
+        raise EnvSettingError(f"{name}={value!r} is not a whole number; give one such as 4") from None
+    if least is not None and number < least:
+        raise EnvSettingError(f"{name}={value!r} must be at least {least}")
+    return number

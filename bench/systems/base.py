@@ -158,16 +158,15 @@ def engine_step(engine: Any, inputs: torch.Tensor, targets: torch.Tensor) -> tor
 def init_single_process_group(backend_name: str) -> None:
     """Start a one-process ``torch.distributed`` group (rank 0 of 1) if none is running.
 
-    The worker has set ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``; FSDP2 and
-    DeepSpeed both need a process group even alone.
+    FSDP2 and DeepSpeed both need a process group even alone; it is joined through
+    :func:`xpu.dist.init_local_group` (a file rendezvous, nothing listening beyond loopback).
     """
     import torch.distributed as dist
 
     if dist.is_available() and not dist.is_initialized():
-        if "MASTER_PORT" in os.environ and "MASTER_ADDR" in os.environ:  # the worker (or a launcher) chose it
-            dist.init_process_group(backend=backend_name, rank=0, world_size=1)
-        else:  # a free port, without leaving it in the environment for later processes to collide on
-            from xpu.dist import free_port
+        from xpu.dist import init_local_group, rendezvous_port
 
-            dist.init_process_group(backend=backend_name, rank=0, world_size=1,
-                                    init_method=f"tcp://127.0.0.1:{free_port()}")
+        # Through xpu.dist's file rendezvous (no socket listening beyond loopback; a TCP store on
+        # the worker's MASTER_PORT would listen on every interface), with a fresh reserved id:
+        # a crashed run's file is never reused. MASTER_* stay set for those that read them.
+        init_local_group(backend_name, 0, 1, rendezvous_port(), timeout_s=1800.0)  # torch's default timeout

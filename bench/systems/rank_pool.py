@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.multiprocessing as mp
 
-from xpu.dist import free_port, init_local_group
+from xpu.dist import init_local_group, rendezvous_path, rendezvous_port
 
 __all__ = ["RankPool", "RankChannel", "rank_env", "split_batch", "mean_loss", "peaks_text", "DataParallelRows"]
 
@@ -68,7 +68,7 @@ class RankChannel:
 
     Attributes:
         rank, world: this rank and the number of ranks.
-        port: the loopback port of the process group's TCP rendezvous.
+        port: the process group's rendezvous id (:func:`xpu.dist.rendezvous_port`).
         name, noun: the system's name and what it calls a rank (``"stage"``, ``"rank"``), for messages.
         commands: this rank's command queue; replies: the queue every rank answers on.
         parent_pid: the worker's process id (a rank outliving it stops serving).
@@ -139,7 +139,7 @@ class RankChannel:
         backend.bind_process(self.rank)
 
     def init_process_group(self, dist_backend: str, timeout_s: float) -> None:
-        """Join the ranks' process group (TCP rendezvous on :attr:`port`).
+        """Join the ranks' process group (file rendezvous :attr:`port`, see :func:`xpu.dist.init_local_group`).
 
         ``timeout_s`` bounds every collective: a rank that dies must not leave its peers
         waiting forever.
@@ -202,7 +202,8 @@ class RankPool:
         mpctx = mp.get_context("spawn")
         self._commands: list[Any] = [mpctx.Queue() for _ in range(ranks)]
         self._replies: Any = mpctx.Queue()
-        port = free_port()
+        port = rendezvous_port()
+        self._rendezvous = rendezvous_path(port)
         try:
             for rank in range(ranks):
                 channel = RankChannel(rank=rank, world=ranks, port=port, name=name, noun=noun,
@@ -309,6 +310,11 @@ class RankPool:
                 proc.terminate()
                 proc.join(timeout=5)
         self._procs = []
+        # Ranks stopped by force (or never joined) leave the rendezvous file behind: the pool owns it.
+        try:
+            os.unlink(self._rendezvous)
+        except FileNotFoundError:  # the last rank to leave removed it
+            pass
         for q in [*self._commands, *([self._replies] if self._replies is not None else [])]:
             q.close()
             q.cancel_join_thread()

@@ -37,6 +37,9 @@ import numpy as np
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Sequence
 
+from xpu.errors import XpuError
+from xpu.units import format_bytes
+
 from .config import Plan, UnitPlan
 from .cost import (Links, OptionCost, Prediction, State, advance, describe_units, device_bytes_per_param, finish,
                    initial_state, option_cost, predict)
@@ -44,9 +47,19 @@ from .cost import (Links, OptionCost, Prediction, State, advance, describe_units
 if TYPE_CHECKING:
     from .profiler import StepProfile
 
-__all__ = ["unit_choices", "schedule", "brute_force", "min_budget"]
+__all__ = ["NoPlanFitsError", "unit_choices", "schedule", "brute_force", "min_budget"]
 
 _GB = 1e9
+
+
+class NoPlanFitsError(XpuError, ValueError):
+    """No MemFerry plan fits the device budget; ``minimum`` is the least budget (bytes) that
+    would fit. A ``ValueError`` as before, and an :class:`~xpu.errors.XpuError` so the ``xpu``
+    command prints its one line and exits 2."""
+
+    def __init__(self, message: str, minimum: int | None = None) -> None:  # default: unpickles from args
+        super().__init__(message)
+        self.minimum = minimum
 #: Block count up to which every block gets its own choice by default; longer models are
 #: decided in groups of consecutive blocks, about this many groups (see ``schedule``).
 GROUP_ABOVE = 24
@@ -297,8 +310,9 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
         A :class:`Plan` with ``predicted_step_s`` and ``notes`` filled.
 
     Raises:
-        ValueError: ``n_blocks`` differs from the profile, or no plan fits the budget (the
-            message states the smallest budget that would).
+        ValueError: ``n_blocks`` differs from the profile.
+        NoPlanFitsError: no plan fits the budget (the message states the smallest budget that
+            would; a ``ValueError`` too).
     """
     n = len(profile.blocks)
     if n_blocks is not None and n_blocks != n:
@@ -332,9 +346,9 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
         best = (predict(inc[1], profile, links, margin), inc[1])
     if best is None:
         need = min_budget(profile, links, choices, rest_optimizers, depths, margin)
-        raise ValueError(f"no plan fits a device budget of {budget_bytes / _GB:.2f} GB: the smallest plan needs "
-                         f"{need / _GB:.2f} GB ({need} bytes, {margin:.0%} fragmentation margin included); "
-                         f"raise the budget to at least that")
+        raise NoPlanFitsError(f"no plan fits a device budget of {format_bytes(budget_bytes)}: the smallest plan needs "
+                              f"{format_bytes(need)} ({need} bytes, {margin:.0%} fragmentation margin included); "
+                              f"raise device_budget to at least that", minimum=need)
     plan = best[1]
     pred = predict(plan, profile, links, margin)  # the same numbers, with the host-work total filled in
     plan.predicted_step_s = pred.step_s

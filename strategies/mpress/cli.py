@@ -162,12 +162,11 @@ def _run_rank(config: Any, args: argparse.Namespace) -> int:
             print(f"xpu mpress: error: {exc}; raise --budget-gb, or add stages so each holds fewer blocks",
                   file=sys.stderr)
         status = os.environ.get(_STATUS_ENV)
-        if status is None:  # started by hand under torchrun: the exit status says it
-            return 2
-        if rank == 0:
+        if status is not None and rank == 0:
             with open(status, "w") as fh:
                 fh.write("2")
-        return 0
+        # Started by hand under torchrun, the exit status says it; by the launcher, the file.
+        _exit_now(2 if status is None else 0)
     except Exception as exc:
         oom = _out_of_memory(exc, torch.OutOfMemoryError)
         if oom is None:
@@ -177,6 +176,19 @@ def _run_rank(config: Any, args: argparse.Namespace) -> int:
               f"--budget-gb, more micro-batches or more stages", file=sys.stderr)
         return 3
     return 0
+
+
+def _exit_now(code: int) -> None:
+    """Leave this rank's process with ``code`` at once, its output flushed.
+
+    Not through interpreter shutdown: with the process group gone, a torch thread (the
+    rendezvous store's, gloo's) can still be alive there, and destroying it aborts the process
+    ("terminate called without an active exception", SIGABRT) after the one-line error, about
+    one run in five; torchrun then reports a failed rank over the message.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _out_of_memory(exc: BaseException, oom_type: type) -> BaseException | None:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from xpu.dist import free_port, init_local_group
+from xpu.dist import init_local_group, rendezvous_path, rendezvous_port
 
 from .build import adamw_with_states, build_stage
 from .job import PLANNED, PROFILE_MODES, SCHEDULES, PipelineJob, job_batch, reference
@@ -65,10 +65,17 @@ def launch(jobs: list[PipelineJob], stages: int, *, env: dict[str, str] | None =
     for job in jobs:
         job.validate(stages)
     with tempfile.TemporaryDirectory(prefix="mpress-") as out:
-        ctx = mp.start_processes(_stage_process, args=(stages, free_port(), jobs, out, dict(env or {})),
-                                 nprocs=stages, start_method="spawn", join=False)
-        while not ctx.join(timeout_s):
-            pass
+        port = rendezvous_port()
+        try:
+            ctx = mp.start_processes(_stage_process, args=(stages, port, jobs, out, dict(env or {})),
+                                     nprocs=stages, start_method="spawn", join=False)
+            while not ctx.join(timeout_s):
+                pass
+        finally:  # a stage that failed leaves the rendezvous file behind; this process reserved it
+            try:
+                os.unlink(rendezvous_path(port))
+            except FileNotFoundError:  # the last stage to leave removed it
+                pass
         results = []
         for r in range(stages):
             results.append(torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False))

@@ -10,7 +10,33 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["positive_int", "nonneg_int", "positive_number", "model_dims", "check_model_section", "apply_overrides",
-           "parse_set_items", "read_config_source"]
+           "parse_set_items", "read_config_source", "load_yaml"]
+
+_LOADER: Any = None
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load(text)``, except that unquoted ``1e-3``, ``3E-4`` and ``.5`` are floats.
+
+    PyYAML follows YAML 1.1, whose float pattern wants a dot and a signed exponent, so it reads
+    ``lr: 1e-3`` as the *string* ``'1e-3'`` (and then "must be a positive number, got '1e-3'").
+    This loader adds YAML 1.2's float pattern; a quoted ``'1e-3'`` stays a string.
+    """
+    global _LOADER
+    import re
+
+    import yaml
+
+    if _LOADER is None:
+        class _Loader(yaml.SafeLoader):
+            """SafeLoader with YAML 1.2 floats (``1e-3``)."""
+
+        _Loader.add_implicit_resolver(
+            "tag:yaml.org,2002:float",
+            re.compile(r"^[-+]?(?:[0-9][0-9_]*\.?[0-9_]*|\.[0-9_]+)(?:[eE][-+]?[0-9]+)?$"),
+            list("-+0123456789."))
+        _LOADER = _Loader
+    return yaml.load(text, Loader=_LOADER)  # noqa: S506 - a SafeLoader subclass
 
 
 def read_config_source(source: "str | Path | dict[str, Any]", error: type[Exception] = ValueError) -> tuple[Any, Path | None]:
@@ -27,7 +53,7 @@ def read_config_source(source: "str | Path | dict[str, Any]", error: type[Except
     if not path.is_file():
         raise error(f"no config file {str(source)!r}")
     try:
-        return yaml.safe_load(path.read_text()), path
+        return load_yaml(path.read_text()), path
     except yaml.YAMLError as exc:
         raise error(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
 
@@ -105,7 +131,7 @@ def parse_set_items(items: list[str] | None, error: type[Exception] = ValueError
         if not sep or not key.strip():
             raise error(f"--set takes KEY=VALUE, got {item!r}")
         try:
-            out[key.strip()] = yaml.safe_load(value)
+            out[key.strip()] = load_yaml(value)
         except yaml.YAMLError:
             raise error(f"--set {item!r}: the value is not valid YAML") from None
     return out

@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         display.close()
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
         print(f"xpu train: error: out of device memory after step {display.last_step} "
-              f"(device_budget {config.device_budget or 'none'}): {first[:300]}; try a plan with +recompute or "
+              f"(device_budget {_fmt_bytes(config.device_budget) if config.device_budget else 'none'}): {first[:300]}; try a plan with +recompute or "
               f"fewer resident blocks, a smaller batch, or a larger device_budget", file=sys.stderr)
         return 3
     except KeyboardInterrupt:

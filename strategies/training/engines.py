@@ -38,7 +38,9 @@ def _check_memferry(options: dict[str, Any], config: TrainConfig) -> None:
         try:
             Plan.from_spec(options["plan"], n_blocks)
         except ValueError as exc:
-            raise TrainConfigError(f"strategy.options.plan: {exc}") from None
+            # Plan.from_spec knows only fixed plans; 'auto' (the scheduler) is MemFerry's, so added here.
+            raise TrainConfigError(f"strategy.options.plan: {exc}; or auto (the scheduler picks a plan that fits "
+                                   f"device_budget)") from None
 
 
 def _build_memferry(model: nn.Module, config: TrainConfig, backend: Any, device: int) -> TrainEngine:
