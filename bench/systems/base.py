@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
