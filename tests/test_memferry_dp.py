@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from strategies.memferry import AdamW, MemFerry, Plan
+from xpu.dist import free_port
 from test_memferry_numerics import TinyGPT, lm_loss
 
 STEPS, WORLD = 6, 2
@@ -21,12 +21,6 @@ def _data(seed=5):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, 64, (2 * WORLD, 16), generator=g), torch.randint(0, 64, (2 * WORLD, 16), generator=g))
             for _ in range(STEPS)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank, port, plan_spec, clip, out_dir):
@@ -70,7 +64,7 @@ def test_two_ranks_equal_one_process_on_the_whole_batch(tmp_path, plan_spec, cli
         opt.step()
         ref_losses.append(loss.item())
 
-    mp.spawn(_rank, args=(_free_port(), plan_spec, clip, str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_rank, args=(free_port(), plan_spec, clip, str(tmp_path)), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     mean_losses = [sum(r["losses"][i] for r in ranks) / WORLD for i in range(STEPS)]
     assert mean_losses == pytest.approx(ref_losses, abs=1e-5, rel=1e-5)
@@ -119,7 +113,7 @@ def _auto_rank(rank, port, out_dir):
 
 
 def test_plan_auto_is_scheduled_once_and_shared_by_every_rank(tmp_path):
-    mp.start_processes(_auto_rank, args=(_free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(_auto_rank, args=(free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
     plans = [torch.load(tmp_path / f"auto{r}.pt", weights_only=False) for r in range(WORLD)]
     assert plans[0]["predicted"] is not None
     assert plans[0] == plans[1]
@@ -146,7 +140,7 @@ def _failing_auto_rank(rank, port, out_dir):
 def test_a_plan_the_first_rank_cannot_make_fails_every_rank_instead_of_hanging_them(tmp_path):
     """Only the first rank schedules; when no plan fits there, the others must hear of it (they
     raised nothing and waited for a plan, up to gloo's 30-minute default, before)."""
-    mp.start_processes(_failing_auto_rank, args=(_free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(_failing_auto_rank, args=(free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
     first, other = ((tmp_path / f"failed{r}.txt").read_text() for r in range(WORLD))
     assert first.startswith("NoPlanFitsError: no plan fits a device budget"), first
     assert other.startswith("RuntimeError: rank 0 could not schedule MemFerry's plan: NoPlanFitsError: no plan fits"), other
@@ -219,7 +213,7 @@ def test_a_stopped_rank_makes_the_other_fail_in_bounded_time_naming_the_ranks(tm
     import signal
     import time
 
-    ctx = mp.start_processes(_stopping_rank, args=(_free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn",
+    ctx = mp.start_processes(_stopping_rank, args=(free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn",
                              join=False)
     try:
         deadline = time.monotonic() + 240

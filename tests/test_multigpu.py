@@ -28,7 +28,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from strategies.memferry import AdamW, MemFerry, Plan
-from test_memferry_dp import STEPS, WORLD, _data, _free_port
+from xpu.dist import free_port
+from test_memferry_dp import STEPS, WORLD, _data
 from test_memferry_numerics import TinyGPT, lm_loss, reference
 
 pytestmark = pytest.mark.gpu
@@ -99,7 +100,7 @@ def _check_data_parallel(b, tmp_path, plan_spec, clip, env):
     # The mean loss over both micro-batches = the mean of the ranks' means.
     ref_losses, ref_params = reference(model.to(dev), data, AdamW(lr=3e-3, weight_decay=0.1, max_grad_norm=clip))
 
-    mp.spawn(_dp_rank, args=(_free_port(), plan_spec, clip, str(tmp_path), env), nprocs=WORLD, join=True)
+    mp.spawn(_dp_rank, args=(free_port(), plan_spec, clip, str(tmp_path), env), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     for r, res in enumerate(ranks):
         # The ranks ran on this backend's devices, and reduced gradients over its collective library.
@@ -187,7 +188,7 @@ def _run_pipeline(jobs, out_dir, env):
     """``results[job][rank]`` of ``jobs`` on two :func:`_pipeline_stage` processes (what launch returns)."""
     for job in jobs:
         job.validate(2)
-    mp.spawn(_pipeline_stage, args=(_free_port(), jobs, str(out_dir), env), nprocs=2, join=True)
+    mp.spawn(_pipeline_stage, args=(free_port(), jobs, str(out_dir), env), nprocs=2, join=True)
     per_rank = [torch.load(os.path.join(out_dir, f"stage{r}.pt"), weights_only=False) for r in range(2)]
     return [[per_rank[r][j] for r in range(2)] for j in range(len(jobs))]
 

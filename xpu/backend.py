@@ -86,6 +86,7 @@ class Backend(abc.ABC):
     dist_backend: ClassVar[str]
     #: Environment variable that restricts and orders visible devices, if any.
     visible_devices_env: ClassVar[str | None] = None
+
     @classmethod
     def unavailable_reason(cls) -> str | None:
         """None if this backend can run in this process, else a sentence saying why not.
@@ -98,11 +99,10 @@ class Backend(abc.ABC):
         self._caps: Capabilities | None = None
         self._arena = None
         self._caps_bytes: dict[int, int] = {}
-        # Checked now, though the arena is made on first use: a bad value is refused before any
+        # Parsed now, though the arena is made on first use: a bad value is refused before any
         # work starts (``xpu info`` included), not halfway through a run.
         budget = os.environ.get("XPU_HOST_MEM_BUDGET")
-        if budget:
-            env_bytes("XPU_HOST_MEM_BUDGET", budget)
+        self._host_budget = env_bytes("XPU_HOST_MEM_BUDGET", budget) if budget else None
 
     # ------------------------------------------------------------------ identity
     @property
@@ -251,8 +251,7 @@ class Backend(abc.ABC):
         if self._arena is None:
             from .arena import HostArena
 
-            budget = os.environ.get("XPU_HOST_MEM_BUDGET")
-            self._arena = HostArena(self, budget=env_bytes("XPU_HOST_MEM_BUDGET", budget) if budget else None)
+            self._arena = HostArena(self, budget=self._host_budget)
         return self._arena
 
     # ------------------------------------------------------------------ copies and device memory

@@ -13,7 +13,8 @@ import socket
 import tempfile
 from typing import Any, Callable, TypeVar
 
-__all__ = ["free_port", "rendezvous_port", "rendezvous_path", "init_local_group", "decide_on_first_rank",
+__all__ = ["free_port", "rendezvous_port", "rendezvous_path", "release_rendezvous", "init_local_group",
+           "decide_on_first_rank",
            "collective_timeout", "TIMEOUT_ENV"]
 
 T = TypeVar("T")
@@ -52,6 +53,18 @@ def rendezvous_port() -> int:
         return port
     raise RuntimeError(f"no free rendezvous id: 100 tries found a file in {os.path.dirname(rendezvous_path(0))}; "
                        f"remove its stale files")
+
+
+def release_rendezvous(port: int) -> None:
+    """Remove the rendezvous file of ``port`` if it is still there (no-op when it is gone).
+
+    torch removes it when every rank has left; ranks stopped by force or that never joined leave
+    it behind, so whoever reserved the id (:func:`rendezvous_port`) releases it when done.
+    """
+    try:
+        os.unlink(rendezvous_path(port))
+    except FileNotFoundError:
+        pass
 
 
 def init_local_group(dist_backend: str, rank: int, world: int, port: int, timeout_s: float) -> None:

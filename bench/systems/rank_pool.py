@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.multiprocessing as mp
 
-from xpu.dist import init_local_group, rendezvous_path, rendezvous_port
+from xpu.dist import init_local_group, release_rendezvous, rendezvous_port
 
 __all__ = ["RankPool", "RankChannel", "rank_env", "split_batch", "mean_loss", "peaks_text", "DataParallelRows"]
 
@@ -202,8 +202,7 @@ class RankPool:
         mpctx = mp.get_context("spawn")
         self._commands: list[Any] = [mpctx.Queue() for _ in range(ranks)]
         self._replies: Any = mpctx.Queue()
-        port = rendezvous_port()
-        self._rendezvous = rendezvous_path(port)
+        port = self._rendezvous = rendezvous_port()  # this pool reserved it and releases it at close
         try:
             for rank in range(ranks):
                 channel = RankChannel(rank=rank, world=ranks, port=port, name=name, noun=noun,
@@ -311,10 +310,7 @@ class RankPool:
                 proc.join(timeout=5)
         self._procs = []
         # Ranks stopped by force (or never joined) leave the rendezvous file behind: the pool owns it.
-        try:
-            os.unlink(self._rendezvous)
-        except FileNotFoundError:  # the last rank to leave removed it
-            pass
+        release_rendezvous(self._rendezvous)
         for q in [*self._commands, *([self._replies] if self._replies is not None else [])]:
             q.close()
             q.cancel_join_thread()

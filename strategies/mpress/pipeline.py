@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from xpu.dist import init_local_group, rendezvous_path, rendezvous_port
+from xpu.dist import init_local_group, release_rendezvous, rendezvous_port
 
 from .build import adamw_with_states, build_stage
 from .job import PLANNED, PROFILE_MODES, SCHEDULES, PipelineJob, job_batch, reference
@@ -72,10 +72,7 @@ def launch(jobs: list[PipelineJob], stages: int, *, env: dict[str, str] | None =
             while not ctx.join(timeout_s):
                 pass
         finally:  # a stage that failed leaves the rendezvous file behind; this process reserved it
-            try:
-                os.unlink(rendezvous_path(port))
-            except FileNotFoundError:  # the last stage to leave removed it
-                pass
+            release_rendezvous(port)
         results = []
         for r in range(stages):
             results.append(torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False))
