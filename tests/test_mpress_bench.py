@@ -34,7 +34,7 @@ def _scenario(tmp_path: Path, systems: list, **overrides) -> Path:
 
 
 def _xpu_bench(scenario: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, XPU_BACKEND="cpu", PYTHONPATH=str(ROOT), MPRESS_PG_TIMEOUT_S="60")
+    env = dict(os.environ, XPU_BACKEND="cpu", PYTHONPATH=str(ROOT), XPU_COLLECTIVE_TIMEOUT_S="60")
     return subprocess.run([sys.executable, "-m", "xpu", "bench", str(scenario), "--out", str(out), "--no-timeline",
                            "--no-progress", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
 

@@ -126,7 +126,7 @@ def test_example_config_dry_run():
 # ---------------------------------------------------------------------------------- end to end through torchrun
 def test_two_stages_through_torchrun_match_the_unpipelined_run(tmp_path, cpu_backend):
     cfg = _config(tmp_path)
-    env = dict(os.environ, XPU_BACKEND="cpu", PYTHONPATH=str(ROOT), MPRESS_PG_TIMEOUT_S="60")
+    env = dict(os.environ, XPU_BACKEND="cpu", PYTHONPATH=str(ROOT), XPU_COLLECTIVE_TIMEOUT_S="60")
     for key in ("LOCAL_RANK", "WORLD_SIZE", "RANK"):
         env.pop(key, None)
     proc = subprocess.run([sys.executable, "-m", "xpu", "mpress", str(cfg), "--json"], cwd=ROOT, env=env,

@@ -7,7 +7,7 @@ import torch
 from strategies.mpress.pipeline import PipelineJob, launch, reference
 
 DIMS = dict(layers=4, hidden=32, heads=2, vocab=64, seq=32)
-ENV = {"XPU_BACKEND": "cpu", "XPU_CPU_DEVICES": "4", "XPU_CPU_DEVICE_MEM": "64MB", "MPRESS_PG_TIMEOUT_S": "30"}
+ENV = {"XPU_BACKEND": "cpu", "XPU_CPU_DEVICES": "4", "XPU_CPU_DEVICE_MEM": "64MB", "XPU_COLLECTIVE_TIMEOUT_S": "30"}
 
 
 def _assert_matches(job, results):
@@ -117,3 +117,63 @@ def test_a_stage_moves_a_host_batch_to_its_device_and_plans_peers_without_touchi
     backend = SimpleNamespace(topology=lambda: topo, mem_info=lambda d: queried.append(d) or (1, 64))
     assert _device_total(backend, 0) == 80 and queried == []
     assert _device_total(backend, 1) == 64 and queried == [1]  # unknown to the topology: asked at run time
+
+
+def _stopping_stage(rank, port, out_dir):
+    """Stage 1 stops itself (SIGSTOP) as its first step begins; stage 0 must fail within the bound."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    os.environ.update(ENV, XPU_COLLECTIVE_TIMEOUT_S="5")
+    torch.set_num_threads(1)
+    import xpu
+    from strategies.mpress import pipeline
+    from strategies.mpress.runtime import StageRuntime
+    from xpu.dist import collective_timeout, init_local_group
+
+    xpu.reset_backend()
+    if rank == 1:
+        def stop(self, *args, **kwargs):
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+        StageRuntime.step = stop  # set-up (profiles, plan, pools) runs; the step never answers
+    init_local_group("gloo", rank, 2, port, collective_timeout().total_seconds())
+    job = PipelineJob(DIMS, schedule="1f1b", microbatches=2, batch=4, steps=1)
+    t0 = time.monotonic()
+    try:
+        pipeline.run_jobs([job])
+        outcome = "no error"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    (Path(out_dir) / f"rank{rank}.txt").write_text(f"{time.monotonic() - t0:.1f}\n{outcome}")
+    os._exit(0)  # the peer is stopped: no orderly teardown is possible
+
+
+def test_a_stopped_stage_makes_its_neighbour_fail_in_bounded_time_naming_it(tmp_path):
+    """A stage stopped by SIGSTOP mid-run: its neighbour's send/recv ends within XPU_COLLECTIVE_TIMEOUT_S
+    with an error naming the stage it waited for (issue 17, item 7)."""
+    import os
+    import signal
+    import time
+
+    import torch.multiprocessing as mp
+
+    from xpu.dist import free_port
+
+    ctx = mp.start_processes(_stopping_stage, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn",
+                             join=False)
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "rank0.txt").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join(10)
+    elapsed, outcome = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+    assert outcome.startswith("CollectiveTimeoutError: MPress stage 0 of 2: a send/recv with stage(s) [1] "), outcome
+    assert "XPU_COLLECTIVE_TIMEOUT_S" in outcome and "stopped or died" in outcome
+    assert float(elapsed) < 90

@@ -32,7 +32,7 @@ from test_mpress_pipeline import _assert_matches
 
 ROOT = Path(__file__).resolve().parent.parent
 DIMS = dict(layers=4, hidden=32, heads=2, vocab=64, seq=32)
-ENV = {"XPU_BACKEND": "cpu", "XPU_CPU_DEVICES": "4", "XPU_CPU_DEVICE_MEM": "64MB", "MPRESS_PG_TIMEOUT_S": "30"}
+ENV = {"XPU_BACKEND": "cpu", "XPU_CPU_DEVICES": "4", "XPU_CPU_DEVICE_MEM": "64MB", "XPU_COLLECTIVE_TIMEOUT_S": "30"}
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +272,7 @@ def test_profile_json_through_torchrun(tmp_path):
     cfg = tmp_path / "micro.yaml"
     cfg.write_text(yaml.safe_dump(MICRO))
     out = tmp_path / "prof.json"
-    env = dict(os.environ, XPU_BACKEND="cpu", PYTHONPATH=str(ROOT), MPRESS_PG_TIMEOUT_S="60")
+    env = dict(os.environ, XPU_BACKEND="cpu", PYTHONPATH=str(ROOT), XPU_COLLECTIVE_TIMEOUT_S="60")
     for key in ("LOCAL_RANK", "WORLD_SIZE", "RANK"):
         env.pop(key, None)
     proc = subprocess.run([sys.executable, "-m", "xpu", "mpress", str(cfg), "--profile-json", str(out)], cwd=ROOT,

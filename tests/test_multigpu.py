@@ -265,7 +265,7 @@ def test_mpress_launch_runs_one_stage_per_device(two_devices):
     from strategies.mpress.pipeline import PipelineJob, launch, reference
 
     job = PipelineJob(PIPE_DIMS, **{**PIPE_RUN, "steps": 1})
-    (res,) = launch([job], 2, env={**_child_env(), "MPRESS_PG_TIMEOUT_S": str(PG_TIMEOUT_S)})
+    (res,) = launch([job], 2, env={**_child_env(), "XPU_COLLECTIVE_TIMEOUT_S": str(PG_TIMEOUT_S)})
     _assert_pipeline_matches(two_devices, "launch", res, reference(job))
 
 

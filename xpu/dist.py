@@ -15,7 +15,7 @@ from typing import Any, Callable, TypeVar
 
 __all__ = ["free_port", "rendezvous_port", "rendezvous_path", "release_rendezvous", "init_local_group",
            "decide_on_first_rank",
-           "collective_timeout", "TIMEOUT_ENV"]
+           "collective_timeout", "peer_failure", "TIMEOUT_ENV"]
 
 T = TypeVar("T")
 
@@ -123,6 +123,25 @@ def decide_on_first_rank(decide: Callable[[], T], group: Any = None, *, what: st
     if isinstance(box[0], BaseException):
         raise box[0]
     return box[0]
+
+
+#: Fragments of the errors gloo, NCCL and HCCL raise when a peer stopped (a timeout) or died (a
+#: closed connection). torch gives them no common type beyond ``torch.distributed.DistError``.
+_PEER_FAILURE_SIGNS = ("timed out", "operation timeout", "connection closed", "connection reset", "broken pipe",
+                       "connection refused")
+
+
+def peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) says a peer process stopped answering or went away."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        import torch.distributed as dist
+
+        if isinstance(exc, getattr(dist, "DistError", ())) or any(s in str(exc).lower() for s in _PEER_FAILURE_SIGNS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def collective_timeout(default_s: float = 300.0) -> datetime.timedelta:

@@ -15,6 +15,7 @@ __all__ = [
     "HostMemoryBudgetError",
     "EnvSettingError",
     "DeviceOutOfMemoryError",
+    "CollectiveTimeoutError",
 ]
 
 
@@ -43,6 +44,12 @@ class EnvSettingError(XpuError, ValueError):
     cannot be read; the message names the variable, its value and what would work.
 
     It is a ``ValueError`` too, so callers that caught the parse error before still do."""
+
+
+class CollectiveTimeoutError(XpuError):
+    """A collective or send/recv of our own process groups did not complete within its bound
+    (``XPU_COLLECTIVE_TIMEOUT_S``): a peer rank or pipeline stage stopped, died or lagged. The
+    message names this rank and the ones it was waiting for."""
 
 
 #: Out-of-memory on a device. It *is* ``torch.OutOfMemoryError`` (the type torch.cuda and

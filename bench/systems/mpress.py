@@ -33,6 +33,7 @@ import torch
 from .base import BenchSystem, SystemContext, phase
 from .rank_pool import RankChannel, RankPool
 
+from xpu.dist import collective_timeout
 from strategies.mpress.pipeline import SCHEDULES, PipelineJob, adamw_with_states
 
 __all__ = ["MPressSystem", "make", "PLANS"]
@@ -171,7 +172,7 @@ def _stage_main(channel: RankChannel, job: PipelineJob, adamw: dict[str, Any], d
     try:
         backend = xpu.get_backend()
         channel.take_device(backend)
-        channel.init_process_group(dist_backend, float(os.environ.get("MPRESS_PG_TIMEOUT_S", "300")))
+        channel.init_process_group(dist_backend, collective_timeout(300.0).total_seconds())
         box: list[torch.optim.Optimizer] = []
 
         def prepare(stage: torch.nn.Module) -> None:

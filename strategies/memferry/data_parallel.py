@@ -35,8 +35,7 @@ from xpu.dist import collective_timeout
 __all__ = ["DataParallel", "CollectiveTimeoutError"]
 
 
-class CollectiveTimeoutError(RuntimeError):
-    """A collective of data-parallel MemFerry did not complete: a peer rank stopped, died or lagged."""
+from xpu.errors import CollectiveTimeoutError  # noqa: E402  (re-exported: MemFerry's name for it)
 
 
 #: How to change the bound, for messages.

@@ -47,7 +47,6 @@ step whatever the plan and writes every stage's profile with all its tensor reco
 from __future__ import annotations
 
 import copy
-import datetime
 import json
 import os
 import shlex
@@ -58,6 +57,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from strategies.training import TrainConfig, TrainConfigError
+from xpu.dist import collective_timeout
 
 __all__ = ["MPressConfig", "MPressConfigError", "OPTIONS", "load_config", "under_torchrun", "launch_command",
            "check_devices", "run_rank", "reference_losses"]
@@ -356,7 +356,7 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
     o = t.optimizer
     adamw = {"lr": o.lr, "betas": o.betas, "eps": o.eps, "weight_decay": o.weight_decay}
     # A bounded timeout: a stage that dies must not leave its peers waiting forever.
-    timeout = datetime.timedelta(seconds=float(os.environ.get("MPRESS_PG_TIMEOUT_S", "300")))
+    timeout = collective_timeout(300.0)
     # This stage's device current for good: NCCL stages collective objects on the current device.
     backend.bind_process(rank)
     dist.init_process_group(backend.dist_backend, rank=rank, world_size=world, timeout=timeout)

@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from xpu.dist import init_local_group, release_rendezvous, rendezvous_port
+from xpu.dist import collective_timeout, init_local_group, peer_failure, release_rendezvous, rendezvous_port
+from xpu.errors import CollectiveTimeoutError
 
 from .build import adamw_with_states, build_stage
 from .job import PLANNED, PROFILE_MODES, SCHEDULES, PipelineJob, job_batch, reference
@@ -90,7 +91,7 @@ def _stage_process(rank: int, world: int, port: int, jobs: list[PipelineJob], ou
     # This stage's device current for good: NCCL stages collective objects on the current device.
     backend.bind_process(rank)
     # A bounded timeout: a stage that dies (e.g. out of memory) must not leave its peers waiting forever.
-    init_local_group(backend.dist_backend, rank, world, port, float(os.environ.get("MPRESS_PG_TIMEOUT_S", "60")))
+    init_local_group(backend.dist_backend, rank, world, port, collective_timeout(60.0).total_seconds())
     try:
         results = run_jobs(jobs, backend)
     finally:
@@ -108,7 +109,31 @@ def run_jobs(jobs: list[PipelineJob], backend: Any = None) -> list[dict[str, Any
     world = dist.get_world_size()
     if backend.device_count() < world:
         raise ValueError(f"{world} stages need {world} devices; backend '{backend.name}' has {backend.device_count()}")
-    return [_run_job(job, dist.get_rank(), world, backend) for job in jobs]
+    rank = dist.get_rank()
+    try:
+        return [_run_job(job, rank, world, backend) for job in jobs]
+    except Exception as exc:
+        if not peer_failure(exc):
+            raise
+        raise _stage_missing(rank, world, exc) from exc
+
+
+def _stage_missing(rank: int, world: int, exc: BaseException) -> CollectiveTimeoutError:
+    """The error of a stage whose peers stopped answering: it names the stages it waited for.
+
+    In a step a stage waits on its pipeline neighbours; in set-up (profiles, plans, pool
+    handles) on every other stage, so then the culprit is one of them.
+    """
+    from xpu.dist import TIMEOUT_ENV
+
+    neighbours = [r for r in (rank - 1, rank + 1) if 0 <= r < world]
+    in_step = "failed in step" in str(exc)
+    waited = neighbours if in_step else [r for r in range(world) if r != rank]
+    first = next((line for line in str(exc.__cause__ or exc).splitlines() if line.strip()), type(exc).__name__)
+    return CollectiveTimeoutError(
+        f"MPress stage {rank} of {world}: {'a send/recv with' if in_step else 'a set-up collective with'} "
+        f"stage(s) {waited} did not complete within the group's timeout ({TIMEOUT_ENV} sets it): "
+        f"{'a neighbouring stage' if in_step else 'one of them'} stopped or died ({first.strip()[:300]})")
 
 
 def _run_job(job: PipelineJob, rank: int, world: int, backend: Any) -> dict[str, Any]:
