@@ -58,7 +58,7 @@ def _build_memferry(model: nn.Module, config: TrainConfig, backend: Any, device:
         plan = Plan.from_spec(opts["plan"], len(model.blocks))
     if opts["loss_chunks"] > 1:
         if not hasattr(model, "loss_chunks"):
-            raise TrainConfigError("strategy.options.loss_chunks needs a model that slices its loss (gpt or llama)")
+            raise TrainConfigError("strategy.options.loss_chunks needs a model that slices its loss (gpt, llama or hf)")
         model.loss_chunks = opts["loss_chunks"]
     # MemFerry is a TrainEngine as it is; its set_lr is queued behind pending host updates.
     return MemFerry(model, optim=cfg, device_budget=config.device_budget, plan=plan, backend=backend, device=device,
