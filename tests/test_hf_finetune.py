@@ -134,6 +134,10 @@ def test_train_then_export_loads_with_the_trained_weights(saved, tmp_path, cpu_b
     theirs = loaded.state_dict()
     for k, v in state.items():
         torch.testing.assert_close(theirs[k[len("hf."):]], v, rtol=1e-6, atol=1e-6)
+    import strategies.training.export_cli  # noqa: F401 - registers `xpu export`
+    from xpu.cli import main
+
+    assert main(["export", str(tmp_path / "run"), "--hf", str(tmp_path / "a"), "--adapter"]) == 2  # no LoRA here
     if ref.config.tie_word_embeddings:
         assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
     # trained: the weights moved away from the saved ones
@@ -204,3 +208,42 @@ def test_xpu_export_bad_input_is_one_line_exit_2(tmp_path, capsys):
     assert main(["export", str(tmp_path / "junk.pt"), "--hf", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert "not a readable xpu train checkpoint" in err and "\n" not in err
+
+
+def test_path_without_safetensors_or_too_short_for_seq_is_refused(saved):
+    path = saved[0]
+    base = {"strategy": "torch", "data": {"kind": "synthetic"}}
+    with pytest.raises(TrainConfigError, match="exceeds the model's max_position_embeddings 64"):
+        load_config({**base, "model": {"family": "hf", "path": str(path)}, "seq": 65})
+    for f in path.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(TrainConfigError, match=r"holds no \*.safetensors weights"):
+        load_config({**base, "model": {"family": "hf", "path": str(path)}, "seq": 16})
+
+
+def test_memferry_trains_an_hf_model_with_the_same_losses_sliced(tmp_path, cpu_backend):
+    path, _ = _save(tmp_path, _llama_cfg(), "llama")
+    losses = []
+    for chunks in (1, 4):
+        cfg = {"model": {"family": "hf", "path": str(path)}, "steps": 3, "batch": 2, "seq": 16, "dtype": "fp32",
+               "strategy": {"name": "memferry", "options": {"loss_chunks": chunks}}, "data": {"kind": "synthetic"}}
+        losses.append(torch.tensor(train(load_config(cfg)).losses))
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+
+
+def test_export_copies_the_tokenizer_of_data_tokenizer_and_refuses_other_families(tmp_path):
+    from strategies.training.export import export_hf
+
+    path, ref = _save(tmp_path, _gpt2_cfg(), "gpt2")
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    (tok / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    state = {"hf." + k: v for k, v in ref.state_dict().items() if k != "lm_head.weight"}
+    config = {"model": {"family": "hf", "path": str(path)}, "seq": 16, "data": {"kind": "text", "tokenizer": str(tok)}}
+    out = export_hf(state, config, tmp_path / "out")
+    assert (out / "tokenizer.json").read_text() == "{}" and (out / "tokenizer_config.json").is_file()
+    with pytest.raises(TrainConfigError, match="needs a model of family hf"):
+        export_hf({}, {"model": {"family": "gpt", "layers": 2, "hidden": 32, "heads": 4, "vocab": 64}}, tmp_path / "x")
+    with pytest.raises(TrainConfigError, match="do not match the config's model: missing"):
+        export_hf({k: v for k, v in state.items() if "h.0." not in k}, config, tmp_path / "y")

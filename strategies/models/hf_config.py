@@ -89,7 +89,15 @@ def check_hf_dims(dims: dict[str, Any]) -> None:
         raise ValueError("model family 'hf' takes either path: <local save_pretrained folder> (pretrained weights) or "
                          "config: {model_type: ..., <transformers config fields>} (random init), not both or neither")
     if has_path:
-        _config_json(dims["path"])
+        folder = _config_json(dims["path"]).parent
+        if not any(folder.glob("*.safetensors")):
+            raise ValueError(f"path {dims['path']!r} holds no *.safetensors weights; write them with "
+                             f"save_pretrained(..., safe_serialization=True)")
+        fields = hf_config_dict(dims)
+        longest = fields.get("max_position_embeddings", fields.get("n_positions"))
+        if isinstance(longest, int) and isinstance(dims.get("seq"), int) and dims["seq"] > longest:
+            raise ValueError(f"seq {dims['seq']} exceeds the model's max_position_embeddings {longest} "
+                             f"(path {dims['path']!r}); lower seq")
     else:
         cfg = dims["config"]
         if not isinstance(cfg, dict) or "model_type" not in cfg:
