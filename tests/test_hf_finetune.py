@@ -247,3 +247,25 @@ def test_export_copies_the_tokenizer_of_data_tokenizer_and_refuses_other_familie
         export_hf({}, {"model": {"family": "gpt", "layers": 2, "hidden": 32, "heads": 4, "vocab": 64}}, tmp_path / "x")
     with pytest.raises(TrainConfigError, match="do not match the config's model: missing"):
         export_hf({k: v for k, v in state.items() if "h.0." not in k}, config, tmp_path / "y")
+
+
+def test_recompute_uses_hf_checkpointing_with_equal_grads(tmp_path):
+    path, _ = _save(tmp_path, _llama_cfg(), "llama")
+    m = build_model("hf", path=str(path), seq=16, lora={"r": 2, "target_modules": ["q_proj"]})
+    m.train()
+    idx = torch.randint(0, 128, (2, 16))
+
+    def grads():
+        m.zero_grad(set_to_none=True)
+        m(idx, idx).backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    plain = grads()
+    m.recompute = True
+    assert m.recompute and any(getattr(x, 'gradient_checkpointing', False) for x in m.modules())
+    again = grads()
+    assert set(again) == set(plain) and plain
+    for n, g in plain.items():
+        torch.testing.assert_close(again[n], g, rtol=1e-6, atol=1e-7)
+    m.recompute = False
+    assert not any(getattr(x, 'gradient_checkpointing', False) for x in m.modules())

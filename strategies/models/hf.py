@@ -62,6 +62,28 @@ class HFCausalLM(CausalLM):
         # The decoder layers are the first ModuleList as long as the layer count (llama, gpt2, mistral, qwen...).
         found = [m for m in self.hf.modules() if isinstance(m, nn.ModuleList) and len(m) == layers]
         self.blocks = found[0] if found else nn.ModuleList()
+        self.recompute = self._recompute  # applied now that the HF model exists
+
+    @property
+    def recompute(self) -> bool:
+        """Recompute each decoder layer in backward: the HF model's own gradient checkpointing (non-reentrant)."""
+        return getattr(self, "_recompute", False)
+
+    @recompute.setter
+    def recompute(self, value: bool) -> None:
+        self._recompute = bool(value)
+        if "hf" not in self._modules:  # CausalLM.__init__ sets it before the HF model exists
+            return
+        base = self.base
+        if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x names; the gradient_* ones are deprecated
+            if value:
+                base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            elif base.is_activation_checkpointing:
+                base.activation_checkpointing_disable()
+        elif value:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif base.is_gradient_checkpointing:
+            base.gradient_checkpointing_disable()
 
     @property
     def base(self) -> nn.Module:

@@ -6,6 +6,7 @@ YAML shape (every key but ``model`` optional)::
     name: gpt-tiny                 # default: the file's name
     description: ...
     model: {family: gpt, layers: 4, hidden: 128, heads: 4, vocab: 256}   # strategies.models families
+    # or {family: hf, path: models/tiny-llama, lora: {r: 8, alpha: 16}}  (a local save_pretrained folder)
     strategy:                      # or just a name: `strategy: torch`
       name: memferry               # memferry | torch (see strategies.training.registry)
       options: {plan: prefetch+recompute, max_grad_norm: 1.0}
