@@ -8,7 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from strategies.models import build_model, param_count  # noqa: E402
+from strategies.models import build_model, flops_per_token, param_count  # noqa: E402
 from strategies.training import TrainConfigError, load_config, read_checkpoint, train  # noqa: E402
 
 
@@ -53,6 +53,7 @@ def test_load_by_path_gives_the_saved_weights(saved):
     for k, v in theirs.items():
         assert torch.equal(ours[k], v), k
     assert param_count("hf", path=str(path), seq=16) == sum(p.numel() for p in ref.parameters())
+    assert flops_per_token("hf", path=str(path), seq=16) > 6 * (param_count("hf", path=str(path), seq=16) - 128 * 32 * 2)
 
 
 def test_train_config_reads_vocab_and_blocks_from_path(saved, tmp_path):
@@ -66,12 +67,16 @@ def test_train_config_reads_vocab_and_blocks_from_path(saved, tmp_path):
     ({"config": {"model_type": "llama", "hiden_size": 32, "vocab_size": 128}}, r"\['hiden_size'\] are not fields"),
     ({"config": {"model_type": "lama", "vocab_size": 128}}, "not a transformers model type"),
     ({}, "either path"),
+    ({"config": {"model_type": "gpt2", "vocab_size": 128}, "lora": {"r": 4}, "_strategy": "memferry"},
+     "model.lora trains with strategy torch"),
     ({"config": {"model_type": "gpt2", "vocab_size": 128}, "lora": {"r": 4, "rank": 2}}, r"lora has no key\(s\) \['rank'\]"),
     ({"config": {"model_type": "gpt2", "vocab_size": 128}, "lora": {"r": 0}}, "lora.r must be a positive integer"),
 ])
 def test_bad_hf_model_sections_are_one_line_errors(model, match):
+    model = dict(model)
+    strategy = model.pop("_strategy", "torch")
     with pytest.raises(TrainConfigError, match=match) as err:
-        load_config({"model": {"family": "hf", **model}, "strategy": "torch", "seq": 16})
+        load_config({"model": {"family": "hf", **model}, "strategy": strategy, "seq": 16})
     assert "\n" not in str(err.value)
 
 
