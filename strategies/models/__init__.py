@@ -14,8 +14,12 @@ Families and their dimensions (``build_model(family, **dims)``):
 * ``llama``: ``layers, hidden, heads, kv_heads, vocab, seq`` (+ ``ffn``, ``rope_theta``,
   ``norm_eps``). RMSNorm, SwiGLU MLP, rotary position embedding, grouped-query attention
   (``kv_heads`` divides ``heads``), no biases, untied head.
-* ``hf``: ``config`` (a dict with ``model_type`` and ``transformers`` config fields) and
-  ``seq``; built with ``AutoModelForCausalLM.from_config`` (nothing is downloaded).
+* ``hf``: either ``config`` (a dict with ``model_type`` and ``transformers`` config fields, each
+  checked against the config class; random init with ``AutoModelForCausalLM.from_config``) or
+  ``path`` (a local ``save_pretrained`` folder: config.json + safetensors weights, loaded with
+  ``from_pretrained(local_files_only=True)``; a hub name is refused, nothing is downloaded), plus
+  ``seq`` and optional ``lora: {r, alpha, dropout, target_modules}`` (peft LoRA: base frozen).
+  Checks in :mod:`.hf_config`; HF format out in :mod:`strategies.training.export`.
 """
 from .base import CausalLM, RMSNorm
 from .families import (FAMILIES, build_model, default_dims, embedding_param_count, flops_per_token, param_count,

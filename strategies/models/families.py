@@ -10,6 +10,7 @@ from torch import nn
 from .base import CausalLM
 from .gpt import GPT
 from .hf import HFCausalLM
+from .hf_config import HF_KEYS, check_hf_dims, hf_config_dict
 from .llama import Llama
 
 __all__ = ["FAMILIES", "build_model", "param_count", "embedding_param_count", "flops_per_token", "validate_dims",
@@ -17,13 +18,13 @@ __all__ = ["FAMILIES", "build_model", "param_count", "embedding_param_count", "f
 
 _GPT_KEYS = {"layers", "hidden", "heads", "vocab", "seq", "mlp_ratio", "bias", "pos_emb"}
 _LLAMA_KEYS = {"layers", "hidden", "heads", "kv_heads", "vocab", "seq", "ffn", "rope_theta", "norm_eps"}
-_HF_KEYS = {"config", "seq"}
+_HF_KEYS = HF_KEYS
 
 #: family -> (builder, accepted dimension names, required dimension names)
 FAMILIES: dict[str, tuple[Callable[..., CausalLM], set[str], set[str]]] = {
     "gpt": (GPT, _GPT_KEYS, {"layers", "hidden", "heads", "vocab"}),
     "llama": (Llama, _LLAMA_KEYS, {"layers", "hidden", "heads", "vocab"}),
-    "hf": (HFCausalLM, _HF_KEYS, {"config"}),
+    "hf": (HFCausalLM, _HF_KEYS, set()),  # config or path: check_hf_dims
 }
 
 
@@ -52,8 +53,7 @@ def validate_dims(family: str, dims: dict[str, Any]) -> None:
     if missing:
         raise ValueError(f"model family {family!r} needs dimension(s) {sorted(missing)}")
     if family == "hf":
-        if not isinstance(dims["config"], dict) or "model_type" not in dims["config"]:
-            raise ValueError("model family 'hf' needs config: {model_type: ..., <transformers config fields>}")
+        check_hf_dims(dims)
         return
     for key in ("layers", "hidden", "heads", "vocab", "seq", "kv_heads", "ffn", "mlp_ratio"):
         if key in dims and dims[key] is not None and (not isinstance(dims[key], int) or dims[key] < 1):
@@ -119,7 +119,7 @@ def embedding_param_count(family: str, **dims: Any) -> int:
 def _attention_width(family: str, dims: dict[str, Any]) -> tuple[int, int]:
     """(layers, heads * head_dim) for the attention-score term."""
     if family == "hf":
-        cfg = dims["config"]
+        cfg = hf_config_dict(dims)
         return int(cfg.get("num_hidden_layers", cfg.get("n_layer", 0))), int(cfg.get("hidden_size", cfg.get("n_embd", 0)))
     return dims["layers"], dims["hidden"]
 

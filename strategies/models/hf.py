@@ -1,43 +1,108 @@
-"""A Hugging Face ``transformers`` causal LM behind the :class:`~strategies.models.base.CausalLM` interface."""
+"""A Hugging Face ``transformers`` causal LM behind the :class:`~strategies.models.base.CausalLM` interface.
+
+Built from a ``config`` (random init) or loaded from a local ``path`` (a ``save_pretrained``
+folder, weights from its safetensors; never downloaded), optionally wrapped with peft LoRA
+adapters (``lora``: base weights frozen). :meth:`HFCausalLM.features` and :attr:`HFCausalLM.head`
+split the HF model into its base model and output embedding, so :class:`CausalLM`'s loss over
+token slices (``loss_chunks``) works: no whole fp32 logits. Models that post-process logits
+beyond the output embedding (soft-capping, a logit scale: Gemma 2, Cohere) would differ there.
+"""
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .base import CausalLM
+from .hf_config import LORA_DEFAULTS
 
 __all__ = ["HFCausalLM"]
 
-class HFCausalLM(CausalLM):
-    """A ``transformers`` causal LM built from a config, behind the :class:`CausalLM` interface."""
 
-    def __init__(self, config: dict[str, Any], seq: int = 1024) -> None:
+def _lora_config(lora: dict[str, Any]) -> Any:
+    from peft import LoraConfig, TaskType
+
+    lo = {**LORA_DEFAULTS, **lora}
+    return LoraConfig(r=lo["r"], lora_alpha=lo["alpha"], lora_dropout=float(lo["dropout"]),
+                      target_modules=lo["target_modules"], task_type=TaskType.CAUSAL_LM)
+
+
+class HFCausalLM(CausalLM):
+    """A ``transformers`` causal LM (from ``config`` or a local ``path``, optional LoRA) as a :class:`CausalLM`.
+
+    Attributes:
+        hf: the ``transformers`` model, or the peft ``PeftModel`` around it when ``lora`` is given.
+        blocks: the decoder layers' ``ModuleList``.
+    """
+
+    def __init__(self, config: dict[str, Any] | None = None, seq: int = 1024, path: str | None = None,
+                 lora: dict[str, Any] | None = None) -> None:
         super().__init__()
         from transformers import AutoConfig, AutoModelForCausalLM  # optional dependency
 
-        cfg = dict(config)
-        model_type = cfg.pop("model_type")
-        cfg.setdefault("max_position_embeddings", seq)
-        self.hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg))
-        layers = getattr(self.hf.config, "num_hidden_layers", None)
+        if path is not None:
+            if torch.get_default_device().type == "meta":  # counting parameters: the structure only
+                hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+                self.hf = AutoModelForCausalLM.from_config(hf_config)
+            else:
+                self.hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True,
+                                                               dtype=torch.get_default_dtype())
+        else:
+            cfg = dict(config or {})
+            model_type = cfg.pop("model_type")
+            cfg.setdefault("max_position_embeddings", seq)
+            self.hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg))
+        self.hf.config.use_cache = False  # training: no key/value cache
+        if lora is not None:
+            from peft import get_peft_model
+
+            self.hf = get_peft_model(self.hf, _lora_config(lora))  # freezes every non-adapter weight
+        layers = getattr(self.base.config, "num_hidden_layers", None)
         # The decoder layers are the first ModuleList as long as the layer count (llama, gpt2, mistral, qwen...).
         found = [m for m in self.hf.modules() if isinstance(m, nn.ModuleList) and len(m) == layers]
         self.blocks = found[0] if found else nn.ModuleList()
+        self.recompute = self._recompute  # applied now that the HF model exists
+
+    @property
+    def recompute(self) -> bool:
+        """Recompute each decoder layer in backward: the HF model's own gradient checkpointing (non-reentrant)."""
+        return getattr(self, "_recompute", False)
+
+    @recompute.setter
+    def recompute(self, value: bool) -> None:
+        self._recompute = bool(value)
+        if "hf" not in self._modules:  # CausalLM.__init__ sets it before the HF model exists
+            return
+        base = self.base
+        if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x names; the gradient_* ones are deprecated
+            if value:
+                base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            elif base.is_activation_checkpointing:
+                base.activation_checkpointing_disable()
+        elif value:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif base.is_gradient_checkpointing:
+            base.gradient_checkpointing_disable()
+
+    @property
+    def base(self) -> nn.Module:
+        """The ``transformers`` causal LM itself (inside the peft wrapper if there is one)."""
+        get_base = getattr(self.hf, "get_base_model", None)
+        return get_base() if callable(get_base) and self.hf.__class__.__module__.startswith("peft") else self.hf
+
+    @property
+    def head(self) -> nn.Module:
+        """The output embedding (``lm_head``), which maps :meth:`features` to logits."""
+        return self.base.get_output_embeddings()
+
+    def features(self, idx: torch.Tensor) -> torch.Tensor:
+        """The base model's final (normalised) hidden states, ``(batch, seq, hidden)``."""
+        return self.base.base_model(input_ids=idx, use_cache=False).last_hidden_state
 
     def _run_blocks(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - HF runs its own blocks
         raise NotImplementedError
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """The HF model's own logits (its forward, not features + head)."""
         return self.hf(input_ids=idx, use_cache=False).logits
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """As :meth:`CausalLM.forward`; the loss is never sliced (HF models compute logits whole)."""
-        if targets is None:
-            return self.logits(idx)
-        logits = self.logits(idx)
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-

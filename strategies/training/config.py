@@ -6,6 +6,7 @@ YAML shape (every key but ``model`` optional)::
     name: gpt-tiny                 # default: the file's name
     description: ...
     model: {family: gpt, layers: 4, hidden: 128, heads: 4, vocab: 256}   # strategies.models families
+    # or {family: hf, path: models/tiny-llama, lora: {r: 8, alpha: 16}}  (a local save_pretrained folder)
     strategy:                      # or just a name: `strategy: torch`
       name: memferry               # memferry | torch (see strategies.training.registry)
       options: {plan: prefetch+recompute, max_grad_norm: 1.0}
@@ -151,16 +152,16 @@ class TrainConfig:
         return model_dims(self.model, self.seq)
 
     def vocab(self) -> int | None:
-        """The model's vocabulary size (None for an ``hf`` config that leaves it to transformers)."""
+        """The model's vocabulary size (an ``hf`` model's from its config or ``path``'s config.json; None if not given)."""
         if self.family == "hf":
-            value = self.model["config"].get("vocab_size")
+            value = _hf_fields(self.model).get("vocab_size")
             return int(value) if value is not None else None
         return int(self.model["vocab"])
 
     def n_blocks(self) -> int | None:
         """Number of transformer blocks (None for an ``hf`` config that does not say)."""
         if self.family == "hf":
-            cfg = self.model["config"]
+            cfg = _hf_fields(self.model)
             value = cfg.get("num_hidden_layers", cfg.get("n_layer"))
             return int(value) if value is not None else None
         return int(self.model["layers"])
@@ -308,6 +309,12 @@ class TrainConfig:
         s.options = {**copy.deepcopy(spec.options), **s.options}
         if spec.check is not None:
             spec.check(s.options, self)
+
+
+def _hf_fields(model: dict[str, Any]) -> dict[str, Any]:
+    from strategies.models.hf_config import hf_config_dict  # the hf family's config (or path's config.json)
+
+    return hf_config_dict(model)
 
 
 def _public_keys(cls: type) -> list[str]:

@@ -23,6 +23,10 @@ def _check_memferry(options: dict[str, Any], config: TrainConfig) -> None:
     from strategies.memferry import Plan
 
     _check_grad_norm(options)
+    if isinstance(config.model, dict) and config.model.get("lora") is not None:
+        # peft freezes the base weights; MemFerry homes only trainable weights (the frozen ones fail at set-up)
+        raise TrainConfigError("model.lora trains with strategy torch for now: MemFerry does not handle frozen base "
+                               "weights yet; drop lora or use strategy: torch")
     if not isinstance(options["plan"], str):
         raise TrainConfigError(f"strategy.options.plan must be a plan name such as 'prefetch+recompute' or 'auto', "
                                f"got {options['plan']!r}")
@@ -58,7 +62,7 @@ def _build_memferry(model: nn.Module, config: TrainConfig, backend: Any, device:
         plan = Plan.from_spec(opts["plan"], len(model.blocks))
     if opts["loss_chunks"] > 1:
         if not hasattr(model, "loss_chunks"):
-            raise TrainConfigError("strategy.options.loss_chunks needs a model that slices its loss (gpt or llama)")
+            raise TrainConfigError("strategy.options.loss_chunks needs a model that slices its loss (gpt, llama or hf)")
         model.loss_chunks = opts["loss_chunks"]
     # MemFerry is a TrainEngine as it is; its set_lr is queued behind pending host updates.
     return MemFerry(model, optim=cfg, device_budget=config.device_budget, plan=plan, backend=backend, device=device,
