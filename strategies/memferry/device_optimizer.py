@@ -33,20 +33,41 @@ class DeviceOptimizer:
                         for s in shadows if s.home == "device"}
         self._pending: list[UnitShadow] = []
         self._sqnorms: list[torch.Tensor] = []
+        # Units summing micro-batches' gradients in their fp32 buffer (gradient accumulation),
+        # with the reduction (data parallelism) their sum will take once complete.
+        self._open: dict[int, tuple[UnitShadow, Callable[[torch.Tensor], None] | None]] = {}
 
     def __contains__(self, shadow: UnitShadow) -> bool:
         return shadow.unit.index in self._optims
 
-    def grads_ready(self, s: UnitShadow, reduce: Callable[[torch.Tensor], None] | None = None) -> None:
-        """Gather the unit's gradients (upcast into its flat fp32 buffer), average them over
-        ranks with ``reduce`` if given, and update the unit, or hold the update until the clip
-        coefficient is known."""
-        self.backend.realloc_storage(s.grad)
+    def grads_ready(self, s: UnitShadow, reduce: Callable[[torch.Tensor], None] | None = None,
+                    final: bool = True) -> None:
+        """Gather the unit's gradients (upcast into its flat fp32 buffer, or added to what earlier
+        micro-batches left there); when ``final`` (the step's last micro-batch), average the sum
+        over ranks with ``reduce`` if given, and update the unit, or hold the update until the
+        clip coefficient is known."""
+        first = s.unit.index not in self._open
+        if first:
+            self.backend.realloc_storage(s.grad)
         for view, (_, p) in zip(s.slices(s.grad), s.unit.params):
-            view.copy_(p.grad)
+            if first:
+                view.copy_(p.grad)
+            else:
+                view.add_(p.grad)
             p.grad = None
+        self._open[s.unit.index] = (s, reduce)
+        if final:
+            self._complete(s.unit.index)
+
+    def flush(self) -> None:
+        """The step ends before its last micro-batch: complete every accumulated gradient."""
+        for index in list(self._open):
+            self._complete(index)
+
+    def _complete(self, index: int) -> None:
+        s, reduce = self._open.pop(index)
         if reduce is not None:
-            reduce(s.grad)
+            reduce(s.grad)  # once per step, on the sum: averaging is linear
         if self.cfg.max_grad_norm is None:
             self._update(s, 1.0)
         else:

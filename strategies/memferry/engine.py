@@ -27,6 +27,7 @@ from torch import nn
 import xpu
 from xpu import Backend, in_host_memory
 
+from .accumulation import MicroBatches, check_accumulation_steps
 from .compute_dtype import cast_parameters, check_compute_dtype, restore_parameters
 from .config import AdamW, Plan, UnitPlan
 from .data_parallel import DataParallel
@@ -118,6 +119,13 @@ class MemFerry:
             ``MixedPrecisionPolicy(param_dtype=...)`` or DeepSpeed's bf16 mode keep an fp32
             model. A model built in bf16 has lost those bits before the engine sees it.
             :meth:`state_dict` gives fp32 tensors back. None: the parameters' own dtype.
+        accumulation_steps: micro-batches per optimizer step. Each runs ``loss = engine(x, y)``
+            and ``engine.backward(loss / N)``; then one ``engine.step()`` applies ONE AdamW
+            update from the sum of their gradients (fp32 sums: a 4-byte-per-parameter buffer
+            per host-homed unit shard when N > 1), clipped on that sum's norm. Updates start
+            overlapped with the backward of the N-th micro-batch; a ``step()`` after fewer
+            backwards applies what was accumulated then. Calls out of order raise
+            :class:`~strategies.memferry.accumulation.AccumulationError`.
     """
 
     def __init__(
@@ -135,7 +143,9 @@ class MemFerry:
         memory_margin: float = 0.10,
         multipath: bool | None = None,
         compute_dtype: torch.dtype | None = None,
+        accumulation_steps: int = 1,
     ) -> None:
+        check_accumulation_steps(accumulation_steps)
         if not 0.0 <= memory_margin < 1.0:
             raise ValueError(f"memory_margin must lie in [0, 1), got {memory_margin}")
         check_compute_dtype(model, compute_dtype)
@@ -169,7 +179,8 @@ class MemFerry:
             if process_group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
                 self.dp = DataParallel.create(self.backend.device(self.device), process_group)
             with self.backend.device_scope(self.device):
-                self.shadow = ShadowModel(units, self.backend, self.device, device_homes, self.dp, originals=originals)
+                self.shadow = ShadowModel(units, self.backend, self.device, device_homes, self.dp, originals=originals,
+                                          accumulate=accumulation_steps > 1)
         except BaseException:
             # Refused (a bad budget, no fitting plan, too little host memory): give the caller
             # back the model as it came; units already made into shadows are the engine's.
@@ -187,6 +198,7 @@ class MemFerry:
                                  copier=self.copier)
         self.plan = plan
         self._steps = 0
+        self.micro = MicroBatches(accumulation_steps)
 
     def _copier(self, multipath: bool | None) -> Any:
         """The multi-path copier for weight loads, or None (see ``multipath``)."""
@@ -199,15 +211,22 @@ class MemFerry:
     # ------------------------------------------------------------------ training
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         """Forward pass on the device; host tensors in ``inputs`` are copied there first."""
+        grad = torch.is_grad_enabled()
+        self.micro.check_forward(grad)
         with self.backend.device_scope(self.device):
             inputs = tuple(self._to_device(x) for x in inputs)
+            kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
+            self.micro.forward_started(grad)
             self.executor.begin_forward()
             return self.model(*inputs, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward pass; gradients go to host memory and updates start as they land."""
+        """Backward pass; gradients go to host memory. On the step's last micro-batch (the
+        ``accumulation_steps``-th backward) updates start as they land; before it gradients
+        are only summed."""
+        final = self.micro.begin_backward()
         with self.backend.device_scope(self.device):
-            self.executor.begin_backward()
+            self.executor.begin_backward(final)
             try:
                 loss.backward()
             finally:
@@ -216,8 +235,15 @@ class MemFerry:
     def step(self) -> None:
         """End the step: with clipping, the held updates run now (after every gradient is in).
 
-        Without clipping, updates started as gradients landed and this returns at once.
+        Without clipping, updates started as gradients landed and this returns at once. After
+        fewer backwards than ``accumulation_steps``, the accumulated updates are applied now.
         """
+        if self.micro.begin_step():
+            self.executor.flush_updates()
+            with self.backend.device_scope(self.device):
+                self.device_optimizer.flush()
+            self.optimizer.flush()
+        self.micro.stepped()
         coef = 1.0
         if self.cfg.max_grad_norm is not None:
             with self.backend.device_scope(self.device):

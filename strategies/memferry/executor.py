@@ -91,6 +91,7 @@ class Executor:
         self.dha_counter = TransferCounter()
         self._routed: dict[int, set[int]] = {}  # unit index -> ids of weights whose gradient host_linear writes
         self._routed_done: set[int] = set()  # ... of those, the ones written this step
+        self._final = True  # the current backward is the step's last micro-batch
         # Activation offload. Weights are never swapped: they are bound to buffers that come and go.
         self.swapper = ActivationSwapper(backend, device, min_bytes=1 << 16)
         self.swapper.skip = self._keeps_on_device  # type: ignore[method-assign]
@@ -185,6 +186,7 @@ class Executor:
         self._pending_grads = {s.unit.index: len(s.unit.params) for s in self.shadow.shadows}
         self._routed_done.clear()
         self._swap_groups.clear()
+        self._final = True
         self._last_swap_group = None
         self._use(self.rest, "resident")
         upcoming = [s for s in self.blocks if self.unit_plans[s.unit.index].forward != "dha"]
@@ -198,9 +200,19 @@ class Executor:
                 self._release(s)  # prefetched copies go; resident ones stay allocated ...
                 self._stale.add(s.unit.index)  # ... and are reloaded before their next use
 
-    def begin_backward(self) -> None:
-        """Backward starts: the hooks switch to backward modes."""
+    def begin_backward(self, final: bool = True) -> None:
+        """Backward starts: the hooks switch to backward modes. ``final``: this backward ends
+        the step's gradient (its last micro-batch), so updates start as gradients land;
+        otherwise gradients are only accumulated."""
         self.phase = "backward"
+        self._final = final
+
+    def flush_updates(self) -> None:
+        """The step ends before its last micro-batch: the accumulated updates run now, so every
+        host-homed unit's copy will change (reload before use)."""
+        for s in self.shadow.shadows:
+            if s.home == "host" and s.unit.params:
+                self._stale.add(s.unit.index)
 
     def end_backward(self) -> None:
         """Backward ended: offload units whose gradients did not all arrive (unused parameters)."""
@@ -316,6 +328,8 @@ class Executor:
             tensors[0].register_hook(functools.partial(self._pre_backward, s))
 
     def _pre_backward(self, s: UnitShadow, grad: torch.Tensor) -> None:
+        if s.home == "host" and s.unit.index in self._routed:
+            self.opt.wait_consumed(s.unit.index)  # host_linear writes this micro-batch's gradient home
         self._use(s, self.unit_plans[s.unit.index].backward)
         self._prefetch_after(s, backward=True)
         group = self._swap_groups.pop(s.unit.index, None)
@@ -341,8 +355,9 @@ class Executor:
         dp = self.shadow.dp
         if s.home == "device":
             with self.b.device_scope(self.dev):
-                self.device_opt.grads_ready(s, reduce=dp.average if dp is not None else None)
+                self.device_opt.grads_ready(s, reduce=dp.average if dp is not None else None, final=self._final)
             return
+        self.opt.wait_consumed(s.unit.index)  # the previous micro-batch's gradient is summed: its landing zone is free
         if dp is None:
             routed = self._routed.get(s.unit.index, set())  # already home: host_linear wrote them
             pairs = [(p.grad, t) for (_, p), t in zip(s.unit.params, s.slices(s.grad_stage)) if id(p) not in routed]
@@ -367,12 +382,13 @@ class Executor:
             landed = self.b.event()
             landed.record(self.d2h)
         self.bytes_d2h += sum(t.numel() * t.element_size() for t in targets)
-        self._stale.add(s.unit.index)  # its update is about to change the host copy
+        if self._final:
+            self._stale.add(s.unit.index)  # its update is about to change the host copy
         for _, p in s.unit.params:
             p.grad = None
         if self.unit_plans[s.unit.index].backward != "dha":
             self._release(s)
-        self.opt.submit(s.unit.index, landed.synchronize)
+        self.opt.submit(s.unit.index, landed.synchronize, final=self._final)
 
 
 class _Gathered:

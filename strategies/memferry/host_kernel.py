@@ -38,7 +38,8 @@ KERNELS = ("auto", "torch", "single-pass")
 
 
 class HostKernel:
-    """Applies one AdamW step to a host-homed unit (gradient already landed in ``grad_stage``).
+    """Applies one AdamW step to a host-homed unit (gradient already in ``grad_source``: the
+    landed ``grad_stage``, or the fp32 sum of a step's micro-batches).
 
     ``apply`` returns the seconds spent per phase (``upcast``, ``adamw``, ``writeback``; a
     single-pass kernel reports everything as ``adamw``) and advances ``shadow.step``.
@@ -103,15 +104,16 @@ class TorchKernel(HostKernel):
 
     def apply(self, s: UnitShadow, coef: float) -> dict[str, float]:
         times = {"upcast": 0.0, "adamw": 0.0, "writeback": 0.0}
-        low = s.grad_stage.dtype != torch.float32
+        src = s.grad_source
+        low = src.dtype != torch.float32
         work = None if s.master_is_work else (s.work if s.shard is None else s.work[s.shard])
         for (a, b), opt in zip(self._bounds[id(s)], self._optims[id(s)]):
             t0 = time.perf_counter()
             if low:
                 g = self._scratch[: b - a]
-                g.copy_(s.grad_stage[a:b])
+                g.copy_(src[a:b])
             else:
-                g = s.grad_stage[a:b]  # fp32 gradients land in place; consumed by this update
+                g = src[a:b]  # fp32 gradients (landed or accumulated) are used in place; consumed by this update
             if coef != 1.0:
                 g.mul_(coef)
             t1 = time.perf_counter()
@@ -202,7 +204,7 @@ class SinglePassKernel(HostKernel):
         # Host buffers only: outside any dispatch mode (the cpu backend's device-memory tracker
         # is one), which torch.compile would refuse to run under.
         with _disable_current_modes():
-            self._fn(s.master, s.grad_stage, s.exp_avg, s.exp_avg_sq, work, scalars, b1, b2, eps)
+            self._fn(s.master, s.grad_source, s.exp_avg, s.exp_avg_sq, work, scalars, b1, b2, eps)
         s.step = step
         return {"upcast": 0.0, "adamw": time.perf_counter() - t0, "writeback": 0.0}
 

@@ -48,6 +48,15 @@ class UnitShadow:
     dha_flat: torch.Tensor | None = None
     device_views: list[torch.Tensor] = field(default_factory=list)
     dha_views: list[torch.Tensor] = field(default_factory=list)
+    #: fp32 sum of the micro-batches' gradients of one step (gradient accumulation; None
+    #: without it); ``accumulated`` says whether the next update reads it.
+    grad_acc: torch.Tensor | None = None
+    accumulated: bool = False
+
+    @property
+    def grad_source(self) -> torch.Tensor:
+        """The gradient the next update reads: the accumulated sum when there is one, else the landed one."""
+        return self.grad_acc if self.accumulated and self.grad_acc is not None else self.grad_stage
 
     @property
     def master_is_work(self) -> bool:
@@ -74,12 +83,14 @@ class UnitShadow:
             p.data = v
 
 
-def host_bytes_needed(units: list[Unit], device_homes: set[int] | frozenset, dp: "DataParallel | None" = None) -> int:
+def host_bytes_needed(units: list[Unit], device_homes: set[int] | frozenset, dp: "DataParallel | None" = None,
+                      accumulate: bool = False) -> int:
     """Pinned host bytes :class:`ShadowModel` will take for ``units`` (checked before allocating).
 
     Per host-homed unit: the compute-dtype working copy (whole, padded under data parallelism)
     and gradient landing zone, plus the fp32 master and two moments (this rank's shard); an
-    fp32 unit's master is its working copy.
+    fp32 unit's master is its working copy. With ``accumulate`` (gradient accumulation), an
+    fp32 sum of the micro-batches' gradients per shard too.
     """
     total = 0
     for u in units:
@@ -88,7 +99,7 @@ def host_bytes_needed(units: list[Unit], device_homes: set[int] | frozenset, dp:
         elem = u.params[0][1].element_size()
         padded, shard = dp.shard(u.numel) if dp is not None else (u.numel, slice(0, u.numel))
         size = shard.stop - shard.start
-        total += padded * elem + size * elem + 4 * size * (2 if elem == 4 else 3)
+        total += padded * elem + size * elem + 4 * size * (2 if elem == 4 else 3) + (4 * size if accumulate else 0)
     return total
 
 
@@ -119,8 +130,10 @@ class ShadowModel:
     """
 
     def __init__(self, units: list[Unit], backend: Backend, device: int, device_homes: set[int] | frozenset = frozenset(),
-                 dp: "DataParallel | None" = None, originals: dict[str, torch.Tensor] | None = None) -> None:
+                 dp: "DataParallel | None" = None, originals: dict[str, torch.Tensor] | None = None,
+                 accumulate: bool = False) -> None:
         self.backend, self.device, self.dp = backend, device, dp
+        self.accumulate = accumulate
         self.units = units
         # Parameters cast to the compute dtype by the engine: masters from these (fp32)
         # originals, and state dicts in their dtype.
@@ -140,7 +153,7 @@ class ShadowModel:
         from xpu.errors import HostMemoryBudgetError
         from xpu.units import format_bytes
 
-        need = host_bytes_needed(self.units, device_homes, self.dp)
+        need = host_bytes_needed(self.units, device_homes, self.dp, self.accumulate)
         arena = self.backend.host_arena
         stats = arena.stats()
         if arena.budget is not None:
@@ -211,6 +224,8 @@ class ShadowModel:
         grad = grad_stage  # see the module docstring: upcast chunk-wise by the host kernel
         device_flat = b.empty(padded, dtype, self.device)
         shadow = UnitShadow(unit, work, master, exp_avg, exp_avg_sq, grad, grad_stage, device_flat, offsets, shard=shard)
+        if self.accumulate:
+            shadow.grad_acc = arena.empty(size, torch.float32)
         shadow.device_views = shadow.slices(device_flat)
         if b.caps.dha:
             shadow.dha_flat = b.device_view(work, self.device)
@@ -228,7 +243,8 @@ class ShadowModel:
                 continue
             # Aliases (an fp32 master inside the working copy, fp32 gradients staged in place)
             # share one arena buffer: release each storage once.
-            buffers = {t.untyped_storage().data_ptr(): t for t in (s.master, s.grad_stage, s.work, s.exp_avg, s.exp_avg_sq, s.grad)}
+            held = (s.master, s.grad_stage, s.work, s.exp_avg, s.exp_avg_sq, s.grad, s.grad_acc)
+            buffers = {t.untyped_storage().data_ptr(): t for t in held if t is not None}
             for t in buffers.values():
                 arena.release(t)
         self.shadows = []
