@@ -8,6 +8,7 @@ import torch
 
 from strategies.memferry import AdamW, MemFerry, Plan, UnitPlan
 from strategies.memferry.accumulation import AccumulationError
+from strategies.weight_decay import param_groups
 from tests.test_memferry_numerics import TinyGPT, batches, lm_loss
 
 PLANS = {
@@ -22,7 +23,7 @@ PLANS = {
 def reference(model, steps, cfg, n):
     """Plain torch AdamW, one step per ``n`` micro-batches, on the summed gradients of ``loss / n``."""
     model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
     for micro in steps:
         opt.zero_grad()
         for x, y in micro:

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from .adamw import flat_adamw
+from .adamw import decay_ranges, flat_adamw
 from .config import AdamW
 from .shadow import UnitShadow
 
@@ -29,8 +29,11 @@ class DeviceOptimizer:
     def __init__(self, cfg: AdamW, shadows: list[UnitShadow], backend: Any) -> None:
         self.cfg = cfg
         self.backend = backend
-        self._optims = {s.unit.index: flat_adamw(s.master, s.exp_avg, s.exp_avg_sq, s.step, cfg)
-                        for s in shadows if s.home == "device"}
+        # Per unit, one optimizer per weight-decay group: (start, stop, optimizer) over the master.
+        self._optims = {s.unit.index: [(a, b, flat_adamw(s.master[a:b], s.exp_avg[a:b], s.exp_avg_sq[a:b], s.step, cfg,
+                                                         weight_decay=None if decays else 0.0))
+                                       for a, b, decays in decay_ranges(s.master.numel(), s.decay_end)]
+                        for s in shadows if s.home == "device" and s.master.numel()}
         self._pending: list[UnitShadow] = []
         self._sqnorms: list[torch.Tensor] = []
         # Units summing micro-batches' gradients in their fp32 buffer (gradient accumulation),
@@ -49,7 +52,7 @@ class DeviceOptimizer:
         first = s.unit.index not in self._open
         if first:
             self.backend.realloc_storage(s.grad)
-        for view, (_, p) in zip(s.slices(s.grad), s.unit.params):
+        for view, (_, p) in zip(s.train_slices(s.grad), s.unit.trainable):
             if first:
                 view.copy_(p.grad)
             else:
@@ -86,22 +89,26 @@ class DeviceOptimizer:
 
     def set_lr(self, lr: float) -> None:
         """Learning rate for the next updates."""
-        for opt in self._optims.values():
-            opt.param_groups[0]["lr"] = lr
+        for opts in self._optims.values():
+            for _, _, opt in opts:
+                opt.param_groups[0]["lr"] = lr
 
     def sync_steps_from_shadows(self, shadows: list[UnitShadow]) -> None:
         """Take step counts from the shadows (after loading a checkpoint)."""
         for s in shadows:
             if s.unit.index in self._optims:
-                self._optims[s.unit.index].state[s.master]["step"].fill_(float(s.step))
+                for _, _, opt in self._optims[s.unit.index]:
+                    p = opt.param_groups[0]["params"][0]
+                    opt.state[p]["step"].fill_(float(s.step))
 
     def _update(self, s: UnitShadow, coef: float) -> None:
         if coef != 1.0:
             s.grad.mul_(coef)
-        opt = self._optims[s.unit.index]
-        s.master.grad = s.grad
-        opt.step()
-        s.master.grad = None
+        for a, b, opt in self._optims[s.unit.index]:
+            p = opt.param_groups[0]["params"][0]
+            p.grad = s.grad[a:b]
+            opt.step()
+            p.grad = None
         self.backend.keep_alive(s.grad, self.backend.current_stream())
         self.backend.free_storage(s.grad)  # 4 bytes per parameter held only while updating
         s.write_back()

@@ -16,9 +16,10 @@ model and scheduler); ``plan="auto"`` calls it first::
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,8 @@ from torch import nn
 
 import xpu
 from xpu import Backend, in_host_memory
+
+from ..weight_decay import no_decay_names
 
 from .accumulation import MicroBatches, check_accumulation_steps
 from .compute_dtype import cast_parameters, check_compute_dtype, restore_parameters
@@ -73,6 +76,22 @@ def _check_budget(units: list, plan: Plan, device_homes: set[int], device_budget
             f"between steps (resident weights and device-homed optimizer states; activations come on top): "
             f"give at least {format_bytes(floor)}, or a plan with fewer resident / device-homed blocks, "
             f"or plan='auto' to let the scheduler fit the budget")
+
+
+def _no_hf_cache(model: nn.Module) -> None:
+    """Turn off a Hugging Face model's KV cache (training never reuses it, and a DynamicCache
+    in the outputs would reach the profiler and the blocks' hooks)."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "use_cache"):
+        config.use_cache = False
+
+
+def _takes_labels(model: nn.Module) -> bool:
+    """Whether ``model.forward`` takes ``labels=`` (Hugging Face models computing their own loss)."""
+    try:
+        return "labels" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 class MemFerry:
@@ -126,6 +145,13 @@ class MemFerry:
             overlapped with the backward of the N-th micro-batch; a ``step()`` after fewer
             backwards applies what was accumulated then. Calls out of order raise
             :class:`~strategies.memferry.accumulation.AccumulationError`.
+        no_decay: qualified names of parameters trained without weight decay (None: biases and
+            normalisation layers' parameters, as Hugging Face's Trainer groups them:
+            :func:`strategies.weight_decay.no_decay_names`; an empty set: decay everything).
+
+    Frozen parameters (``requires_grad=False``, e.g. a LoRA model's base weights) are homed and
+    moved with their units like the others but have no optimizer state (no master, moments or
+    gradient): 2 bytes of pinned host memory per parameter in bf16, 4 in fp32.
     """
 
     def __init__(
@@ -144,8 +170,11 @@ class MemFerry:
         multipath: bool | None = None,
         compute_dtype: torch.dtype | None = None,
         accumulation_steps: int = 1,
+        no_decay: Iterable[str] | None = None,
     ) -> None:
         check_accumulation_steps(accumulation_steps)
+        no_decay = no_decay_names(model) if no_decay is None else set(no_decay)
+        _no_hf_cache(model)
         if not 0.0 <= memory_margin < 1.0:
             raise ValueError(f"memory_margin must lie in [0, 1), got {memory_margin}")
         check_compute_dtype(model, compute_dtype)
@@ -157,7 +186,7 @@ class MemFerry:
         originals = cast_parameters(model, compute_dtype)
         previous_cap = self.backend.memory_cap(self.device)
         try:
-            units = split_units(model, blocks)
+            units = split_units(model, blocks, no_decay)
             n_blocks = sum(u.is_block for u in units)
             if plan == "auto":  # the convenience form: plan first (the model is already cast)
                 plan = plan_for(model, sample, device_budget, optim=self.cfg, loss_fn=loss_fn, blocks=blocks,
@@ -178,6 +207,9 @@ class MemFerry:
             self.dp = None
             if process_group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
                 self.dp = DataParallel.create(self.backend.device(self.device), process_group)
+            if self.dp is not None and any(len(u.trainable) < len(u.params) for u in units):
+                raise ValueError("frozen parameters (requires_grad=False) are not supported under data-parallel MemFerry "
+                                 "yet: train them all, or run one process without a process group")
             with self.backend.device_scope(self.device):
                 self.shadow = ShadowModel(units, self.backend, self.device, device_homes, self.dp, originals=originals,
                                           accumulate=accumulation_steps > 1)
@@ -284,6 +316,9 @@ class MemFerry:
         """Forward, backward and step; returns the loss (detached, still on the device)."""
         if self.loss_fn is not None:
             loss = self.loss_fn(self(inputs), self._to_device(targets))
+        elif targets is not None and _takes_labels(self.model):  # a Hugging Face model: model(x, labels=y).loss
+            out = self(inputs, labels=targets)
+            loss = out["loss"] if isinstance(out, dict) else out.loss
         else:  # the model computes its own loss, e.g. model(idx, targets)
             loss = self(inputs) if targets is None else self(inputs, targets)
         self.backward(loss)
