@@ -230,8 +230,8 @@ class Executor:
                         p.grad = torch.zeros_like(p)
                 self._pending_grads[s.unit.index] = 0
                 self._offload_grads(s)
-        for s in self.blocks:  # units with nothing to train have no gradient offload to release them
-            if not s.unit.trainable and self.unit_plans[s.unit.index].backward != "dha":
+        for s in self.blocks:  # units with frozen parameters are released here at the latest
+            if len(s.unit.trainable) < len(s.unit.params) and self.unit_plans[s.unit.index].backward != "dha":
                 self._release(s)
         self._frozen_in_backward = []
         self.phase = "idle"
@@ -337,13 +337,14 @@ class Executor:
     def _pre_backward(self, s: UnitShadow, grad: torch.Tensor) -> None:
         if s.home == "host" and s.unit.index in self._routed:
             self.opt.wait_consumed(s.unit.index)  # host_linear writes this micro-batch's gradient home
-        # A frozen unit's backward before this one is done (it produced this gradient): no
-        # gradient offload will release its weights, so release them here.
+        # The backward of a unit with frozen parameters before this one is done (it produced
+        # this gradient). Its gradient offload cannot release its weights: the input gradient
+        # through a frozen weight may still be computed after the last trainable gradient lands.
         for done in self._frozen_in_backward:
             self._release(done)
         self._frozen_in_backward = []
         self._use(s, self.unit_plans[s.unit.index].backward)
-        if not s.unit.trainable and self.unit_plans[s.unit.index].backward != "dha":
+        if len(s.unit.trainable) < len(s.unit.params) and self.unit_plans[s.unit.index].backward != "dha":
             self._frozen_in_backward.append(s)
         self._prefetch_after(s, backward=True)
         group = self._swap_groups.pop(s.unit.index, None)
@@ -400,8 +401,8 @@ class Executor:
             self._stale.add(s.unit.index)  # its update is about to change the host copy
         for _, p in s.unit.trainable:
             p.grad = None
-        if self.unit_plans[s.unit.index].backward != "dha":
-            self._release(s)
+        if self.unit_plans[s.unit.index].backward != "dha" and len(s.unit.trainable) == len(s.unit.params):
+            self._release(s)  # (a unit with frozen parameters is released by the next unit's backward hook)
         self.opt.submit(s.unit.index, landed.synchronize, final=self._final)
 
 

@@ -83,7 +83,7 @@ class UnitShadow:
 
     def train_slices(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of ``flat`` shaped like each trainable parameter (a gradient or optimizer buffer)."""
-        return self.slices(flat)[: len(self.unit.trainable)]
+        return [flat[o:o + p.numel()].view(p.shape) for o, (_, p) in zip(self.offsets, self.unit.trainable)]
 
     @property
     def nbytes_work(self) -> int:
