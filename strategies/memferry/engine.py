@@ -16,7 +16,6 @@ model and scheduler); ``plan="auto"`` calls it first::
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import math
 from typing import Any, Callable, Iterable
@@ -36,6 +35,7 @@ from .config import AdamW, Plan, UnitPlan
 from .data_parallel import DataParallel
 from .device_optimizer import DeviceOptimizer
 from .executor import Executor, check_plan
+from .hf_models import model_loss, no_kv_cache
 from .host_optimizer import HostOptimizer
 from .planning import plan_for
 from .shadow import ShadowModel
@@ -76,22 +76,6 @@ def _check_budget(units: list, plan: Plan, device_homes: set[int], device_budget
             f"between steps (resident weights and device-homed optimizer states; activations come on top): "
             f"give at least {format_bytes(floor)}, or a plan with fewer resident / device-homed blocks, "
             f"or plan='auto' to let the scheduler fit the budget")
-
-
-def _no_hf_cache(model: nn.Module) -> None:
-    """Turn off a Hugging Face model's KV cache (training never reuses it, and a DynamicCache
-    in the outputs would reach the profiler and the blocks' hooks)."""
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "use_cache"):
-        config.use_cache = False
-
-
-def _takes_labels(model: nn.Module) -> bool:
-    """Whether ``model.forward`` takes ``labels=`` (Hugging Face models computing their own loss)."""
-    try:
-        return "labels" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 class MemFerry:
@@ -174,7 +158,7 @@ class MemFerry:
     ) -> None:
         check_accumulation_steps(accumulation_steps)
         no_decay = no_decay_names(model) if no_decay is None else set(no_decay)
-        _no_hf_cache(model)
+        no_kv_cache(model)
         if not 0.0 <= memory_margin < 1.0:
             raise ValueError(f"memory_margin must lie in [0, 1), got {memory_margin}")
         check_compute_dtype(model, compute_dtype)
@@ -316,11 +300,10 @@ class MemFerry:
         """Forward, backward and step; returns the loss (detached, still on the device)."""
         if self.loss_fn is not None:
             loss = self.loss_fn(self(inputs), self._to_device(targets))
-        elif targets is not None and _takes_labels(self.model):  # a Hugging Face model: model(x, labels=y).loss
-            out = self(inputs, labels=targets)
-            loss = out["loss"] if isinstance(out, dict) else out.loss
-        else:  # the model computes its own loss, e.g. model(idx, targets)
-            loss = self(inputs) if targets is None else self(inputs, targets)
+        elif targets is None:
+            loss = self(inputs)
+        else:  # the model computes its own loss: model(idx, targets), or model(x, labels=y).loss (Hugging Face)
+            loss = model_loss(self, inputs, targets, labels_model=self.model)
         self.backward(loss)
         self.step()
         return loss.detach()
