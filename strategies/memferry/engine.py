@@ -215,6 +215,7 @@ class MemFerry:
         self.plan = plan
         self._steps = 0
         self.micro = MicroBatches(accumulation_steps)
+        self._handle: Any = None  # the Optimizer-shaped handle, once asked for
 
     def _copier(self, multipath: bool | None) -> Any:
         """The multi-path copier for weight loads, or None (see ``multipath``)."""
@@ -240,7 +241,11 @@ class MemFerry:
         """Backward pass; gradients go to host memory. On the step's last micro-batch (the
         ``accumulation_steps``-th backward) updates start as they land; before it gradients
         are only summed."""
+        if self._handle is not None:
+            self._handle.current_lr()  # refuse differing group rates before anything changes
         final = self.micro.begin_backward()
+        if final and self._handle is not None:
+            self._handle.apply_lr()  # updates start during this backward: they take the groups' lr
         with self.backend.device_scope(self.device):
             self.executor.begin_backward(final)
             try:
@@ -254,7 +259,10 @@ class MemFerry:
         Without clipping, updates started as gradients landed and this returns at once. After
         fewer backwards than ``accumulation_steps``, the accumulated updates are applied now.
         """
-        if self.micro.begin_step():
+        early = self.micro.begin_step()  # refuses a step with nothing accumulated, before anything changes
+        if self._handle is not None:
+            self._handle.apply_lr()  # before held updates are queued (flush, clipping)
+        if early:
             self.executor.flush_updates()
             with self.backend.device_scope(self.device):
                 self.device_optimizer.flush()
@@ -334,6 +342,15 @@ class MemFerry:
         self.optimizer.sync_steps_from_shadows()
         self.device_optimizer.sync_steps_from_shadows(self.shadow.shadows)
         self.executor.invalidate_device_copies()
+
+    def as_torch_optimizer(self) -> Any:
+        """A ``torch.optim.Optimizer`` standing for this engine (one per engine), so schedulers
+        such as ``LambdaLR`` drive its learning rate; see ``optim_handle.py``."""
+        if self._handle is None:
+            from .optim_handle import MemFerryOptimizer
+
+            self._handle = MemFerryOptimizer(self)
+        return self._handle
 
     def close(self) -> None:
         """Stop the optimizer thread, remove hooks and give the host buffers back.
