@@ -152,3 +152,44 @@ def test_unaccumulated_backwards_do_not_update(cpu_backend):
 def test_bad_accumulation_steps(cpu_backend, bad):
     with pytest.raises(ValueError, match="accumulation_steps must be a positive int"):
         MemFerry(TinyGPT(), backend=cpu_backend, accumulation_steps=bad)
+
+
+def _dp_rank(rank, port, out_dir):
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(XPU_BACKEND="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import xpu
+
+    xpu.reset_backend()
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    engine = MemFerry(TinyGPT(), optim=AdamW(lr=3e-3, weight_decay=0.1, max_grad_norm=0.05),
+                      plan=Plan.from_spec("device2+recompute", 4), loss_fn=lm_loss, device=rank, accumulation_steps=2)
+    for x, y in batches(3):  # 4 samples a step: 2 per rank, 1 per micro-batch
+        for m in range(2):
+            i = 2 * rank + m
+            engine.backward(lm_loss(engine(x[i:i + 1]), engine._to_device(y[i:i + 1])) / 2)
+        engine.step()
+    state = engine.state_dict()
+    engine.close()
+    torch.save(state["model"], f"{out_dir}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_accumulation_under_data_parallelism(tmp_path, cpu_backend):
+    import torch.multiprocessing as mp
+
+    from xpu.dist import free_port
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    cfg = AdamW(lr=3e-3, weight_decay=0.1, max_grad_norm=0.05)
+    ref = reference(model, [[b] for b in batches(3)], cfg, 1)  # the whole batch at once
+    mp.spawn(_dp_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    for r in range(2):
+        state = torch.load(tmp_path / f"rank{r}.pt")
+        for name, p in ref.items():
+            torch.testing.assert_close(state[name], p, atol=1e-5, rtol=1e-5, msg=name)

@@ -23,6 +23,12 @@ device→host copy). The choice follows the forward mode in both passes, because
 recomputation must run the same operations as the forward it replays. Other parameters of
 a DHA block (norms, biases) are read in place through the device view.
 
+Gradient accumulation: on a backward that is not the step's last micro-batch, gradients go
+home as always but the host optimizer only sums them (no update, so the host copy stays
+current and the next forward does not wait). Units with frozen parameters are released after
+the next unit's backward hook (the input gradient through a frozen weight can follow the last
+trainable gradient); a unit with nothing to train never offloads a gradient.
+
 All ordering is by events: the compute stream waits for loads, the copy streams wait for
 compute; the host only waits for the optimizer before reading a unit's working copy.
 """

@@ -11,6 +11,10 @@ Per unit, in pinned host memory (the backend's arena):
                 chunk into a small fp32 scratch (``host_kernel.py``), so no whole fp32
                 gradient is kept (16 bytes per parameter in all for bf16: work, master,
                 two moments, gradient).
+Frozen parameters (``requires_grad=False``) sit after the trainable ones in the unit's flat
+``work`` (and device buffer) and have no master, moments or gradient: those buffers cover the
+trainable prefix only. With gradient accumulation, ``grad_acc`` (fp32, this rank's shard) sums
+the micro-batches' gradients of one step.
 On the device, one flat compute-dtype buffer per unit whose storage is given back between
 uses (``free_storage``); the unit's ``nn.Parameter`` objects are views into it (or into the
 device view of ``work`` for DHA), so autograd and user code keep seeing ordinary parameters.
