@@ -168,3 +168,19 @@ def test_weight_decay_groups_equal_two_group_adamw(cpu_backend, plan_name, group
     state = run(model, data, cfg, PLANS[plan_name](4), cpu_backend, no_decay=no_decay)
     for name, p in ref.items():
         torch.testing.assert_close(state["model"][name], p, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_frozen_with_bf16_compute_dtype(cpu_backend):
+    model = frozen_model()
+    engine = MemFerry(copy.deepcopy(model), optim=AdamW(lr=1e-3), plan=PLANS["prefetch"](4), backend=cpu_backend,
+                      loss_fn=lm_loss, compute_dtype=torch.bfloat16)
+    frozen_unit = engine.shadow.shadows[1]
+    assert frozen_unit.work.dtype == torch.bfloat16 and frozen_unit.master.numel() == 0
+    for x, y in batches(2):
+        assert torch.isfinite(engine.train_step(x, y)).item()
+    state = engine.state_dict()
+    engine.close()
+    w = dict(model.named_parameters())["blocks.1.qkv.weight"].detach()
+    assert state["model"]["blocks.1.qkv.weight"].dtype == torch.float32  # given back in the model's dtype
+    assert torch.equal(state["model"]["blocks.1.qkv.weight"], w.to(torch.bfloat16).float())  # frozen: never updated
+    assert "blocks.1.qkv.weight" not in state["optimizer"]
