@@ -67,7 +67,8 @@ def _check_budget(units: list, plan: Plan, device_homes: set[int], device_budget
             continue
         elem = u.params[0][1].element_size()
         if u.index in device_homes:
-            floor += u.numel * (elem + (12 if elem != 4 else 8))  # work (= master in fp32) + moments (+ master)
+            # work (= master in fp32) of every parameter, moments (+ master) of the trainable ones
+            floor += u.numel * elem + u.train_numel * (12 if elem != 4 else 8)
         elif not u.is_block or modes[u.index].forward == "resident":
             floor += u.numel * elem
     if floor > budget:
