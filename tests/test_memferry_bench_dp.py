@@ -13,6 +13,7 @@ from bench.scenario import load_scenario
 from bench.systems import get_system
 from bench.systems.base import SystemContext
 from bench.worker import run_spec
+from strategies.weight_decay import param_groups
 
 OPTIMIZER = {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
 
@@ -32,8 +33,8 @@ def _reference_losses(scenario, steps: int, clip: float | None) -> list[float]:
     torch.manual_seed(scenario.seed)
     model = build_model(scenario.family, **scenario.model_dims())
     o = scenario.optimizer
-    opt = torch.optim.AdamW(model.parameters(), lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
-                            weight_decay=o["weight_decay"])
+    # MemFerry's default groups: biases and norms without decay
+    opt = torch.optim.AdamW(param_groups(model, o["weight_decay"]), lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"])
     losses = []
     for _ in range(steps):
         loss = model(inputs, targets)

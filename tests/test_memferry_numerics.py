@@ -9,6 +9,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from strategies.memferry import AdamW, MemFerry, Plan, UnitPlan
+from strategies.weight_decay import no_decay_names, param_groups
 
 
 class Block(nn.Module):
@@ -56,7 +57,7 @@ def batches(n, seed=0):
 
 def reference(model, data, cfg):
     model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)  # MemFerry's default groups
     losses = []
     for x, y in data:
         loss = lm_loss(model(x), y)
@@ -72,7 +73,7 @@ def reference(model, data, cfg):
 def reference_self_loss(model, data, cfg):
     """Plain PyTorch AdamW on a copy of a model that computes its own loss (``model(x, y)``)."""
     ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(param_groups(ref, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
     losses = []
     for x, y in data:
         loss = ref(x, y)
@@ -212,7 +213,10 @@ def mixed_precision_reference(model, x, y, steps, lr, weight_decay, device=None,
     if compute_dtype is not None:
         for p, mp in zip(ref.parameters(), masters):
             p.data = mp.detach().to(compute_dtype)
-    opt = torch.optim.AdamW(masters, lr=lr, weight_decay=weight_decay)
+    skip = no_decay_names(ref)  # MemFerry's default: biases and norms get no decay
+    names = [n for n, _ in ref.named_parameters()]
+    opt = torch.optim.AdamW([{"params": [m for n, m in zip(names, masters) if n not in skip], "weight_decay": weight_decay},
+                             {"params": [m for n, m in zip(names, masters) if n in skip], "weight_decay": 0.0}], lr=lr)
     losses = []
     for _ in range(steps):
         loss = ref(x, y)

@@ -18,19 +18,20 @@ def check_compute_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
         return
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"compute_dtype must be a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
-    other = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype not in (torch.float32, dtype)})
+    other = sorted({str(p.dtype) for p in model.parameters() if p.dtype not in (torch.float32, dtype)})
     if other:
         raise ValueError(f"compute_dtype={dtype} needs fp32 (or {dtype}) parameters, found {', '.join(other)}; "
                          f"build the model in fp32, or leave compute_dtype out to compute in the parameters' dtype")
 
 
 def cast_parameters(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """Cast trainable floating parameters to ``dtype``; their original tensors by name."""
+    """Cast floating parameters (frozen ones too: they share their unit's flat buffer) to
+    ``dtype``; their original tensors by name."""
     originals: dict[str, torch.Tensor] = {}
     if dtype is None:
         return originals
     for name, p in model.named_parameters():
-        if p.requires_grad and p.dtype != dtype:
+        if p.is_floating_point() and p.dtype != dtype:
             originals[name] = p.data
             p.data = p.data.to(dtype)
     return originals

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from .adamw import flat_adamw
+from .adamw import decay_ranges, flat_adamw
 from .config import AdamW
 from .shadow import UnitShadow
 
@@ -29,24 +29,48 @@ class DeviceOptimizer:
     def __init__(self, cfg: AdamW, shadows: list[UnitShadow], backend: Any) -> None:
         self.cfg = cfg
         self.backend = backend
-        self._optims = {s.unit.index: flat_adamw(s.master, s.exp_avg, s.exp_avg_sq, s.step, cfg)
-                        for s in shadows if s.home == "device"}
+        # Per unit, one optimizer per weight-decay group: (start, stop, optimizer) over the master.
+        self._optims = {s.unit.index: [(a, b, flat_adamw(s.master[a:b], s.exp_avg[a:b], s.exp_avg_sq[a:b], s.step, cfg,
+                                                         weight_decay=None if decays else 0.0))
+                                       for a, b, decays in decay_ranges(s.master.numel(), s.decay_end)]
+                        for s in shadows if s.home == "device" and s.master.numel()}
         self._pending: list[UnitShadow] = []
         self._sqnorms: list[torch.Tensor] = []
+        # Units summing micro-batches' gradients in their fp32 buffer (gradient accumulation),
+        # with the reduction (data parallelism) their sum will take once complete.
+        self._open: dict[int, tuple[UnitShadow, Callable[[torch.Tensor], None] | None]] = {}
 
     def __contains__(self, shadow: UnitShadow) -> bool:
         return shadow.unit.index in self._optims
 
-    def grads_ready(self, s: UnitShadow, reduce: Callable[[torch.Tensor], None] | None = None) -> None:
-        """Gather the unit's gradients (upcast into its flat fp32 buffer), average them over
-        ranks with ``reduce`` if given, and update the unit, or hold the update until the clip
-        coefficient is known."""
-        self.backend.realloc_storage(s.grad)
-        for view, (_, p) in zip(s.slices(s.grad), s.unit.params):
-            view.copy_(p.grad)
+    def grads_ready(self, s: UnitShadow, reduce: Callable[[torch.Tensor], None] | None = None,
+                    final: bool = True) -> None:
+        """Gather the unit's gradients (upcast into its flat fp32 buffer, or added to what earlier
+        micro-batches left there); when ``final`` (the step's last micro-batch), average the sum
+        over ranks with ``reduce`` if given, and update the unit, or hold the update until the
+        clip coefficient is known."""
+        first = s.unit.index not in self._open
+        if first:
+            self.backend.realloc_storage(s.grad)
+        for view, (_, p) in zip(s.train_slices(s.grad), s.unit.trainable):
+            if first:
+                view.copy_(p.grad)
+            else:
+                view.add_(p.grad)
             p.grad = None
+        self._open[s.unit.index] = (s, reduce)
+        if final:
+            self._complete(s.unit.index)
+
+    def flush(self) -> None:
+        """The step ends before its last micro-batch: complete every accumulated gradient."""
+        for index in list(self._open):
+            self._complete(index)
+
+    def _complete(self, index: int) -> None:
+        s, reduce = self._open.pop(index)
         if reduce is not None:
-            reduce(s.grad)
+            reduce(s.grad)  # once per step, on the sum: averaging is linear
         if self.cfg.max_grad_norm is None:
             self._update(s, 1.0)
         else:
@@ -65,22 +89,26 @@ class DeviceOptimizer:
 
     def set_lr(self, lr: float) -> None:
         """Learning rate for the next updates."""
-        for opt in self._optims.values():
-            opt.param_groups[0]["lr"] = lr
+        for opts in self._optims.values():
+            for _, _, opt in opts:
+                opt.param_groups[0]["lr"] = lr
 
     def sync_steps_from_shadows(self, shadows: list[UnitShadow]) -> None:
         """Take step counts from the shadows (after loading a checkpoint)."""
         for s in shadows:
             if s.unit.index in self._optims:
-                self._optims[s.unit.index].state[s.master]["step"].fill_(float(s.step))
+                for _, _, opt in self._optims[s.unit.index]:
+                    p = opt.param_groups[0]["params"][0]
+                    opt.state[p]["step"].fill_(float(s.step))
 
     def _update(self, s: UnitShadow, coef: float) -> None:
         if coef != 1.0:
             s.grad.mul_(coef)
-        opt = self._optims[s.unit.index]
-        s.master.grad = s.grad
-        opt.step()
-        s.master.grad = None
+        for a, b, opt in self._optims[s.unit.index]:
+            p = opt.param_groups[0]["params"][0]
+            p.grad = s.grad[a:b]
+            opt.step()
+            p.grad = None
         self.backend.keep_alive(s.grad, self.backend.current_stream())
         self.backend.free_storage(s.grad)  # 4 bytes per parameter held only while updating
         s.write_back()

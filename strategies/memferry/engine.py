@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -27,11 +27,15 @@ from torch import nn
 import xpu
 from xpu import Backend, in_host_memory
 
+from ..weight_decay import no_decay_names
+
+from .accumulation import MicroBatches, check_accumulation_steps
 from .compute_dtype import cast_parameters, check_compute_dtype, restore_parameters
 from .config import AdamW, Plan, UnitPlan
 from .data_parallel import DataParallel
 from .device_optimizer import DeviceOptimizer
 from .executor import Executor, check_plan
+from .hf_models import model_loss, no_kv_cache
 from .host_optimizer import HostOptimizer
 from .planning import plan_for
 from .shadow import ShadowModel
@@ -63,7 +67,8 @@ def _check_budget(units: list, plan: Plan, device_homes: set[int], device_budget
             continue
         elem = u.params[0][1].element_size()
         if u.index in device_homes:
-            floor += u.numel * (elem + (12 if elem != 4 else 8))  # work (= master in fp32) + moments (+ master)
+            # work (= master in fp32) of every parameter, moments (+ master) of the trainable ones
+            floor += u.numel * elem + u.train_numel * (12 if elem != 4 else 8)
         elif not u.is_block or modes[u.index].forward == "resident":
             floor += u.numel * elem
     if floor > budget:
@@ -118,6 +123,20 @@ class MemFerry:
             ``MixedPrecisionPolicy(param_dtype=...)`` or DeepSpeed's bf16 mode keep an fp32
             model. A model built in bf16 has lost those bits before the engine sees it.
             :meth:`state_dict` gives fp32 tensors back. None: the parameters' own dtype.
+        accumulation_steps: micro-batches per optimizer step. Each runs ``loss = engine(x, y)``
+            and ``engine.backward(loss / N)``; then one ``engine.step()`` applies ONE AdamW
+            update from the sum of their gradients (fp32 sums: a 4-byte-per-parameter buffer
+            per host-homed unit shard when N > 1), clipped on that sum's norm. Updates start
+            overlapped with the backward of the N-th micro-batch; a ``step()`` after fewer
+            backwards applies what was accumulated then. Calls out of order raise
+            :class:`~strategies.memferry.accumulation.AccumulationError`.
+        no_decay: qualified names of parameters trained without weight decay (None: biases and
+            normalisation layers' parameters, as Hugging Face's Trainer groups them:
+            :func:`strategies.weight_decay.no_decay_names`; an empty set: decay everything).
+
+    Frozen parameters (``requires_grad=False``, e.g. a LoRA model's base weights) are homed and
+    moved with their units like the others but have no optimizer state (no master, moments or
+    gradient): 2 bytes of pinned host memory per parameter in bf16, 4 in fp32.
     """
 
     def __init__(
@@ -135,7 +154,12 @@ class MemFerry:
         memory_margin: float = 0.10,
         multipath: bool | None = None,
         compute_dtype: torch.dtype | None = None,
+        accumulation_steps: int = 1,
+        no_decay: Iterable[str] | None = None,
     ) -> None:
+        check_accumulation_steps(accumulation_steps)
+        no_decay = no_decay_names(model) if no_decay is None else set(no_decay)
+        no_kv_cache(model)
         if not 0.0 <= memory_margin < 1.0:
             raise ValueError(f"memory_margin must lie in [0, 1), got {memory_margin}")
         check_compute_dtype(model, compute_dtype)
@@ -147,7 +171,7 @@ class MemFerry:
         originals = cast_parameters(model, compute_dtype)
         previous_cap = self.backend.memory_cap(self.device)
         try:
-            units = split_units(model, blocks)
+            units = split_units(model, blocks, no_decay)
             n_blocks = sum(u.is_block for u in units)
             if plan == "auto":  # the convenience form: plan first (the model is already cast)
                 plan = plan_for(model, sample, device_budget, optim=self.cfg, loss_fn=loss_fn, blocks=blocks,
@@ -168,8 +192,12 @@ class MemFerry:
             self.dp = None
             if process_group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
                 self.dp = DataParallel.create(self.backend.device(self.device), process_group)
+            if self.dp is not None and any(len(u.trainable) < len(u.params) for u in units):
+                raise ValueError("frozen parameters (requires_grad=False) are not supported under data-parallel MemFerry "
+                                 "yet: train them all, or run one process without a process group")
             with self.backend.device_scope(self.device):
-                self.shadow = ShadowModel(units, self.backend, self.device, device_homes, self.dp, originals=originals)
+                self.shadow = ShadowModel(units, self.backend, self.device, device_homes, self.dp, originals=originals,
+                                          accumulate=accumulation_steps > 1)
         except BaseException:
             # Refused (a bad budget, no fitting plan, too little host memory): give the caller
             # back the model as it came; units already made into shadows are the engine's.
@@ -187,6 +215,8 @@ class MemFerry:
                                  copier=self.copier)
         self.plan = plan
         self._steps = 0
+        self.micro = MicroBatches(accumulation_steps)
+        self._handle: Any = None  # the Optimizer-shaped handle, once asked for
 
     def _copier(self, multipath: bool | None) -> Any:
         """The multi-path copier for weight loads, or None (see ``multipath``)."""
@@ -199,15 +229,26 @@ class MemFerry:
     # ------------------------------------------------------------------ training
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         """Forward pass on the device; host tensors in ``inputs`` are copied there first."""
+        grad = torch.is_grad_enabled()
+        self.micro.check_forward(grad)
         with self.backend.device_scope(self.device):
             inputs = tuple(self._to_device(x) for x in inputs)
+            kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
+            self.micro.forward_started(grad)
             self.executor.begin_forward()
             return self.model(*inputs, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward pass; gradients go to host memory and updates start as they land."""
+        """Backward pass; gradients go to host memory. On the step's last micro-batch (the
+        ``accumulation_steps``-th backward) updates start as they land; before it gradients
+        are only summed."""
+        if self._handle is not None:
+            self._handle.current_lr()  # refuse differing group rates before anything changes
+        final = self.micro.begin_backward()
+        if final and self._handle is not None:
+            self._handle.apply_lr()  # updates start during this backward: they take the groups' lr
         with self.backend.device_scope(self.device):
-            self.executor.begin_backward()
+            self.executor.begin_backward(final)
             try:
                 loss.backward()
             finally:
@@ -216,8 +257,18 @@ class MemFerry:
     def step(self) -> None:
         """End the step: with clipping, the held updates run now (after every gradient is in).
 
-        Without clipping, updates started as gradients landed and this returns at once.
+        Without clipping, updates started as gradients landed and this returns at once. After
+        fewer backwards than ``accumulation_steps``, the accumulated updates are applied now.
         """
+        early = self.micro.begin_step()  # refuses a step with nothing accumulated, before anything changes
+        if self._handle is not None:
+            self._handle.apply_lr()  # before held updates are queued (flush, clipping)
+        if early:
+            self.executor.flush_updates()
+            with self.backend.device_scope(self.device):
+                self.device_optimizer.flush()
+            self.optimizer.flush()
+        self.micro.stepped()
         coef = 1.0
         if self.cfg.max_grad_norm is not None:
             with self.backend.device_scope(self.device):
@@ -258,8 +309,10 @@ class MemFerry:
         """Forward, backward and step; returns the loss (detached, still on the device)."""
         if self.loss_fn is not None:
             loss = self.loss_fn(self(inputs), self._to_device(targets))
-        else:  # the model computes its own loss, e.g. model(idx, targets)
-            loss = self(inputs) if targets is None else self(inputs, targets)
+        elif targets is None:
+            loss = self(inputs)
+        else:  # the model computes its own loss: model(idx, targets), or model(x, labels=y).loss (Hugging Face)
+            loss = model_loss(self, inputs, targets, labels_model=self.model)
         self.backward(loss)
         self.step()
         return loss.detach()
@@ -290,6 +343,15 @@ class MemFerry:
         self.optimizer.sync_steps_from_shadows()
         self.device_optimizer.sync_steps_from_shadows(self.shadow.shadows)
         self.executor.invalidate_device_copies()
+
+    def as_torch_optimizer(self) -> Any:
+        """A ``torch.optim.Optimizer`` standing for this engine (one per engine), so schedulers
+        such as ``LambdaLR`` drive its learning rate; see ``optim_handle.py``."""
+        if self._handle is None:
+            from .optim_handle import MemFerryOptimizer
+
+            self._handle = MemFerryOptimizer(self)
+        return self._handle
 
     def close(self) -> None:
         """Stop the optimizer thread, remove hooks and give the host buffers back.

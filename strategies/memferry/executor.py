@@ -23,6 +23,12 @@ device→host copy). The choice follows the forward mode in both passes, because
 recomputation must run the same operations as the forward it replays. Other parameters of
 a DHA block (norms, biases) are read in place through the device view.
 
+Gradient accumulation: on a backward that is not the step's last micro-batch, gradients go
+home as always but the host optimizer only sums them (no update, so the host copy stays
+current and the next forward does not wait). Units with frozen parameters are released after
+the next unit's backward hook (the input gradient through a frozen weight can follow the last
+trainable gradient); a unit with nothing to train never offloads a gradient.
+
 All ordering is by events: the compute stream waits for loads, the copy streams wait for
 compute; the host only waits for the optimizer before reading a unit's working copy.
 """
@@ -91,6 +97,8 @@ class Executor:
         self.dha_counter = TransferCounter()
         self._routed: dict[int, set[int]] = {}  # unit index -> ids of weights whose gradient host_linear writes
         self._routed_done: set[int] = set()  # ... of those, the ones written this step
+        self._final = True  # the current backward is the step's last micro-batch
+        self._frozen_in_backward: list[UnitShadow] = []  # frozen units whose backward ran (to release)
         # Activation offload. Weights are never swapped: they are bound to buffers that come and go.
         self.swapper = ActivationSwapper(backend, device, min_bytes=1 << 16)
         self.swapper.skip = self._keeps_on_device  # type: ignore[method-assign]
@@ -101,7 +109,7 @@ class Executor:
     # ------------------------------------------------------------------ set-up
     def _install(self) -> None:
         for s in self.shadow.shadows:
-            for _, p in s.unit.params:
+            for _, p in s.unit.trainable:  # frozen parameters get no gradient, so no hook
                 self._param_unit[id(p)] = (s, 0)
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
         for s in self.blocks:
@@ -120,11 +128,12 @@ class Executor:
 
     def _route_linears(self, s: UnitShadow) -> None:
         """Send the unit's large linears through ``host_linear`` (see the module docstring)."""
-        position = {id(p): k for k, (_, p) in enumerate(s.unit.params)}
+        # Trainable weights only: a frozen one stays on the plain path (read in place by DHA).
+        position = {id(p): k for k, (_, p) in enumerate(s.unit.trainable)}
         weights = s.slices(s.work)
         # Under data parallelism the host gradient buffer holds only this rank's shard: the
         # gradient must come to the device to be averaged first.
-        grads = s.slices(s.grad_stage) if self.shadow.dp is None else None
+        grads = s.train_slices(s.grad_stage) if self.shadow.dp is None else None
         routed = self._routed.setdefault(s.unit.index, set())
         for m in s.unit.module.modules():
             if not isinstance(m, torch.nn.Linear):
@@ -182,9 +191,11 @@ class Executor:
     def begin_forward(self) -> None:
         """Refresh resident copies and start the first loads."""
         self.phase = "forward"
-        self._pending_grads = {s.unit.index: len(s.unit.params) for s in self.shadow.shadows}
+        self._pending_grads = {s.unit.index: len(s.unit.trainable) for s in self.shadow.shadows}
+        self._frozen_in_backward = []
         self._routed_done.clear()
         self._swap_groups.clear()
+        self._final = True
         self._last_swap_group = None
         self._use(self.rest, "resident")
         upcoming = [s for s in self.blocks if self.unit_plans[s.unit.index].forward != "dha"]
@@ -198,16 +209,26 @@ class Executor:
                 self._release(s)  # prefetched copies go; resident ones stay allocated ...
                 self._stale.add(s.unit.index)  # ... and are reloaded before their next use
 
-    def begin_backward(self) -> None:
-        """Backward starts: the hooks switch to backward modes."""
+    def begin_backward(self, final: bool = True) -> None:
+        """Backward starts: the hooks switch to backward modes. ``final``: this backward ends
+        the step's gradient (its last micro-batch), so updates start as gradients land;
+        otherwise gradients are only accumulated."""
         self.phase = "backward"
+        self._final = final
+
+    def flush_updates(self) -> None:
+        """The step ends before its last micro-batch: the accumulated updates run now, so every
+        host-homed unit's copy will change (reload before use)."""
+        for s in self.shadow.shadows:
+            if s.home == "host" and s.unit.trainable:
+                self._stale.add(s.unit.index)
 
     def end_backward(self) -> None:
         """Backward ended: offload units whose gradients did not all arrive (unused parameters)."""
         for s in self.shadow.shadows:
             if self._pending_grads.get(s.unit.index):
                 routed = self._routed.get(s.unit.index, set())
-                for (_, p), host_grad in zip(s.unit.params, s.slices(s.grad_stage)):
+                for (_, p), host_grad in zip(s.unit.trainable, s.train_slices(s.grad_stage)):
                     if id(p) in routed:
                         if id(p) not in self._routed_done:
                             host_grad.zero_()  # written by host_linear when used; unused: zero
@@ -215,6 +236,10 @@ class Executor:
                         p.grad = torch.zeros_like(p)
                 self._pending_grads[s.unit.index] = 0
                 self._offload_grads(s)
+        for s in self.blocks:  # units with frozen parameters are released here at the latest
+            if len(s.unit.trainable) < len(s.unit.params) and self.unit_plans[s.unit.index].backward != "dha":
+                self._release(s)
+        self._frozen_in_backward = []
         self.phase = "idle"
 
     # ------------------------------------------------------------------ loading and binding
@@ -316,7 +341,17 @@ class Executor:
             tensors[0].register_hook(functools.partial(self._pre_backward, s))
 
     def _pre_backward(self, s: UnitShadow, grad: torch.Tensor) -> None:
+        if s.home == "host" and s.unit.index in self._routed:
+            self.opt.wait_consumed(s.unit.index)  # host_linear writes this micro-batch's gradient home
+        # The backward of a unit with frozen parameters before this one is done (it produced
+        # this gradient). Its gradient offload cannot release its weights: the input gradient
+        # through a frozen weight may still be computed after the last trainable gradient lands.
+        for done in self._frozen_in_backward:
+            self._release(done)
+        self._frozen_in_backward = []
         self._use(s, self.unit_plans[s.unit.index].backward)
+        if len(s.unit.trainable) < len(s.unit.params) and self.unit_plans[s.unit.index].backward != "dha":
+            self._frozen_in_backward.append(s)
         self._prefetch_after(s, backward=True)
         group = self._swap_groups.pop(s.unit.index, None)
         if group is not None:  # this block's offloaded activations, and the next block's (look-ahead)
@@ -341,18 +376,19 @@ class Executor:
         dp = self.shadow.dp
         if s.home == "device":
             with self.b.device_scope(self.dev):
-                self.device_opt.grads_ready(s, reduce=dp.average if dp is not None else None)
+                self.device_opt.grads_ready(s, reduce=dp.average if dp is not None else None, final=self._final)
             return
+        self.opt.wait_consumed(s.unit.index)  # the previous micro-batch's gradient is summed: its landing zone is free
         if dp is None:
             routed = self._routed.get(s.unit.index, set())  # already home: host_linear wrote them
-            pairs = [(p.grad, t) for (_, p), t in zip(s.unit.params, s.slices(s.grad_stage)) if id(p) not in routed]
+            pairs = [(p.grad, t) for (_, p), t in zip(s.unit.trainable, s.train_slices(s.grad_stage)) if id(p) not in routed]
             sources, targets = [g for g, _ in pairs], [t for _, t in pairs]
         else:
             # Average the whole unit over ranks on the device, then bring home only this
             # rank's shard: the host optimizer updates that shard alone.
             with self.b.device_scope(self.dev):
                 flat = self.b.empty(s.device_flat.numel(), s.grad_stage.dtype, self.dev)
-                for view, (_, p) in zip(s.slices(flat), s.unit.params):
+                for view, (_, p) in zip(s.slices(flat), s.unit.trainable):
                     view.copy_(p.grad)
                 flat[s.unit.numel:].zero_()
                 dp.average(flat)
@@ -367,12 +403,13 @@ class Executor:
             landed = self.b.event()
             landed.record(self.d2h)
         self.bytes_d2h += sum(t.numel() * t.element_size() for t in targets)
-        self._stale.add(s.unit.index)  # its update is about to change the host copy
-        for _, p in s.unit.params:
+        if self._final:
+            self._stale.add(s.unit.index)  # its update is about to change the host copy
+        for _, p in s.unit.trainable:
             p.grad = None
-        if self.unit_plans[s.unit.index].backward != "dha":
-            self._release(s)
-        self.opt.submit(s.unit.index, landed.synchronize)
+        if self.unit_plans[s.unit.index].backward != "dha" and len(s.unit.trainable) == len(s.unit.params):
+            self._release(s)  # (a unit with frozen parameters is released by the next unit's backward hook)
+        self.opt.submit(s.unit.index, landed.synchronize, final=self._final)
 
 
 class _Gathered:

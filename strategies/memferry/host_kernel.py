@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .adamw import flat_adamw
+from .adamw import decay_ranges, flat_adamw
 from .config import AdamW
 from .shadow import UnitShadow
 
@@ -38,7 +38,8 @@ KERNELS = ("auto", "torch", "single-pass")
 
 
 class HostKernel:
-    """Applies one AdamW step to a host-homed unit (gradient already landed in ``grad_stage``).
+    """Applies one AdamW step to a host-homed unit (gradient already in ``grad_source``: the
+    landed ``grad_stage``, or the fp32 sum of a step's micro-batches).
 
     ``apply`` returns the seconds spent per phase (``upcast``, ``adamw``, ``writeback``; a
     single-pass kernel reports everything as ``adamw``) and advances ``shadow.step``.
@@ -92,10 +93,12 @@ class TorchKernel(HostKernel):
         if chunk < 1:
             raise ValueError(f"chunk must be a positive number of elements, got {chunk}")
         self.chunk = chunk
-        self._bounds = {id(s): [(a, min(a + chunk, s.master.numel())) for a in range(0, s.master.numel(), chunk)]
-                        for s in shadows}
-        self._optims = {id(s): [flat_adamw(s.master[a:b], s.exp_avg[a:b], s.exp_avg_sq[a:b], s.step, cfg)
-                                for a, b in self._bounds[id(s)]] for s in shadows}
+        # Chunks never straddle the weight-decay boundary: each is in one group (decay or none).
+        ranges = {id(s): decay_ranges(s.master.numel(), s.decay_end, chunk) for s in shadows}
+        self._bounds = {key: [(a, b) for a, b, _ in r] for key, r in ranges.items()}
+        self._optims = {id(s): [flat_adamw(s.master[a:b], s.exp_avg[a:b], s.exp_avg_sq[a:b], s.step, cfg,
+                                           weight_decay=None if decays else 0.0)
+                                for a, b, decays in ranges[id(s)]] for s in shadows}
         low = [s for s in shadows if s.grad_stage.dtype != torch.float32]
         largest = max((min(chunk, s.master.numel()) for s in low), default=0)
         # One fp32 gradient chunk, reused: the worker updates one unit at a time.
@@ -103,15 +106,16 @@ class TorchKernel(HostKernel):
 
     def apply(self, s: UnitShadow, coef: float) -> dict[str, float]:
         times = {"upcast": 0.0, "adamw": 0.0, "writeback": 0.0}
-        low = s.grad_stage.dtype != torch.float32
-        work = None if s.master_is_work else (s.work if s.shard is None else s.work[s.shard])
+        src = s.grad_source
+        low = src.dtype != torch.float32
+        work = None if s.master_is_work else s.train_work
         for (a, b), opt in zip(self._bounds[id(s)], self._optims[id(s)]):
             t0 = time.perf_counter()
             if low:
                 g = self._scratch[: b - a]
-                g.copy_(s.grad_stage[a:b])
+                g.copy_(src[a:b])
             else:
-                g = s.grad_stage[a:b]  # fp32 gradients land in place; consumed by this update
+                g = src[a:b]  # fp32 gradients (landed or accumulated) are used in place; consumed by this update
             if coef != 1.0:
                 g.mul_(coef)
             t1 = time.perf_counter()
@@ -196,13 +200,14 @@ class SinglePassKernel(HostKernel):
         step = s.step + 1
         b1, b2, eps = self._consts()
         bc1, bc2 = 1.0 - b1 ** step, 1.0 - b2 ** step
-        scalars = torch.tensor([coef, 1.0 - self.lr * self.cfg.weight_decay, self.lr / bc1, math.sqrt(bc2)],
-                               dtype=torch.float32)
-        work = s.work if s.shard is None else s.work[s.shard]
+        work, grad = s.train_work, s.grad_source
         # Host buffers only: outside any dispatch mode (the cpu backend's device-memory tracker
         # is one), which torch.compile would refuse to run under.
         with _disable_current_modes():
-            self._fn(s.master, s.grad_stage, s.exp_avg, s.exp_avg_sq, work, scalars, b1, b2, eps)
+            for a, b, decays in decay_ranges(s.master.numel(), s.decay_end):
+                wd = self.cfg.weight_decay if decays else 0.0
+                scalars = torch.tensor([coef, 1.0 - self.lr * wd, self.lr / bc1, math.sqrt(bc2)], dtype=torch.float32)
+                self._fn(s.master[a:b], grad[a:b], s.exp_avg[a:b], s.exp_avg_sq[a:b], work[a:b], scalars, b1, b2, eps)
         s.step = step
         return {"upcast": 0.0, "adamw": time.perf_counter() - t0, "writeback": 0.0}
 

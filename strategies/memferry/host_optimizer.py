@@ -10,6 +10,11 @@ Global-norm clipping needs every gradient before any update. With ``max_grad_nor
 the worker still receives, upcasts and measures each unit's gradient during backward, and
 applies all updates once :meth:`finish_step` supplies the clip coefficient (from
 :meth:`grad_sqnorm` and the device units' norms): exact, less overlap.
+
+Gradient accumulation: a gradient submitted with ``final=False`` (an earlier micro-batch of
+the step) is only added into the unit's fp32 ``grad_acc``; the one submitted with
+``final=True`` adds the last micro-batch and updates (or holds the update, with clipping)
+from the sum. :meth:`flush` turns what was accumulated into updates when the step ends early.
 """
 from __future__ import annotations
 
@@ -53,9 +58,14 @@ class HostOptimizer:
         self.dp = dp
         self.shadows = shadows
         self.kernel = make_host_kernel(cfg.host_kernel, cfg, [s for s in shadows if s.home == "host"])
+        # _done[i]: unit i's working copy holds its latest update; _consumed[i]: its landing
+        # zone (grad_stage) has been read, so the next micro-batch's gradient may land there.
         self._done = [threading.Event() for _ in shadows]
-        for ev in self._done:
+        self._consumed = [threading.Event() for _ in shadows]
+        for ev in self._done + self._consumed:
             ev.set()
+        self._received = [0] * len(shadows)  # worker side: micro-batches summed into grad_acc this step
+        self._open: set[int] = set()  # training side: units with accumulated gradients and no update queued
         self._tasks: queue.Queue = queue.Queue()
         self._pending: list[int] = []
         self._sqnorm = 0.0
@@ -73,11 +83,37 @@ class HostOptimizer:
         self._finalizer = weakref.finalize(self, _stop_worker, self._tasks, self._thread)
 
     # ------------------------------------------------------------------ producer side
-    def submit(self, index: int, ready: Callable[[], None]) -> None:
-        """Queue unit ``index``'s update; ``ready()`` blocks until its gradient is in host memory."""
+    def submit(self, index: int, ready: Callable[[], None], final: bool = True) -> None:
+        """Queue unit ``index``'s gradient; ``ready()`` blocks until it is in host memory.
+
+        ``final``: the step's last micro-batch: update from it (plus what was accumulated);
+        otherwise it is only added into the unit's fp32 accumulation buffer.
+        """
         self._raise_if_failed()
-        self._done[index].clear()
-        self._tasks.put(("grad", index, ready))
+        if not final and self.shadows[index].grad_acc is None:
+            raise RuntimeError(f"unit {self.shadows[index].unit.name} has no gradient accumulation buffer; "
+                               "give MemFerry(accumulation_steps=N) to accumulate gradients over N backward() calls")
+        self._consumed[index].clear()
+        if final:
+            self._done[index].clear()
+            self._open.discard(index)
+        else:
+            self._open.add(index)
+        self._tasks.put(("grad", index, (ready, final)))
+
+    def flush(self) -> None:
+        """The step ends before its last micro-batch: update every unit from what it accumulated."""
+        self._raise_if_failed()
+        for index in self._open:
+            self._done[index].clear()
+        self._open.clear()
+        self._tasks.put(("flush", None, None))
+
+    def wait_consumed(self, index: int) -> None:
+        """Block until unit ``index``'s landed gradient has been read (its landing zone is free)."""
+        while not self._consumed[index].wait(timeout=0.5):
+            self._raise_if_failed()
+        self._raise_if_failed()
 
     def grad_sqnorm(self) -> float:
         """Squared 2-norm of this step's host gradients; waits until all submitted ones are in.
@@ -162,15 +198,15 @@ class HostOptimizer:
                 return
             try:
                 if kind == "grad":
+                    ready, final = callback
                     t0 = time.perf_counter()
-                    callback()
+                    ready()
                     self.time_s["wait"] += time.perf_counter() - t0
-                    s = self.shadows[arg]
-                    if self.cfg.max_grad_norm is None:
-                        self._update(arg, 1.0)
-                    else:
-                        self._sqnorm += float(s.grad_stage.double().square().sum())
-                        self._pending.append(arg)
+                    self._receive(arg, final)
+                elif kind == "flush":
+                    for i, n in enumerate(self._received):
+                        if n:
+                            self._finalize(i)
                 elif kind == "norm":
                     callback(self._sqnorm)
                 elif kind == "lr":
@@ -183,10 +219,39 @@ class HostOptimizer:
                 self._fail(exc)
                 return
 
+    def _receive(self, index: int, final: bool) -> None:
+        """A landed gradient: sum it into ``grad_acc`` unless it is a step's only one; update if final."""
+        s = self.shadows[index]
+        if final and not self._received[index]:
+            s.accumulated = False  # one micro-batch: update straight from the landing zone
+        else:
+            t0 = time.perf_counter()
+            if self._received[index]:
+                s.grad_acc.add_(s.grad_stage)
+            else:
+                s.grad_acc.copy_(s.grad_stage)
+            s.accumulated = True
+            self._received[index] += 1
+            self.time_s["upcast"] += time.perf_counter() - t0
+        if s.accumulated:
+            self._consumed[index].set()  # the sum holds it: the next micro-batch may land
+        if final:
+            self._finalize(index)
+
+    def _finalize(self, index: int) -> None:
+        """The step's gradient of unit ``index`` is complete: update now, or hold it for the clip."""
+        s = self.shadows[index]
+        self._received[index] = 0
+        if self.cfg.max_grad_norm is None:
+            self._update(index, 1.0)
+        else:
+            self._sqnorm += float(s.grad_source.double().square().sum())
+            self._pending.append(index)
+
     def _fail(self, exc: BaseException) -> None:
         """Keep ``exc`` for the training thread (``_raise_if_failed``) and release every waiter."""
         self._error = exc
-        for ev in self._done:
+        for ev in self._done + self._consumed:
             ev.set()
 
     def _update(self, index: int, coef: float) -> None:
@@ -199,6 +264,8 @@ class HostOptimizer:
         s = self.shadows[index]
         for phase, seconds in self.kernel.apply(s, coef).items():
             self.time_s[phase] += seconds
+        s.accumulated = False
+        self._consumed[index].set()
         self.updated_numel += s.master.numel()
         if self.dp is not None and index in self.whole_on_host:
             t0 = time.perf_counter()

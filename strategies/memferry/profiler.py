@@ -32,6 +32,7 @@ from torch import nn
 from xpu import Backend
 from xpu.timing import event_seconds
 
+from .hf_models import model_loss
 from .units import Unit
 
 __all__ = ["BlockProfile", "StepProfile", "profile_step", "host_adamw_rate", "device_adamw_rate"]
@@ -159,7 +160,7 @@ def _capture_block_input(model: nn.Module, first_block: nn.Module, inputs: Any, 
     try:
         with torch.no_grad():
             if loss_fn is None and targets is not None:
-                model(inputs, targets)
+                model_loss(model, inputs, targets)
             else:
                 model(inputs)
     except _Captured as got:
@@ -245,7 +246,7 @@ def _profile_rest(model: nn.Module, blocks: nn.ModuleList, rest: Unit, inputs: A
     def loss_of() -> torch.Tensor:
         if loss_fn is not None:
             return loss_fn(shell(x), y)
-        return shell(x, y) if y is not None else shell(x)
+        return model_loss(shell, x, y) if y is not None else shell(x)
 
     fwd, bwd, peak = [], [], 0
     for i in range(repeats + 1):

@@ -11,6 +11,10 @@ Per unit, in pinned host memory (the backend's arena):
                 chunk into a small fp32 scratch (``host_kernel.py``), so no whole fp32
                 gradient is kept (16 bytes per parameter in all for bf16: work, master,
                 two moments, gradient).
+Frozen parameters (``requires_grad=False``) sit after the trainable ones in the unit's flat
+``work`` (and device buffer) and have no master, moments or gradient: those buffers cover the
+trainable prefix only. With gradient accumulation, ``grad_acc`` (fp32, this rank's shard) sums
+the micro-batches' gradients of one step.
 On the device, one flat compute-dtype buffer per unit whose storage is given back between
 uses (``free_storage``); the unit's ``nn.Parameter`` objects are views into it (or into the
 device view of ``work`` for DHA), so autograd and user code keep seeing ordinary parameters.
@@ -48,16 +52,42 @@ class UnitShadow:
     dha_flat: torch.Tensor | None = None
     device_views: list[torch.Tensor] = field(default_factory=list)
     dha_views: list[torch.Tensor] = field(default_factory=list)
+    #: fp32 sum of the micro-batches' gradients of one step (gradient accumulation; None
+    #: without it); ``accumulated`` says whether the next update reads it.
+    grad_acc: torch.Tensor | None = None
+    accumulated: bool = False
+
+    @property
+    def grad_source(self) -> torch.Tensor:
+        """The gradient the next update reads: the accumulated sum when there is one, else the landed one."""
+        return self.grad_acc if self.accumulated and self.grad_acc is not None else self.grad_stage
 
     @property
     def master_is_work(self) -> bool:
         """Whether the fp32 master is (a view of) the working copy: fp32 compute."""
-        return self.master.data_ptr() == self.work[self.shard].data_ptr() if self.shard is not None else self.master is self.work
+        return self.master.dtype == self.work.dtype and self.master.data_ptr() == self.train_work.data_ptr()
+
+    @property
+    def train_work(self) -> torch.Tensor:
+        """The part of the working copy this rank's optimizer state covers (its trainable shard)."""
+        return self.work[self.shard] if self.shard is not None else self.work[: self.master.numel()]
+
+    @property
+    def decay_end(self) -> int:
+        """Where, in this rank's optimizer state, the weight-decay group ends (the rest decays not)."""
+        if self.unit is None:
+            return self.master.numel()
+        start = self.shard.start if self.shard is not None else 0
+        return min(max(self.unit.decay_numel - start, 0), self.master.numel())
 
     def write_back(self) -> None:
         """Copy the updated master into this rank's part of the compute-dtype working copy."""
         if not self.master_is_work:
-            (self.work if self.shard is None else self.work[self.shard]).copy_(self.master)
+            self.train_work.copy_(self.master)
+
+    def train_slices(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``flat`` shaped like each trainable parameter (a gradient or optimizer buffer)."""
+        return [flat[o:o + p.numel()].view(p.shape) for o, (_, p) in zip(self.offsets, self.unit.trainable)]
 
     @property
     def nbytes_work(self) -> int:
@@ -74,21 +104,24 @@ class UnitShadow:
             p.data = v
 
 
-def host_bytes_needed(units: list[Unit], device_homes: set[int] | frozenset, dp: "DataParallel | None" = None) -> int:
+def host_bytes_needed(units: list[Unit], device_homes: set[int] | frozenset, dp: "DataParallel | None" = None,
+                      accumulate: bool = False) -> int:
     """Pinned host bytes :class:`ShadowModel` will take for ``units`` (checked before allocating).
 
-    Per host-homed unit: the compute-dtype working copy (whole, padded under data parallelism)
-    and gradient landing zone, plus the fp32 master and two moments (this rank's shard); an
-    fp32 unit's master is its working copy.
+    Per host-homed unit: the compute-dtype working copy of all parameters (whole, padded under
+    data parallelism), and for the trainable ones the gradient landing zone, the fp32 master and
+    two moments (this rank's shard); an fp32 unit's master is its working copy. Frozen
+    parameters take only their working copy (2 bytes each in bf16, 4 in fp32). With ``accumulate`` (gradient accumulation), an
+    fp32 sum of the micro-batches' gradients per shard too.
     """
     total = 0
     for u in units:
         if u.index in device_homes or not u.params:
             continue
         elem = u.params[0][1].element_size()
-        padded, shard = dp.shard(u.numel) if dp is not None else (u.numel, slice(0, u.numel))
+        padded, shard = dp.shard(u.numel) if dp is not None else (u.numel, slice(0, u.train_numel))
         size = shard.stop - shard.start
-        total += padded * elem + size * elem + 4 * size * (2 if elem == 4 else 3)
+        total += padded * elem + size * elem + 4 * size * (2 if elem == 4 else 3) + (4 * size if accumulate else 0)
     return total
 
 
@@ -119,8 +152,10 @@ class ShadowModel:
     """
 
     def __init__(self, units: list[Unit], backend: Backend, device: int, device_homes: set[int] | frozenset = frozenset(),
-                 dp: "DataParallel | None" = None, originals: dict[str, torch.Tensor] | None = None) -> None:
+                 dp: "DataParallel | None" = None, originals: dict[str, torch.Tensor] | None = None,
+                 accumulate: bool = False) -> None:
         self.backend, self.device, self.dp = backend, device, dp
+        self.accumulate = accumulate
         self.units = units
         # Parameters cast to the compute dtype by the engine: masters from these (fp32)
         # originals, and state dicts in their dtype.
@@ -140,7 +175,7 @@ class ShadowModel:
         from xpu.errors import HostMemoryBudgetError
         from xpu.units import format_bytes
 
-        need = host_bytes_needed(self.units, device_homes, self.dp)
+        need = host_bytes_needed(self.units, device_homes, self.dp, self.accumulate)
         arena = self.backend.host_arena
         stats = arena.stats()
         if arena.budget is not None:
@@ -161,21 +196,24 @@ class ShadowModel:
 
     def _make_device_home(self, unit: Unit) -> UnitShadow:
         b, dev = self.backend, self.device
-        n = unit.numel
+        n, nt = unit.numel, unit.train_numel
         dtype = unit.params[0][1].dtype
         work = b.empty(n, dtype, dev)
-        master = work if dtype == torch.float32 else b.empty(n, torch.float32, dev)
+        master = work[:nt] if dtype == torch.float32 else b.empty(nt, torch.float32, dev)
         offsets, o = [], 0
-        for name, p in unit.params:
+        for k, (name, p) in enumerate(unit.params):
             offsets.append(o)
-            b.copy(master[o:o + p.numel()], self._original(name, p).reshape(-1).float())  # fp32 from the original
+            if k < len(unit.trainable):
+                b.copy(master[o:o + p.numel()], self._original(name, p).reshape(-1).float())  # fp32 from the original
+            else:  # frozen: only its working copy
+                b.copy(work[o:o + p.numel()], p.detach().reshape(-1))
             o += p.numel()
-        if work is not master:
-            work.copy_(master)
-        exp_avg, exp_avg_sq = b.empty(n, torch.float32, dev), b.empty(n, torch.float32, dev)
+        if dtype != torch.float32:
+            work[:nt].copy_(master)
+        exp_avg, exp_avg_sq = b.empty(nt, torch.float32, dev), b.empty(nt, torch.float32, dev)
         exp_avg.zero_()
         exp_avg_sq.zero_()
-        grad = b.empty(n, torch.float32, dev)
+        grad = b.empty(nt, torch.float32, dev)
         b.free_storage(grad)  # memory only while an update runs (DeviceOptimizer)
         shadow = UnitShadow(unit, work, master, exp_avg, exp_avg_sq, grad, grad, work, offsets, home="device")
         shadow.device_views = shadow.slices(work)
@@ -187,8 +225,12 @@ class ShadowModel:
         n = unit.numel
         dtype = unit.params[0][1].dtype if unit.params else torch.float32
         # Data parallel: this rank updates one shard of the (padded) flat unit; alone, the shard is everything.
-        padded, shard = self.dp.shard(n) if self.dp is not None else (n, slice(0, n))
+        padded, shard = self.dp.shard(n) if self.dp is not None else (n, slice(0, unit.train_numel))
         size = shard.stop - shard.start
+
+        def state(dt: torch.dtype) -> torch.Tensor:  # optimizer-side buffers: none for a frozen unit
+            return arena.empty(size, dt) if size else torch.empty(0, dtype=dt)
+
         work = arena.empty(padded, dtype)
         work[n:].zero_()
         offsets, o = [], 0
@@ -199,18 +241,20 @@ class ShadowModel:
         if dtype == torch.float32:
             master = work[shard]  # the fp32 working copy is the master: no second copy to keep in step
         else:
-            master = arena.empty(size, torch.float32)
+            master = state(torch.float32)
             full32 = torch.zeros(padded, dtype=torch.float32)
-            for off, (name, p) in zip(offsets, unit.params):
+            for off, (name, p) in zip(offsets, unit.trainable):
                 full32[off:off + p.numel()].copy_(self._original(name, p).reshape(-1))  # fp32 from the original, not from work
             master.copy_(full32[shard])
-        exp_avg, exp_avg_sq = arena.empty(size, torch.float32), arena.empty(size, torch.float32)
+        exp_avg, exp_avg_sq = state(torch.float32), state(torch.float32)
         exp_avg.zero_()
         exp_avg_sq.zero_()
-        grad_stage = arena.empty(size, dtype)
+        grad_stage = state(dtype)
         grad = grad_stage  # see the module docstring: upcast chunk-wise by the host kernel
         device_flat = b.empty(padded, dtype, self.device)
         shadow = UnitShadow(unit, work, master, exp_avg, exp_avg_sq, grad, grad_stage, device_flat, offsets, shard=shard)
+        if self.accumulate and size:
+            shadow.grad_acc = arena.empty(size, torch.float32)
         shadow.device_views = shadow.slices(device_flat)
         if b.caps.dha:
             shadow.dha_flat = b.device_view(work, self.device)
@@ -228,7 +272,8 @@ class ShadowModel:
                 continue
             # Aliases (an fp32 master inside the working copy, fp32 gradients staged in place)
             # share one arena buffer: release each storage once.
-            buffers = {t.untyped_storage().data_ptr(): t for t in (s.master, s.grad_stage, s.work, s.exp_avg, s.exp_avg_sq, s.grad)}
+            held = (s.master, s.grad_stage, s.work, s.exp_avg, s.exp_avg_sq, s.grad, s.grad_acc)
+            buffers = {t.untyped_storage().data_ptr(): t for t in held if t is not None and t.numel()}
             for t in buffers.values():
                 arena.release(t)
         self.shadows = []
@@ -253,8 +298,10 @@ class ShadowModel:
         out = {}
         for s in self.shadows:
             master = self._full(s, "master")
-            for off, (name, p) in zip(s.offsets, s.unit.params):
-                out[name] = master[off:off + p.numel()].view(p.shape).to("cpu", self.state_dtypes.get(name, p.dtype), copy=True)
+            n_train = len(s.unit.trainable)
+            for k, (off, (name, p)) in enumerate(zip(s.offsets, s.unit.params)):
+                src = master if k < n_train else s.work  # frozen: the working copy is all there is
+                out[name] = src[off:off + p.numel()].view(p.shape).to("cpu", self.state_dtypes.get(name, p.dtype), copy=True)
         return out
 
     def optimizer_state_dict(self) -> dict[str, object]:
@@ -263,7 +310,7 @@ class ShadowModel:
         state: dict[str, object] = {}
         for s in self.shadows:
             full = {key: self._full(s, key) for key in ("master", "exp_avg", "exp_avg_sq")}
-            for off, (name, p) in zip(s.offsets, s.unit.params):
+            for off, (name, p) in zip(s.offsets, s.unit.trainable):
                 sl = slice(off, off + p.numel())
                 state[name] = {key: t[sl].view(p.shape).to("cpu", copy=True) for key, t in full.items()}
                 state[name]["step"] = s.step
@@ -277,10 +324,11 @@ class ShadowModel:
             ValueError: a shape differs.
         """
         names = {name: p for s in self.shadows for name, p in s.unit.params}
-        for label, state in (("model", model_state), ("optimizer", optimizer_state or {})):
+        trained = {name for s in self.shadows for name, _ in s.unit.trainable}
+        for label, state, expected in (("model", model_state, set(names)), ("optimizer", optimizer_state or {}, trained)):
             if not state:
                 continue
-            missing, unknown = set(names) - set(state), set(state) - set(names)
+            missing, unknown = expected - set(state), set(state) - expected
             if missing or unknown:
                 raise KeyError(f"{label} state does not match the model: missing {sorted(missing)[:5]}, unknown {sorted(unknown)[:5]}")
         for name, p in names.items():
@@ -291,15 +339,16 @@ class ShadowModel:
             length = s.work.numel()  # padded under data parallelism
             keys = ("master", "exp_avg", "exp_avg_sq") if optimizer_state else ("master",)
             full = {key: torch.zeros(length, dtype=torch.float32) for key in keys}
-            for off, (name, p) in zip(s.offsets, s.unit.params):
+            n_train = len(s.unit.trainable)
+            for k, (off, (name, p)) in enumerate(zip(s.offsets, s.unit.params)):
                 sl = slice(off, off + p.numel())
-                if optimizer_state:
+                if optimizer_state and k < n_train:
                     for key in keys:
                         full[key][sl].copy_(optimizer_state[name][key].reshape(-1))
                     s.step = int(optimizer_state[name]["step"])
-                else:
+                else:  # weights only, or a frozen parameter (no optimizer state)
                     full["master"][sl].copy_(model_state[name].reshape(-1))
-            mine = s.shard if s.shard is not None else slice(0, length)
+            mine = s.shard if s.shard is not None else slice(0, s.master.numel())
             for key in keys:
                 getattr(s, key).copy_(full[key][mine])
-            s.work.copy_(full["master"])  # every rank's working copy is whole
+            s.work.copy_(full["master"])  # every rank's working copy is whole (frozen parameters included)

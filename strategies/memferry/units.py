@@ -23,18 +23,40 @@ class Unit:
         module: the block module whose calls mark the unit's use; None for ``rest``, which is
             used at several places (embeddings before the blocks, head after) and so stays on
             the device.
-        params: ``(qualified name, parameter)`` pairs, each parameter once.
+        params: ``(qualified name, parameter)`` pairs, each parameter once, ordered
+            ``[trainable with weight decay..., trainable without..., frozen...]`` so the
+            optimizer's buffers (master, moments, gradient) cover a prefix of the flat unit.
+        n_trainable: how many of ``params`` train (None: all).
+        n_decay: how many of those get weight decay (None: all trainable).
     """
 
     index: int
     name: str
     module: nn.Module | None
     params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    n_trainable: int | None = None
+    n_decay: int | None = None
 
     @property
     def numel(self) -> int:
         """Elements over all parameters."""
         return sum(p.numel() for _, p in self.params)
+
+    @property
+    def trainable(self) -> list[tuple[str, nn.Parameter]]:
+        """The parameters the optimizer updates (a prefix of ``params``)."""
+        return self.params if self.n_trainable is None else self.params[: self.n_trainable]
+
+    @property
+    def train_numel(self) -> int:
+        """Elements of the trainable parameters (the optimizer state's length)."""
+        return sum(p.numel() for _, p in self.trainable)
+
+    @property
+    def decay_numel(self) -> int:
+        """Elements of the trainable parameters with weight decay (a prefix of the trainable ones)."""
+        decay = self.trainable if self.n_decay is None else self.trainable[: self.n_decay]
+        return sum(p.numel() for _, p in decay)
 
     @property
     def is_block(self) -> bool:
@@ -61,8 +83,21 @@ def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     return best
 
 
-def split_units(model: nn.Module, blocks: nn.ModuleList | None = None) -> list[Unit]:
+def _order(unit: Unit, no_decay: set[str]) -> Unit:
+    """Reorder ``unit.params`` as ``[decay..., no_decay..., frozen...]`` and count the groups."""
+    decay = [(n, p) for n, p in unit.params if p.requires_grad and n not in no_decay]
+    plain = [(n, p) for n, p in unit.params if p.requires_grad and n in no_decay]
+    frozen = [(n, p) for n, p in unit.params if not p.requires_grad]
+    unit.params = decay + plain + frozen
+    unit.n_trainable, unit.n_decay = len(decay) + len(plain), len(decay)
+    return unit
+
+
+def split_units(model: nn.Module, blocks: nn.ModuleList | None = None, no_decay: set[str] | None = None) -> list[Unit]:
     """Units for each block (in list order) and a final ``rest`` unit with all other parameters.
+
+    Frozen parameters (``requires_grad=False``) belong to units too (moved with them, never
+    updated); names in ``no_decay`` train without weight decay (see :class:`Unit` for the order).
 
     A parameter reachable from more than one unit (a weight tied between two blocks, or between
     a block and the embeddings or head) goes to ``rest``, which stays on the device: a block's
@@ -91,17 +126,18 @@ def split_units(model: nn.Module, blocks: nn.ModuleList | None = None) -> list[U
     for i, block in enumerate(blocks):
         unit = Unit(i, names[i], block)
         for name, p in block.named_parameters(prefix=unit.name):
-            if id(p) not in seen and p.requires_grad and owners[id(p)] == {i}:
+            if id(p) not in seen and owners[id(p)] == {i}:
                 seen.add(id(p))
                 unit.params.append((name, p))
-        units.append(unit)
+        units.append(_order(unit, no_decay or set()))
     rest = Unit(len(units), "rest", None)
     for name, p in model.named_parameters():
-        if id(p) not in seen and p.requires_grad:
+        if id(p) not in seen:
             seen.add(id(p))
             rest.params.append((name, p))
-    units.append(rest)
+    units.append(_order(rest, no_decay or set()))
     dtypes = {p.dtype for u in units for _, p in u.params}
     if len(dtypes) > 1:
-        raise ValueError(f"all trainable parameters must share one dtype, found {sorted(map(str, dtypes))}; cast the model first")
+        raise ValueError(f"all parameters (trainable and frozen) must share one dtype, found {sorted(map(str, dtypes))}; "
+                         f"cast the model first, or give compute_dtype=")
     return units

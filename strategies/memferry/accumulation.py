@@ -1,0 +1,70 @@
+"""Gradient accumulation bookkeeping: which micro-batch of the optimizer step the engine is in.
+
+One optimizer step is ``accumulation_steps`` micro-batches, each a grad-enabled forward and
+one ``backward()``; then ``step()``. The counter refuses the call orders that would silently
+train wrong (a second forward whose graph would be dropped, a step with no gradient, more
+backwards than declared) before anything changes.
+"""
+from __future__ import annotations
+
+__all__ = ["AccumulationError", "MicroBatches", "check_accumulation_steps"]
+
+
+class AccumulationError(RuntimeError):
+    """forward / backward / step called out of the order one optimizer step needs."""
+
+
+def check_accumulation_steps(n: object) -> int:
+    """``n`` as a positive int, or a one-line ValueError."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"accumulation_steps must be a positive int (micro-batches per optimizer step), got {n!r}")
+    return n
+
+
+class MicroBatches:
+    """Counts forwards and backwards of the current optimizer step (see the module docstring)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = check_accumulation_steps(steps)
+        self.backwards = 0  # backward() calls since the last step()
+        self.forward_open = False  # a grad-enabled forward waits for its backward
+
+    def check_forward(self, grad_enabled: bool) -> None:
+        """Before a forward: refuse a second grad-enabled forward before a backward, or any
+        grad-enabled forward once the step's micro-batches are all in."""
+        if not grad_enabled:
+            return
+        if self.forward_open:
+            raise AccumulationError("forward ran twice without backward in between: call engine.backward(loss) on the "
+                                    "first micro-batch's loss first (or run evaluation forwards under torch.no_grad())")
+        if self.backwards >= self.steps:
+            raise AccumulationError(f"all {self.steps} micro-batches of this step have run backward: call engine.step() "
+                                    f"before the next forward (accumulation_steps={self.steps})")
+
+    def forward_started(self, grad_enabled: bool) -> None:
+        """A forward passed :meth:`check_forward` and runs now."""
+        if grad_enabled:
+            self.forward_open = True
+
+    def begin_backward(self) -> bool:
+        """Before a backward: refuse one with no forward or past ``steps``; True if it ends the step's gradient."""
+        if self.backwards >= self.steps:
+            raise AccumulationError(f"backward() called {self.backwards + 1} times before step(), but accumulation_steps="
+                                    f"{self.steps}: call engine.step() after every {self.steps} backward() calls, or "
+                                    f"give MemFerry(accumulation_steps=...) the number of micro-batches per step")
+        if not self.forward_open:
+            raise AccumulationError("backward() with no forward before it: run loss = engine(inputs, ...) first")
+        self.forward_open = False
+        self.backwards += 1
+        return self.backwards == self.steps
+
+    def begin_step(self) -> bool:
+        """Before a step: refuse one with nothing accumulated; True if it ends early (fewer backwards than declared)."""
+        if self.backwards == 0:
+            raise AccumulationError("step() with no gradient accumulated since the last step: call engine.backward(loss) "
+                                    "first (one per micro-batch)")
+        return self.backwards < self.steps
+
+    def stepped(self) -> None:
+        """The step's updates are issued: the next micro-batch starts a new step."""
+        self.backwards = 0

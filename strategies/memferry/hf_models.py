@@ -1,0 +1,40 @@
+"""Hugging Face models given straight to MemFerry: no KV cache, and losses through ``labels=``."""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["no_kv_cache", "takes_labels", "model_loss"]
+
+
+def no_kv_cache(model: nn.Module) -> None:
+    """Turn off a Hugging Face model's KV cache (training never reuses it, and a DynamicCache
+    in the outputs would reach the profiler and the blocks' hooks)."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "use_cache"):
+        config.use_cache = False
+
+
+def takes_labels(model: nn.Module) -> bool:
+    """Whether ``model.forward`` takes ``labels=`` (Hugging Face models computing their own loss)."""
+    try:
+        if "labels" in inspect.signature(model.forward).parameters:
+            return True
+    except (TypeError, ValueError):
+        return False
+    # A PEFT model's forward is a bare (*args, **kwargs) wrapper: ask the model it wraps.
+    base = getattr(model, "get_base_model", None)
+    inner = base() if callable(base) else None
+    return isinstance(inner, nn.Module) and inner is not model and takes_labels(inner)
+
+
+def model_loss(model: Any, inputs: Any, targets: Any, labels_model: nn.Module | None = None) -> torch.Tensor:
+    """The loss of a model that computes its own: ``model(inputs, labels=targets).loss`` for a
+    model taking ``labels`` (judged on ``labels_model``, default ``model``), else ``model(inputs, targets)``."""
+    if takes_labels(labels_model if labels_model is not None else model):
+        out = model(inputs, labels=targets)
+        return out["loss"] if isinstance(out, dict) else out.loss
+    return model(inputs, targets)
