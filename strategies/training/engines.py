@@ -23,10 +23,6 @@ def _check_memferry(options: dict[str, Any], config: TrainConfig) -> None:
     from strategies.memferry import Plan
 
     _check_grad_norm(options)
-    if isinstance(config.model, dict) and config.model.get("lora") is not None:
-        # peft freezes the base weights; MemFerry homes only trainable weights (the frozen ones fail at set-up)
-        raise TrainConfigError("model.lora trains with strategy torch for now: MemFerry does not handle frozen base "
-                               "weights yet; drop lora or use strategy: torch")
     if not isinstance(options["plan"], str):
         raise TrainConfigError(f"strategy.options.plan must be a plan name such as 'prefetch+recompute' or 'auto', "
                                f"got {options['plan']!r}")
