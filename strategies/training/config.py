@@ -311,6 +311,9 @@ class TrainConfig:
             return
         if not d.path or not isinstance(d.path, str):
             raise TrainConfigError(f"data kind {d.kind!r} needs 'path': a local file")
+        if d.kind == "text" and vocab is not None and vocab < TEXT_VOCAB:
+            raise TrainConfigError(f"text data is byte-level ({TEXT_VOCAB} tokens) but the model's vocab is {vocab}; "
+                                   f"set model.vocab to at least {TEXT_VOCAB}")
         path = self.data_path()
         if not path.is_file():
             where = f" (looked in {self.base_dir} and the working directory)" if self.base_dir else ""
@@ -320,9 +323,6 @@ class TrainConfig:
 
             check_corpus_file(self, path)
             return
-        if vocab is not None and vocab < TEXT_VOCAB:
-            raise TrainConfigError(f"text data is byte-level ({TEXT_VOCAB} tokens) but the model's vocab is {vocab}; "
-                                   f"set model.vocab to at least {TEXT_VOCAB}")
         size = path.stat().st_size
         if size < self.seq + 2:
             raise TrainConfigError(f"data.path {d.path!r} holds {size} bytes; a window of seq + 1 = {self.seq + 1} "
