@@ -213,3 +213,41 @@ def test_resume_with_an_iterable_says_its_position_is_lost(cpu_backend, tmp_path
     result = train(_config(steps=3, resume=str(ck)), notes, data=batches, backend=cpu_backend)
     assert result.steps == [3]
     assert any("data iterable cannot be restored to its position" in n for n in notes.notes)
+
+
+def test_a_checkpoint_from_before_the_new_keys_still_resumes(tmp_path):
+    """A saved config without accumulation_steps or the new data keys means their defaults."""
+    from pathlib import Path
+
+    from strategies.training.checkpoints import compare_configs
+
+    config = _config(data={"kind": "synthetic", "branching": 2})
+    old = config.to_dict()
+    old.pop("accumulation_steps")
+    old["data"] = {"kind": "synthetic", "path": None, "branching": 2}
+    assert compare_configs(old, "fp32", config, "fp32", Path("step-1.pt")) == []
+    changed = _config(data={"kind": "synthetic", "branching": 2, "eval_fraction": 0.1})
+    with pytest.raises(TrainConfigError, match=r"eval_fraction.: 0.1}; changing the data"):
+        compare_configs(old, "fp32", changed, "fp32", Path("step-1.pt"))
+
+
+def test_cli_prints_the_eval_loss(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parent.parent
+    np.save(tmp_path / "t.npy", np.random.default_rng(2).integers(0, 256, 600).astype(np.uint16))
+    cfg = {"model": MICRO, "strategy": "torch", "steps": 2, "batch": 2, "seq": 8, "log_every": 5, "eval_every": 2,
+           "data": {"kind": "tokens", "path": "t.npy", "eval_fraction": 0.2}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ, XPU_BACKEND="cpu", PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, "-m", "xpu", "train", str(tmp_path / "c.yaml"), "--no-progress"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "step      2/2" in out and " eval " in out.split("step      2/2")[1].splitlines()[0]
+    assert "; eval loss " in out

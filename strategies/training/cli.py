@@ -137,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"done: {n} steps in {result.wall_s:.1f} s ({result.tokens_per_s:,.0f} tokens/s); "
                   f"loss {sum(head) / len(head):.3f} -> {sum(tail) / len(tail):.3f} (mean of first/last {len(head)}); "
                   f"peak device memory {_fmt_bytes(result.peak_device_bytes)}"
+                  + (f"; eval loss {result.eval_losses[-1][1]:.3f}" if result.eval_losses else "")
                   + (f"; checkpoint {result.checkpoints[-1]}" if result.checkpoints else ""))
     if args.json:
         print(json.dumps(result.to_dict(), default=str))
