@@ -20,10 +20,23 @@ def _check_grad_norm(options: dict[str, Any]) -> None:
         positive_number("strategy.options.max_grad_norm", value, TrainConfigError)
 
 
+def _memferry_accumulates() -> bool:
+    """Whether this MemFerry takes ``accumulation_steps`` (holds updates until the last micro-batch's backward)."""
+    from strategies.memferry import MemFerry
+
+    return "accumulation_steps" in inspect.signature(MemFerry).parameters
+
+
 def _check_memferry(options: dict[str, Any], config: TrainConfig) -> None:
     from strategies.memferry import Plan
 
     _check_grad_norm(options)
+    if config.accumulation_steps > 1 and not _memferry_accumulates():
+        # Such a MemFerry updates as each backward's gradients land (and with clipping waits for a
+        # step per backward): several backwards per step would be wrong, or hang.
+        raise TrainConfigError(f"accumulation_steps {config.accumulation_steps} needs a MemFerry that accumulates "
+                               f"gradients (MemFerry(accumulation_steps=)), which this version lacks; use "
+                               f"accumulation_steps: 1 with a larger batch, or strategy: torch")
     if not isinstance(options["plan"], str):
         raise TrainConfigError(f"strategy.options.plan must be a plan name such as 'prefetch+recompute' or 'auto', "
                                f"got {options['plan']!r}")
@@ -62,7 +75,7 @@ def _build_memferry(model: nn.Module, config: TrainConfig, backend: Any, device:
             raise TrainConfigError("strategy.options.loss_chunks needs a model that slices its loss (gpt or llama)")
         model.loss_chunks = opts["loss_chunks"]
     extra = {}
-    if "accumulation_steps" in inspect.signature(MemFerry).parameters:  # a MemFerry that accumulates exactly
+    if _memferry_accumulates():  # a MemFerry that accumulates exactly
         extra["accumulation_steps"] = config.accumulation_steps
     # MemFerry's set_lr is queued behind pending host updates.
     return MemFerryEngine(MemFerry(model, optim=cfg, device_budget=config.device_budget, plan=plan, backend=backend,
