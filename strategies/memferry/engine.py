@@ -369,3 +369,12 @@ class MemFerry:
         if isinstance(x, torch.Tensor) and in_host_memory(x):
             return self.backend.to_device(x, self.device)
         return x
+
+    def eval_loss(self, inputs: Any, targets: Any = None) -> float:
+        """The loss of one batch under ``torch.no_grad`` (evaluation: no gradients, no update)."""
+        with torch.no_grad(), self.backend.device_scope(self.device):
+            if self.loss_fn is not None:
+                loss = self.loss_fn(self(inputs), self._to_device(targets))
+            else:
+                loss = self(inputs) if targets is None else self(inputs, targets)
+            return float(loss)

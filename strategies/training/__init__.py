@@ -6,14 +6,14 @@
 
 One module per job: :mod:`.config` (the YAML schema and its validation; the format is in its
 docstring), :mod:`.checks` (the check and override helpers every config of the project uses),
-:mod:`.data` (batches), :mod:`.schedule` (learning rate), :mod:`.registry` (strategies by name),
+:mod:`.data` (batches), :mod:`.corpora` (jsonl and token files), :mod:`.schedule` (learning rate), :mod:`.registry` (strategies by name),
 :mod:`.engines` (MemFerry and the torch reference), :mod:`.checkpoints`, :mod:`.reports`
 (callbacks and results), :mod:`.loop` (:func:`train`), :mod:`.cli` (``xpu train``).
 """
 from .checkpoints import find_checkpoint, read_checkpoint
 from .config import (TEXT_VOCAB, CheckpointConfig, DataConfig, OptimizerConfig, StrategyConfig, TrainConfig,
                      TrainConfigError, CheckpointWriteError, TrainingDivergedError, load_config, resolve_dtype)
-from .data import TokenWindows, make_data, markov_corpus
+from .data import IterableBatches, TokenWindows, make_data, make_datasets, markov_corpus
 from .engines import TorchEngine
 from .loop import train
 from .registry import STRATEGIES, StrategySpec, TrainEngine, get_strategy, register_strategy
@@ -24,5 +24,5 @@ __all__ = [
     "TrainConfig", "StrategyConfig", "OptimizerConfig", "DataConfig", "CheckpointConfig", "TrainConfigError",
     "CheckpointWriteError", "TrainingDivergedError", "read_checkpoint", "StrategySpec", "STRATEGIES", "register_strategy", "get_strategy", "TrainEngine", "TorchEngine", "TokenWindows",
     "StepReport", "RunInfo", "TrainCallback", "TrainResult", "load_config", "train", "lr_at", "markov_corpus",
-    "find_checkpoint", "make_data", "resolve_dtype", "TEXT_VOCAB",
+    "find_checkpoint", "make_data", "make_datasets", "IterableBatches", "resolve_dtype", "TEXT_VOCAB",
 ]

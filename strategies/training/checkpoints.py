@@ -25,7 +25,8 @@ file mtimes), and resume takes it; ``checkpoint.keep`` prunes only the run's own
 What a resume may change (:func:`compare_configs`):
 
 * refused (one-line :class:`TrainConfigError`): ``model``, ``strategy.name``, ``seq``, ``batch``,
-  ``dtype`` (the resolved one), ``data`` (kind, path, branching) and, for synthetic data, ``seed``:
+  ``accumulation_steps``, ``dtype`` (the resolved one), ``data`` (kind, path, branching, field,
+  tokenizer, eos_id, dtype, eval_fraction; keys a checkpoint predates count as their defaults) and, for synthetic data, ``seed``:
   they change the shapes, the number format, or the token stream the saved data position points into;
 * allowed with a one-line notice (``TrainCallback.on_notice``): the optimizer settings (``lr``,
   ``weight_decay``, ``betas``, ``eps``, ``schedule``, ``warmup_steps``, ``min_lr``) and the other
@@ -40,12 +41,13 @@ import os
 import time
 import uuid
 import zlib
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .config import CheckpointWriteError, TrainConfig, TrainConfigError, TrainingDivergedError
+from .config import CheckpointWriteError, DataConfig, TrainConfig, TrainConfigError, TrainingDivergedError
 from .data import TokenWindows
 from .registry import TrainEngine
 
@@ -164,7 +166,10 @@ def find_checkpoint(path: str | Path) -> Path:
 
 # ---------------------------------------------------------------------------------- resume checks
 _REFUSED = {"seq": "the sequence length (shapes)", "batch": "the batch size (the data stream)",
+            "accumulation_steps": "the micro-batches per step (the data stream and the effective batch)",
             "data": "the data (the saved data position points into another stream)"}
+#: What a checkpoint written before a key existed means by it: the key's default.
+_SAVED_DEFAULTS = {"accumulation_steps": 1}
 
 
 def compare_configs(saved: dict[str, Any], saved_dtype: str | None, config: TrainConfig, dtype_name: str,
@@ -181,8 +186,11 @@ def compare_configs(saved: dict[str, Any], saved_dtype: str | None, config: Trai
                                f"the config uses {config.strategy.name!r}")
     now = config.to_dict()
     for key, what in _REFUSED.items():
-        if saved.get(key) != now[key]:
-            raise TrainConfigError(f"resume: {path} was trained with {key}={saved.get(key)}, the config says "
+        was = saved.get(key, _SAVED_DEFAULTS.get(key))
+        if key == "data" and isinstance(was, dict):
+            was = {**asdict(DataConfig()), **was}
+        if was != now[key]:
+            raise TrainConfigError(f"resume: {path} was trained with {key}={was}, the config says "
                                    f"{key}={now[key]}; changing {what} breaks the run: set it back, or start a fresh run")
     if saved_dtype is not None and saved_dtype != dtype_name:
         raise TrainConfigError(f"resume: {path} was trained in {saved_dtype}, this run would use {dtype_name}; "

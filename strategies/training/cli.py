@@ -102,9 +102,11 @@ def run(args: argparse.Namespace) -> int:
             if self.progress is not None:
                 self.progress.update(self.task, completed=r.step, loss=f"{r.loss:.3f}", step_ms=f"{r.step_s * 1e3:.0f}",
                                      mem=_fmt_bytes(r.peak_device_bytes))
-            if r.log or r.checkpoint:
+            if r.log or r.checkpoint or r.eval_loss is not None:
                 line = (f"step {r.step:>6d}/{r.steps}  loss {r.loss:.4f}  lr {r.lr:.2e}  {r.step_s * 1e3:7.1f} ms/step  "
                         f"peak {_fmt_bytes(r.peak_device_bytes)}")
+                if r.eval_loss is not None:
+                    line += f"  eval {r.eval_loss:.4f}"
                 if r.checkpoint:
                     line += f"  saved {r.checkpoint}"
                 (self.progress.console if self.progress is not None else console).print(line)
@@ -135,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"done: {n} steps in {result.wall_s:.1f} s ({result.tokens_per_s:,.0f} tokens/s); "
                   f"loss {sum(head) / len(head):.3f} -> {sum(tail) / len(tail):.3f} (mean of first/last {len(head)}); "
                   f"peak device memory {_fmt_bytes(result.peak_device_bytes)}"
+                  + (f"; eval loss {result.eval_losses[-1][1]:.3f}" if result.eval_losses else "")
                   + (f"; checkpoint {result.checkpoints[-1]}" if result.checkpoints else ""))
     if args.json:
         print(json.dumps(result.to_dict(), default=str))

@@ -19,6 +19,12 @@ YAML shape (every key but ``model`` optional)::
     dtype: auto                    # auto: bf16 on an accelerator, fp32 on the cpu backend; fp32 | bf16
     seed: 0
     data: {kind: synthetic, branching: 4}   # or {kind: text, path: data/tiny.txt} (byte-level, vocab 256)
+                                   # or {kind: jsonl, path: docs.jsonl, field: text, tokenizer: DIR_OR_tokenizer.json}
+                                   # or {kind: tokens, path: tokens.npy} (or .bin with dtype: uint16 | uint32)
+                                   # any kind: eval_fraction: 0.05 (the corpus's last 5 % is held out for eval)
+    accumulation_steps: 1          # micro-batches of `batch` rows per optimizer step (loss: their mean)
+    eval_every: 0                  # mean loss over eval_batches held-out batches every K steps and at the end (0: off)
+    eval_batches: 4
     log_every: 25
     checkpoint: {every: 100, dir: runs/gpt-tiny}   # also written after the last step; keep: N (last N only),
                                                    # overwrite: true (delete another run's step-*.pt there first)
@@ -44,7 +50,7 @@ __all__ = ["TrainConfig", "StrategyConfig", "OptimizerConfig", "DataConfig", "Ch
 TEXT_VOCAB = 256
 _DTYPES = ("auto", "fp32", "bf16")
 _SCHEDULES = ("constant", "cosine")
-_DATA_KINDS = ("synthetic", "text")
+_DATA_KINDS = ("synthetic", "text", "jsonl", "tokens")
 
 
 class TrainConfigError(XpuError, ValueError):
@@ -91,11 +97,25 @@ class OptimizerConfig:
 
 @dataclass
 class DataConfig:
-    """Where batches come from: ``synthetic`` (Markov chain with ``branching``) or ``text`` (``path``, byte-level)."""
+    """Where batches come from (see :mod:`.data` and :mod:`.corpora`).
+
+    Attributes:
+        kind: ``synthetic`` (Markov chain with ``branching``), ``text`` (``path``, byte-level),
+            ``jsonl`` (``path``: one JSON object per line, its ``field`` tokenized with ``tokenizer``,
+            documents joined by the EOS id) or ``tokens`` (``path``: a 1-D ``.npy``, or a raw ``.bin`` of ``dtype``).
+        tokenizer: a local Hugging Face tokenizer folder or a ``tokenizer.json`` file (jsonl only).
+        eos_id: the id put between documents when the tokenizer names no EOS token (jsonl only).
+        eval_fraction: the share of the corpus, at its end, held out for evaluation (training never reads it).
+    """
 
     kind: str = "synthetic"
     path: str | None = None
     branching: int = 4
+    field: str = "text"
+    tokenizer: str | None = None
+    eos_id: int | None = None
+    dtype: str = "uint16"
+    eval_fraction: float = 0.0
 
 
 @dataclass
@@ -135,6 +155,9 @@ class TrainConfig:
     dtype: str = "auto"
     seed: int = 0
     data: DataConfig = field(default_factory=DataConfig)
+    accumulation_steps: int = 1
+    eval_every: int = 0
+    eval_batches: int = 4
     log_every: int = 10
     checkpoint: CheckpointConfig | None = None
     resume: str | None = None
@@ -166,9 +189,9 @@ class TrainConfig:
             return int(value) if value is not None else None
         return int(self.model["layers"])
 
-    def data_path(self) -> Path:
-        """The text file of ``data.path``: next to the config file if it exists there, else from the working directory."""
-        path = Path(str(self.data.path)).expanduser()
+    def data_path(self, value: str | None = None) -> Path:
+        """The file of ``data.path`` (or ``value``): next to the config file if it exists there, else from the working directory."""
+        path = Path(str(self.data.path if value is None else value)).expanduser()
         if not path.is_absolute() and self.base_dir is not None and (Path(self.base_dir) / path).exists():
             return Path(self.base_dir) / path
         return path
@@ -219,9 +242,10 @@ class TrainConfig:
             TrainConfigError: what is wrong, with the valid values.
         """
         check_model_section(self.model, self.family, self.model_dims(), TrainConfigError)
-        for key in ("steps", "batch", "seq", "log_every"):
+        for key in ("steps", "batch", "seq", "log_every", "accumulation_steps", "eval_batches"):
             _positive_int(key, getattr(self, key))
         _nonneg_int("seed", self.seed)
+        _nonneg_int("eval_every", self.eval_every)
         if self.model_dims().get("seq") is not None and self.model_dims()["seq"] < self.seq:
             raise TrainConfigError(f"model.seq ({self.model['seq']}) is shorter than seq ({self.seq}); drop model.seq or raise it")
         if self.dtype not in _DTYPES:
@@ -271,10 +295,15 @@ class TrainConfig:
         d = self.data
         if d.kind not in _DATA_KINDS:
             raise TrainConfigError(f"data.kind {d.kind!r} is not valid; valid: {', '.join(_DATA_KINDS)}")
+        frac = d.eval_fraction
+        if not isinstance(frac, (int, float)) or isinstance(frac, bool) or not 0 <= frac < 1:
+            raise TrainConfigError(f"data.eval_fraction must lie in [0, 1) (the held-out share of the corpus), got {frac!r}")
+        if self.eval_every and not frac:
+            raise TrainConfigError("eval_every needs held-out data: set data.eval_fraction (e.g. 0.05), or eval_every: 0")
         vocab = self.vocab()
         if d.kind == "synthetic":
             if d.path is not None:
-                raise TrainConfigError("data.path is for kind: text; synthetic data takes only 'branching'")
+                raise TrainConfigError("data.path is for kinds text, jsonl and tokens; synthetic data takes only 'branching'")
             _positive_int("data.branching", d.branching)
             if vocab is None:
                 raise TrainConfigError("synthetic data needs the model's vocab size: give model.config.vocab_size")
@@ -282,14 +311,19 @@ class TrainConfig:
                 raise TrainConfigError(f"data.branching ({d.branching}) cannot exceed the model's vocab ({vocab})")
             return
         if not d.path or not isinstance(d.path, str):
-            raise TrainConfigError("data kind 'text' needs 'path': a local text file, read byte-level")
-        if vocab is not None and vocab < TEXT_VOCAB:
+            raise TrainConfigError(f"data kind {d.kind!r} needs 'path': a local file")
+        if d.kind == "text" and vocab is not None and vocab < TEXT_VOCAB:
             raise TrainConfigError(f"text data is byte-level ({TEXT_VOCAB} tokens) but the model's vocab is {vocab}; "
                                    f"set model.vocab to at least {TEXT_VOCAB}")
         path = self.data_path()
         if not path.is_file():
             where = f" (looked in {self.base_dir} and the working directory)" if self.base_dir else ""
             raise TrainConfigError(f"data.path {d.path!r}: no such file{where}")
+        if d.kind in ("jsonl", "tokens"):
+            from .corpora import check_corpus_file  # the file kinds' own checks
+
+            check_corpus_file(self, path)
+            return
         size = path.stat().st_size
         if size < self.seq + 2:
             raise TrainConfigError(f"data.path {d.path!r} holds {size} bytes; a window of seq + 1 = {self.seq + 1} "

@@ -7,19 +7,24 @@ a relative path is looked up next to the config file first, then in the working 
 ln(branching) as the model learns the table. Either way each step draws ``batch`` random
 windows of ``seq + 1`` tokens (inputs, then targets shifted by one) from one seeded generator,
 whose state is saved in checkpoints: a resumed run sees the batches the uninterrupted run
-would have seen.
+would have seen. ``jsonl`` and ``tokens`` corpora come from :mod:`.corpora`.
+
+``data.eval_fraction`` holds out the corpus's last share: training windows lie wholly before it,
+and :func:`make_datasets` draws ``eval_batches`` fixed windows (seeded) inside it. ``train(data=...)``
+takes any iterable of batches instead (:class:`IterableBatches`).
 """
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
+import numpy as np
 import torch
 
 from .config import TrainConfig
 
-__all__ = ["TokenWindows", "markov_corpus", "make_data"]
+__all__ = ["TokenWindows", "IterableBatches", "markov_corpus", "make_data", "make_datasets"]
 
 #: Tokens of the synthetic corpus: enough that a 32k vocabulary's table is visited ~30 times per token.
 _SYNTHETIC_TOKENS = 1 << 20
@@ -47,13 +52,14 @@ class TokenWindows:
     """Batches of random windows of ``seq + 1`` tokens from a 1-D corpus, drawn with one seeded generator.
 
     Args:
-        corpus: 1-D integer tensor of token ids (uint8 for byte-level text keeps a file at one byte per token).
+        corpus: 1-D integer tensor of token ids (uint8 for byte-level text keeps a file at one byte per token),
+            or a 1-D numpy array (a memory-mapped token file: only the drawn windows are read).
         batch, seq: windows per batch and tokens per input row.
         seed: the generator's seed; :meth:`state_dict` / :meth:`load_state_dict` carry its position.
     """
 
-    def __init__(self, corpus: torch.Tensor, batch: int, seq: int, seed: int) -> None:
-        if corpus.dim() != 1 or corpus.numel() < seq + 2:
+    def __init__(self, corpus: torch.Tensor | np.ndarray, batch: int, seq: int, seed: int) -> None:
+        if corpus.ndim != 1 or corpus.shape[0] < seq + 2:
             raise ValueError(f"the corpus needs at least seq + 2 = {seq + 2} tokens in one dimension, got shape {tuple(corpus.shape)}")
         self.corpus, self.batch, self.seq = corpus, batch, seq
         self.generator = torch.Generator().manual_seed(seed)
@@ -61,8 +67,12 @@ class TokenWindows:
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, targets)``, each (batch, seq) int64 on the host; targets are inputs shifted by one."""
-        starts = torch.randint(0, self.corpus.numel() - self.seq, (self.batch,), generator=self.generator)
-        windows = self.corpus[starts[:, None] + self._offsets].long()
+        starts = torch.randint(0, int(self.corpus.shape[0]) - self.seq, (self.batch,), generator=self.generator)
+        index = starts[:, None] + self._offsets
+        if isinstance(self.corpus, np.ndarray):  # numpy indexing reads just these windows of a memmap
+            windows = torch.from_numpy(np.asarray(self.corpus[index.numpy()], dtype=np.int64))
+        else:
+            windows = self.corpus[index].long()
         return windows[:, :-1], windows[:, 1:]
 
     def state_dict(self) -> dict[str, Any]:
@@ -74,8 +84,52 @@ class TokenWindows:
         self.generator.set_state(state["generator"])
 
 
-def make_data(config: TrainConfig) -> tuple[TokenWindows, str]:
-    """The batch source and a one-line description of it."""
+class IterableBatches:
+    """Batches from any iterable of ``(inputs, targets)`` or dicts with ``input_ids`` (and ``labels``).
+
+    A dict without ``labels`` is a row of tokens: inputs are all but its last token, targets all
+    but its first. Its position cannot be saved (:meth:`state_dict` is empty): a resumed run
+    starts the iterable from its beginning.
+    """
+
+    def __init__(self, batches: Iterable[Any]) -> None:
+        self.iterator = iter(batches)
+        self.drawn = 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next ``(inputs, targets)`` as int64 tensors.
+
+        Raises:
+            ValueError: the iterable ran out, or an item is neither a pair nor a dict with ``input_ids``.
+        """
+        try:
+            item = next(self.iterator)
+        except StopIteration:
+            raise ValueError(f"the data iterable ran out after {self.drawn} batches; give one that yields at "
+                             f"least steps x accumulation_steps batches (or cycles)") from None
+        self.drawn += 1
+        if isinstance(item, dict):
+            if "input_ids" not in item:
+                raise ValueError(f"data batch {self.drawn} is a dict without 'input_ids' (keys {sorted(item)})")
+            ids = torch.as_tensor(item["input_ids"])
+            if "labels" in item:
+                return ids.long(), torch.as_tensor(item["labels"]).long()
+            return ids[..., :-1].long(), ids[..., 1:].long()
+        if isinstance(item, (tuple, list)) and len(item) == 2:
+            return torch.as_tensor(item[0]).long(), torch.as_tensor(item[1]).long()
+        raise ValueError(f"data batch {self.drawn} is a {type(item).__name__}; yield (inputs, targets) or "
+                         f"{{'input_ids': ..., 'labels': ...}}")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing: an iterable's position cannot be saved."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """No-op (see the class docstring)."""
+
+
+def _corpus(config: TrainConfig) -> tuple[Any, str]:
+    """The whole 1-D token stream and its description."""
     if config.data.kind == "text":
         path = config.data_path()
         corpus = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
@@ -83,10 +137,46 @@ def make_data(config: TrainConfig) -> tuple[TokenWindows, str]:
             shown = path.resolve().relative_to(Path.cwd())
         except ValueError:
             shown = path
-        return TokenWindows(corpus, config.batch, config.seq, config.seed), f"text {shown} ({corpus.numel():,} bytes)"
+        return corpus, f"text {shown} ({corpus.numel():,} bytes)"
+    if config.data.kind in ("jsonl", "tokens"):
+        from .corpora import load_corpus
+
+        return load_corpus(config)
     vocab = config.vocab()
     assert vocab is not None  # validate() checked
     corpus = markov_corpus(vocab, config.data.branching, _SYNTHETIC_TOKENS, config.seed)
     floor = math.log(config.data.branching)
-    return (TokenWindows(corpus, config.batch, config.seq, config.seed + 1),
-            f"synthetic Markov chain, vocab {vocab}, {config.data.branching} successors per token (loss floor ~{floor:.2f})")
+    return corpus, (f"synthetic Markov chain, vocab {vocab}, {config.data.branching} successors per token "
+                    f"(loss floor ~{floor:.2f})")
+
+
+def make_datasets(config: TrainConfig) -> tuple[TokenWindows, list[tuple[torch.Tensor, torch.Tensor]], str]:
+    """The training batch source, the fixed held-out eval batches (empty without ``data.eval_fraction``), a description.
+
+    Raises:
+        TrainConfigError: the training or held-out part is shorter than one window.
+    """
+    from .config import TrainConfigError
+
+    corpus, desc = _corpus(config)
+    n = int(corpus.shape[0])
+    held = int(n * config.data.eval_fraction)
+    # synthetic keeps its historical window seed (seed + 1): the same config draws the same batches as before
+    seed = config.seed + 1 if config.data.kind == "synthetic" else config.seed
+    if not held:
+        return TokenWindows(corpus, config.batch, config.seq, seed), [], desc
+    if held < config.seq + 2 or n - held < config.seq + 2:
+        raise TrainConfigError(f"data.eval_fraction {config.data.eval_fraction} splits {n:,} tokens into {n - held:,} "
+                               f"for training and {held:,} held out; each needs one window of seq + 2 = "
+                               f"{config.seq + 2}: change eval_fraction or seq")
+    train_part, eval_part = corpus[: n - held], corpus[n - held:]
+    evals = TokenWindows(eval_part, config.batch, config.seq, config.seed + 2)
+    eval_batches = [evals.next() for _ in range(config.eval_batches)]  # drawn once: the same windows every time
+    desc += f"; last {held:,} tokens held out for eval"
+    return TokenWindows(train_part, config.batch, config.seq, seed), eval_batches, desc
+
+
+def make_data(config: TrainConfig) -> tuple[TokenWindows, str]:
+    """The training batch source and a one-line description of it."""
+    windows, _, desc = make_datasets(config)
+    return windows, desc

@@ -1,6 +1,7 @@
 """The strategies ``xpu train`` ships: MemFerry, and the plain PyTorch reference (``torch``)."""
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -10,7 +11,7 @@ from .checks import positive_number
 from .config import TrainConfig, TrainConfigError, resolve_dtype
 from .registry import StrategySpec, TrainEngine
 
-__all__ = ["TorchEngine", "MEMFERRY", "TORCH"]
+__all__ = ["TorchEngine", "MemFerryEngine", "MEMFERRY", "TORCH"]
 
 
 def _check_grad_norm(options: dict[str, Any]) -> None:
@@ -19,10 +20,23 @@ def _check_grad_norm(options: dict[str, Any]) -> None:
         positive_number("strategy.options.max_grad_norm", value, TrainConfigError)
 
 
+def _memferry_accumulates() -> bool:
+    """Whether this MemFerry takes ``accumulation_steps`` (holds updates until the last micro-batch's backward)."""
+    from strategies.memferry import MemFerry
+
+    return "accumulation_steps" in inspect.signature(MemFerry).parameters
+
+
 def _check_memferry(options: dict[str, Any], config: TrainConfig) -> None:
     from strategies.memferry import Plan
 
     _check_grad_norm(options)
+    if config.accumulation_steps > 1 and not _memferry_accumulates():
+        # Such a MemFerry updates as each backward's gradients land (and with clipping waits for a
+        # step per backward): several backwards per step would be wrong, or hang.
+        raise TrainConfigError(f"accumulation_steps {config.accumulation_steps} needs a MemFerry that accumulates "
+                               f"gradients (MemFerry(accumulation_steps=)), which this version lacks; use "
+                               f"accumulation_steps: 1 with a larger batch, or strategy: torch")
     if not isinstance(options["plan"], str):
         raise TrainConfigError(f"strategy.options.plan must be a plan name such as 'prefetch+recompute' or 'auto', "
                                f"got {options['plan']!r}")
@@ -60,10 +74,39 @@ def _build_memferry(model: nn.Module, config: TrainConfig, backend: Any, device:
         if not hasattr(model, "loss_chunks"):
             raise TrainConfigError("strategy.options.loss_chunks needs a model that slices its loss (gpt, llama or hf)")
         model.loss_chunks = opts["loss_chunks"]
-    # MemFerry is a TrainEngine as it is; its set_lr is queued behind pending host updates.
-    return MemFerry(model, optim=cfg, device_budget=config.device_budget, plan=plan, backend=backend, device=device,
-                    sample=sample, memory_margin=float(opts["memory_margin"]), compute_dtype=resolve_dtype(config, backend)[1],
-                    blocks=model.blocks)  # named: a 1-block model has no list to find
+    extra = {}
+    if _memferry_accumulates():  # a MemFerry that accumulates exactly
+        extra["accumulation_steps"] = config.accumulation_steps
+    # MemFerry's set_lr is queued behind pending host updates.
+    return MemFerryEngine(MemFerry(model, optim=cfg, device_budget=config.device_budget, plan=plan, backend=backend,
+                                   device=device, sample=sample, memory_margin=float(opts["memory_margin"]),
+                                   compute_dtype=resolve_dtype(config, backend)[1],
+                                   blocks=model.blocks, **extra))  # named: a 1-block model has no list to find
+
+
+class MemFerryEngine:
+    """A MemFerry engine as a :class:`TrainEngine`: adds :meth:`train_batch`; everything else is MemFerry's own."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)  # train_step, set_lr, state_dict, plan, ...
+
+    def train_batch(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Forward and backward each micro-batch on ``loss / N``, then one step; the mean loss (detached)."""
+        n, total = len(micro_batches), None
+        for inputs, targets in micro_batches:
+            loss = self.engine(inputs, targets)
+            self.engine.backward(loss / n)
+            total = loss.detach() if total is None else total + loss.detach()
+        self.engine.step()
+        return total / n
+
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """The loss of one batch, no gradients (MemFerry's own ``eval_loss``)."""
+        return self.engine.eval_loss(inputs, targets)
+
 
 class TorchEngine:
     """The ``torch`` reference: the model and ``torch.optim.AdamW`` all on the device, weights in the compute dtype."""
@@ -97,6 +140,28 @@ class TorchEngine:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
+
+    def train_batch(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Accumulate the gradients of ``loss / N`` over the N micro-batches, clip them, step once; the mean loss."""
+        n, total = len(micro_batches), None
+        with self.backend.device_scope(self.device):
+            for inputs, targets in micro_batches:
+                inputs = self.backend.to_device(inputs, self.device)
+                targets = self.backend.to_device(targets, self.device)
+                loss = self.model(inputs, targets)
+                (loss / n).backward()
+                total = loss.detach() if total is None else total + loss.detach()
+            if self.max_grad_norm is not None:
+                nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return total / n
+
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """The loss of one batch under ``torch.no_grad`` (the model stays in training mode: it has no dropout)."""
+        with self.backend.device_scope(self.device), torch.no_grad():
+            inputs, targets = self.backend.to_device(inputs, self.device), self.backend.to_device(targets, self.device)
+            return float(self.model(inputs, targets))
 
     def set_lr(self, lr: float) -> None:
         """Learning rate for the next step."""

@@ -4,13 +4,13 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
 from .checkpoints import check_checkpoint_dir, load_checkpoint, new_run_id, prepare_checkpoint_dir, save_checkpoint
 from .config import TrainConfig, TrainConfigError, TrainingDivergedError, resolve_dtype
-from .data import make_data
+from .data import IterableBatches, make_datasets
 from .registry import TrainEngine, get_strategy
 from .reports import RunInfo, StepReport, TrainCallback, TrainResult
 from .schedule import lr_at
@@ -18,8 +18,17 @@ from .schedule import lr_at
 __all__ = ["train"]
 
 
-def train(config: TrainConfig, callback: TrainCallback | None = None, backend: Any = None) -> TrainResult:
+def train(config: TrainConfig, callback: TrainCallback | None = None, backend: Any = None,
+          data: Iterable[Any] | None = None) -> TrainResult:
     """Train ``config.model`` with ``config.strategy`` for ``config.steps`` steps (continuing a checkpoint if ``resume``).
+
+    Each step draws ``config.accumulation_steps`` micro-batches of ``config.batch`` rows and makes
+    one update from the gradient of their mean loss. ``data``: any iterable of ``(inputs, targets)``
+    or of dicts with ``input_ids`` (and ``labels``; without them targets are ``input_ids`` shifted);
+    when given, ``config.data`` is not used for training (only for the held-out eval batches when
+    ``eval_every`` is set), and a resumed run cannot put the iterable back at its position (it
+    starts from its beginning; a notice says so). With ``eval_every: K`` the mean loss over the
+    fixed held-out batches is computed every K steps and after the last one.
 
     Everything that can be checked is checked before the model is built: the config
     (already, by :func:`load_config`), the device budget against the device, the resume
@@ -54,7 +63,17 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
             Path(config.checkpoint.dir).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise TrainConfigError(f"checkpoint.dir {config.checkpoint.dir!r}: {exc.strerror or exc}") from None
-    data, data_desc = make_data(config)
+    windows, eval_batches, data_desc = make_datasets(config)  # may raise: a token id the vocab cannot hold, ...
+    if data is not None:
+        batches: Any = IterableBatches(data)
+        data_desc = "batches from the caller's iterable" + (f" (eval: {data_desc})" if eval_batches else "")
+        if state is not None:
+            notices.append("resume: the data iterable cannot be restored to its position; it starts from its "
+                           "beginning, so the resumed steps see other batches than an uninterrupted run")
+    else:
+        batches = windows
+    del windows
+    accum = config.accumulation_steps
 
     # Seed a private copy of the host RNG: the same config builds the same initial weights
     # whatever the caller did before, and the caller's RNG stream is left alone.
@@ -73,7 +92,7 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
         start = 0
         if state is not None:
             engine.load_state_dict(state["engine"])
-            data.load_state_dict(state["data"])
+            batches.load_state_dict(state["data"])
             start = int(state["step"])
         del model, state
         if config.checkpoint is not None:  # only now that the run is built: a failed build deletes nothing
@@ -82,18 +101,20 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
             callback.on_notice(notice)
         info = RunInfo(config.name, backend.name, device, dtype_name, params, config.strategy.name,
                        dict(config.strategy.options), budget, data_desc, start, config.steps,
-                       config.batch * config.seq, str(resumed_from) if resumed_from else None,
+                       config.batch * config.seq * accum, str(resumed_from) if resumed_from else None,
                        engine.plan.describe() if config.strategy.options.get("plan") == "auto" else None)
         callback.on_start(info)
-        steps, losses, lrs, times, checkpoints = [], [], [], [], []
+        steps, losses, lrs, times, checkpoints, eval_losses = [], [], [], [], [], []
         every = config.checkpoint.every if config.checkpoint else 0
         t_begin = time.perf_counter()
         for i in range(start, config.steps):
             lr = lr_at(config.optimizer, i, config.steps)
             engine.set_lr(lr)
-            inputs, targets = data.next()
+            micro = [batches.next() for _ in range(accum)]
             t0 = time.perf_counter()
-            loss = float(engine.train_step(inputs, targets))  # reading it back waits for this step's forward
+            # one micro-batch: train_step, exactly as before accumulation existed
+            out = engine.train_step(*micro[0]) if accum == 1 else engine.train_batch(micro)
+            loss = float(out)  # reading it back waits for this step's forward
             step_s = time.perf_counter() - t0
             n = i + 1
             if not math.isfinite(loss):  # checked before saving: a NaN state never becomes a checkpoint
@@ -103,23 +124,28 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
                                             f"lower optimizer.lr or set strategy.options.max_grad_norm, then resume")
             saved = None
             if config.checkpoint is not None and ((every and n % every == 0) or n == config.steps):
-                saved = str(save_checkpoint(Path(config.checkpoint.dir), n, engine, data, config, run_id, dtype_name,
+                saved = str(save_checkpoint(Path(config.checkpoint.dir), n, engine, batches, config, run_id, dtype_name,
                                             config.checkpoint.keep))
                 checkpoints.append(saved)
             steps.append(n)
             losses.append(loss)
             lrs.append(lr)
             times.append(step_s)
+            eval_loss = None
+            if config.eval_every and eval_batches and (n % config.eval_every == 0 or n == config.steps):
+                eval_loss = sum(engine.eval_loss(x, y) for x, y in eval_batches) / len(eval_batches)
+                eval_losses.append((n, eval_loss))
             peak = backend.memory_stats(device).peak_reserved
             callback.on_step(StepReport(n, config.steps, loss, lr, step_s, peak,
                                         log=n % config.log_every == 0 or n == config.steps or n == start + 1,
-                                        checkpoint=saved))
+                                        checkpoint=saved, eval_loss=eval_loss))
         engine.synchronize()
         wall = time.perf_counter() - t_begin
         stats = backend.memory_stats(device)
         step_total = sum(times)
         return TrainResult(steps, losses, lrs, times, stats.peak_reserved, stats.peak_allocated, wall,
-                           config.batch * config.seq * len(times) / step_total if step_total else 0.0, checkpoints, info)
+                           config.batch * config.seq * accum * len(times) / step_total if step_total else 0.0,
+                           checkpoints, info, eval_losses)
     finally:
         if engine is not None:
             engine.close()

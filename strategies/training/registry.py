@@ -29,6 +29,16 @@ class TrainEngine(Protocol):
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward, backward and update; returns the loss (detached, any device)."""
 
+    def train_batch(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One update from several micro-batches (gradient accumulation): the gradient of their mean loss.
+
+        Returns the mean of the micro-batch losses (detached, any device). :func:`train` calls it
+        when ``accumulation_steps > 1`` (else :meth:`train_step`).
+        """
+
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """The loss of one batch without gradients or updates (held-out evaluation)."""
+
     def set_lr(self, lr: float) -> None:
         """Learning rate for the next update."""
 

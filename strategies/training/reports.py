@@ -1,7 +1,7 @@
 """What a run tells its caller: :class:`RunInfo` before, a :class:`StepReport` per step, a :class:`TrainResult` after."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = ["RunInfo", "StepReport", "TrainCallback", "TrainResult"]
@@ -38,6 +38,7 @@ class StepReport:
         peak_device_bytes: the device memory high-water mark of the run so far.
         log: True on every ``log_every``-th step and the last one.
         checkpoint: the file written after this step, if one was.
+        eval_loss: the mean held-out loss after this step, on the steps ``eval_every`` names (else None).
     """
 
     step: int
@@ -48,6 +49,7 @@ class StepReport:
     peak_device_bytes: int
     log: bool
     checkpoint: str | None = None
+    eval_loss: float | None = None
 
 
 class TrainCallback:
@@ -79,6 +81,7 @@ class TrainResult:
         tokens_per_s: trained tokens per second of step time.
         checkpoints: files written.
         info: the run's :class:`RunInfo`.
+        eval_losses: ``(step, mean held-out loss)`` for each evaluation (``eval_every``).
     """
 
     steps: list[int]
@@ -91,6 +94,7 @@ class TrainResult:
     tokens_per_s: float
     checkpoints: list[str]
     info: RunInfo
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly."""
