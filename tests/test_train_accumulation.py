@@ -6,6 +6,7 @@ import torch
 
 from strategies.training import load_config, lr_at, read_checkpoint, train
 from strategies.training.data import make_datasets
+from strategies.weight_decay import param_groups
 
 MICRO = {"family": "gpt", "layers": 2, "hidden": 32, "heads": 2, "vocab": 256}
 
@@ -27,7 +28,7 @@ def _reference_losses(config, n_micro):
         torch.manual_seed(config.seed)
         model = build_model(config.family, dtype=torch.float32, **config.model_dims())
     o = config.optimizer
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)  # HF Trainer's groups
     losses = []
     for i in range(config.steps):
         for group in opt.param_groups:
@@ -84,32 +85,17 @@ def test_torch_four_micro_batches_equal_one_batch_of_their_rows(cpu_backend):
     assert whole.info.tokens_per_step == split.info.tokens_per_step == 8 * 16
 
 
-@pytest.mark.xfail(strict=False, reason="exact MemFerry accumulation lands with the memferry helper's "
-                                        "MemFerry(accumulation_steps=) (each backward updates on its own before)")
 def test_memferry_four_micro_batches_equal_one_batch_of_their_rows(cpu_backend):
     whole, split = _split_runs("memferry", cpu_backend)
     assert split.losses == pytest.approx(whole.losses, abs=1e-5)
 
 
-@pytest.mark.xfail(strict=False, reason="exact MemFerry accumulation lands with the memferry helper's "
-                                        "MemFerry(accumulation_steps=)")
 def test_memferry_accumulation_equals_plain_torch(cpu_backend):
     result = train(_config(strategy="memferry", accumulation_steps=4), backend=cpu_backend)
     ref, _ = _reference_losses(_config(accumulation_steps=4), 4)
     assert result.losses == pytest.approx(ref, abs=1e-5)
 
 
-def test_memferry_without_exact_accumulation_refuses_it():
-    from strategies.training import TrainConfigError
-    from strategies.training.engines import _memferry_accumulates
-
-    if _memferry_accumulates():
-        pytest.skip("this MemFerry accumulates: the two xfail tests above check it")
-    with pytest.raises(TrainConfigError, match="accumulation_steps 4 needs a MemFerry that accumulates gradients"):
-        _config(strategy="memferry", accumulation_steps=4)
-
-
-@pytest.mark.xfail(strict=False, reason="a MemFerry that accumulates, clipping the summed gradients")
 def test_memferry_accumulation_with_clipping_equals_torch(cpu_backend):
     opts = {"max_grad_norm": 0.05}
     ref = train(_config(strategy={"name": "torch", "options": opts}, accumulation_steps=2), backend=cpu_backend)

@@ -61,7 +61,9 @@ class HFCausalLM(CausalLM):
         layers = getattr(self.base.config, "num_hidden_layers", None)
         # The decoder layers are the first ModuleList as long as the layer count (llama, gpt2, mistral, qwen...).
         found = [m for m in self.hf.modules() if isinstance(m, nn.ModuleList) and len(m) == layers]
-        self.blocks = found[0] if found else nn.ModuleList()
+        # Kept out of the registered submodules: the layers are already ``hf``'s, and a second
+        # registration would repeat every layer under ``blocks.*`` in state dicts and exports.
+        self.__dict__["blocks"] = found[0] if found else nn.ModuleList()
         self.recompute = self._recompute  # applied now that the HF model exists
 
     @property

@@ -1,7 +1,6 @@
 """The strategies ``xpu train`` ships: MemFerry, and the plain PyTorch reference (``torch``)."""
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -20,23 +19,10 @@ def _check_grad_norm(options: dict[str, Any]) -> None:
         positive_number("strategy.options.max_grad_norm", value, TrainConfigError)
 
 
-def _memferry_accumulates() -> bool:
-    """Whether this MemFerry takes ``accumulation_steps`` (holds updates until the last micro-batch's backward)."""
-    from strategies.memferry import MemFerry
-
-    return "accumulation_steps" in inspect.signature(MemFerry).parameters
-
-
 def _check_memferry(options: dict[str, Any], config: TrainConfig) -> None:
     from strategies.memferry import Plan
 
     _check_grad_norm(options)
-    if config.accumulation_steps > 1 and not _memferry_accumulates():
-        # Such a MemFerry updates as each backward's gradients land (and with clipping waits for a
-        # step per backward): several backwards per step would be wrong, or hang.
-        raise TrainConfigError(f"accumulation_steps {config.accumulation_steps} needs a MemFerry that accumulates "
-                               f"gradients (MemFerry(accumulation_steps=)), which this version lacks; use "
-                               f"accumulation_steps: 1 with a larger batch, or strategy: torch")
     if not isinstance(options["plan"], str):
         raise TrainConfigError(f"strategy.options.plan must be a plan name such as 'prefetch+recompute' or 'auto', "
                                f"got {options['plan']!r}")
@@ -74,14 +60,12 @@ def _build_memferry(model: nn.Module, config: TrainConfig, backend: Any, device:
         if not hasattr(model, "loss_chunks"):
             raise TrainConfigError("strategy.options.loss_chunks needs a model that slices its loss (gpt, llama or hf)")
         model.loss_chunks = opts["loss_chunks"]
-    extra = {}
-    if _memferry_accumulates():  # a MemFerry that accumulates exactly
-        extra["accumulation_steps"] = config.accumulation_steps
     # MemFerry's set_lr is queued behind pending host updates.
     return MemFerryEngine(MemFerry(model, optim=cfg, device_budget=config.device_budget, plan=plan, backend=backend,
                                    device=device, sample=sample, memory_margin=float(opts["memory_margin"]),
                                    compute_dtype=resolve_dtype(config, backend)[1],
-                                   blocks=model.blocks, **extra))  # named: a 1-block model has no list to find
+                                   blocks=model.blocks,
+                                   accumulation_steps=config.accumulation_steps))  # named: a 1-block model has no list to find
 
 
 class MemFerryEngine:
@@ -126,8 +110,11 @@ class TorchEngine:
         self.model = model
         self.model.recompute = bool(opts["recompute"])  # CausalLM's per-block checkpointing
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
-                                           weight_decay=o.weight_decay)
+        from strategies.weight_decay import param_groups
+
+        # Biases and norm weights get no decay, as in HF Trainer and MemFerry; frozen weights are left out.
+        self.optimizer = torch.optim.AdamW(param_groups(self.model, o.weight_decay), lr=o.lr, betas=o.betas,
+                                           eps=o.eps)
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward, backward, optional clipping, AdamW step."""
