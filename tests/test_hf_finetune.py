@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -296,3 +297,79 @@ def test_lora_with_memferry_equals_peft_with_torch_adamw(tmp_path, cpu_backend, 
     assert trained
     for k in trained:
         torch.testing.assert_close(ours[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def _jsonl_and_tokenizer(tmp_path, vocab):
+    """A jsonl file of local text and a byte-level BPE tokenizer trained on it (nothing downloaded)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    text = (Path(__file__).resolve().parents[1] / "examples" / "train" / "data" / "tiny.txt").read_text()
+    docs = [p.strip() for p in text.split("\n\n") if p.strip()]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert tok.get_vocab_size() <= vocab
+    tok.save(str(tmp_path / "tokenizer.json"))
+    return data, tmp_path / "tokenizer.json"
+
+
+@pytest.mark.parametrize("cfg", ["llama", "gpt2"])
+def test_finetune_with_memferry_accumulation_and_clipping_exports_plain_adamw_weights(tmp_path, cpu_backend, cfg):
+    """Load a saved model, train 20 steps of 4 accumulated micro-batches with clipping on jsonl text,
+    export, and ``from_pretrained`` gives the weights plain PyTorch AdamW reaches (the GPT-2 one tied)."""
+    import torch.nn.functional as F
+
+    from strategies.training.data import make_datasets
+    from strategies.training.export import export_hf
+    from strategies.weight_decay import param_groups
+
+    hf_cfg = _llama_cfg() if cfg == "llama" else _gpt2_cfg()
+    hf_cfg.vocab_size = 300  # the byte-level alphabet (256) and some merges
+    if cfg == "gpt2":  # dropout would draw different masks in the two loops
+        hf_cfg.resid_pdrop = hf_cfg.embd_pdrop = hf_cfg.attn_pdrop = 0.0
+    path, _ = _save(tmp_path, hf_cfg, cfg)
+    data, tokenizer = _jsonl_and_tokenizer(tmp_path, 300)
+    run = {"model": {"family": "hf", "path": str(path)}, "steps": 20, "batch": 2, "seq": 16, "dtype": "fp32",
+           "accumulation_steps": 4, "log_every": 10,
+           "strategy": {"name": "memferry", "options": {"max_grad_norm": 0.5}},
+           "optimizer": {"lr": 3e-3, "weight_decay": 0.1},
+           "data": {"kind": "jsonl", "path": str(data), "field": "text", "tokenizer": str(tokenizer)},
+           "checkpoint": {"dir": str(tmp_path / "run"), "every": 0}}
+    config = load_config(run)
+    result = train(config)
+    export_hf(_final_state(tmp_path)["engine"]["model"], config, tmp_path / "out")
+    got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+
+    # plain PyTorch: the same model from disk, batches, groups, clipping and AdamW
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    windows, _, _ = make_datasets(config)
+    o = config.optimizer
+    opt = torch.optim.AdamW(param_groups(ref, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
+    losses = []
+    for _ in range(config.steps):
+        total = 0.0
+        for _ in range(4):
+            x, y = windows.next()
+            logits = ref(input_ids=x, use_cache=False).logits
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+            (loss / 4).backward()
+            total += float(loss) / 4
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+    assert result.losses == pytest.approx(losses, abs=1e-5)
+    assert losses[-1] < losses[0]
+    theirs = ref.state_dict()
+    assert set(got.state_dict()) == set(theirs)
+    for k, v in got.state_dict().items():
+        torch.testing.assert_close(v, theirs[k], rtol=1e-5, atol=1e-5, msg=k)
+    if cfg == "gpt2":
+        assert got.lm_head.weight.data_ptr() == got.transformer.wte.weight.data_ptr()  # still tied
