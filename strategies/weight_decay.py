@@ -2,7 +2,7 @@
 
 ``Trainer.get_decay_parameter_names`` decays every parameter except those inside an
 ``nn.LayerNorm`` and those whose qualified name (lower-cased) matches ``bias``, ``layernorm``,
-``rmsnorm``, a ``norm`` path component or ``_norm``. Here, as the lead asked, parameters of any
+``rmsnorm``, a ``norm`` path component or ``_norm``. Here parameters of any
 module whose class name ends in ``Norm`` (``LlamaRMSNorm``, ``T5LayerNorm``, ...) count as
 normalisation layers too, so a custom RMSNorm named ``ln`` is caught by class, not only by name.
 """

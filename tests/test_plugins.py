@@ -74,5 +74,5 @@ def test_every_subcommand_is_registered_by_its_owner():
     out = subprocess.run([sys.executable, "-m", "xpu", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     listed = [line.split()[0] for line in out.stdout.splitlines() if line.startswith("    ") and line.split()]
-    assert listed[:5] == ["info", "probe", "bench", "train", "mpress"]
+    assert listed[:6] == ["info", "probe", "bench", "train", "export", "mpress"]
     assert "failed to register" not in out.stdout

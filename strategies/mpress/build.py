@@ -125,8 +125,12 @@ def adamw_with_states(stage: torch.nn.Module, adamw: dict[str, Any]) -> torch.op
     They are made by AdamW itself: one step on zero gradients at learning rate 0 leaves the
     parameters and the moments unchanged (all zero), then the step counters are reset.
     """
+    from strategies.weight_decay import param_groups
+
     params = [p for p in stage.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, **adamw)
+    # Biases and norm weights get no decay, as in HF Trainer, MemFerry and the torch reference.
+    settings = {k: v for k, v in adamw.items() if k != "weight_decay"}
+    optimizer = torch.optim.AdamW(param_groups(stage, adamw.get("weight_decay", 0.01)), **settings)
     for p in params:
         p.grad = torch.zeros_like(p)
     lrs = [group["lr"] for group in optimizer.param_groups]
