@@ -211,21 +211,9 @@ def _stopping_rank(rank, port, out_dir):
 def test_a_stopped_rank_makes_the_other_fail_in_bounded_time_naming_the_ranks(tmp_path):
     """A rank stopped by SIGSTOP: the other's gradient all-reduce ends with an error within the
     bound (XPU_COLLECTIVE_TIMEOUT_S), though the caller's default group has gloo's 30 minutes."""
-    import signal
-    import time
+    from tests.stopped_peer import run_until_reported
 
-    ctx = mp.start_processes(_stopping_rank, args=(free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn",
-                             join=False)
-    try:
-        deadline = time.monotonic() + 240
-        while not (tmp_path / "rank0.txt").exists() and time.monotonic() < deadline:
-            time.sleep(0.5)
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-            p.join(10)
-    elapsed, outcome = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+    elapsed, outcome = run_until_reported(_stopping_rank, (free_port(), str(tmp_path)), WORLD, tmp_path / "rank0.txt")
     assert outcome.startswith("CollectiveTimeoutError: data-parallel MemFerry, rank 0 of ranks [0, 1]: "), outcome
     assert "XPU_COLLECTIVE_TIMEOUT_S" in outcome and "a peer rank stopped or died" in outcome
-    assert float(elapsed) < 60
+    assert elapsed < 60

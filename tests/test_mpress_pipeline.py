@@ -154,26 +154,10 @@ def _stopping_stage(rank, port, out_dir):
 def test_a_stopped_stage_makes_its_neighbour_fail_in_bounded_time_naming_it(tmp_path):
     """A stage stopped by SIGSTOP mid-run: its neighbour's send/recv ends within XPU_COLLECTIVE_TIMEOUT_S
     with an error naming the stage it waited for (issue 17, item 7)."""
-    import os
-    import signal
-    import time
-
-    import torch.multiprocessing as mp
-
+    from tests.stopped_peer import run_until_reported
     from xpu.dist import free_port
 
-    ctx = mp.start_processes(_stopping_stage, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn",
-                             join=False)
-    try:
-        deadline = time.monotonic() + 240
-        while not (tmp_path / "rank0.txt").exists() and time.monotonic() < deadline:
-            time.sleep(0.5)
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-            p.join(10)
-    elapsed, outcome = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+    elapsed, outcome = run_until_reported(_stopping_stage, (free_port(), str(tmp_path)), 2, tmp_path / "rank0.txt")
     assert outcome.startswith("CollectiveTimeoutError: MPress stage 0 of 2: a send/recv with stage(s) [1] "), outcome
     assert "XPU_COLLECTIVE_TIMEOUT_S" in outcome and "stopped or died" in outcome
-    assert float(elapsed) < 90
+    assert elapsed < 90
