@@ -118,6 +118,10 @@ def run_jobs(jobs: list[PipelineJob], backend: Any = None) -> list[dict[str, Any
         raise _stage_missing(rank, world, exc) from exc
 
 
+class _StepFailed(RuntimeError):
+    """A stage's training step failed (after set-up): its peers there are its pipeline neighbours."""
+
+
 def _stage_missing(rank: int, world: int, exc: BaseException) -> CollectiveTimeoutError:
     """The error of a stage whose peers stopped answering: it names the stages it waited for.
 
@@ -127,7 +131,7 @@ def _stage_missing(rank: int, world: int, exc: BaseException) -> CollectiveTimeo
     from xpu.dist import TIMEOUT_ENV
 
     neighbours = [r for r in (rank - 1, rank + 1) if 0 <= r < world]
-    in_step = "failed in step" in str(exc)
+    in_step = isinstance(exc, _StepFailed)
     waited = neighbours if in_step else [r for r in range(world) if r != rank]
     first = next((line for line in str(exc.__cause__ or exc).splitlines() if line.strip()), type(exc).__name__)
     return CollectiveTimeoutError(
@@ -160,7 +164,7 @@ def _run_job(job: PipelineJob, rank: int, world: int, backend: Any) -> dict[str,
         result["error"] = traceback.format_exc()
         # The other stages are blocked in send/recv with this one: fail the whole run with the
         # cause rather than let them time out on a collective.
-        raise RuntimeError(f"stage {rank} failed in step {len(losses)}:\n{result['error']}\nplan:\n{result['plan_text']}") from exc
+        raise _StepFailed(f"stage {rank} failed in step {len(losses)}:\n{result['error']}\nplan:\n{result['plan_text']}") from exc
     finally:
         result["peak"] = backend.memory_stats(rank).peak_allocated
         result["cap"] = backend.memory_cap(rank)
