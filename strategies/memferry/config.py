@@ -5,13 +5,16 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["AdamW", "UnitPlan", "Plan", "MODES"]
+__all__ = ["AdamW", "UnitPlan", "Plan", "MODES", "OFFLOAD_MIN_BYTES"]
 
 #: Where a unit's weights are read from during a pass:
 #: ``resident``: a device copy kept between steps (refreshed after each update);
 #: ``prefetch``: copied to the device ahead of use on a copy stream, freed after use;
 #: ``dha``: kernels read the pinned host copy directly (no device memory, link-bound).
 MODES = ("resident", "prefetch", "dha")
+#: Saved tensors below this size stay on the device under activation offload (moving them costs
+#: more than it frees); the executor's swapper and the profiler's count of what stays share it.
+OFFLOAD_MIN_BYTES = 1 << 16
 Mode = Literal["resident", "prefetch", "dha"]
 
 

@@ -43,18 +43,25 @@ unit ``k`` (from the step start), the steady-state period is the max-plus fixed 
 form is what :func:`predict` evaluates, with the exact recurrence the scheduler's dynamic
 program uses (:func:`advance`, :func:`finish`), so the scheduler is optimal for this model.
 
-Peak memory (bytes): resident ``rest`` (compute-dtype weights; + fp32 master, 2 moments and
-an fp32 gradient buffer when device-homed) + per block (device-homed: the same 18 B/param in
+Peak memory (bytes): resident ``rest`` (compute-dtype weights; + fp32 master and 2 moments
+when device-homed) + per block (device-homed: the same 18 B/param in
 bf16; host-homed resident: its weights) + saved activations of every block (only the block
 input with recompute) + prefetch slots ``(depth + 1) * largest prefetched block`` + the
-larger of the loss peak (logits in fp32 and their gradient: what OOMed the capped device12
-run) and one block's backward transient (its recomputed activations + its gradients), all
-times ``1 + margin`` for allocator fragmentation.
+largest of the loss peak (logits in fp32 and their gradient: what OOMed the capped device12
+run), one block's backward transient (its recomputed activations + its gradients) beside
+``rest``'s gradients (held until backward's end), and a device-homed ``rest``'s update
+(:func:`transient_bytes`), all
+times ``1 + margin`` for allocator fragmentation (``memory_margin``: the only reserve; none
+is added on top). The loss peak is measured by the profiler on the model as it will run,
+``loss_chunks`` included, for our ``CausalLM`` (gpt, llama), ``HFCausalLM`` and Hugging Face
+models computing their own loss alike; where it cannot be measured it is
+:func:`loss_peak_estimate` of the head's shape. The head's weights are ``rest``'s, resident.
 
 Activation offload (``UnitPlan.offload``): the block's saved activations leave on the d2h
 stream during its forward (``a = max(a, act / d2h)``) and return on the h2d stream behind the
 weights during backward (``y += act / h2d``); they hold no device memory in between, and two
-blocks' worth (this one and the look-ahead) while backward passes.
+blocks' worth (this one and the look-ahead) while backward passes. Saved tensors below
+``OFFLOAD_MIN_BYTES`` stay (``act_bytes_offload_kept``).
 
 Not modelled: link contention between prefetch copies, DHA reads and gradient copies (the
 probe measures 92-98 GB/s duplex against 55 GB/s per direction); D2H queueing; a deeper
@@ -75,7 +82,8 @@ if TYPE_CHECKING:  # the profiler imports torch; the model itself needs only num
     from .profiler import StepProfile
 
 __all__ = ["Links", "links_from_probe", "OptionCost", "option_cost", "Prediction", "predict", "State",
-           "initial_state", "advance", "finish", "device_bytes_per_param", "H200_DHA_ROWS"]
+           "initial_state", "advance", "finish", "device_bytes_per_param", "H200_DHA_ROWS", "loss_peak_estimate",
+           "auto_loss_chunks", "rest_resident_bytes", "transient_bytes"]
 
 #: DHA matmul slow-down against copy-then-matmul, by M (rows), measured on the H200
 #: (docs/design.md §3: 8192x8192 bf16 weight; 2.66/2.49 ms at M=64, 5.3/2.5 at 256, 42/3.1 at 4096,
@@ -157,6 +165,40 @@ def device_bytes_per_param(dtype_bytes: int, with_grad: bool = False) -> int:
     bf16, 12 B in fp32), plus the fp32 gradient buffer (4 B) ``with_grad``, which holds memory
     only while the unit's update runs."""
     return dtype_bytes + (0 if dtype_bytes == 4 else 4) + 8 + (4 if with_grad else 0)
+
+
+def loss_peak_estimate(tokens: int, vocab: int, hidden: int, chunks: int = 1, dtype_bytes: int = 4) -> int:
+    """Device bytes the head and loss add at their peak, from their shapes: an upper estimate
+    of what the profiler measures (on the tiny test models it is 5-25 % above the measured).
+
+    The account, for ``chunks`` token slices (``loss_chunks``; each slice's logits recomputed
+    in backward): one slice's logits in fp32, their log-softmax and their gradient (3 x 4 B
+    per logit), plus the compute-dtype logits and their gradient where that is not fp32; the
+    head weight's gradient and one slice's contribution to it before accumulation (2 x vocab
+    x hidden in the compute dtype); the final hidden states and their gradient (2 x tokens x
+    hidden). The head's weights themselves are the ``rest`` unit's, always resident on the
+    device (counted apart, with ``rest_param_bytes``).
+    """
+    chunks = max(1, min(int(chunks), int(tokens)))
+    per = math.ceil(tokens / chunks) * vocab
+    logits = per * (12 + (2 * dtype_bytes if dtype_bytes != 4 else 0))
+    return int(logits + 2 * vocab * hidden * dtype_bytes + 2 * tokens * hidden * dtype_bytes)
+
+
+#: Share of the device budget one slice's fp32 logits may take when ``loss_chunks`` is chosen
+#: for the user (:func:`auto_loss_chunks`): with log-softmax and gradient the loss then takes
+#: about 3/32 of the budget.
+LOSS_SLICE_SHARE = 1 / 32
+
+
+def auto_loss_chunks(tokens: int, vocab: int, budget_bytes: int | float, share: float = LOSS_SLICE_SHARE) -> int:
+    """The fewest token slices whose fp32 logits each stay within ``share`` of ``budget_bytes``
+    (1 when the whole logits already do; at most one slice per token).
+
+    Qwen2-1.5B at 4 x 2048 tokens (vocab 151936) under 8 GB: whole logits 4.98 GB, 20 slices.
+    """
+    whole = tokens * vocab * 4
+    return int(max(1, min(tokens, math.ceil(whole / max(1.0, budget_bytes * share)))))
 
 
 @dataclass(frozen=True)
@@ -270,7 +312,8 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
         d=grad_bytes / d2h if host else 0.0,
         h=blk.numel * profile.host_adamw_s_per_param if host else 0.0,
         persist=persist,
-        act=blk.act_bytes_recompute if unit.recompute else 0 if unit.offload else blk.act_bytes,
+        # offload leaves the saved tensors below the swapper's threshold on the device
+        act=blk.act_bytes_recompute if unit.recompute else blk.act_bytes_offload_kept if unit.offload else blk.act_bytes,
         # recompute: the block's activations rebuilt in backward; offload: this block's and the
         # next one's (look-ahead) back on the device
         trans=(blk.act_bytes if unit.recompute else 2 * blk.act_bytes if unit.offload else 0) + grad_bytes
@@ -384,13 +427,34 @@ def finish(state: State, first: OptionCost, profile: "StepProfile", links: Links
         land = pre + state.phi + t_rest + psi + profile.rest_numel * profile.dtype_bytes / d2h
         terms["host optimizer (rest)"] = max(land, pre + state.phi + t_rest + state.m) + h_rest
     bound, step = max(terms.items(), key=lambda kv: kv[1])
-    rest_bytes = profile.rest_numel * (device_bytes_per_param(profile.dtype_bytes, with_grad=True) if not rest_host
-                                       else profile.dtype_bytes)
-    raw = (rest_bytes + profile.input_bytes + state.mem + (prefetch_depth + 1) * state.slot
-           + max(profile.loss_peak_bytes, state.trans))
+    raw = (rest_resident_bytes(profile, rest_optimizer) + profile.input_bytes + state.mem
+           + (prefetch_depth + 1) * state.slot + transient_bytes(profile, rest_optimizer, state.trans))
     return Prediction(step, int(raw * (1 + margin)), compute, 0.0, bound.split(" (")[0],
                       {**terms, "raw_peak_bytes": float(raw), "rest_s": t_rest, "forward_s": pre + state.phi,
                        "backward_s": psi})
+
+
+def rest_resident_bytes(profile: "StepProfile", rest_optimizer: str) -> int:
+    """Device bytes ``rest`` (embeddings, head, final norm) holds all step: its compute-dtype
+    weights, plus the fp32 master and moments when it is device-homed (its fp32 gradient
+    buffer is a transient: :func:`transient_bytes`)."""
+    per = device_bytes_per_param(profile.dtype_bytes) if rest_optimizer == "device" else profile.dtype_bytes
+    return profile.rest_numel * per
+
+
+def transient_bytes(profile: "StepProfile", rest_optimizer: str, trans: int) -> int:
+    """The largest of what comes and goes on top of the resident bytes, given ``trans`` (the
+    largest block backward transient):
+
+    * the loss (``loss_peak_bytes``: one slice's fp32 logits, their log-softmax and gradient,
+      the head's weight gradient, the hidden-state gradient; measured with ``loss_chunks``);
+    * a block's backward, beside ``rest``'s gradients: they stay on the device until its last
+      one lands (the input embedding's, at backward's end; a tied head's is that same one);
+    * ``rest``'s update when device-homed: its gradients upcast into the fp32 buffer.
+    """
+    rest_grads = profile.rest_numel * profile.dtype_bytes
+    end = rest_grads + (profile.rest_numel * 4 if rest_optimizer == "device" else 0)
+    return max(profile.loss_peak_bytes, trans + rest_grads, end)
 
 
 def predict(plan: Plan, profile: "StepProfile", links: Links, margin: float = 0.10) -> Prediction:

@@ -44,7 +44,7 @@ from scaleup.handles import Transfer
 from xpu import Backend
 
 from ..activation_swap import ActivationSwapper, SwapGroup
-from .config import Plan, UnitPlan
+from .config import OFFLOAD_MIN_BYTES, Plan, UnitPlan
 from .device_optimizer import DeviceOptimizer
 from .dha_linear import TransferCounter, host_linear
 from .host_optimizer import HostOptimizer
@@ -100,7 +100,7 @@ class Executor:
         self._final = True  # the current backward is the step's last micro-batch
         self._frozen_in_backward: list[UnitShadow] = []  # frozen units whose backward ran (to release)
         # Activation offload. Weights are never swapped: they are bound to buffers that come and go.
-        self.swapper = ActivationSwapper(backend, device, min_bytes=1 << 16)
+        self.swapper = ActivationSwapper(backend, device, min_bytes=OFFLOAD_MIN_BYTES)
         self.swapper.skip = self._keeps_on_device  # type: ignore[method-assign]
         self._swap_groups: dict[int, SwapGroup] = {}
         self._last_swap_group: SwapGroup | None = None

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["no_kv_cache", "takes_labels", "model_loss"]
+__all__ = ["no_kv_cache", "takes_labels", "model_loss", "head_shape"]
 
 
 def no_kv_cache(model: nn.Module) -> None:
@@ -38,3 +38,17 @@ def model_loss(model: Any, inputs: Any, targets: Any, labels_model: nn.Module | 
         out = model(inputs, labels=targets)
         return out["loss"] if isinstance(out, dict) else out.loss
     return model(inputs, targets)
+
+
+def head_shape(model: nn.Module) -> tuple[int, int]:
+    """``(vocab, hidden)`` of the model's output head: ``model.head`` (our ``CausalLM``, and
+    ``HFCausalLM``'s output embedding) or a Hugging Face model's ``get_output_embeddings()``;
+    ``(0, 0)`` where there is no such linear."""
+    head = getattr(model, "head", None)
+    if not isinstance(head, nn.Module):
+        get = getattr(model, "get_output_embeddings", None)
+        head = get() if callable(get) else None
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return 0, 0
+    return int(weight.shape[0]), int(weight.shape[1])

@@ -32,7 +32,9 @@ from torch import nn
 from xpu import Backend
 from xpu.timing import event_seconds
 
-from .hf_models import model_loss
+from .config import OFFLOAD_MIN_BYTES
+from .cost import loss_peak_estimate
+from .hf_models import head_shape, model_loss
 from .units import Unit
 
 __all__ = ["BlockProfile", "StepProfile", "profile_step", "host_adamw_rate", "device_adamw_rate"]
@@ -49,6 +51,8 @@ class BlockProfile:
         bwd_s: backward time on the device (without recompute).
         act_bytes: activation bytes kept from forward to backward without recompute.
         act_bytes_recompute: bytes kept with recompute (the block's inputs).
+        act_bytes_offload_kept: bytes activation offload leaves on the device (saved tensors
+            below :data:`~.config.OFFLOAD_MIN_BYTES`); 0 in profiles written before it was measured.
     """
 
     numel: int
@@ -57,6 +61,7 @@ class BlockProfile:
     bwd_s: float
     act_bytes: int
     act_bytes_recompute: int
+    act_bytes_offload_kept: int = 0
 
 
 @dataclass
@@ -69,7 +74,9 @@ class StepProfile:
         rest_param_bytes: bytes of its compute-dtype weights.
         rest_fwd_s: its forward time, loss included.
         rest_bwd_s: its backward time.
-        loss_peak_bytes: device memory the rest's forward and backward add at their peak.
+        loss_peak_bytes: device memory the rest's forward and backward add at their peak
+            (measured with the model's ``loss_chunks`` as it was; estimated by
+            :func:`~.cost.loss_peak_estimate` where the blocks cannot be passed through).
         input_bytes: bytes of the step's inputs and targets on the device.
         dtype_bytes: bytes per element of the compute dtype.
         tokens: rows of the blocks' matmuls (batch x sequence), for the DHA penalty.
@@ -78,6 +85,8 @@ class StepProfile:
             weight write-back included).
         backend: backend name; device: what was measured.
         notes: how figures were obtained, where not plainly measured.
+        vocab, hidden: the output head's shape (0: no head found).
+        loss_chunks: the token slices the loss was profiled with (``model.loss_chunks``; 1: whole logits).
     """
 
     blocks: list[BlockProfile]
@@ -94,6 +103,9 @@ class StepProfile:
     backend: str = ""
     device: str = ""
     notes: list[str] = field(default_factory=list)
+    vocab: int = 0
+    hidden: int = 0
+    loss_chunks: int = 1
 
     def to_json(self) -> str:
         """The profile as a JSON string."""
@@ -194,12 +206,15 @@ def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend
 
     # Activation bytes: every tensor autograd saves, each storage once, parameters left out.
     seen: dict[int, int] = {}
+    small: dict[int, int] = {}  # what activation offload would leave on the device (the swapper's rule)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr not in own and ptr != 0:
             seen[ptr] = storage.nbytes()
+            if _nbytes(t) < OFFLOAD_MIN_BYTES:
+                small[ptr] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -222,7 +237,8 @@ def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend
             fwd.append(f)
             bwd.append(b)
     recompute_bytes = sum(_nbytes(t) for t in _tensors((x_args, x_kwargs)))
-    result = BlockProfile(numel, param_bytes, statistics.median(fwd), statistics.median(bwd), act_bytes, recompute_bytes)
+    result = BlockProfile(numel, param_bytes, statistics.median(fwd), statistics.median(bwd), act_bytes, recompute_bytes,
+                          sum(small.values()))
     with torch.no_grad():
         nxt = _map_tensors(out, lambda t: t.detach())
     return result, nxt
@@ -418,6 +434,8 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
     notes: list[str] = []
     args, kwargs = _capture_block_input(model, block_units[0].module, inputs, targets, loss_fn)
     tokens = max((t.numel() // t.shape[-1] for t in _tensors(args) if t.dim() >= 2), default=1)
+    vocab, hidden = head_shape(model)
+    chunks = int(getattr(model, "loss_chunks", 1) or 1)
     profiles: list[BlockProfile] = []
     cache: dict[tuple, BlockProfile] = {}
     pass_through_ok = True
@@ -443,9 +461,9 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
             per_param = sum(p.fwd_s for p in profiles) / max(1, sum(p.numel for p in profiles))
             rest_fwd = rest.numel * per_param
             rest_bwd = 2 * rest_fwd
-            loss_peak = 0
+            loss_peak = loss_peak_estimate(int(tokens), vocab, hidden, chunks, dtype.itemsize) if vocab else 0
             notes.append("rest: blocks change the hidden shape; rest times scaled from blocks by parameter count, "
-                         "loss peak unknown (0)")
+                         + ("loss peak estimated from the head's shape" if vocab else "loss peak unknown (0)"))
         numel_for_rates = adamw_numel or min(64 << 20, max(1 << 20, max(u.numel for u in units)))
         # The device measurement's buffers (fp32 master, gradient, moments; two compute-dtype
         # copies) take at most half of what the device (its cap) has free: a rate per
@@ -458,4 +476,4 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
     name = backend.topology().devices[index].name if backend.topology().devices else backend.name
     return StepProfile(profiles, rest.numel, sum(_nbytes(p) for _, p in rest.params), rest_fwd, rest_bwd, int(loss_peak),
                        input_bytes, torch.empty((), dtype=dtype).element_size(), int(tokens), host_rate, dev_rate,
-                       backend.name, str(name), notes)
+                       backend.name, str(name), notes, vocab, hidden, chunks)

@@ -41,8 +41,8 @@ from xpu.errors import XpuError
 from xpu.units import format_bytes
 
 from .config import Plan, UnitPlan
-from .cost import (Links, OptionCost, Prediction, State, advance, describe_units, device_bytes_per_param, finish,
-                   initial_state, option_cost, predict)
+from .cost import (Links, OptionCost, Prediction, State, advance, describe_units, finish, initial_state, option_cost,
+                   predict, rest_resident_bytes, transient_bytes)
 
 if TYPE_CHECKING:
     from .profiler import StepProfile
@@ -135,14 +135,10 @@ def _pareto(labels: list[_Label], cap: int | None) -> tuple[list[_Label], bool]:
     return out, False
 
 
-def _fixed_bytes(profile: "StepProfile", rest_optimizer: str) -> int:
-    per = device_bytes_per_param(profile.dtype_bytes, with_grad=True) if rest_optimizer == "device" else profile.dtype_bytes
-    return profile.rest_numel * per + profile.input_bytes
-
-
 def _peak(profile: "StepProfile", rest_optimizer: str, depth: int, mem: int, trans: int, slot: int, margin: float) -> int:
     # The same expression as cost.finish, so pruning and the final check agree to the byte.
-    raw = _fixed_bytes(profile, rest_optimizer) + mem + (depth + 1) * slot + max(profile.loss_peak_bytes, trans)
+    raw = (rest_resident_bytes(profile, rest_optimizer) + profile.input_bytes + mem + (depth + 1) * slot
+           + transient_bytes(profile, rest_optimizer, trans))
     return int(raw * (1 + margin))
 
 
@@ -254,7 +250,7 @@ def min_budget(profile: "StepProfile", links: Links, choices: Sequence[UnitPlan]
                margin: float = 0.10) -> int:
     """The smallest device budget (bytes) under which some plan fits, by the cost model.
 
-    Exact: peak = fixed + sum(persist + act) + (depth+1) * max slot + max(loss, max trans);
+    Exact: peak = fixed + sum(persist + act) + (depth+1) * max slot + transient(max trans);
     for each threshold pair (max slot, max trans) the cheapest choice per block is taken.
     """
     choices = list(choices or unit_choices())
@@ -348,7 +344,7 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
         need = min_budget(profile, links, choices, rest_optimizers, depths, margin)
         raise NoPlanFitsError(f"no plan fits a device budget of {format_bytes(budget_bytes)}: the smallest plan needs "
                               f"{format_bytes(need)} ({need} bytes, {margin:.0%} fragmentation margin included); "
-                              f"raise device_budget to at least that", minimum=need)
+                              f"raise device_budget to at least that{_loss_hint(profile, need, margin)}", minimum=need)
     plan = best[1]
     pred = predict(plan, profile, links, margin)  # the same numbers, with the host-work total filled in
     plan.predicted_step_s = pred.step_s
@@ -361,6 +357,17 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
         plan.notes.append(f"note: the search kept at most {max_labels} partial plans per block and choice; this plan "
                           f"is the best found, not proven optimal (raise max_labels)")
     return plan
+
+
+def _loss_hint(profile: "StepProfile", need: int, margin: float) -> str:
+    """A clause for the no-fit message when the loss's logits are a large share of the need:
+    slicing them (``loss_chunks``) shrinks that share where a larger budget is not at hand."""
+    loss = profile.loss_peak_bytes * (1 + margin)
+    if loss < need / 4:
+        return ""
+    now = profile.loss_chunks
+    return (f", or slice the loss: its logits and their gradient take {format_bytes(loss)} of that at loss_chunks {now}; "
+            f"raise loss_chunks (strategy.options.loss_chunks, or the model's loss_chunks: gpt, llama, hf) above {now}")
 
 
 def _explain(plan: Plan, pred: Prediction, profile: "StepProfile", links: Links, budget: float,
