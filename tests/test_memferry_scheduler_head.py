@@ -152,3 +152,19 @@ def test_profiles_written_before_the_head_fields_still_load():
             "host_adamw_s_per_param": 1e-9, "device_adamw_s_per_param": 1e-10}
     prof = StepProfile.from_json(json.dumps(data))
     assert (prof.loss_chunks, prof.vocab, prof.blocks[0].act_bytes_offload_kept) == (1, 0, 0)
+
+
+def test_train_loss_chunks_auto_slices_large_logits_only(cpu_backend):
+    """``strategy.options.loss_chunks: auto`` (the default) slices when one batch's fp32
+    logits exceed 1/32 of the budget, keeps a given count, and leaves a model that cannot
+    slice its loss whole."""
+    from types import SimpleNamespace
+
+    from strategies.training.engines import _loss_chunks
+
+    model = own_model(1)
+    cfg = SimpleNamespace(batch=BATCH, seq=SEQ, device_budget=16_000_000)  # 2.1 MB of logits, 0.5 MB a slice
+    assert _loss_chunks("auto", model, cfg, cpu_backend, 0) == 5
+    assert _loss_chunks("auto", model, SimpleNamespace(batch=BATCH, seq=SEQ, device_budget=None), cpu_backend, 0) == 1
+    assert _loss_chunks(3, model, cfg, cpu_backend, 0) == 3
+    assert _loss_chunks("auto", torch.nn.Linear(2, 2), cfg, cpu_backend, 0) == 1

@@ -100,7 +100,7 @@ def test_bad_configs_name_what_is_valid(change, message):
 
 def test_set_overrides_reach_nested_keys_and_bare_strategy_names():
     config = load_config(_micro(strategy="memferry"), {"strategy.options.plan": "prefetch2+recompute", "model.layers": 3})
-    assert config.strategy.options == {"plan": "prefetch2+recompute", "max_grad_norm": None, "loss_chunks": 1,
+    assert config.strategy.options == {"plan": "prefetch2+recompute", "max_grad_norm": None, "loss_chunks": "auto",
                                        "memory_margin": 0.10}
     assert config.model["layers"] == 3
     assert config.to_dict()["optimizer"]["betas"] == [0.9, 0.999]

@@ -27,9 +27,10 @@ def _check_memferry(options: dict[str, Any], config: TrainConfig) -> None:
         raise TrainConfigError(f"strategy.options.plan must be a plan name such as 'prefetch+recompute' or 'auto', "
                                f"got {options['plan']!r}")
     chunks = options["loss_chunks"]
-    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+    if chunks != "auto" and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
         raise TrainConfigError(f"strategy.options.loss_chunks must be a positive integer (1: the loss over all tokens "
-                               f"at once), got {chunks!r}")
+                               f"at once) or auto (slices when the fp32 logits are large for device_budget), "
+                               f"got {chunks!r}")
     margin = options["memory_margin"]
     if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise TrainConfigError(f"strategy.options.memory_margin must lie in [0, 1), got {margin!r}")
@@ -56,16 +57,33 @@ def _build_memferry(model: nn.Module, config: TrainConfig, backend: Any, device:
         plan: Any = "auto"
     else:
         plan = Plan.from_spec(opts["plan"], len(model.blocks))
-    if opts["loss_chunks"] > 1:
+    chunks = _loss_chunks(opts["loss_chunks"], model, config, backend, device)
+    if chunks > 1:
         if not hasattr(model, "loss_chunks"):
             raise TrainConfigError("strategy.options.loss_chunks needs a model that slices its loss (gpt, llama or hf)")
-        model.loss_chunks = opts["loss_chunks"]
+        model.loss_chunks = chunks
     # MemFerry's set_lr is queued behind pending host updates.
     return MemFerryEngine(MemFerry(model, optim=cfg, device_budget=config.device_budget, plan=plan, backend=backend,
                                    device=device, sample=sample, memory_margin=float(opts["memory_margin"]),
                                    compute_dtype=resolve_dtype(config, backend)[1],
                                    blocks=model.blocks,
                                    accumulation_steps=config.accumulation_steps))  # named: a 1-block model has no list to find
+
+
+def _loss_chunks(option: Any, model: nn.Module, config: TrainConfig, backend: Any, device: int) -> int:
+    """``loss_chunks`` as given, or for ``auto`` the fewest token slices whose fp32 logits each
+    take at most 1/32 of the device budget (``cost.auto_loss_chunks``; 1 for a model that
+    cannot slice its loss, or a small vocabulary)."""
+    if option != "auto":
+        return int(option)
+    from strategies.memferry.cost import auto_loss_chunks
+    from strategies.memferry.hf_models import head_shape
+
+    vocab = head_shape(model)[0]
+    if not vocab or not hasattr(model, "loss_chunks"):
+        return 1
+    budget = config.device_budget if config.device_budget is not None else backend.mem_info(device)[0]
+    return auto_loss_chunks(config.batch * config.seq, vocab, budget)
 
 
 class MemFerryEngine:
@@ -184,7 +202,7 @@ def _check_torch(options: dict[str, Any], config: TrainConfig) -> None:
 #: strategy name -> spec; adding a strategy (``mpress``) is one line here plus its builder.
 
 
-MEMFERRY = StrategySpec(_build_memferry, {"plan": "prefetch", "max_grad_norm": None, "loss_chunks": 1,
+MEMFERRY = StrategySpec(_build_memferry, {"plan": "prefetch", "max_grad_norm": None, "loss_chunks": "auto",
                                           "memory_margin": 0.10},
                         "MemFerry: parameters homed in host memory, per-block plan, host AdamW", _check_memferry,
                         takes_budget=True, fp32_model=True)
