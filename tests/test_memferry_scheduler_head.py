@@ -128,6 +128,7 @@ def test_a_budget_only_slicing_fits_is_planned_and_trains_and_the_whole_loss_is_
     model = hf_model("qwen2", True, 8)
     engine = MemFerry(model, optim=AdamW(lr=1e-2), plan="auto", sample=(x, y), device_budget=budget,
                       backend=cpu_backend)
+    assert "at loss_chunks 8" in engine.plan.notes[0]
     cpu_backend.reset_peak_memory(0)  # the profile ran before the cap
     losses = [float(engine.train_step(x, y)) for _ in range(3)]
     assert cpu_backend.memory_stats(0).peak_allocated <= budget

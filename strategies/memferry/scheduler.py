@@ -378,7 +378,8 @@ def _explain(plan: Plan, pred: Prediction, profile: "StepProfile", links: Links,
              f"{pred.compute_s * ms:.1f} ms, host AdamW work {pred.host_optimizer_s * ms:.1f} ms; peak "
              f"{pred.peak_bytes / _GB:.2f} GB of {budget / _GB:.2f} GB (margin {margin:.0%}); links h2d "
              f"{links.h2d_GBps:.1f} GB/s, d2h {links.d2h_GBps:.1f} GB/s ({links.source}); prefetch depth "
-             f"{plan.prefetch_depth}, rest optimizer on the {plan.rest_optimizer}"]
+             f"{plan.prefetch_depth}, rest optimizer on the {plan.rest_optimizer}; loss peak "
+             f"{profile.loss_peak_bytes / _GB:.3f} GB at loss_chunks {profile.loss_chunks}"]
     for i, u in enumerate(plan.units):
         o = option_cost(profile, links, i, u, plan.prefetch_depth)
         alt_line = ""
