@@ -29,6 +29,8 @@ YAML shape (every key but ``model`` optional)::
     checkpoint: {every: 100, dir: runs/gpt-tiny}   # also written after the last step; keep: N (last N only),
                                                    # overwrite: true (delete another run's step-*.pt there first)
     resume: runs/gpt-tiny          # a checkpoint file, or a folder (its latest step-*.pt)
+    logging: {csv: runs/gpt-tiny/log.csv, tensorboard: runs/gpt-tiny/tb,   # per-step rows (rank 0 only);
+              wandb: {project: xpu, name: gpt-tiny}}                      # see strategies.training.log_sinks
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ from xpu.errors import XpuError
 
 from .checks import apply_overrides, check_model_section, model_dims, nonneg_int, positive_int, positive_number, read_config_source
 
-__all__ = ["TrainConfig", "StrategyConfig", "OptimizerConfig", "DataConfig", "CheckpointConfig", "TrainConfigError",
+__all__ = ["TrainConfig", "StrategyConfig", "OptimizerConfig", "DataConfig", "CheckpointConfig", "LoggingConfig", "TrainConfigError",
            "CheckpointWriteError", "TrainingDivergedError", "load_config", "resolve_dtype", "TEXT_VOCAB"]
 
 #: Byte-level text: one token per byte.
@@ -135,6 +137,22 @@ class CheckpointConfig:
 
 
 @dataclass
+class LoggingConfig:
+    """Where each step's row is also written (:mod:`.log_sinks`); every one optional.
+
+    Attributes:
+        csv: a CSV file (a resumed run appends to it).
+        tensorboard: a TensorBoard log folder (needs the ``tensorboard`` package).
+        wandb: ``{project: P, name: N, entity: E, mode: online|offline|disabled}`` for Weights & Biases
+            (needs ``wandb``; ``name`` defaults to the config's name).
+    """
+
+    csv: str | None = None
+    tensorboard: str | None = None
+    wandb: dict[str, Any] | None = None
+
+
+@dataclass
 class TrainConfig:
     """Everything one training run needs (see the module docstring for the YAML shape).
 
@@ -161,6 +179,7 @@ class TrainConfig:
     log_every: int = 10
     checkpoint: CheckpointConfig | None = None
     resume: str | None = None
+    logging: LoggingConfig | None = None
     #: Folder that relative ``data.path`` values are looked up in first (the config file's); not a YAML key.
     base_dir: str | None = field(default=None, metadata={"internal": True})
 
@@ -221,6 +240,8 @@ class TrainConfig:
             if isinstance(ck, dict) and "dir" not in ck:
                 raise TrainConfigError("checkpoint needs 'dir' (the folder to write step-N.pt files to), e.g. {every: 100, dir: runs/x}")
             data["checkpoint"] = _section(CheckpointConfig, "checkpoint", ck)
+        if data.get("logging") is not None:
+            data["logging"] = _section(LoggingConfig, "logging", data["logging"])
         if name and "name" not in data:
             data["name"] = name
         config = cls(**data, base_dir=str(base_dir) if base_dir is not None else None)
@@ -272,6 +293,10 @@ class TrainConfig:
                 raise TrainConfigError(f"checkpoint.overwrite must be true or false, got {self.checkpoint.overwrite!r}")
         if self.resume is not None and not isinstance(self.resume, str):
             raise TrainConfigError(f"resume must be a checkpoint file or folder path, got {self.resume!r}")
+        if self.logging is not None:
+            from .log_sinks import check_logging  # the sinks' own checks: paths, wandb keys, installed packages
+
+            check_logging(self)
 
     def _validate_optimizer(self) -> None:
         o = self.optimizer
