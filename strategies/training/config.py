@@ -31,6 +31,9 @@ YAML shape (every key but ``model`` optional)::
     resume: runs/gpt-tiny          # a checkpoint file, or a folder (its latest step-*.pt)
     logging: {csv: runs/gpt-tiny/log.csv, tensorboard: runs/gpt-tiny/tb,   # per-step rows (rank 0 only);
               wandb: {project: xpu, name: gpt-tiny}}                      # see strategies.training.log_sinks
+
+Relative ``data.path``, ``data.tokenizer`` and (``hf``) ``model.path`` are looked up next to the
+config file first, then in the working directory (:meth:`TrainConfig.local_path`).
 """
 from __future__ import annotations
 
@@ -209,8 +212,12 @@ class TrainConfig:
         return int(self.model["layers"])
 
     def data_path(self, value: str | None = None) -> Path:
-        """The file of ``data.path`` (or ``value``): next to the config file if it exists there, else from the working directory."""
-        path = Path(str(self.data.path if value is None else value)).expanduser()
+        """The file of ``data.path`` (or ``value``), found as :meth:`local_path` finds it."""
+        return self.local_path(self.data.path if value is None else value)
+
+    def local_path(self, value: str | Path) -> Path:
+        """An input path of the config: next to the config file if it exists there, else from the working directory."""
+        path = Path(str(value)).expanduser()
         if not path.is_absolute() and self.base_dir is not None and (Path(self.base_dir) / path).exists():
             return Path(self.base_dir) / path
         return path
@@ -262,6 +269,11 @@ class TrainConfig:
         Raises:
             TrainConfigError: what is wrong, with the valid values.
         """
+        if isinstance(self.model, dict) and self.model.get("family") == "hf" and isinstance(self.model.get("path"), str):
+            # found as data.path is; recorded resolved, so a checkpoint's config (xpu export) finds it from anywhere
+            found = self.local_path(self.model["path"])
+            if found != Path(self.model["path"]).expanduser():
+                self.model["path"] = str(found)
         check_model_section(self.model, self.family, self.model_dims(), TrainConfigError)
         for key in ("steps", "batch", "seq", "log_every", "accumulation_steps", "eval_batches"):
             _positive_int(key, getattr(self, key))
