@@ -229,3 +229,21 @@ def test_a_missing_package_is_named_with_its_pip_install_before_the_run(monkeypa
     monkeypatch.setitem(sys.modules, package, None)  # as if not installed
     with pytest.raises(TrainConfigError, match=f"logging.{key} needs the {package} package: pip install {package}"):
         load_config(_cfg(logging={key: value}))
+
+
+def test_xpu_train_says_where_it_logs_and_writes_the_rows(tmp_path, capsys, monkeypatch):
+    import yaml
+
+    import xpu
+    from xpu.cli import main
+
+    monkeypatch.setenv("XPU_BACKEND", "cpu")
+    xpu.reset_backend()
+    path = tmp_path / "run.csv"
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(_cfg(logging={"csv": str(path)})))
+    try:
+        assert main(["train", str(tmp_path / "run.yaml"), "--no-progress"]) == 0
+    finally:
+        xpu.reset_backend()
+    assert f"logging to csv {path}" in capsys.readouterr().out
+    assert [r[0] for r in _rows(path)] == ["step", "1", "2", "3"]
