@@ -77,6 +77,10 @@ def _config(tmp_path: Path, **changes) -> Path:
     (["--set", "strategy.options.counts=[3, 2]"], "strategy.options.counts: block counts [3, 2] must be 2 positive"),
     (["--set", "model.family=hf", "--set", "model.config={model_type: gpt2}"], "model.family 'hf' cannot be split"),
     (["--set", "checkpoint.dir=runs/x"], "'checkpoint' is not supported by xpu mpress yet"),
+    (["--set", "logging.csv=runs/x.csv"], "'logging' is not supported by xpu mpress yet"),
+    (["--set", "accumulation_steps=2"], "'accumulation_steps' is not an xpu mpress key: the pipeline splits each batch "
+                                        "into strategy.options.microbatches (--microbatches) micro-batches"),
+    (["--set", "eval_every=2", "--set", "data.eval_fraction=0.1"], "'eval_every' is not supported by xpu mpress"),
     (["--set", "optimizer.lr=-1"], "optimizer.lr must be a positive number"),
 ])
 def test_bad_config_is_a_one_line_error_before_any_process_starts(tmp_path, capsys, no_launch, args, message):
@@ -93,6 +97,7 @@ def test_config_errors_name_the_key_from_python():
         load_config("no/such/file.yaml")
     with pytest.raises(MPressConfigError, match="dimension"):
         load_config({**MICRO, "model": {"family": "gpt", "layers": 2}})
+    assert load_config({**MICRO, "accumulation_steps": 1, "eval_every": 0}).train.accumulation_steps == 1  # inert values pass
     config = load_config(TINY)
     assert (config.stages, config.microbatches, config.schedule, config.plan, config.profile) == (2, 4, "1f1b", "auto", "auto")
     assert config.train.family == "gpt" and config.train.data_path().is_file()

@@ -66,7 +66,12 @@ __all__ = ["MPressConfig", "MPressConfigError", "OPTIONS", "load_config", "under
 OPTIONS: dict[str, Any] = {"stages": 2, "microbatches": 4, "schedule": "1f1b", "plan": "auto", "counts": None,
                            "profile": "auto"}
 #: Train-config keys ``xpu mpress`` does not support (yet).
-_UNSUPPORTED = ("checkpoint", "resume")
+_UNSUPPORTED = ("checkpoint", "resume", "logging")
+#: Train-config knobs the pipeline would ignore: (the value that changes nothing, why it is refused).
+_REFUSED = {"accumulation_steps": (1, "is not an xpu mpress key: the pipeline splits each batch into "
+                                      "strategy.options.microbatches (--microbatches) micro-batches; set that instead"),
+            "eval_every": (0, "is not supported by xpu mpress (no held-out evaluation in the pipeline); "
+                              "remove it (xpu train supports it)")}
 #: Model families that can be split into stages (:mod:`strategies.mpress.stages`).
 _SPLITTABLE = ("gpt", "llama")
 
@@ -140,6 +145,9 @@ def load_config(source: str | Path | dict[str, Any], overrides: dict[str, Any] |
         if data.get(key) is not None:
             raise MPressConfigError(f"'{key}' is not supported by xpu mpress yet; remove it (xpu train supports it)")
         data.pop(key, None)
+    for key, (inert, why) in _REFUSED.items():
+        if data.get(key, inert) != inert:
+            raise MPressConfigError(f"'{key}' {why}")
     model = data.get("model")
     if isinstance(model, dict) and model.get("family") in ("hf",):  # before its dimensions are checked for nothing
         raise MPressConfigError(f"model.family {model['family']!r} cannot be split into pipeline stages; "
@@ -151,7 +159,7 @@ def load_config(source: str | Path | dict[str, Any], overrides: dict[str, Any] |
     except TrainConfigError as exc:
         message = str(exc)
         if "valid keys:" in message:  # list what mpress accepts, not the train config's full set
-            valid = [k for k in message.split("valid keys: ", 1)[1].split(", ") if k not in _UNSUPPORTED]
+            valid = [k for k in message.split("valid keys: ", 1)[1].split(", ") if k not in _UNSUPPORTED and k not in _REFUSED]
             message = message.split("valid keys: ", 1)[0] + "valid keys: " + ", ".join(valid)
         raise MPressConfigError(message) from None
     config = MPressConfig(train=train, source=shown, **options)

@@ -84,6 +84,11 @@ def run(args: argparse.Namespace) -> int:
                 console.print(f"resumed from {info.resumed_from} at step {info.start_step}")
             if info.plan:
                 console.print(f"plan chosen by the scheduler:\n{info.plan}")
+            if config.logging is not None:  # where the rows go (rank 0 writes them)
+                lg = config.logging
+                where = [f"{k} {v}" for k, v in (("csv", lg.csv), ("tensorboard", lg.tensorboard)) if v]
+                where += [f"wandb {lg.wandb['project']}/{lg.wandb.get('name') or info.name}"] if lg.wandb else []
+                console.print(f"logging to {', '.join(where)}")
             if not args.no_progress:
                 self.progress = Progress(
                     TextColumn("step"), MofNCompleteColumn(), BarColumn(),

@@ -29,6 +29,11 @@ YAML shape (every key but ``model`` optional)::
     checkpoint: {every: 100, dir: runs/gpt-tiny}   # also written after the last step; keep: N (last N only),
                                                    # overwrite: true (delete another run's step-*.pt there first)
     resume: runs/gpt-tiny          # a checkpoint file, or a folder (its latest step-*.pt)
+    logging: {csv: runs/gpt-tiny/log.csv, tensorboard: runs/gpt-tiny/tb,   # per-step rows (rank 0 only);
+              wandb: {project: xpu, name: gpt-tiny}}                      # see strategies.training.log_sinks
+
+Relative ``data.path``, ``data.tokenizer`` and (``hf``) ``model.path`` are looked up next to the
+config file first, then in the working directory (:meth:`TrainConfig.local_path`).
 """
 from __future__ import annotations
 
@@ -43,7 +48,7 @@ from xpu.errors import XpuError
 
 from .checks import apply_overrides, check_model_section, model_dims, nonneg_int, positive_int, positive_number, read_config_source
 
-__all__ = ["TrainConfig", "StrategyConfig", "OptimizerConfig", "DataConfig", "CheckpointConfig", "TrainConfigError",
+__all__ = ["TrainConfig", "StrategyConfig", "OptimizerConfig", "DataConfig", "CheckpointConfig", "LoggingConfig", "TrainConfigError",
            "CheckpointWriteError", "TrainingDivergedError", "load_config", "resolve_dtype", "TEXT_VOCAB"]
 
 #: Byte-level text: one token per byte.
@@ -135,6 +140,22 @@ class CheckpointConfig:
 
 
 @dataclass
+class LoggingConfig:
+    """Where each step's row is also written (:mod:`.log_sinks`); every one optional.
+
+    Attributes:
+        csv: a CSV file (a resumed run appends to it).
+        tensorboard: a TensorBoard log folder (needs the ``tensorboard`` package).
+        wandb: ``{project: P, name: N, entity: E, mode: online|offline|disabled}`` for Weights & Biases
+            (needs ``wandb``; ``name`` defaults to the config's name).
+    """
+
+    csv: str | None = None
+    tensorboard: str | None = None
+    wandb: dict[str, Any] | None = None
+
+
+@dataclass
 class TrainConfig:
     """Everything one training run needs (see the module docstring for the YAML shape).
 
@@ -161,6 +182,7 @@ class TrainConfig:
     log_every: int = 10
     checkpoint: CheckpointConfig | None = None
     resume: str | None = None
+    logging: LoggingConfig | None = None
     #: Folder that relative ``data.path`` values are looked up in first (the config file's); not a YAML key.
     base_dir: str | None = field(default=None, metadata={"internal": True})
 
@@ -190,8 +212,12 @@ class TrainConfig:
         return int(self.model["layers"])
 
     def data_path(self, value: str | None = None) -> Path:
-        """The file of ``data.path`` (or ``value``): next to the config file if it exists there, else from the working directory."""
-        path = Path(str(self.data.path if value is None else value)).expanduser()
+        """The file of ``data.path`` (or ``value``), found as :meth:`local_path` finds it."""
+        return self.local_path(self.data.path if value is None else value)
+
+    def local_path(self, value: str | Path) -> Path:
+        """An input path of the config: next to the config file if it exists there, else from the working directory."""
+        path = Path(str(value)).expanduser()
         if not path.is_absolute() and self.base_dir is not None and (Path(self.base_dir) / path).exists():
             return Path(self.base_dir) / path
         return path
@@ -221,6 +247,8 @@ class TrainConfig:
             if isinstance(ck, dict) and "dir" not in ck:
                 raise TrainConfigError("checkpoint needs 'dir' (the folder to write step-N.pt files to), e.g. {every: 100, dir: runs/x}")
             data["checkpoint"] = _section(CheckpointConfig, "checkpoint", ck)
+        if data.get("logging") is not None:
+            data["logging"] = _section(LoggingConfig, "logging", data["logging"])
         if name and "name" not in data:
             data["name"] = name
         config = cls(**data, base_dir=str(base_dir) if base_dir is not None else None)
@@ -241,6 +269,11 @@ class TrainConfig:
         Raises:
             TrainConfigError: what is wrong, with the valid values.
         """
+        if isinstance(self.model, dict) and self.model.get("family") == "hf" and isinstance(self.model.get("path"), str):
+            # found as data.path is; recorded resolved, so a checkpoint's config (xpu export) finds it from anywhere
+            found = self.local_path(self.model["path"])
+            if found != Path(self.model["path"]).expanduser():
+                self.model["path"] = str(found)
         check_model_section(self.model, self.family, self.model_dims(), TrainConfigError)
         for key in ("steps", "batch", "seq", "log_every", "accumulation_steps", "eval_batches"):
             _positive_int(key, getattr(self, key))
@@ -272,6 +305,10 @@ class TrainConfig:
                 raise TrainConfigError(f"checkpoint.overwrite must be true or false, got {self.checkpoint.overwrite!r}")
         if self.resume is not None and not isinstance(self.resume, str):
             raise TrainConfigError(f"resume must be a checkpoint file or folder path, got {self.resume!r}")
+        if self.logging is not None:
+            from .log_sinks import check_logging  # the sinks' own checks: paths, wandb keys, installed packages
+
+            check_logging(self)
 
     def _validate_optimizer(self) -> None:
         o = self.optimizer

@@ -93,7 +93,7 @@ class MemFerryEngine:
         self.engine = engine
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)  # train_step, set_lr, state_dict, plan, ...
+        return getattr(self.engine, name)  # train_step, eval_loss, set_lr, state_dict, plan, ...
 
     def train_batch(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Forward and backward each micro-batch on ``loss / N``, then one step; the mean loss (detached)."""
@@ -104,10 +104,6 @@ class MemFerryEngine:
             total = loss.detach() if total is None else total + loss.detach()
         self.engine.step()
         return total / n
-
-    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        """The loss of one batch, no gradients (MemFerry's own ``eval_loss``)."""
-        return self.engine.eval_loss(inputs, targets)
 
 
 class TorchEngine:

@@ -12,7 +12,7 @@ from .checkpoints import check_checkpoint_dir, load_checkpoint, new_run_id, prep
 from .config import TrainConfig, TrainConfigError, TrainingDivergedError, resolve_dtype
 from .data import IterableBatches, make_datasets
 from .registry import TrainEngine, get_strategy
-from .reports import RunInfo, StepReport, TrainCallback, TrainResult
+from .reports import CallbackList, RunInfo, StepReport, TrainCallback, TrainResult
 from .schedule import lr_at
 
 __all__ = ["train"]
@@ -44,8 +44,11 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
     import xpu
     from strategies.models import build_model
 
+    from .log_sinks import make_sinks
+
     config.validate()  # idempotent; covers a TrainConfig built directly rather than by load_config
-    callback = callback or TrainCallback()
+    sinks = make_sinks(config)  # `logging:`'s CSV / TensorBoard / W&B writers (none off rank 0); they open in on_start
+    callback = CallbackList([callback or TrainCallback(), *sinks]) if sinks else (callback or TrainCallback())
     backend = backend or xpu.get_backend()
     device = backend.index_of(None)
     spec = get_strategy(config.strategy.name)
@@ -84,6 +87,7 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
 
     previous_cap = backend.memory_cap(device)
     engine: TrainEngine | None = None
+    result: TrainResult | None = None
     try:
         if budget is not None and not spec.takes_budget:
             backend.set_memory_cap(device, budget)
@@ -102,7 +106,7 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
         info = RunInfo(config.name, backend.name, device, dtype_name, params, config.strategy.name,
                        dict(config.strategy.options), budget, data_desc, start, config.steps,
                        config.batch * config.seq * accum, str(resumed_from) if resumed_from else None,
-                       engine.plan.describe() if config.strategy.options.get("plan") == "auto" else None)
+                       engine.plan.describe() if config.strategy.options.get("plan") == "auto" else None, run_id)
         callback.on_start(info)
         steps, losses, lrs, times, checkpoints, eval_losses = [], [], [], [], [], []
         every = config.checkpoint.every if config.checkpoint else 0
@@ -143,11 +147,28 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
         wall = time.perf_counter() - t_begin
         stats = backend.memory_stats(device)
         step_total = sum(times)
-        return TrainResult(steps, losses, lrs, times, stats.peak_reserved, stats.peak_allocated, wall,
-                           config.batch * config.seq * accum * len(times) / step_total if step_total else 0.0,
-                           checkpoints, info, eval_losses)
+        result = TrainResult(steps, losses, lrs, times, stats.peak_reserved, stats.peak_allocated, wall,
+                             config.batch * config.seq * accum * len(times) / step_total if step_total else 0.0,
+                             checkpoints, info, eval_losses)
+        return result
     finally:
-        if engine is not None:
-            engine.close()
-        if backend.memory_cap(device) != previous_cap:
-            backend.set_memory_cap(device, previous_cap)
+        try:
+            if engine is not None:
+                engine.close()
+            if backend.memory_cap(device) != previous_cap:
+                backend.set_memory_cap(device, previous_cap)
+        finally:
+            _end(callback, result)
+
+
+def _end(callback: TrainCallback, result: TrainResult | None) -> None:
+    """``callback.on_end``; after a failed run its own error must not hide the run's."""
+    if result is not None:
+        callback.on_end(result)
+        return
+    try:
+        callback.on_end(None)
+    except Exception:  # noqa: BLE001 - the run's exception is the one to see
+        import logging
+
+        logging.getLogger("strategies.training").exception("a callback's on_end failed after the run failed")

@@ -1,10 +1,11 @@
-"""What a run tells its caller: :class:`RunInfo` before, a :class:`StepReport` per step, a :class:`TrainResult` after."""
+"""What a run tells its caller: :class:`RunInfo` before, a :class:`StepReport` per step, a :class:`TrainResult` after
+(:class:`CallbackList` hands each to several callbacks)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["RunInfo", "StepReport", "TrainCallback", "TrainResult"]
+__all__ = ["CallbackList", "RunInfo", "StepReport", "TrainCallback", "TrainResult"]
 
 
 @dataclass
@@ -25,6 +26,7 @@ class RunInfo:
     tokens_per_step: int
     resumed_from: str | None
     plan: str | None = None  # the strategy's explained plan, when it chose one (MemFerry's scheduler)
+    run_id: str | None = None  # the run's identity, kept across resumes (a W&B run continues under it)
 
 
 @dataclass
@@ -66,6 +68,45 @@ class TrainCallback:
         import logging
 
         logging.getLogger("strategies.training").warning(message)
+
+    def on_end(self, result: "TrainResult | None") -> None:
+        """After the run, also one that failed (``result`` None) or that failed before :meth:`on_start`: close files here."""
+
+
+class CallbackList(TrainCallback):
+    """Hands every hook to each of ``callbacks`` in order (the CLI's display and the ``logging`` sinks, say).
+
+    ``on_end`` reaches every callback even when one of them raises; the first error is raised after.
+    """
+
+    def __init__(self, callbacks: "list[TrainCallback]") -> None:
+        self.callbacks = list(callbacks)
+
+    def on_start(self, info: RunInfo) -> None:
+        """Each callback's ``on_start``."""
+        for cb in self.callbacks:
+            cb.on_start(info)
+
+    def on_step(self, report: StepReport) -> None:
+        """Each callback's ``on_step``."""
+        for cb in self.callbacks:
+            cb.on_step(report)
+
+    def on_notice(self, message: str) -> None:
+        """Each callback's ``on_notice``."""
+        for cb in self.callbacks:
+            cb.on_notice(message)
+
+    def on_end(self, result: "TrainResult | None") -> None:
+        """Each callback's ``on_end``, all of them even if one raises (a file still gets closed)."""
+        error: BaseException | None = None
+        for cb in self.callbacks:
+            try:
+                cb.on_end(result)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the others closed
+                error = error or exc
+        if error is not None:
+            raise error
 
 
 @dataclass
