@@ -25,6 +25,7 @@ class RunInfo:
     tokens_per_step: int
     resumed_from: str | None
     plan: str | None = None  # the strategy's explained plan, when it chose one (MemFerry's scheduler)
+    world: int = 1  # data-parallel ranks (torchrun); ``tokens_per_step`` counts them all, config ``batch`` is per rank
 
 
 @dataclass

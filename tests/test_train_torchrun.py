@@ -1,0 +1,107 @@
+"""`xpu train` under torchrun: ranks train data-parallel MemFerry on LOCAL_RANK, and N ranks with
+`batch: B` equal one process with `batch: N*B` (cpu backend, gloo; torchrun's environment set by hand)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from strategies.training import read_checkpoint
+from xpu.dist import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+WORLD = 2
+
+
+def _config(tmp_path: Path, name: str, batch: int, **extra) -> Path:
+    cfg = {"name": name, "model": {"family": "gpt", "layers": 2, "hidden": 32, "heads": 2, "vocab": 256},
+           "steps": 4, "batch": batch, "seq": 16, "log_every": 1, "accumulation_steps": 2, "dtype": "fp32",
+           "strategy": {"name": "memferry", "options": {"plan": "prefetch", "max_grad_norm": 0.5}},
+           "optimizer": {"lr": 3e-3, "weight_decay": 0.1, "schedule": "cosine", "warmup_steps": 1, "min_lr": 1e-4},
+           "data": {"kind": "synthetic", "branching": 2, "eval_fraction": 0.1}, "eval_every": 2, "eval_batches": 2,
+           "checkpoint": {"dir": str(tmp_path / name), "every": 4}}
+    cfg.update(extra)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    env.update(XPU_BACKEND="cpu", XPU_CPU_DEVICES="2", PYTHONPATH=str(ROOT), XPU_COLLECTIVE_TIMEOUT_S="60", **extra)
+    return env
+
+
+def _start(config: Path, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "xpu", "train", str(config), "--no-progress", "--json"], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float = 120) -> list[tuple[int, str, str]]:
+    out = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            out.append((p.returncode, stdout, stderr))
+    finally:
+        for p in procs:  # a rank that hangs must not outlive the test
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return out
+
+
+def _torchrun(config: Path, world: int = WORLD, **extra: str) -> list[tuple[int, str, str]]:
+    port = str(free_port())
+    return _finish([_start(config, _env(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                                        MASTER_PORT=port, **extra)) for r in range(world)])
+
+
+def test_two_ranks_equal_one_process_with_the_doubled_batch(tmp_path):
+    ranks = _torchrun(_config(tmp_path, "dp", batch=2))
+    one, = _finish([_start(_config(tmp_path, "one", batch=2 * WORLD), _env())])
+    for rc, stdout, stderr in ranks + [one]:
+        assert rc == 0, stdout + stderr
+    lead, other = ranks
+    dp, ref = json.loads(lead[1].strip().splitlines()[-1]), json.loads(one[1].strip().splitlines()[-1])
+    assert other[1] == "" and other[2] == ""  # rank 1 reports nothing
+    assert "data-parallel over 2 ranks (torchrun): batch 2 per rank, 4 in all" in lead[2]
+    assert dp["info"]["world"] == WORLD and dp["info"]["tokens_per_step"] == ref["info"]["tokens_per_step"]
+    assert dp["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    assert [e for _, e in dp["eval_losses"]] == pytest.approx([e for _, e in ref["eval_losses"]], abs=1e-5)
+    files = sorted((tmp_path / "dp").glob("step-*.pt"))
+    assert [f.name for f in files] == ["step-0000004.pt"]  # written once, by rank 0
+    got = read_checkpoint(files[0])["engine"]
+    want = read_checkpoint(tmp_path / "one" / "step-0000004.pt")["engine"]
+    assert set(got["model"]) == set(want["model"]) and set(got["optimizer"]) == set(want["optimizer"])
+    for name, value in want["model"].items():  # the whole model, shards gathered
+        torch.testing.assert_close(got["model"][name], value, atol=1e-5, rtol=1e-5, msg=name)
+    for name, state in want["optimizer"].items():
+        torch.testing.assert_close(got["optimizer"][name]["exp_avg_sq"], state["exp_avg_sq"], atol=1e-7, rtol=1e-4,
+                                   msg=name)
+
+
+def test_local_rank_with_no_device_is_a_one_line_error(tmp_path):
+    config = _config(tmp_path, "bad", batch=2)
+    rc, stdout, stderr = _finish([_start(config, _env(RANK="1", WORLD_SIZE="8", LOCAL_RANK="7",
+                                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))])[0]
+    assert rc == 2 and stdout == ""
+    assert stderr.strip().splitlines() == [
+        "xpu train: error: LOCAL_RANK=7 names no device: the cpu backend has 2 device(s) (0, 1); start at most "
+        "--nproc_per_node 2 processes per node"]
+
+
+def test_strategy_torch_under_torchrun_is_refused(tmp_path):
+    config = _config(tmp_path, "torch", batch=2, strategy={"name": "torch", "options": {}})
+    rc, stdout, stderr = _finish([_start(config, _env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0",
+                                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))])[0]
+    assert rc == 2 and stdout == ""
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("xpu train: error: strategy: torch does not train data-parallel")
