@@ -12,15 +12,18 @@ import pytest
 import torch
 import yaml
 
-from strategies.training import read_checkpoint
+from strategies.training import load_config, read_checkpoint, train
 from xpu.dist import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2
 
 
-def _config(tmp_path: Path, name: str, batch: int, **extra) -> Path:
-    cfg = {"name": name, "model": {"family": "gpt", "layers": 2, "hidden": 32, "heads": 2, "vocab": 256},
+GPT = {"family": "gpt", "layers": 2, "hidden": 32, "heads": 2, "vocab": 256}
+
+
+def _config(tmp_path: Path, name: str, batch: int, model: dict | None = None, **extra) -> Path:
+    cfg = {"name": name, "model": model or GPT,
            "steps": 4, "batch": batch, "seq": 16, "log_every": 1, "accumulation_steps": 2, "dtype": "fp32",
            "strategy": {"name": "memferry", "options": {"plan": "prefetch", "max_grad_norm": 0.5}},
            "optimizer": {"lr": 3e-3, "weight_decay": 0.1, "schedule": "cosine", "warmup_steps": 1, "min_lr": 1e-4},
@@ -30,6 +33,18 @@ def _config(tmp_path: Path, name: str, batch: int, **extra) -> Path:
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def _lora_llama(tmp_path: Path) -> dict:
+    """A tiny Hugging Face Llama saved in ``tmp_path``, trained through LoRA (its base weights frozen)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "llama", safe_serialization=True)
+    return {"family": "hf", "path": str(tmp_path / "llama"),
+            "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}}
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -58,22 +73,25 @@ def _finish(procs: list[subprocess.Popen], timeout: float = 120) -> list[tuple[i
     return out
 
 
-def _torchrun(config: Path, world: int = WORLD, **extra: str) -> list[tuple[int, str, str]]:
+@pytest.mark.parametrize("model", ["gpt", "llama-lora"])
+def test_two_ranks_equal_one_process_with_the_doubled_batch(tmp_path, model, cpu_backend):
+    dims = GPT if model == "gpt" else _lora_llama(tmp_path)
     port = str(free_port())
-    return _finish([_start(config, _env(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                                        MASTER_PORT=port, **extra)) for r in range(world)])
-
-
-def test_two_ranks_equal_one_process_with_the_doubled_batch(tmp_path):
-    ranks = _torchrun(_config(tmp_path, "dp", batch=2))
-    one, = _finish([_start(_config(tmp_path, "one", batch=2 * WORLD), _env())])
-    for rc, stdout, stderr in ranks + [one]:
+    procs = [_start(_config(tmp_path, "dp", batch=2, model=dims),
+                    _env(RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                         MASTER_PORT=port)) for r in range(WORLD)]
+    try:  # the one-process reference meanwhile, in this process
+        ref = train(load_config(_config(tmp_path, "one", batch=2 * WORLD, model=dims))).to_dict()
+    finally:
+        ranks = _finish(procs)
+    for rc, stdout, stderr in ranks:
         assert rc == 0, stdout + stderr
     lead, other = ranks
-    dp, ref = json.loads(lead[1].strip().splitlines()[-1]), json.loads(one[1].strip().splitlines()[-1])
-    assert other[1] == "" and other[2] == ""  # rank 1 reports nothing
+    dp = json.loads(lead[1].strip().splitlines()[-1])
+    assert other[1] == "" and "step" not in other[2] and "done" not in other[2]  # rank 1 reports nothing
     assert "data-parallel over 2 ranks (torchrun): batch 2 per rank, 4 in all" in lead[2]
     assert dp["info"]["world"] == WORLD and dp["info"]["tokens_per_step"] == ref["info"]["tokens_per_step"]
+    assert dp["info"]["device"] == 0
     assert dp["losses"] == pytest.approx(ref["losses"], abs=1e-5)
     assert [e for _, e in dp["eval_losses"]] == pytest.approx([e for _, e in ref["eval_losses"]], abs=1e-5)
     files = sorted((tmp_path / "dp").glob("step-*.pt"))
@@ -81,6 +99,8 @@ def test_two_ranks_equal_one_process_with_the_doubled_batch(tmp_path):
     got = read_checkpoint(files[0])["engine"]
     want = read_checkpoint(tmp_path / "one" / "step-0000004.pt")["engine"]
     assert set(got["model"]) == set(want["model"]) and set(got["optimizer"]) == set(want["optimizer"])
+    if model == "llama-lora":  # frozen base weights: in the checkpoint, without optimizer state
+        assert set(got["optimizer"]) < set(got["model"]) and all("lora_" in n for n in got["optimizer"])
     for name, value in want["model"].items():  # the whole model, shards gathered
         torch.testing.assert_close(got["model"][name], value, atol=1e-5, rtol=1e-5, msg=name)
     for name, state in want["optimizer"].items():
