@@ -125,3 +125,20 @@ def test_strategy_torch_under_torchrun_is_refused(tmp_path):
     assert rc == 2 and stdout == ""
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("xpu train: error: strategy: torch does not train data-parallel")
+
+
+def test_two_ranks_resume_a_one_process_checkpoint_and_finish_as_it_would(tmp_path, cpu_backend):
+    """The checkpoint is the whole state: ranks resume from it (each takes its shards) and end where one process does."""
+    ref = train(load_config(_config(tmp_path, "one", batch=2 * WORLD, checkpoint={"dir": str(tmp_path / "one"),
+                                                                                  "every": 2})))
+    config = _config(tmp_path, "dp", batch=2, resume=str(tmp_path / "one" / "step-0000002.pt"))
+    port = str(free_port())
+    ranks = _finish([_start(config, _env(RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r),
+                                         MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in range(WORLD)])
+    for rc, stdout, stderr in ranks:
+        assert rc == 0, stdout + stderr
+    dp = json.loads(ranks[0][1].strip().splitlines()[-1])
+    assert dp["steps"] == [3, 4] and dp["losses"] == pytest.approx(ref.losses[2:], abs=1e-5)
+    got = read_checkpoint(tmp_path / "dp" / "step-0000004.pt")["engine"]["model"]
+    for name, value in read_checkpoint(tmp_path / "one" / "step-0000004.pt")["engine"]["model"].items():
+        torch.testing.assert_close(got[name], value, atol=1e-5, rtol=1e-5, msg=name)

@@ -78,7 +78,10 @@ def _train(config: TrainConfig, callback: TrainCallback, backend: Any, data: Ite
         raise TrainConfigError(f"device_budget {xpu.format_bytes(budget)} exceeds device {device}'s "
                                f"{xpu.format_bytes(total)} on the {backend.name} backend")
     dtype_name, dtype = resolve_dtype(config, backend)
-    resumed_from, state, notices = load_checkpoint(config, dtype_name) if config.resume else (None, None, [])
+    # Data-parallel: every rank draws the global batch (world x batch rows) and trains on its share
+    # (Launch.shard); checkpoints record that global batch, the data stream's, so any split resumes them.
+    global_config = dataclasses.replace(config, batch=config.batch * world) if world > 1 else config
+    resumed_from, state, notices = load_checkpoint(global_config, dtype_name) if config.resume else (None, None, [])
     run_id = state["run_id"] if state is not None else new_run_id()  # kept across resumes: one run, one id
     if config.checkpoint is not None:
         check_checkpoint_dir(config, run_id, fresh=state is None)
@@ -86,8 +89,6 @@ def _train(config: TrainConfig, callback: TrainCallback, backend: Any, data: Ite
             Path(config.checkpoint.dir).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise TrainConfigError(f"checkpoint.dir {config.checkpoint.dir!r}: {exc.strerror or exc}") from None
-    # Every rank draws the global batch (world x batch rows) and trains on its share (Launch.shard).
-    global_config = dataclasses.replace(config, batch=config.batch * world) if world > 1 else config
     windows, eval_batches, data_desc = make_datasets(global_config)  # may raise: a token id the vocab cannot hold, ...
     if data is not None:
         batches: Any = IterableBatches(data)
@@ -157,7 +158,7 @@ def _train(config: TrainConfig, callback: TrainCallback, backend: Any, data: Ite
             saved = None
             if config.checkpoint is not None and ((every and n % every == 0) or n == config.steps):
                 if leader:
-                    saved = str(save_checkpoint(Path(config.checkpoint.dir), n, engine, batches, config, run_id,
+                    saved = str(save_checkpoint(Path(config.checkpoint.dir), n, engine, batches, global_config, run_id,
                                                 dtype_name, config.checkpoint.keep))
                     checkpoints.append(saved)
                 else:
