@@ -192,9 +192,6 @@ class MemFerry:
             self.dp = None
             if process_group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
                 self.dp = DataParallel.create(self.backend.device(self.device), process_group)
-            if self.dp is not None and any(len(u.trainable) < len(u.params) for u in units):
-                raise ValueError("frozen parameters (requires_grad=False) are not supported under data-parallel MemFerry "
-                                 "yet: train them all, or run one process without a process group")
             with self.backend.device_scope(self.device):
                 self.shadow = ShadowModel(units, self.backend, self.device, device_homes, self.dp, originals=originals,
                                           accumulate=accumulation_steps > 1)

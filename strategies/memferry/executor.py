@@ -384,15 +384,15 @@ class Executor:
             pairs = [(p.grad, t) for (_, p), t in zip(s.unit.trainable, s.train_slices(s.grad_stage)) if id(p) not in routed]
             sources, targets = [g for g, _ in pairs], [t for _, t in pairs]
         else:
-            # Average the whole unit over ranks on the device, then bring home only this
-            # rank's shard: the host optimizer updates that shard alone.
+            # Average the unit's trainable gradients over ranks on the device, then bring home
+            # only this rank's shard: the host optimizer updates that shard alone (frozen
+            # parameters have no gradient to reduce; a rank whose shard is all frozen brings none).
             with self.b.device_scope(self.dev):
-                flat = self.b.empty(s.device_flat.numel(), s.grad_stage.dtype, self.dev)
-                for view, (_, p) in zip(s.slices(flat), s.unit.trainable):
+                flat = self.b.empty(s.unit.train_numel, s.grad_stage.dtype, self.dev)
+                for view, (_, p) in zip(s.train_slices(flat), s.unit.trainable):
                     view.copy_(p.grad)
-                flat[s.unit.numel:].zero_()
                 dp.average(flat)
-            sources, targets = [flat[s.shard]], [s.grad_stage]
+            sources, targets = [flat[s.train_shard]], [s.grad_stage]
         computed = self.b.event()
         computed.record(self.compute)
         self.d2h.wait_event(computed)

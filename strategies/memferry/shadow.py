@@ -68,16 +68,25 @@ class UnitShadow:
         return self.master.dtype == self.work.dtype and self.master.data_ptr() == self.train_work.data_ptr()
 
     @property
+    def train_shard(self) -> slice | None:
+        """This rank's part of the trainable prefix under data parallelism (None alone): its
+        load shard cut at the end of the trainable parameters, as frozen ones have no optimizer
+        state (they sit after the trainable ones, and every rank's copy of them stays whole)."""
+        if self.shard is None:
+            return None
+        return train_part(self.shard, self.unit.train_numel)
+
+    @property
     def train_work(self) -> torch.Tensor:
         """The part of the working copy this rank's optimizer state covers (its trainable shard)."""
-        return self.work[self.shard] if self.shard is not None else self.work[: self.master.numel()]
+        return self.work[self.train_shard] if self.shard is not None else self.work[: self.master.numel()]
 
     @property
     def decay_end(self) -> int:
         """Where, in this rank's optimizer state, the weight-decay group ends (the rest decays not)."""
         if self.unit is None:
             return self.master.numel()
-        start = self.shard.start if self.shard is not None else 0
+        start = self.train_shard.start if self.shard is not None else 0
         return min(max(self.unit.decay_numel - start, 0), self.master.numel())
 
     def write_back(self) -> None:
@@ -104,6 +113,12 @@ class UnitShadow:
             p.data = v
 
 
+def train_part(shard: slice, train_numel: int) -> slice:
+    """The trainable part of a rank's ``shard`` of a flat unit whose first ``train_numel``
+    elements train (empty for a rank whose shard holds only frozen parameters or padding)."""
+    return slice(min(shard.start, train_numel), min(shard.stop, train_numel))
+
+
 def host_bytes_needed(units: list[Unit], device_homes: set[int] | frozenset, dp: "DataParallel | None" = None,
                       accumulate: bool = False) -> int:
     """Pinned host bytes :class:`ShadowModel` will take for ``units`` (checked before allocating).
@@ -120,6 +135,7 @@ def host_bytes_needed(units: list[Unit], device_homes: set[int] | frozenset, dp:
             continue
         elem = u.params[0][1].element_size()
         padded, shard = dp.shard(u.numel) if dp is not None else (u.numel, slice(0, u.train_numel))
+        shard = train_part(shard, u.train_numel)
         size = shard.stop - shard.start
         total += padded * elem + size * elem + 4 * size * (2 if elem == 4 else 3) + (4 * size if accumulate else 0)
     return total
@@ -226,7 +242,8 @@ class ShadowModel:
         dtype = unit.params[0][1].dtype if unit.params else torch.float32
         # Data parallel: this rank updates one shard of the (padded) flat unit; alone, the shard is everything.
         padded, shard = self.dp.shard(n) if self.dp is not None else (n, slice(0, unit.train_numel))
-        size = shard.stop - shard.start
+        mine = train_part(shard, unit.train_numel)  # the optimizer's part: frozen parameters have none
+        size = mine.stop - mine.start
 
         def state(dt: torch.dtype) -> torch.Tensor:  # optimizer-side buffers: none for a frozen unit
             return arena.empty(size, dt) if size else torch.empty(0, dtype=dt)
@@ -239,13 +256,13 @@ class ShadowModel:
             work[o:o + p.numel()].copy_(p.detach().reshape(-1))
             o += p.numel()
         if dtype == torch.float32:
-            master = work[shard]  # the fp32 working copy is the master: no second copy to keep in step
+            master = work[mine]  # the fp32 working copy is the master: no second copy to keep in step
         else:
             master = state(torch.float32)
             full32 = torch.zeros(padded, dtype=torch.float32)
             for off, (name, p) in zip(offsets, unit.trainable):
                 full32[off:off + p.numel()].copy_(self._original(name, p).reshape(-1))  # fp32 from the original, not from work
-            master.copy_(full32[shard])
+            master.copy_(full32[mine])
         exp_avg, exp_avg_sq = state(torch.float32), state(torch.float32)
         exp_avg.zero_()
         exp_avg_sq.zero_()
@@ -253,8 +270,9 @@ class ShadowModel:
         grad = grad_stage  # see the module docstring: upcast chunk-wise by the host kernel
         device_flat = b.empty(padded, dtype, self.device)
         shadow = UnitShadow(unit, work, master, exp_avg, exp_avg_sq, grad, grad_stage, device_flat, offsets, shard=shard)
-        if self.accumulate and size:
-            shadow.grad_acc = arena.empty(size, torch.float32)
+        if self.accumulate and unit.trainable:
+            # empty on a data-parallel rank whose shard holds no trainable parameter: it still takes part
+            shadow.grad_acc = state(torch.float32)
         shadow.device_views = shadow.slices(device_flat)
         if b.caps.dha:
             shadow.dha_flat = b.device_view(work, self.device)
@@ -285,7 +303,7 @@ class ShadowModel:
         if s.home == "device" or self.dp is None:
             return part
         full = torch.zeros(s.work.numel(), dtype=torch.float32)
-        full[s.shard].copy_(part)
+        full[s.train_shard].copy_(part)
         self.dp.gather(full)  # a collective: every rank is here too
         return full
 
@@ -348,7 +366,7 @@ class ShadowModel:
                     s.step = int(optimizer_state[name]["step"])
                 else:  # weights only, or a frozen parameter (no optimizer state)
                     full["master"][sl].copy_(model_state[name].reshape(-1))
-            mine = s.shard if s.shard is not None else slice(0, s.master.numel())
+            mine = s.train_shard if s.shard is not None else slice(0, s.master.numel())
             for key in keys:
                 getattr(s, key).copy_(full[key][mine])
             s.work.copy_(full["master"])  # every rank's working copy is whole (frozen parameters included)

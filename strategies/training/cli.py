@@ -56,6 +56,7 @@ def _fmt_bytes(n: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Load and check the config, train with a progress bar, print a summary."""
+    import os
     import sys
 
     import torch
@@ -136,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
         return 130
     finally:
         display.close()
+    if result.info.world > 1 and os.environ.get("RANK", "0") != "0":
+        return 0  # data-parallel under torchrun: rank 0 alone reports (train() kept the others' callbacks silent)
     n = len(result.losses)
     head = result.losses[: max(1, min(10, n // 10 or 1))]
     tail = result.losses[-max(1, min(10, n // 10 or 1)):]

@@ -201,6 +201,6 @@ def _check_torch(options: dict[str, Any], config: TrainConfig) -> None:
 MEMFERRY = StrategySpec(_build_memferry, {"plan": "prefetch", "max_grad_norm": None, "loss_chunks": "auto",
                                           "memory_margin": 0.10},
                         "MemFerry: parameters homed in host memory, per-block plan, host AdamW", _check_memferry,
-                        takes_budget=True, fp32_model=True)
+                        takes_budget=True, fp32_model=True, data_parallel=True)
 TORCH = StrategySpec(TorchEngine, {"max_grad_norm": None, "recompute": False},
                      "plain PyTorch reference: model and torch AdamW all on the device", _check_torch)

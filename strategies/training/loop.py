@@ -1,6 +1,7 @@
 """The training loop: build what the config names, then step, log and checkpoint (:func:`train`)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ import torch
 from .checkpoints import check_checkpoint_dir, load_checkpoint, new_run_id, prepare_checkpoint_dir, save_checkpoint
 from .config import TrainConfig, TrainConfigError, TrainingDivergedError, resolve_dtype
 from .data import IterableBatches, make_datasets
+from .distributed import Launch, join
 from .registry import TrainEngine, get_strategy
 from .reports import CallbackList, RunInfo, StepReport, TrainCallback, TrainResult
 from .schedule import lr_at
@@ -30,6 +32,11 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
     starts from its beginning; a notice says so). With ``eval_every: K`` the mean loss over the
     fixed held-out batches is computed every K steps and after the last one.
 
+    Under ``torchrun`` with several ranks (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` set) each rank
+    trains data-parallel on device ``LOCAL_RANK``: ``config.batch`` is per rank, so N ranks train
+    as one process with N times the batch (see :mod:`.distributed`); only rank 0 calls
+    ``callback`` and writes checkpoints; losses are the ranks' mean.
+
     Everything that can be checked is checked before the model is built: the config
     (already, by :func:`load_config`), the device budget against the device, the resume
     checkpoint against the config, the data file. The process-wide device memory cap is put
@@ -42,7 +49,6 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
         torch.OutOfMemoryError: the run needs more device memory than the budget.
     """
     import xpu
-    from strategies.models import build_model
 
     from .log_sinks import make_sinks
 
@@ -50,15 +56,35 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
     sinks = make_sinks(config)  # `logging:`'s CSV / TensorBoard / W&B writers (none off rank 0); they open in on_start
     callback = CallbackList([callback or TrainCallback(), *sinks]) if sinks else (callback or TrainCallback())
     backend = backend or xpu.get_backend()
-    device = backend.index_of(None)
     spec = get_strategy(config.strategy.name)
+    launch = join(backend, config.strategy.name, spec.data_parallel)  # None: one process (not under torchrun)
+    try:
+        return _train(config, callback if launch is None or launch.leader else TrainCallback(), backend, data,
+                      spec, launch)
+    finally:
+        if launch is not None:
+            launch.close()
+
+
+def _train(config: TrainConfig, callback: TrainCallback, backend: Any, data: Iterable[Any] | None, spec: Any,
+           launch: Launch | None) -> TrainResult:
+    """:func:`train` once the process group (if any) is joined."""
+    import xpu
+    from strategies.models import build_model
+
+    world = launch.world if launch is not None else 1
+    leader = launch is None or launch.leader
+    device = launch.device if launch is not None else backend.index_of(None)
     budget = config.device_budget  # bytes: validate() parsed it
     total = next(d.total_bytes for d in backend.topology().devices if d.index == device)
     if budget is not None and budget > total:
         raise TrainConfigError(f"device_budget {xpu.format_bytes(budget)} exceeds device {device}'s "
                                f"{xpu.format_bytes(total)} on the {backend.name} backend")
     dtype_name, dtype = resolve_dtype(config, backend)
-    resumed_from, state, notices = load_checkpoint(config, dtype_name) if config.resume else (None, None, [])
+    # Data-parallel: every rank draws the global batch (world x batch rows) and trains on its share
+    # (Launch.shard); checkpoints record that global batch, the data stream's, so any split resumes them.
+    global_config = dataclasses.replace(config, batch=config.batch * world) if world > 1 else config
+    resumed_from, state, notices = load_checkpoint(global_config, dtype_name) if config.resume else (None, None, [])
     run_id = state["run_id"] if state is not None else new_run_id()  # kept across resumes: one run, one id
     if config.checkpoint is not None:
         check_checkpoint_dir(config, run_id, fresh=state is None)
@@ -66,7 +92,7 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
             Path(config.checkpoint.dir).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise TrainConfigError(f"checkpoint.dir {config.checkpoint.dir!r}: {exc.strerror or exc}") from None
-    windows, eval_batches, data_desc = make_datasets(config)  # may raise: a token id the vocab cannot hold, ...
+    windows, eval_batches, data_desc = make_datasets(global_config)  # may raise: a token id the vocab cannot hold, ...
     if data is not None:
         batches: Any = IterableBatches(data)
         data_desc = "batches from the caller's iterable" + (f" (eval: {data_desc})" if eval_batches else "")
@@ -76,6 +102,10 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
     else:
         batches = windows
     del windows
+    if launch is not None:
+        data_desc += (f"; data-parallel over {world} ranks (torchrun): batch {config.batch} per rank, "
+                      f"{config.batch * world} in all")
+        eval_batches = [launch.shard(b) for b in eval_batches]
     accum = config.accumulation_steps
 
     # Seed a private copy of the host RNG: the same config builds the same initial weights
@@ -99,14 +129,15 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
             batches.load_state_dict(state["data"])
             start = int(state["step"])
         del model, state
-        if config.checkpoint is not None:  # only now that the run is built: a failed build deletes nothing
+        if config.checkpoint is not None and leader:  # only now that the run is built: a failed build deletes nothing
             prepare_checkpoint_dir(config, run_id)
         for notice in notices:
             callback.on_notice(notice)
         info = RunInfo(config.name, backend.name, device, dtype_name, params, config.strategy.name,
                        dict(config.strategy.options), budget, data_desc, start, config.steps,
-                       config.batch * config.seq * accum, str(resumed_from) if resumed_from else None,
-                       engine.plan.describe() if config.strategy.options.get("plan") == "auto" else None, run_id)
+                       config.batch * world * config.seq * accum, str(resumed_from) if resumed_from else None,
+                       engine.plan.describe() if config.strategy.options.get("plan") == "auto" else None, run_id,
+                       world)
         callback.on_start(info)
         steps, losses, lrs, times, checkpoints, eval_losses = [], [], [], [], [], []
         every = config.checkpoint.every if config.checkpoint else 0
@@ -115,10 +146,13 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
             lr = lr_at(config.optimizer, i, config.steps)
             engine.set_lr(lr)
             micro = [batches.next() for _ in range(accum)]
+            if launch is not None:
+                micro = [launch.shard(b) for b in micro]
             t0 = time.perf_counter()
             # one micro-batch: train_step, exactly as before accumulation existed
             out = engine.train_step(*micro[0]) if accum == 1 else engine.train_batch(micro)
-            loss = float(out)  # reading it back waits for this step's forward
+            # reading it back waits for this step's forward; data-parallel: the mean over ranks (one global batch)
+            loss = float(out) if launch is None else launch.mean(out, backend.device(device))
             step_s = time.perf_counter() - t0
             n = i + 1
             if not math.isfinite(loss):  # checked before saving: a NaN state never becomes a checkpoint
@@ -128,9 +162,12 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
                                             f"lower optimizer.lr or set strategy.options.max_grad_norm, then resume")
             saved = None
             if config.checkpoint is not None and ((every and n % every == 0) or n == config.steps):
-                saved = str(save_checkpoint(Path(config.checkpoint.dir), n, engine, batches, config, run_id, dtype_name,
-                                            config.checkpoint.keep))
-                checkpoints.append(saved)
+                if leader:
+                    saved = str(save_checkpoint(Path(config.checkpoint.dir), n, engine, batches, global_config, run_id,
+                                                dtype_name, config.checkpoint.keep))
+                    checkpoints.append(saved)
+                else:
+                    engine.state_dict()  # a collective: the leader's state gathers every rank's shards
             steps.append(n)
             losses.append(loss)
             lrs.append(lr)
@@ -138,6 +175,8 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
             eval_loss = None
             if config.eval_every and eval_batches and (n % config.eval_every == 0 or n == config.steps):
                 eval_loss = sum(engine.eval_loss(x, y) for x, y in eval_batches) / len(eval_batches)
+                if launch is not None:  # each rank's share of every eval batch: their mean is the batches' mean
+                    eval_loss = launch.mean(eval_loss, backend.device(device))
                 eval_losses.append((n, eval_loss))
             peak = backend.memory_stats(device).peak_reserved
             callback.on_step(StepReport(n, config.steps, loss, lr, step_s, peak,
@@ -148,8 +187,8 @@ def train(config: TrainConfig, callback: TrainCallback | None = None, backend: A
         stats = backend.memory_stats(device)
         step_total = sum(times)
         result = TrainResult(steps, losses, lrs, times, stats.peak_reserved, stats.peak_allocated, wall,
-                             config.batch * config.seq * accum * len(times) / step_total if step_total else 0.0,
-                             checkpoints, info, eval_losses)
+                             config.batch * world * config.seq * accum * len(times) / step_total if step_total
+                             else 0.0, checkpoints, info, eval_losses)
         return result
     finally:
         try:

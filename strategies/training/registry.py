@@ -70,6 +70,8 @@ class StrategySpec:
         takes_budget: the builder enforces ``device_budget`` itself (else the trainer sets the cap).
         fp32_model: the builder takes the model in fp32 and computes in the config's dtype, so
             its fp32 masters start from the fp32 initial values, not from their bf16 roundings.
+        data_parallel: the engine trains data-parallel over torch.distributed's default group
+            when it is initialised (``xpu train`` under torchrun); others are refused there.
     """
 
     build: Callable[[nn.Module, TrainConfig, Any, int], TrainEngine]
@@ -78,6 +80,7 @@ class StrategySpec:
     check: Callable[[dict[str, Any], TrainConfig], None] | None = None
     takes_budget: bool = False
     fp32_model: bool = False
+    data_parallel: bool = False
 
 
 #: The strategies; each names a :class:`StrategySpec`.
