@@ -63,17 +63,17 @@ def _args(tmp_path, ga, clip, **extra):
     return transformers.TrainingArguments(**{**kw, **extra})
 
 
-@pytest.mark.parametrize("plan, ga", [("prefetch", 2), ("device", 4)])
-def test_trainer_with_memferry_equals_trainer_with_torch_adamw(cpu_backend, tmp_path, plan, ga):
+def _compare(backend, tmp_path, plan, ga, use_cpu=True):
     model = tiny_llama()
     data = FixedBatches(STEPS * ga * BATCH)
     ref = copy.deepcopy(model)
-    theirs = transformers.Trainer(model=ref, args=_args(tmp_path / "ref", ga, 1.0), train_dataset=data)
+    theirs = transformers.Trainer(model=ref, args=_args(tmp_path / "ref", ga, 1.0, use_cpu=use_cpu), train_dataset=data)
     theirs.train()
     engine = MemFerry(copy.deepcopy(model), optim=AdamW(lr=LR, weight_decay=WD, max_grad_norm=1.0), plan=PLANS[plan],
-                      backend=cpu_backend, accumulation_steps=ga)
+                      backend=backend, accumulation_steps=ga)
     norms = []
-    ours = memferry_trainer(engine, _args(tmp_path / "mf", ga, 0.0), train_dataset=data, callbacks=[GradNorms(engine, norms)])
+    ours = memferry_trainer(engine, _args(tmp_path / "mf", ga, 0.0, use_cpu=use_cpu), train_dataset=data,
+                            callbacks=[GradNorms(engine, norms)])
     ours.train()
     assert ours.state.global_step == theirs.state.global_step == STEPS
     assert ours.lr_scheduler.get_last_lr() == theirs.lr_scheduler.get_last_lr()
@@ -82,7 +82,18 @@ def test_trainer_with_memferry_equals_trainer_with_torch_adamw(cpu_backend, tmp_
     assert {v["step"] for v in state["optimizer"].values()} == {STEPS}
     assert len(norms) == STEPS and max(norms) > 1.0  # MemFerry's clip was active
     for name, p in ref.named_parameters():
-        torch.testing.assert_close(state["model"][name], p.detach(), atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(state["model"][name], p.detach().cpu(), atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("plan, ga", [("prefetch", 2), ("device", 4)])
+def test_trainer_with_memferry_equals_trainer_with_torch_adamw(cpu_backend, tmp_path, plan, ga):
+    _compare(cpu_backend, tmp_path, plan, ga)
+
+
+@pytest.mark.gpu
+def test_trainer_with_memferry_on_the_accelerator(gpu_backend, tmp_path):
+    """Trainer on the device (its args.device, accelerate's placement) with the engine on device 0."""
+    _compare(gpu_backend, tmp_path, "device", 2, use_cpu=False)
 
 
 def _engine(cpu_backend, ga=2):
@@ -138,4 +149,13 @@ def test_plain_loss_backward_is_the_engine_s_backward(cpu_backend):
     engine.step()
     with pytest.raises(NotImplementedError, match="engine.state_dict"):
         wrapped.save_pretrained("unused")
+    engine.close()
+
+
+def test_engine_backward_of_a_loss_from_elsewhere_is_refused(cpu_backend):
+    engine = _engine(cpu_backend)
+    x = FixedBatches(1).rows[0][0][None]
+    engine(input_ids=x)
+    with pytest.raises(AccumulationError, match="does not come from the engine's grad-enabled forward"):
+        engine.backward(torch.ones(2, requires_grad=True).sum())
     engine.close()

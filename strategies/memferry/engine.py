@@ -5,6 +5,8 @@
         loss = engine.train_step(batch, targets)
 
 or, step by step: ``loss = loss_fn(engine(batch), targets); engine.backward(loss); engine.step()``.
+A plain ``loss.backward()`` does what ``engine.backward(loss)`` does (``backward_gate.py``), so
+loops that call it themselves (Hugging Face's Trainer: ``hf_trainer.py``) drive the engine too.
 
 The engine runs a given :class:`~strategies.memferry.config.Plan` (the executor). A plan chosen
 for the model comes from :func:`~strategies.memferry.planning.plan_for` (profiler, then cost
