@@ -46,14 +46,18 @@ class MicroBatches:
         if grad_enabled:
             self.forward_open = True
 
-    def begin_backward(self) -> bool:
-        """Before a backward: refuse one with no forward or past ``steps``; True if it ends the step's gradient."""
+    def check_backward(self) -> None:
+        """Refuse a backward with no forward or past ``steps`` (changes nothing)."""
         if self.backwards >= self.steps:
             raise AccumulationError(f"backward() called {self.backwards + 1} times before step(), but accumulation_steps="
                                     f"{self.steps}: call engine.step() after every {self.steps} backward() calls, or "
                                     f"give MemFerry(accumulation_steps=...) the number of micro-batches per step")
         if not self.forward_open:
             raise AccumulationError("backward() with no forward before it: run loss = engine(inputs, ...) first")
+
+    def begin_backward(self) -> bool:
+        """Before a backward: :meth:`check_backward`, then count it; True if it ends the step's gradient."""
+        self.check_backward()
         self.forward_open = False
         self.backwards += 1
         return self.backwards == self.steps

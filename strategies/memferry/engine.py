@@ -5,6 +5,8 @@
         loss = engine.train_step(batch, targets)
 
 or, step by step: ``loss = loss_fn(engine(batch), targets); engine.backward(loss); engine.step()``.
+A plain ``loss.backward()`` does what ``engine.backward(loss)`` does (``backward_gate.py``), so
+loops that call it themselves (Hugging Face's Trainer: ``hf_trainer.py``) drive the engine too.
 
 The engine runs a given :class:`~strategies.memferry.config.Plan` (the executor). A plan chosen
 for the model comes from :func:`~strategies.memferry.planning.plan_for` (profiler, then cost
@@ -29,7 +31,8 @@ from xpu import Backend, in_host_memory
 
 from ..weight_decay import no_decay_names
 
-from .accumulation import MicroBatches, check_accumulation_steps
+from .accumulation import AccumulationError, MicroBatches, check_accumulation_steps
+from .backward_gate import gate_outputs, queue_at_backward_end
 from .compute_dtype import cast_parameters, check_compute_dtype, restore_parameters
 from .config import AdamW, Plan, UnitPlan
 from .data_parallel import DataParallel
@@ -214,6 +217,7 @@ class MemFerry:
         self._steps = 0
         self.micro = MicroBatches(accumulation_steps)
         self._handle: Any = None  # the Optimizer-shaped handle, once asked for
+        self._in_backward = False  # between the gate's backward and the end-of-backward callback
 
     def _copier(self, multipath: bool | None) -> Any:
         """The multi-path copier for weight loads, or None (see ``multipath``)."""
@@ -225,7 +229,12 @@ class MemFerry:
 
     # ------------------------------------------------------------------ training
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Forward pass on the device; host tensors in ``inputs`` are copied there first."""
+        """Forward pass on the device; host tensors in ``inputs`` are copied there first.
+
+        A grad-enabled forward's output tensors get gradient hooks that start the engine's
+        backward bookkeeping (``backward_gate.py``), so a plain
+        ``loss.backward()`` on a loss made from them works as :meth:`backward` does.
+        """
         grad = torch.is_grad_enabled()
         self.micro.check_forward(grad)
         with self.backend.device_scope(self.device):
@@ -233,23 +242,50 @@ class MemFerry:
             kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
             self.micro.forward_started(grad)
             self.executor.begin_forward()
-            return self.model(*inputs, **kwargs)
+            out = self.model(*inputs, **kwargs)
+            return gate_outputs(out, self._backward_begins) if grad else out
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward pass; gradients go to host memory. On the step's last micro-batch (the
         ``accumulation_steps``-th backward) updates start as they land; before it gradients
-        are only summed."""
+        are only summed. The same as ``loss.backward()``, with misuse refused before autograd starts."""
         if self._handle is not None:
             self._handle.current_lr()  # refuse differing group rates before anything changes
+        self.micro.check_backward()
+        before = self.micro.backwards
+        with self.backend.device_scope(self.device):
+            try:
+                loss.backward()
+            finally:
+                if self._in_backward:  # autograd failed after the gate: end as a finished backward would
+                    self._backward_ends()
+        if self.micro.backwards == before:
+            raise AccumulationError("this loss does not come from the engine's grad-enabled forward (no gradient "
+                                    "reached the engine): compute it from loss = engine(inputs, ...) outputs")
+
+    def _backward_begins(self) -> None:
+        """Autograd reached the engine's outputs (see :meth:`__call__`): count the micro-batch, hand
+        the learning rate over, switch the executor to backward and queue :meth:`_backward_ends`.
+        Once per backward: the hooks of the forward's other outputs find it begun."""
+        if self._in_backward:
+            return
+        if self._handle is not None:
+            self._handle.current_lr()
         final = self.micro.begin_backward()
         if final and self._handle is not None:
             self._handle.apply_lr()  # updates start during this backward: they take the groups' lr
         with self.backend.device_scope(self.device):
             self.executor.begin_backward(final)
-            try:
-                loss.backward()
-            finally:
-                self.executor.end_backward()
+        self._in_backward = True
+        queue_at_backward_end(self._backward_ends)
+
+    def _backward_ends(self) -> None:
+        """The whole backward is done: offload gradients that did not arrive (unused parameters)."""
+        if not self._in_backward:
+            return
+        self._in_backward = False
+        with self.backend.device_scope(self.device):
+            self.executor.end_backward()
 
     def step(self) -> None:
         """End the step: with clipping, the held updates run now (after every gradient is in).

@@ -1,0 +1,161 @@
+"""transformers.Trainer drives MemFerry (strategies/memferry/hf_trainer.py) exactly as it drives torch AdamW."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from strategies.memferry import AdamW, MemFerry, Plan, UnitPlan  # noqa: E402
+from strategies.memferry.accumulation import AccumulationError  # noqa: E402
+from strategies.memferry.hf_trainer import MemFerryModel, memferry_trainer  # noqa: E402
+
+LR, WD, STEPS, BATCH = 3e-3, 0.1, 4, 2
+
+PLANS = {
+    "prefetch": Plan.uniform(2, UnitPlan("prefetch", "prefetch")),
+    "device": Plan([UnitPlan("resident", "resident", optimizer="device"), UnitPlan("prefetch", "prefetch", recompute=True)],
+                   rest_optimizer="device"),
+}
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False, initializer_range=0.1)  # gradient norms above the clip
+    return transformers.LlamaForCausalLM(cfg).float()
+
+
+class FixedBatches(torch.utils.data.IterableDataset):
+    """The same token rows in the same order on every pass (no sampler: Trainer reads them in order)."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.rows = [torch.randint(0, 128, (16,), generator=g) for _ in range(n)]
+        for i, row in enumerate(self.rows):
+            if i % 3 == 0:
+                row[:4] = -100  # some masked labels: the token count Trainer scales by differs from the mean
+        self.rows = [(r.clamp(min=0), r) for r in self.rows]
+
+    def __iter__(self):
+        for ids, labels in self.rows:
+            yield {"input_ids": ids, "labels": labels}
+
+
+class GradNorms(transformers.TrainerCallback):
+    """Keeps the engine's pre-clip gradient norm after each optimizer step."""
+
+    def __init__(self, engine, out):
+        self.engine, self.out = engine, out
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.out.append(self.engine.last_grad_norm)
+
+
+def _args(tmp_path, ga, clip, **extra):
+    kw = dict(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=BATCH,
+              gradient_accumulation_steps=ga, learning_rate=LR, weight_decay=WD, lr_scheduler_type="linear",
+              warmup_steps=0, max_grad_norm=clip, optim="adamw_torch", report_to=[], save_strategy="no", use_cpu=True,
+              disable_tqdm=True, seed=0, dataloader_num_workers=0)
+    return transformers.TrainingArguments(**{**kw, **extra})
+
+
+def _compare(backend, tmp_path, plan, ga, use_cpu=True):
+    model = tiny_llama()
+    data = FixedBatches(STEPS * ga * BATCH)
+    ref = copy.deepcopy(model)
+    theirs = transformers.Trainer(model=ref, args=_args(tmp_path / "ref", ga, 1.0, use_cpu=use_cpu), train_dataset=data)
+    theirs.train()
+    engine = MemFerry(copy.deepcopy(model), optim=AdamW(lr=LR, weight_decay=WD, max_grad_norm=1.0), plan=PLANS[plan],
+                      backend=backend, accumulation_steps=ga)
+    norms = []
+    ours = memferry_trainer(engine, _args(tmp_path / "mf", ga, 0.0, use_cpu=use_cpu), train_dataset=data,
+                            callbacks=[GradNorms(engine, norms)])
+    ours.train()
+    assert ours.state.global_step == theirs.state.global_step == STEPS
+    assert ours.lr_scheduler.get_last_lr() == theirs.lr_scheduler.get_last_lr()
+    state = engine.state_dict()
+    engine.close()
+    assert {v["step"] for v in state["optimizer"].values()} == {STEPS}
+    assert len(norms) == STEPS and max(norms) > 1.0  # MemFerry's clip was active
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state["model"][name], p.detach().cpu(), atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("plan, ga", [("prefetch", 2), ("device", 4)])
+def test_trainer_with_memferry_equals_trainer_with_torch_adamw(cpu_backend, tmp_path, plan, ga):
+    _compare(cpu_backend, tmp_path, plan, ga)
+
+
+@pytest.mark.gpu
+def test_trainer_with_memferry_on_the_accelerator(gpu_backend, tmp_path):
+    """Trainer on the device (its args.device, accelerate's placement) with the engine on device 0."""
+    _compare(gpu_backend, tmp_path, "device", 2, use_cpu=False)
+
+
+def _engine(cpu_backend, ga=2):
+    return MemFerry(tiny_llama(), optim=AdamW(lr=LR, max_grad_norm=1.0), plan=PLANS["prefetch"], backend=cpu_backend,
+                    accumulation_steps=ga)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"clip": 1.0}, r"max_grad_norm=1.0 would clip nothing .*AdamW\(max_grad_norm=...\)"),
+    ({"ga": 4}, "gradient_accumulation_steps=4 differs from the engine's accumulation_steps=2"),
+    ({"save_strategy": "steps"}, "save_strategy='steps'.*give save_strategy='no'"),
+])
+def test_misfitting_training_arguments_are_refused(cpu_backend, tmp_path, change, match):
+    engine = _engine(cpu_backend)
+    kw = {"ga": 2, "clip": 0.0, **change}
+    args = _args(tmp_path, kw.pop("ga"), kw.pop("clip"), **kw)
+    with pytest.raises(ValueError, match=match) as err:
+        memferry_trainer(engine, args, train_dataset=FixedBatches(4))
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"makes \['optimizers'\] from the engine"):
+        memferry_trainer(engine, _args(tmp_path, 2, 0.0), optimizers=(None, None))
+    engine.close()
+
+
+def test_plain_loss_backward_is_the_engine_s_backward(cpu_backend):
+    """What Trainer does by hand: model(**batch).loss.backward() per micro-batch, then step."""
+    model = tiny_llama()
+    rows = FixedBatches(4).rows
+    batches = [(torch.stack([rows[2 * i][0], rows[2 * i + 1][0]]), torch.stack([rows[2 * i][1], rows[2 * i + 1][1]]))
+               for i in range(2)]
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)
+    for x, y in batches:
+        (ref(input_ids=x, labels=y).loss / 2).backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    opt.step()
+    engine = MemFerry(copy.deepcopy(model), optim=AdamW(lr=LR, weight_decay=0.0, max_grad_norm=1.0),
+                      plan=PLANS["prefetch"], backend=cpu_backend, accumulation_steps=2)
+    wrapped = MemFerryModel(engine)
+    assert list(wrapped.parameters()) == [] and wrapped.to("cpu") is wrapped
+    for x, y in batches:
+        (wrapped(input_ids=x, labels=y).loss / 2).backward()
+    with pytest.raises(AccumulationError, match="call engine.step\\(\\) before the next forward"):
+        wrapped(input_ids=batches[0][0], labels=batches[0][1])
+    engine.step()
+    state = engine.state_dict()["model"]
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state[name], p.detach(), atol=1e-5, rtol=1e-5, msg=name)
+    loss = wrapped(input_ids=batches[0][0], labels=batches[0][1]).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(AccumulationError, match="backward\\(\\) with no forward before it"):
+        loss.backward()  # a plain second backward of one forward is refused as engine.backward's is
+    engine.step()
+    with pytest.raises(NotImplementedError, match="engine.state_dict"):
+        wrapped.save_pretrained("unused")
+    engine.close()
+
+
+def test_engine_backward_of_a_loss_from_elsewhere_is_refused(cpu_backend):
+    engine = _engine(cpu_backend)
+    x = FixedBatches(1).rows[0][0][None]
+    engine(input_ids=x)
+    with pytest.raises(AccumulationError, match="does not come from the engine's grad-enabled forward"):
+        engine.backward(torch.ones(2, requires_grad=True).sum())
+    engine.close()
