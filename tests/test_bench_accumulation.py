@@ -151,3 +151,22 @@ def test_memferry_lora_needs_an_hf_model(cpu_backend):
     scenario = _scenario([{"name": "memferry", "options": {"lora": {"r": 4}}}])
     row = run_spec({"scenario": scenario.to_dict(), "label": "memferry", "timeline_path": None}, in_process=True)
     assert row["status"] == "error" and "options lora and export_hf need a model of family hf" in row["reason"]
+
+
+@pytest.mark.parametrize("system", ["memferry-dp", "fsdp2-offload"])
+def test_two_ranks_accumulate_like_the_reference(system, monkeypatch):
+    # As in a bench worker: one virtual device here; the system gives its ranks one each. Batch 4 over
+    # 2 ranks, 2 accumulated micro-batches: each rank gets its 2 rows of each micro-batch.
+    import xpu
+
+    monkeypatch.setenv("XPU_BACKEND", "cpu")
+    monkeypatch.setenv("XPU_CPU_DEVICES", "1")
+    xpu.reset_backend()
+    options = {"ranks": 2, "plan": "prefetch"} if system == "memferry-dp" else {"ranks": 2}
+    try:
+        scenario = _scenario([{"name": system, "options": options}], batch=4, accumulation_steps=2)
+        row = run_spec({"scenario": scenario.to_dict(), "label": system, "timeline_path": None}, in_process=True)
+    finally:
+        xpu.reset_backend()
+    assert row["status"] == "ok", row["reason"]
+    assert row["losses"] == pytest.approx(_reference_losses(scenario), abs=2e-5)
