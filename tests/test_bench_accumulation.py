@@ -170,3 +170,14 @@ def test_two_ranks_accumulate_like_the_reference(system, monkeypatch):
         xpu.reset_backend()
     assert row["status"] == "ok", row["reason"]
     assert row["losses"] == pytest.approx(_reference_losses(scenario), abs=2e-5)
+
+
+def test_memferry_lora_plan_auto_under_a_cap(cpu_backend, tmp_path):
+    # The scheduler profiles a LoRA model whose embedding and tied head are frozen (no backward there).
+    pytest.importorskip("peft")
+    folder = _make_tiny_qwen2(tmp_path / "qwen2")
+    scenario = load_scenario("qwen2-finetune-tiny", {
+        "model.path": str(folder), "steps": 1, "warmup": 1, "loss_after": 2, "device_mem_gb": 0.02,
+        "systems": [{"name": "memferry", "options": {"plan": "auto", "loss_chunks": 2, "lora": {"r": 4}}}]})
+    row = _run(scenario, "memferry")
+    assert row["losses"][-1] < row["losses"][0] and row["peak_device_gb"] <= 0.02

@@ -85,7 +85,7 @@ class MemFerrySystem(BenchSystem):
             self._plan_note += f", {ctx.accumulation_steps} micro-batches per step"
         if lora is not None:
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            self._plan_note += f", LoRA {lora} ({trainable / 1e6:.2f} M trainable)"
+            self._plan_note += f", LoRA {lora} ({trainable:,} parameters trainable)"
         self._losses: list[torch.Tensor] = []
         self._export_note = ""
         self._first_batch: tuple[torch.Tensor, torch.Tensor] | None = None
