@@ -129,9 +129,10 @@ def test_tiny_finetune_scenario_from_a_local_hf_folder(cpu_backend, tmp_path):
     folder = _make_tiny_qwen2(tmp_path / "qwen2")
     scenario = load_scenario("qwen2-finetune-tiny", {"model.path": str(folder), "steps": 1, "warmup": 1,
                                                      "loss_after": 2})
-    rows = {label: _run(scenario, label) for label in ("torch", "memferry", "memferry-lora")}
-    # The same folder, the same data: full MemFerry trains as the torch reference does.
+    rows = {label: _run(scenario, label) for label in ("torch", "memferry", "memferry-lora", "fsdp2-offload")}
+    # The same folder, the same data: full MemFerry and FSDP2 train as the torch reference does.
     assert rows["memferry"]["losses"] == pytest.approx(rows["torch"]["losses"], abs=2e-5)
+    assert rows["fsdp2-offload"]["losses"] == pytest.approx(rows["torch"]["losses"], abs=2e-5)
     assert rows["memferry"]["losses"][-1] < rows["memferry"]["losses"][0]
     assert rows["memferry-lora"]["losses"][0] == pytest.approx(rows["torch"]["losses"][0], abs=2e-5)
     assert rows["memferry-lora"]["losses"][-1] < rows["memferry-lora"]["losses"][0]

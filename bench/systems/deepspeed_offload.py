@@ -121,7 +121,11 @@ class DeepSpeedSystem(BenchSystem):
             raise RuntimeError("DeepSpeed offload baselines need an accelerator; the cpu reference backend has none")
         self.config = ds_config(kind, ctx)
         self.kind = kind
-        if self.config["zero_optimization"]["stage"] == 3:
+        # A pretrained HF folder is loaded on the host and partitioned by deepspeed.initialize:
+        # from_pretrained inside our zero.Init would fill partitioned (empty) parameters without
+        # transformers knowing ZeRO-3 is on.
+        from_folder = ctx.family == "hf" and ctx.dims.get("path") is not None
+        if self.config["zero_optimization"]["stage"] == 3 and not from_folder:
             # docs/design.md §3: stage 3 builds the model under zero.Init (partitioned as it is built).
             with deepspeed.zero.Init(config_dict_or_path=self.config):
                 model = ctx.build_model()
@@ -134,6 +138,10 @@ class DeepSpeedSystem(BenchSystem):
                                                     config=self.config)
         self._accumulation = ctx.accumulation_steps
         self.notes = f"deepspeed {deepspeed.__version__}, zero stage {self.config['zero_optimization']['stage']}"
+        if ctx.accumulation_steps > 1:
+            self.notes += f", gradient_accumulation_steps={ctx.accumulation_steps}"
+        if from_folder and self.config["zero_optimization"]["stage"] == 3:
+            self.notes += ", model loaded on the host, partitioned by deepspeed.initialize"
         if kind == "twinflow":
             self.notes += f", offload_optimizer.ratio={self.config['zero_optimization']['offload_optimizer']['ratio']}"
         if kind == "zenflow":
