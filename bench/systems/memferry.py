@@ -49,7 +49,7 @@ class MemFerrySystem(BenchSystem):
         measure = ctx.options["measure"]
         if measure not in ("step", "host-optimizer"):
             raise ValueError(f"memferry: measure must be 'step' or 'host-optimizer', got {measure!r}")
-        lora, self._export = ctx.options["lora"], bool(ctx.options["export_hf"])
+        lora, self._export = ctx.options.get("lora"), bool(ctx.options.get("export_hf", False))
         if (lora is not None or self._export) and ctx.family != "hf":
             raise ValueError(f"memferry: options lora and export_hf need a model of family hf, not {ctx.family!r}")
         if lora is not None:
