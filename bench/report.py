@@ -170,7 +170,9 @@ def _scenario_line(result: dict[str, Any]) -> str:
     host = f"{sc['host_mem_gb']} GB" if sc.get("host_mem_gb") else "none"
     params = next((r.get("params") for r in result["rows"] if r.get("params")), None)
     p = f", {_count(params)} params" if params else ""
-    return (f"model {sc['model']['family']} ({dims}{p}); batch {sc['batch']} × seq {sc['seq']}; dtype {sc['dtype']}; "
+    acc = sc.get("accumulation_steps") or 1
+    batch = f"batch {sc['batch']} × seq {sc['seq']}" + (f" × {acc} accumulated micro-batches per step" if acc > 1 else "")
+    return (f"model {sc['model']['family']} ({dims}{p}); {batch}; dtype {sc['dtype']}; "
             f"device cap {cap}; host cap {host}")
 
 

@@ -161,7 +161,8 @@ def _failed_row(scenario: Scenario, label: str, status: str, reason: str) -> dic
     return {"system": label, "system_name": entry.name, "status": status, "reason": reason,
             "approximate": get_system(entry.name).approximate, "options": entry.options,
             "family": scenario.family, "model": scenario.model_dims(), "params": None,
-            "batch": scenario.batch, "seq": scenario.seq, "steps": eff["steps"], "warmup": eff["warmup"],
+            "batch": scenario.batch, "seq": scenario.seq, "accumulation_steps": scenario.accumulation_steps,
+            "steps": eff["steps"], "warmup": eff["warmup"],
             "device_mem_gb": eff["device_mem_gb"], "host_mem_gb": scenario.host_mem_gb,
             "step_s": None, "step_mean_s": None, "tokens_per_s": None, "tflops": None,
             "peak_device_gb": None, "peak_host_gb": None, "loss": None}

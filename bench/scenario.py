@@ -8,8 +8,9 @@ YAML shape (every key but ``model`` and ``systems`` optional)::
     name: design-s3
     description: docs/design.md §3 anchor scenario
     model: {family: gpt, layers: 24, hidden: 2048, heads: 16, vocab: 32000}
-    batch: 8
+    batch: 8            # the micro-batch (split between ranks where a system has several)
     seq: 1024
+    accumulation_steps: 1  # micro-batches per optimizer step: a step = N forward/backwards + one update
     steps: 5             # timed steps (median and mean over these)
     warmup: 2            # untimed steps before them
     loss_after: 9        # report the loss after this many steps (runs extra untimed steps if needed)
@@ -113,6 +114,7 @@ class Scenario:
     description: str = ""
     batch: int = 8
     seq: int = 1024
+    accumulation_steps: int = 1
     steps: int = 5
     warmup: int = 2
     loss_after: int | None = None
@@ -208,6 +210,10 @@ class Scenario:
         check_model_section(self.model, self.family, self.model_dims(), ScenarioError)
         for key in ("batch", "seq", "steps"):
             _positive_int(key, getattr(self, key))
+        if not isinstance(self.accumulation_steps, int) or isinstance(self.accumulation_steps, bool) \
+                or self.accumulation_steps < 1:
+            raise ScenarioError(f"accumulation_steps must be a positive integer (micro-batches per optimizer step), "
+                                f"got {self.accumulation_steps!r}")
         _nonneg_int("warmup", self.warmup)
         _nonneg_int("seed", self.seed)
         if self.loss_after is not None:
@@ -251,6 +257,9 @@ class Scenario:
                 valid = ", ".join(sorted(spec.options)) or "none"
                 raise ScenarioError(f"system {entry.name!r} has no option(s) {sorted(bad)}; valid options: {valid}")
             entry.options = {**copy.deepcopy(spec.options), **entry.options}
+            if self.accumulation_steps > 1 and not spec.accumulation:
+                raise ScenarioError(f"system {entry.name!r} does not take accumulation_steps > 1 (got "
+                                    f"{self.accumulation_steps}); {spec.accumulation_hint or 'run it with accumulation_steps: 1'}")
             if entry.steps is not None:
                 _positive_int(f"{entry.label}.steps", entry.steps)
             if entry.warmup is not None:

@@ -18,113 +18,20 @@ import argparse
 import json
 import os
 import platform
-import resource
 import socket
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from .host_memory import HostMemoryMonitor, host_bytes_now, ru_maxrss_bytes  # noqa: F401 (re-exported)
 
 __all__ = ["run_spec", "describe", "HostMemoryMonitor", "main"]
 
 ROW_PREFIX = "@@row "
 PROGRESS_PREFIX = "@@progress "
 _GB = 1e9
-
-
-# ---------------------------------------------------------------------------------- host memory
-def _status_kb(pid: int | str, keys: tuple[str, ...]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            for line in fh:
-                key, _, rest = line.partition(":")
-                if key in keys:
-                    out[key] = int(rest.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return out
-
-
-def _children(pid: int) -> list[int]:
-    kids: list[int] = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as fh:
-                kids.extend(int(x) for x in fh.read().split())
-    except OSError:
-        pass
-    return kids
-
-
-def host_bytes_now() -> int:
-    """Host memory held now by this process and its descendants (Linux; else this process's peak).
-
-    This process's resident set plus, for each descendant (e.g. ZenFlow's optimizer process),
-    its private and file-backed resident pages: shared memory it maps from us is already in
-    our resident set, so it is not counted twice.
-    """
-    me = _status_kb("self", ("VmRSS",)).get("VmRSS")
-    if me is None:
-        return _ru_maxrss_bytes()
-    total, stack = me, _children(os.getpid())
-    while stack:
-        pid = stack.pop()
-        s = _status_kb(pid, ("RssAnon", "RssFile", "VmRSS"))
-        total += s.get("RssAnon", 0) + s.get("RssFile", 0) if "RssAnon" in s else s.get("VmRSS", 0)
-        stack.extend(_children(pid))
-    return total
-
-
-def _ru_maxrss_bytes() -> int:
-    # ru_maxrss is KiB on Linux, bytes on macOS.
-    value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return value if sys.platform == "darwin" else value * 1024
-
-
-class HostMemoryMonitor:
-    """Samples host memory in a thread; the peak is the max of samples and ``ru_maxrss``.
-
-    With ``cap_bytes`` and ``on_exceed``, calls ``on_exceed(bytes)`` once when a sample goes
-    past the cap (the worker process uses it to report "oom" and exit at once, as a smaller
-    host would have).
-    """
-
-    def __init__(self, cap_bytes: int | None = None, on_exceed: Callable[[int], None] | None = None,
-                 interval_s: float = 0.2) -> None:
-        self.cap, self.on_exceed, self.interval = cap_bytes, on_exceed, interval_s
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="bench-host-mem", daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            self._stop.wait(self.interval)
-
-    def sample(self) -> int:
-        """Take one sample now; return the peak so far."""
-        now = host_bytes_now()
-        self.peak = max(self.peak, now)
-        if self.cap is not None and now > self.cap and self.on_exceed is not None:
-            callback, self.on_exceed = self.on_exceed, None
-            callback(now)
-        return self.peak
-
-    def start(self) -> "HostMemoryMonitor":
-        """Start sampling."""
-        self._thread.start()
-        return self
-
-    def stop(self) -> int:
-        """Stop sampling; return the peak in bytes (including this process's ``ru_maxrss``)."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=2)
-        self.sample()
-        return max(self.peak, _ru_maxrss_bytes())
 
 
 # ---------------------------------------------------------------------------------- describe
@@ -284,6 +191,7 @@ def run_spec(spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | 
         "system": entry.label, "system_name": entry.name, "status": "error", "reason": None,
         "approximate": sys_spec.approximate, "options": entry.options, "family": scenario.family,
         "model": scenario.model_dims(), "params": None, "batch": scenario.batch, "seq": scenario.seq,
+        "accumulation_steps": scenario.accumulation_steps,
         "dtype": None, "steps": eff["steps"], "warmup": eff["warmup"], "device_mem_gb": eff["device_mem_gb"],
         "host_mem_gb": scenario.host_mem_gb,
     }
@@ -326,11 +234,15 @@ def run_spec(spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | 
         factory = load_factory(sys_spec)
         ctx = SystemContext(backend=backend, device_index=dev, family=scenario.family, dims=dims,
                             dtype=DTYPES[dtype_name], batch=scenario.batch, seq=scenario.seq,
-                            optimizer=scenario.optimizer, options=entry.options, seed=scenario.seed)
+                            optimizer=scenario.optimizer, options=entry.options, seed=scenario.seed,
+                            accumulation_steps=scenario.accumulation_steps)
         backend.reset_peak_memory(dev)
         gen = torch.Generator().manual_seed(scenario.seed)
         vocab = _vocab(scenario)
-        tokens = torch.randint(0, vocab, (scenario.batch, scenario.seq + 1), generator=gen)
+        # One step's rows: accumulation_steps micro-batches of `batch` rows (the first is the batch
+        # an accumulation-free run of the same seed sees).
+        rows = scenario.batch * scenario.accumulation_steps
+        tokens = torch.randint(0, vocab, (rows, scenario.seq + 1), generator=gen)
         torch.manual_seed(scenario.seed)
         with backend.device_scope(dev):
             inputs = backend.to_device(tokens[:, :-1].contiguous(), dev)
@@ -349,6 +261,7 @@ def run_spec(spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | 
                 losses.append(None if loss is None else float(loss))
                 if progress:
                     progress({"label": entry.label, "step": i + 1, "total": eff["total_steps"]})
+            getattr(system, "wrap_up", lambda: None)()  # untimed: e.g. an export and its reload check (said in the notes)
             timed = times[eff["warmup"]:eff["warmup"] + eff["steps"]]
             row["step_times_s"] = [round(t, 5) for t in times]
             row["step_s"] = statistics.median(timed)
@@ -357,7 +270,7 @@ def run_spec(spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | 
             row["losses"] = [None if x is None else round(x, 5) for x in losses]
             row["loss_step"] = eff["loss_after"]
             row["loss"] = losses[eff["loss_after"] - 1]
-            tokens_per_step = scenario.batch * scenario.seq
+            tokens_per_step = rows * scenario.seq  # every micro-batch of the step
             row["tokens_per_s"] = tokens_per_step / row["step_s"]
             fpt = flops_per_token(scenario.family, **dims)
             row["flops_per_token"] = fpt
@@ -409,8 +322,10 @@ def run_spec(spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | 
 
 
 def _vocab(scenario: Any) -> int:
-    if scenario.family == "hf":
-        return int(scenario.model["config"].get("vocab_size", 32000))
+    from strategies.models.hf_config import hf_config_dict
+
+    if scenario.family == "hf":  # config as given, or a local folder's config.json
+        return int(hf_config_dict(scenario.model).get("vocab_size", 32000))
     return int(scenario.model["vocab"])
 
 

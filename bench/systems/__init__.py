@@ -49,6 +49,11 @@ class SystemSpec:
         period_option: for systems with periodically slow steps, the option holding the
             period; the harness rounds its timed steps up to whole periods so that the mean
             step time covers whole update intervals.
+        accumulation: the system honours the scenario's ``accumulation_steps`` (its ``step``
+            then gets ``N * batch`` rows: N micro-batches of ``batch`` rows, one optimizer
+            update, the mean micro-batch loss returned); a scenario asking N > 1 of a system
+            without it is refused before anything runs.
+        accumulation_hint: what that refusal suggests instead (one sentence).
     """
 
     name: str
@@ -58,6 +63,8 @@ class SystemSpec:
     options: dict[str, Any] = field(default_factory=dict)
     description: str = ""
     period_option: str | None = None
+    accumulation: bool = False
+    accumulation_hint: str = ""
 
 
 #: Every system, with its :class:`SystemSpec` in the plugin's ``spec`` metadata.
@@ -66,7 +73,8 @@ SYSTEMS = PluginRegistry("system", group=ENTRY_POINT_GROUP)
 
 def register_system(name: str, target: str, *, approximate: bool = False, requires: tuple[str, ...] | list[str] = (),
                     options: dict[str, Any] | None = None, description: str = "",
-                    period_option: str | None = None) -> None:
+                    period_option: str | None = None, accumulation: bool = False,
+                    accumulation_hint: str = "") -> None:
     """Register (or replace) a benchmarked system.
 
     Args:
@@ -78,50 +86,62 @@ def register_system(name: str, target: str, *, approximate: bool = False, requir
         options: accepted per-system options and defaults.
         description: one line of help.
         period_option: name of the option giving the period of slow steps (see :class:`SystemSpec`).
+        accumulation, accumulation_hint: the system honours ``accumulation_steps`` (see :class:`SystemSpec`).
 
     Raises:
         ValueError: ``target`` is not of the form ``"module:callable"``.
     """
     SYSTEMS.register(name, target, spec=SystemSpec(name, target, approximate, tuple(requires), dict(options or {}),
-                                                   description, period_option))
+                                                   description, period_option, accumulation, accumulation_hint))
 
 
 # The built-in baselines (docs/design.md §3). Options are validated against these defaults. Option
 # "ranks" (1: one process) runs a baseline data-parallel on that many devices (bench/systems/multirank.py).
 register_system("torch", "bench.systems.torch_ref:make",
                 options={"precision": "pure", "recompute": False, "fused": True, "optimizer": True},
+                accumulation=True,
                 description="plain PyTorch, everything on the device, fused AdamW (bf16 weights and states by default)")
 register_system("fsdp2-offload", "bench.systems.fsdp2:make",
                 options={"pin_memory": True, "fused": True, "reshard_after_forward": True, "ranks": 1},
+                accumulation=True,
                 description="PyTorch FSDP2 fully_shard per block + root, CPUOffloadPolicy, bf16 compute, fp32 params")
 register_system("deepspeed-z2-offload", "bench.systems.deepspeed_offload:make_z2", requires=("deepspeed",),
                 options={"config": {}, "ranks": 1},
+                accumulation=True,
                 description="DeepSpeed ZeRO-2, optimizer offloaded to CPU (DeepSpeedCPUAdam)")
 register_system("deepspeed-z3-offload", "bench.systems.deepspeed_offload:make_z3", requires=("deepspeed",),
                 options={"config": {}, "ranks": 1},
+                accumulation=True,
                 description="DeepSpeed ZeRO-3, parameters and optimizer offloaded to CPU, model built under zero.Init")
 register_system("deepspeed-twinflow", "bench.systems.deepspeed_offload:make_twinflow", requires=("deepspeed",),
                 options={"ratio": 0.5, "config": {}, "ranks": 1},
+                accumulation=True,
                 description="DeepSpeed ZeRO-3 Twin-Flow: a `ratio` of optimizer states updated on CPU, the rest on device")
 register_system("deepspeed-zenflow", "bench.systems.deepspeed_offload:make_zenflow", requires=("deepspeed",),
                 approximate=True,
                 options={"topk_ratio": 0.1, "update_interval": 4, "select_strategy": "auto", "select_interval": "auto",
                          "full_warm_up_rounds": 0, "overlap_step": True, "config": {}, "ranks": 1},
                 period_option="update_interval",
+                accumulation=True,
                 description="DeepSpeed ZeRO-2 offload + ZenFlow (approximate: stale updates by design; read its loss)")
 
 # Ours.
 register_system("memferry", "bench.systems.memferry:make",
                 options={"plan": "prefetch+recompute", "max_grad_norm": None, "host_threads": None,
-                         "host_kernel": "auto", "loss_chunks": 1, "memory_margin": 0.10, "measure": "step"},
+                         "host_kernel": "auto", "loss_chunks": 1, "memory_margin": 0.10, "measure": "step",
+                         "lora": None, "export_hf": False},
+                accumulation=True,
                 description="MemFerry: parameters homed in host memory; per-block prefetch / DHA / device-homed plans")
 register_system("memferry-dp", "bench.systems.memferry_dp:make",
                 options={"ranks": 2, "plan": "prefetch+recompute", "max_grad_norm": None, "loss_chunks": 1,
                          "host_threads": None, "host_kernel": "auto", "memory_margin": 0.10},
+                accumulation=True,
                 description="MemFerry data parallel: one rank process per device, the scenario's batch split between "
                             "them, gradients averaged, host optimizer sharded by rank")
 register_system("mpress", "bench.systems.mpress:make",
                 options={"stages": 2, "microbatches": 4, "schedule": "1f1b", "plan": "auto"},
+                accumulation_hint="its pipeline accumulates over its own micro-batches: write batch: N * batch "
+                                  "and options.microbatches: N * microbatches for the same global batch",
                 description="MPress: pipeline stages in their own processes (one device each), activations kept, "
                             "recomputed, host- or peer-swapped per block by the planner")
 

@@ -4,6 +4,11 @@ A system's factory is called once inside a fresh worker process, under
 ``backend.device_scope(ctx.device_index)`` and after the device memory cap is set. It
 builds its model and optimizer; then the worker calls :meth:`BenchSystem.step` once per
 training step, with a device synchronisation before and after for timing.
+
+With the scenario's ``accumulation_steps`` N > 1 a step's ``inputs``/``targets`` hold ``N * batch``
+rows, micro-batch ``i`` being rows ``i*batch .. (i+1)*batch-1`` (:func:`micro_batches`); the step
+runs N forward/backwards on ``loss / N`` and one optimizer update, and returns the mean of the
+N micro-batch losses.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import torch
 from strategies.models import CausalLM, build_model
 
 __all__ = ["SystemContext", "BenchSystem", "phase", "forward_backward", "module_step", "engine_step", "DTYPES",
-           "init_single_process_group"]
+           "init_single_process_group", "micro_batches"]
 
 #: scenario dtype names -> torch dtypes
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -33,8 +38,10 @@ class SystemContext:
         family: model family (``gpt``, ``llama``, ``hf``).
         dims: model dimensions, ``seq`` included (see :mod:`strategies.models`).
         dtype: the compute dtype (bf16 on accelerators by default, fp32 on the cpu backend).
-        batch: micro-batch size.
+        batch: micro-batch size (rows per forward/backward).
         seq: sequence length.
+        accumulation_steps: micro-batches per optimizer step (a step's inputs hold this many
+            micro-batches of ``batch`` rows).
         optimizer: AdamW hyper-parameters (``lr``, ``betas``, ``eps``, ``weight_decay``).
         options: this system's options, defaults filled in.
         seed: the run's seed (already applied with ``torch.manual_seed`` before the factory).
@@ -50,6 +57,7 @@ class SystemContext:
     optimizer: dict[str, Any]
     options: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
+    accumulation_steps: int = 1
 
     @property
     def device(self) -> torch.device:
@@ -70,6 +78,14 @@ class SystemContext:
         """Keyword arguments for ``torch.optim.AdamW`` from the scenario's optimizer section."""
         o = self.optimizer
         return {"lr": o["lr"], "betas": tuple(o["betas"]), "eps": o["eps"], "weight_decay": o["weight_decay"]}
+
+    def adamw_params(self, model: torch.nn.Module) -> list[dict[str, Any]]:
+        """``model``'s trainable parameters as AdamW groups, biases and norm weights without
+        weight decay (:func:`strategies.weight_decay.param_groups`, as MemFerry and HF's Trainer
+        group them), so every system decays the same parameters."""
+        from strategies.weight_decay import param_groups
+
+        return param_groups(model, self.optimizer["weight_decay"])
 
 
 class BenchSystem(abc.ABC):
@@ -98,6 +114,10 @@ class BenchSystem(abc.ABC):
         can label them. Do not synchronise: the worker does, around the step.
         """
 
+    def wrap_up(self) -> None:
+        """Called once after the last training step, before the row's notes are read (untimed):
+        e.g. export the trained model and check that it reloads, saying so in :attr:`notes`."""
+
     def finish(self) -> None:
         """Wait for work a step left running off the device (e.g. host optimizer threads).
 
@@ -115,43 +135,82 @@ def phase(name: str) -> Iterator[None]:
         yield
 
 
+def micro_batches(inputs: torch.Tensor, targets: torch.Tensor, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``n`` equal micro-batches of a step's rows, in order (views, no copies).
+
+    Raises:
+        ValueError: the rows do not split into ``n`` equal micro-batches.
+    """
+    if n < 1 or inputs.shape[0] % n:
+        raise ValueError(f"a step's {inputs.shape[0]} rows do not split into {n} equal micro-batches")
+    return list(zip(inputs.chunk(n), targets.chunk(n)))
+
+
+def _mean(losses: list[torch.Tensor]) -> torch.Tensor:
+    return losses[0] if len(losses) == 1 else torch.stack([l.float() for l in losses]).mean()
+
+
 def forward_backward(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                     autocast: Any = contextlib.nullcontext) -> torch.Tensor:
+                     autocast: Any = contextlib.nullcontext, accumulation: int = 1) -> torch.Tensor:
     """Labelled forward and backward of a plain module (``model(inputs, targets)`` returns the
-    loss); the gradients are dropped, so repeated calls time compute alone."""
-    with phase("forward"), autocast():
-        loss = model(inputs, targets)
-    with phase("backward"):
-        loss.backward()
+    loss) over ``accumulation`` micro-batches; the gradients are dropped, so repeated calls
+    time compute alone. Returns the mean micro-batch loss."""
+    losses = []
+    for x, y in micro_batches(inputs, targets, accumulation):
+        with phase("forward"), autocast():
+            loss = model(x, y)
+        with phase("backward"):
+            (loss / accumulation if accumulation > 1 else loss).backward()
+        losses.append(loss.detach())
     for p in model.parameters():
         p.grad = None
-    return loss.detach()
+    return _mean(losses)
 
 
 def module_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor,
-                autocast: Any = contextlib.nullcontext) -> torch.Tensor:
+                autocast: Any = contextlib.nullcontext, accumulation: int = 1) -> torch.Tensor:
     """One labelled step of a plain module and a torch optimizer: ``model(inputs, targets)``
-    returns the loss; backward; ``optimizer.step()`` and zeroed gradients."""
-    with phase("forward"), autocast():
-        loss = model(inputs, targets)
-    with phase("backward"):
-        loss.backward()
+    returns the loss; over ``accumulation`` micro-batches, backward of ``loss / N`` (gradients
+    summed); ``optimizer.step()`` once and zeroed gradients. Returns the mean micro-batch loss.
+    """
+    losses = []
+    for x, y in micro_batches(inputs, targets, accumulation):
+        with phase("forward"), autocast():
+            loss = model(x, y)
+        with phase("backward"):
+            (loss / accumulation if accumulation > 1 else loss).backward()
+        losses.append(loss.detach())
     with phase("optimizer"):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
+    return _mean(losses)
 
 
-def engine_step(engine: Any, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def engine_step(engine: Any, inputs: torch.Tensor, targets: torch.Tensor, accumulation: int = 1,
+                step_each: bool = False) -> torch.Tensor:
     """One labelled step of an engine with DeepSpeed's calling convention (MemFerry has it too):
-    ``loss = engine(inputs, targets)``, ``engine.backward(loss)``, ``engine.step()``."""
-    with phase("forward"):
-        loss = engine(inputs, targets)
-    with phase("backward"):
-        engine.backward(loss)
-    with phase("optimizer"):
-        engine.step()
-    return loss.detach()
+    ``loss = engine(inputs, targets)``, ``engine.backward(loss)``, ``engine.step()``.
+
+    Over ``accumulation`` micro-batches: MemFerry's convention (``step_each=False``) is
+    ``engine.backward(loss / N)`` per micro-batch and one ``engine.step()``; DeepSpeed's
+    (``step_each=True``; its config's ``gradient_accumulation_steps`` = N) is
+    ``engine.backward(loss)`` (DeepSpeed divides by N itself) and ``engine.step()`` after every
+    micro-batch (it updates on the N-th only). Returns the mean micro-batch loss.
+    """
+    losses = []
+    for x, y in micro_batches(inputs, targets, accumulation):
+        with phase("forward"):
+            loss = engine(x, y)
+        with phase("backward"):
+            engine.backward(loss if step_each or accumulation == 1 else loss / accumulation)
+        losses.append(loss.detach())
+        if step_each:
+            with phase("optimizer"):
+                engine.step()
+    if not step_each:
+        with phase("optimizer"):
+            engine.step()
+    return _mean(losses)
 
 
 def init_single_process_group(backend_name: str) -> None:

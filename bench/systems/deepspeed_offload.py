@@ -11,6 +11,9 @@
 The JSON below is docs/design.md §3's, plus explicit ``optimizer.params`` equal to DeepSpeed's own
 AdamW defaults (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0) taken from the
 scenario, so every system trains with the same hyper-parameters and their losses compare.
+The scenario's ``accumulation_steps`` N becomes ``gradient_accumulation_steps`` (a step: N
+micro-batches, each ``engine.backward(loss)`` and ``engine.step()``, the update on the N-th).
+The optimizer gets HF Trainer's parameter groups (no weight decay for biases and norm weights).
 The ``config`` option deep-merges further keys into the generated config (for experiments;
 rows record the final config).
 
@@ -66,7 +69,7 @@ def ds_config(kind: str, ctx: SystemContext) -> dict[str, Any]:
     o = ctx.optimizer
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": ctx.batch,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": ctx.accumulation_steps,
         **precision,
         "zero_optimization": {
             "stage": 2,
@@ -118,22 +121,36 @@ class DeepSpeedSystem(BenchSystem):
             raise RuntimeError("DeepSpeed offload baselines need an accelerator; the cpu reference backend has none")
         self.config = ds_config(kind, ctx)
         self.kind = kind
-        if self.config["zero_optimization"]["stage"] == 3:
+        # A pretrained HF folder is loaded on the host and partitioned by deepspeed.initialize:
+        # from_pretrained inside our zero.Init would fill partitioned (empty) parameters without
+        # transformers knowing ZeRO-3 is on.
+        from_folder = ctx.family == "hf" and ctx.dims.get("path") is not None
+        if self.config["zero_optimization"]["stage"] == 3 and not from_folder:
             # docs/design.md §3: stage 3 builds the model under zero.Init (partitioned as it is built).
             with deepspeed.zero.Init(config_dict_or_path=self.config):
                 model = ctx.build_model()
         else:
             model = ctx.build_model(device="cpu", dtype=torch.float32)
         model.train()
-        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=self.config)
+        # Biases and norm weights without weight decay, as every other system (a group's
+        # weight_decay overrides the config's optimizer.params).
+        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=ctx.adamw_params(model),
+                                                    config=self.config)
+        self._accumulation = ctx.accumulation_steps
         self.notes = f"deepspeed {deepspeed.__version__}, zero stage {self.config['zero_optimization']['stage']}"
+        if ctx.accumulation_steps > 1:
+            self.notes += f", gradient_accumulation_steps={ctx.accumulation_steps}"
+        if from_folder and self.config["zero_optimization"]["stage"] == 3:
+            self.notes += ", model loaded on the host, partitioned by deepspeed.initialize"
         if kind == "twinflow":
             self.notes += f", offload_optimizer.ratio={self.config['zero_optimization']['offload_optimizer']['ratio']}"
         if kind == "zenflow":
             self.notes += ", zenflow " + ", ".join(f"{k}={v}" for k, v in self.config["zero_optimization"]["zenflow"].items())
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return engine_step(self.engine, inputs, targets)
+        # DeepSpeed's own accumulation: backward(loss) (it divides by gradient_accumulation_steps)
+        # and step() after every micro-batch; it updates on the last one only.
+        return engine_step(self.engine, inputs, targets, self._accumulation, step_each=True)
 
     def close(self) -> None:
         # ZenFlow's overlapped optimizer runs in a child process; ask the optimizer to stop it.

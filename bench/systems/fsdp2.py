@@ -18,6 +18,11 @@ Options:
     fused: fused AdamW (its CPU kernel).
     reshard_after_forward: free gathered parameters after forward (FSDP2's default).
     ranks: data-parallel processes, one device each (1: this process alone).
+
+With ``accumulation_steps`` N > 1, a step runs N forward/backwards on ``loss / N``, then one
+AdamW step. Every backward reduce-scatters and FSDP2 adds each micro-batch's gradient shard into
+the offloaded one on the host (no ``set_requires_gradient_sync(False)``: that would keep whole
+unsharded gradients on the device between micro-batches, against the device cap).
 """
 from __future__ import annotations
 
@@ -69,7 +74,10 @@ class FSDP2OffloadSystem(BenchSystem):
         for block in self.model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
         fully_shard(self.model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), fused=bool(ctx.options["fused"]), **ctx.adamw_kwargs())
+        # Grouped after fully_shard (the groups hold the sharded parameters): no decay for biases and norm weights.
+        self.optimizer = torch.optim.AdamW(ctx.adamw_params(self.model), fused=bool(ctx.options["fused"]),
+                                           **ctx.adamw_kwargs())
+        self._accumulation = ctx.accumulation_steps
         self.notes = f"param_dtype={str(ctx.dtype).removeprefix('torch.')}, reduce_dtype=fp32, pin_memory={offload.pin_memory}"
         if not self.tracks_device_memory:
             self.notes += "; cpu backend: device memory not tracked"
@@ -79,7 +87,7 @@ class FSDP2OffloadSystem(BenchSystem):
             return self._step(inputs, targets)
 
     def _step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return module_step(self.model, self.optimizer, inputs, targets)
+        return module_step(self.model, self.optimizer, inputs, targets, accumulation=self._accumulation)
 
     def close(self) -> None:
         import torch.distributed as dist

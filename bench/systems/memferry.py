@@ -12,12 +12,24 @@ Options:
     loss_chunks: compute the model's loss over this many token slices, each slice's logits
         recomputed in backward (``CausalLM.loss_chunks``): frees the fp32 logits' memory for
         the scheduler to spend on device-homed blocks. 1: the model as the baselines run it.
+    lora: ``{r, alpha, dropout, target_modules}`` (model family ``hf``): peft LoRA adapters on
+        the scenario's model, base weights frozen (homed and moved, no optimizer state), through
+        the ``hf`` family's own ``lora`` key (:mod:`strategies.models.hf`). None: full fine-tuning.
+    export_hf: after the last step (untimed), write the trained model as a Hugging Face folder
+        (:func:`strategies.training.export.export_hf`, LoRA merged) under a temporary directory,
+        reload it with ``from_pretrained`` and compare its loss on a slice of the first
+        micro-batch with the engine's own (the notes say "export reloads" and both losses).
+
+The scenario's ``accumulation_steps`` N goes to ``MemFerry(accumulation_steps=N)``: a step is N
+``engine(x, y)`` / ``engine.backward(loss / N)`` and one ``engine.step()``.
 
 The row's notes end with the host optimizer's time per step by phase (milliseconds,
 averaged over every step run), which says whether the CPU or the device bounds a step, and its
 rate per parameter beside the rate the scheduler planned with (plan ``auto``).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -37,6 +49,12 @@ class MemFerrySystem(BenchSystem):
         measure = ctx.options["measure"]
         if measure not in ("step", "host-optimizer"):
             raise ValueError(f"memferry: measure must be 'step' or 'host-optimizer', got {measure!r}")
+        lora, self._export = ctx.options.get("lora"), bool(ctx.options.get("export_hf", False))
+        if (lora is not None or self._export) and ctx.family != "hf":
+            raise ValueError(f"memferry: options lora and export_hf need a model of family hf, not {ctx.family!r}")
+        if lora is not None:
+            ctx = dataclasses.replace(ctx, dims={**ctx.dims, "lora": lora})  # validated by the hf family
+        self._ctx = ctx
         # Built in fp32 and computed in the scenario's dtype, as the offload baselines keep it:
         # the masters start from the fp32 initial values, not from their bf16 roundings.
         model = ctx.build_model(dtype=torch.float32)
@@ -51,16 +69,26 @@ class MemFerrySystem(BenchSystem):
                     host_threads=ctx.options["host_threads"], host_kernel=ctx.options["host_kernel"])
         sample = None
         if spec == "auto":  # the scheduler profiles one batch of the scenario's shape under the device cap
-            vocab = ctx.dims.get("vocab", 256)
+            vocab = _vocab(ctx)
             tokens = torch.randint(0, vocab, (ctx.batch, ctx.seq + 1), generator=torch.Generator().manual_seed(ctx.seed))
             sample = (tokens[:, :-1], tokens[:, 1:])
         plan = spec if spec == "auto" else Plan.from_spec(spec, len(model.blocks))
         cap = ctx.backend.memory_cap(ctx.device_index)
         self.engine = MemFerry(model, optim=cfg, plan=plan, backend=ctx.backend, device=ctx.device_index,
                                sample=sample, device_budget=cap, memory_margin=float(ctx.options["memory_margin"]),
-                               compute_dtype=ctx.dtype, blocks=model.blocks)  # named: a 1-block model has no list to find
+                               compute_dtype=ctx.dtype, blocks=model.blocks,  # named: a 1-block model has no list to find
+                               accumulation_steps=ctx.accumulation_steps)
+        self._accumulation = ctx.accumulation_steps
         self._plan_note = f"plan={spec}, host kernel {self.engine.optimizer.kernel.name}" + (
             f", loss in {chunks} recomputed slices" if chunks > 1 else "")
+        if ctx.accumulation_steps > 1:
+            self._plan_note += f", {ctx.accumulation_steps} micro-batches per step"
+        if lora is not None:
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            self._plan_note += f", LoRA {lora} ({trainable:,} parameters trainable)"
+        self._losses: list[torch.Tensor] = []
+        self._export_note = ""
+        self._first_batch: tuple[torch.Tensor, torch.Tensor] | None = None
         if spec == "auto":
             predicted = self.engine.plan.predicted_step_s
             self._plan_note += f" (predicted {predicted:.3f} s)" if predicted is not None else ""
@@ -74,8 +102,9 @@ class MemFerrySystem(BenchSystem):
     @property
     def notes(self) -> str:
         """The plan, and the host optimizer's milliseconds per step by phase."""
+        base = self._plan_note + self._loss_note() + self._export_note
         if not self._steps:
-            return self._plan_note
+            return base
         # The last step's updates may still be running: wait, or the per-step averages below
         # would count a part of that step's host work as if it were all of it.
         self.engine.optimizer.wait_all()
@@ -83,7 +112,20 @@ class MemFerrySystem(BenchSystem):
         measured, planned = self.engine.host_rate()
         rate = "" if measured is None else f"; host AdamW {measured * 1e9:.3f} ns/param" + (
             f" (planned {planned * 1e9:.3f})" if planned else "")
-        return f"{self._plan_note}; host optimizer ms/step: {phases}{rate}"
+        return f"{base}; host optimizer ms/step: {phases}{rate}"
+
+    def _loss_note(self) -> str:
+        """First and last step loss (does the loss fall?)."""
+        if len(self._losses) < 2:
+            return ""
+        return f"; loss {float(self._losses[0]):.4f} -> {float(self._losses[-1]):.4f} over {len(self._losses)} steps"
+
+    def wrap_up(self) -> None:
+        """With option ``export_hf``: export, reload with ``from_pretrained``, compare losses (see the module)."""
+        if self._export and self._first_batch is not None:
+            from .hf_export_check import export_and_reload
+
+            self._export_note = "; " + export_and_reload(self.engine, self._ctx, *self._first_batch)
 
     def finish(self) -> None:
         """Wait for the host optimizer's pending updates."""
@@ -100,10 +142,24 @@ class MemFerrySystem(BenchSystem):
                 optimizer.finish_step()
                 optimizer.wait_all()
             return None
-        return engine_step(self.engine, inputs, targets)
+        if self._first_batch is None and self._export:
+            rows = inputs.shape[0] // self._accumulation
+            self._first_batch = (inputs[:rows], targets[:rows])
+        loss = engine_step(self.engine, inputs, targets, self._accumulation)
+        self._losses.append(loss)  # a device scalar: read when the notes are
+        return loss
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _vocab(ctx: SystemContext) -> int:
+    """The model's vocabulary size (an ``hf`` model's from its config or folder)."""
+    if ctx.family == "hf":
+        from strategies.models.hf_config import hf_config_dict
+
+        return int(hf_config_dict(ctx.dims).get("vocab_size", 256))
+    return int(ctx.dims.get("vocab", 256))
 
 
 def _landed() -> None:

@@ -8,6 +8,9 @@ scenario's seed and hands it to its own :class:`~strategies.memferry.engine.MemF
 with that process group, so gradients are averaged across ranks and the host optimizer (fp32
 masters and moments) is sharded by rank (see ``data_parallel.py``).
 
+**Accumulation.** With ``accumulation_steps`` N each rank runs its rows of each of the N
+micro-batches (forward, ``backward(loss / N)``) and one ``step()``: one update per N.
+
 **Batch.** The scenario's ``batch`` is the *global* batch: it is split into ``ranks`` equal
 micro-batches, rank ``r`` training on rows ``r*b .. (r+1)*b-1`` (``b = batch / ranks``; the
 batch must divide evenly). So a ``memferry-dp`` row trains on the same data as the ``torch``
@@ -74,6 +77,7 @@ class DPJob:
         memory_margin: scheduler margin for plan ``auto``.
         device_cap: each rank's device cap in bytes (None: the whole device).
         dist_backend: the backend's collective library name (``gloo``, ``nccl``, ``hccl``).
+        accumulation_steps: micro-batches per optimizer step (``MemFerry(accumulation_steps=...)``).
     """
 
     ranks: int
@@ -89,6 +93,7 @@ class DPJob:
     memory_margin: float
     device_cap: int | None
     dist_backend: str
+    accumulation_steps: int = 1
 
 
 
@@ -139,7 +144,8 @@ def build_job(ctx: SystemContext) -> tuple[DPJob, dict[str, str]]:
     cap = backend.memory_cap(ctx.device_index)
     job = DPJob(ranks=ranks, family=ctx.family, dims=dict(ctx.dims), dtype=ctx.dtype, seed=ctx.seed,
                 micro_batch=ctx.batch // ranks, seq=ctx.seq, plan=plan, optim=optim, loss_chunks=chunks,
-                memory_margin=float(margin), device_cap=int(cap) if cap else None, dist_backend=backend.dist_backend)
+                memory_margin=float(margin), device_cap=int(cap) if cap else None, dist_backend=backend.dist_backend,
+                accumulation_steps=ctx.accumulation_steps)
     return job, env
 
 
@@ -198,7 +204,7 @@ class MemFerryDPSystem(DataParallelRows, BenchSystem):
         Rank ``r`` trains on rows ``r*b .. (r+1)*b-1`` of the batch (``b = batch / ranks``).
         """
         with phase("data-parallel"):
-            replies = self._step_ranks(inputs, targets, self.job.micro_batch)
+            replies = self._step_ranks(inputs, targets, self.job.micro_batch, self.job.accumulation_steps)
         self._steps += 1
         self._host_times = replies[0]["host_times"]
         return mean_loss(replies, self.ranks)
@@ -237,23 +243,28 @@ def _rank_main(channel: RankChannel, job: DPJob) -> None:
                 model.loss_chunks = job.loss_chunks
             sample = None
             if job.plan == "auto":  # the engine profiles this micro-batch on rank 0 and shares the plan
-                tokens = torch.randint(0, job.dims.get("vocab", 256), (job.micro_batch, job.seq + 1),
+                tokens = torch.randint(0, _vocab(job), (job.micro_batch, job.seq + 1),
                                        generator=torch.Generator().manual_seed(job.seed))
                 sample = (tokens[:, :-1], tokens[:, 1:])
             plan = "auto" if job.plan == "auto" else Plan.from_spec(job.plan, len(model.blocks))
             engine = MemFerry(model, optim=job.optim, plan=plan, backend=backend, device=rank, sample=sample,
                               device_budget=job.device_cap, process_group=dist.group.WORLD,
-                              memory_margin=job.memory_margin, compute_dtype=job.dtype, blocks=model.blocks)
+                              memory_margin=job.memory_margin, compute_dtype=job.dtype, blocks=model.blocks,
+                              accumulation_steps=job.accumulation_steps)
             backend.synchronize(rank)
             backend.reset_peak_memory(rank)  # peaks from here on: training, not set-up
         channel.reply("ready", {"kernel": engine.optimizer.kernel.name, "plan_text": engine.plan.describe(),
                                 "predicted_step_s": engine.plan.predicted_step_s})
+        n = job.accumulation_steps
         for _, (idx, tgt) in channel.serve():
-            loss = engine(idx, tgt)
-            engine.backward(loss)
+            losses = []
+            for x, y in zip(idx.chunk(n), tgt.chunk(n)):  # this rank's rows of each micro-batch
+                loss = engine(x, y)
+                engine.backward(loss / n if n > 1 else loss)
+                losses.append(loss.detach().float())
             engine.step()
-            value = float(loss.detach())  # waits for this rank's device work
-            del loss, idx, tgt
+            value = float(torch.stack(losses).mean())  # waits for this rank's device work
+            del loss, losses, idx, tgt, x, y
             backend.synchronize(rank)
             channel.reply("step", {"loss": value, "peak": backend.memory_stats(rank).peak_allocated,
                                    "host_times": dict(engine.optimizer.time_s)})
@@ -266,6 +277,14 @@ def _rank_main(channel: RankChannel, job: DPJob) -> None:
             except Exception:
                 pass
         channel.leave_process_group()
+
+
+def _vocab(job: DPJob) -> int:
+    if job.family == "hf":  # from its config or folder
+        from strategies.models.hf_config import hf_config_dict
+
+        return int(hf_config_dict(job.dims).get("vocab_size", 256))
+    return int(job.dims.get("vocab", 256))
 
 
 def make(ctx: SystemContext) -> MemFerryDPSystem:

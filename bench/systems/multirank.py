@@ -72,6 +72,7 @@ class RankJob:
         options: the system's options as the rank's factory sees them (``ranks`` set to 1).
         device_cap: each rank's device cap in bytes (None: the whole device).
         dist_backend: the backend's collective library (``gloo``, ``nccl``, ``hccl``).
+        accumulation_steps: micro-batches per optimizer step (each rank's step gets its rows of each).
     """
 
     name: str
@@ -87,6 +88,7 @@ class RankJob:
     options: dict[str, Any] = field(default_factory=dict)
     device_cap: int | None = None
     dist_backend: str = "gloo"
+    accumulation_steps: int = 1
 
 
 def ranks_option(name: str, ctx: SystemContext) -> int:
@@ -138,7 +140,7 @@ def _plan(name: str, target: str, ctx: SystemContext, ranks: int) -> tuple[RankJ
     job = RankJob(name=name, target=target, ranks=ranks, family=ctx.family, dims=dict(ctx.dims), dtype=ctx.dtype,
                   micro_batch=ctx.batch // ranks, seq=ctx.seq, optimizer=dict(ctx.optimizer), seed=ctx.seed,
                   options={**ctx.options, "ranks": 1}, device_cap=int(cap) if cap else None,
-                  dist_backend=backend.dist_backend)
+                  dist_backend=backend.dist_backend, accumulation_steps=ctx.accumulation_steps)
     return job, env
 
 
@@ -198,7 +200,7 @@ class MultiRankSystem(DataParallelRows, BenchSystem):
         Rank ``r`` trains on rows ``r*b .. (r+1)*b-1`` of the batch (``b = batch / ranks``).
         """
         with phase("data-parallel"):
-            replies = self._step_ranks(inputs, targets, self.job.micro_batch)
+            replies = self._step_ranks(inputs, targets, self.job.micro_batch, self.job.accumulation_steps)
         self._inner_notes = replies[0]["notes"]  # a system may say more once it has stepped
         return mean_loss(replies, self.ranks)
 
@@ -264,7 +266,7 @@ def _rank_main(channel: RankChannel, job: RankJob) -> None:
         factory = _load(job.target)
         ctx = SystemContext(backend=backend, device_index=rank, family=job.family, dims=dict(job.dims),
                             dtype=job.dtype, batch=job.micro_batch, seq=job.seq, optimizer=dict(job.optimizer),
-                            options=dict(job.options), seed=job.seed)
+                            options=dict(job.options), seed=job.seed, accumulation_steps=job.accumulation_steps)
         with backend.device_scope(rank):
             # Joined inside the device scope: NCCL binds its communicator to the current device.
             channel.init_process_group(job.dist_backend, _PG_TIMEOUT_S)

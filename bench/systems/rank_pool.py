@@ -318,14 +318,22 @@ class RankPool:
 
 
 # ---------------------------------------------------------------------------------- data-parallel rows
-def split_batch(inputs: torch.Tensor, targets: torch.Tensor, ranks: int, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def split_batch(inputs: torch.Tensor, targets: torch.Tensor, ranks: int, micro_batch: int,
+                accumulation: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Rank ``r``'s rows ``r*b .. (r+1)*b-1`` of the global batch, on the host, one per rank.
 
-    Each slice is cloned so it crosses the queue as its own small storage, not the whole batch's.
+    With ``accumulation`` N > 1 the step holds N global micro-batches of ``ranks * b`` rows one
+    after another; rank ``r`` gets its ``b`` rows of each, in order (``N * b`` rows: its own N
+    micro-batches). Each slice is cloned so it crosses the queue as its own small storage, not
+    the whole batch's.
     """
     host_in, host_tgt = inputs.detach().to("cpu"), targets.detach().to("cpu")
     b = micro_batch
-    return [(host_in[r * b:(r + 1) * b].clone(), host_tgt[r * b:(r + 1) * b].clone()) for r in range(ranks)]
+
+    def rows(t: torch.Tensor, r: int) -> torch.Tensor:
+        return t.reshape(accumulation, ranks, b, *t.shape[1:])[:, r].reshape(accumulation * b, *t.shape[1:]).clone()
+
+    return [(rows(host_in, r), rows(host_tgt, r)) for r in range(ranks)]
 
 
 def mean_loss(replies: dict[int, dict[str, Any]], ranks: int) -> torch.Tensor:
@@ -357,9 +365,10 @@ class DataParallelRows:
         """Each rank's peak allocated device bytes (None: not tracked, or no step yet)."""
         return list(self._peaks)
 
-    def _step_ranks(self, inputs: torch.Tensor, targets: torch.Tensor, micro_batch: int) -> dict[int, dict[str, Any]]:
-        """Send every rank its slice, gather the replies, record the peaks."""
-        replies = self._pool.run("step", split_batch(inputs, targets, self.ranks, micro_batch))
+    def _step_ranks(self, inputs: torch.Tensor, targets: torch.Tensor, micro_batch: int,
+                    accumulation: int = 1) -> dict[int, dict[str, Any]]:
+        """Send every rank its slice (of each micro-batch), gather the replies, record the peaks."""
+        replies = self._pool.run("step", split_batch(inputs, targets, self.ranks, micro_batch, accumulation))
         for rank, info in replies.items():
             self._peaks[rank] = info["peak"]
         return replies

@@ -21,7 +21,8 @@ __all__ = ["TorchSystem", "make"]
 
 
 class TorchSystem(BenchSystem):
-    """Model and AdamW states on the device; one forward, backward and optimizer step per call."""
+    """Model and AdamW states on the device; per call, ``accumulation_steps`` forward/backwards
+    and one optimizer step (biases and norm weights without weight decay)."""
 
     def __init__(self, ctx: SystemContext) -> None:
         precision = ctx.options["precision"]
@@ -34,16 +35,17 @@ class TorchSystem(BenchSystem):
         self.model.train()
         self.optimizer = None
         if ctx.options["optimizer"]:
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), fused=bool(ctx.options["fused"]),
+            self.optimizer = torch.optim.AdamW(ctx.adamw_params(self.model), fused=bool(ctx.options["fused"]),
                                                **ctx.adamw_kwargs())
+        self._accumulation = ctx.accumulation_steps
         self._autocast = (lambda: torch.autocast(ctx.backend.device_type, dtype=ctx.dtype)) if amp else contextlib.nullcontext
         self.notes = f"precision={precision}" + (", recompute per block" if self.model.recompute else "") + (
             "" if self.optimizer else ", forward and backward only (no optimizer)")
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.optimizer is None:
-            return forward_backward(self.model, inputs, targets, self._autocast)
-        return module_step(self.model, self.optimizer, inputs, targets, self._autocast)
+            return forward_backward(self.model, inputs, targets, self._autocast, self._accumulation)
+        return module_step(self.model, self.optimizer, inputs, targets, self._autocast, self._accumulation)
 
 
 def make(ctx: SystemContext) -> TorchSystem:

@@ -273,7 +273,8 @@ def _profile_rest(model: nn.Module, blocks: nn.ModuleList, rest: Unit, inputs: A
         backend.reset_peak_memory(device)
         holder: list[torch.Tensor] = []
         f = _timed(backend, device, lambda: holder.append(loss_of()))
-        b = _timed(backend, device, lambda: holder[0].backward())
+        # A shell with nothing to train (LoRA: embedding and tied head frozen) has no backward.
+        b = _timed(backend, device, lambda: holder[0].backward() if holder[0].requires_grad else None)
         peak = max(peak, backend.memory_stats(device).peak_allocated - base)
         if i:
             fwd.append(f)

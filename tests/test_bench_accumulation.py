@@ -1,0 +1,184 @@
+"""``accumulation_steps`` in bench scenarios, the local-HF-folder model source, MemFerry LoRA and export rows (cpu backend)."""
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.scenario import ScenarioError, load_scenario
+from bench.systems.rank_pool import split_batch
+from bench.worker import run_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+_TINY = {"model": {"family": "gpt", "layers": 2, "hidden": 32, "heads": 4, "vocab": 128}, "batch": 2, "seq": 16,
+         "steps": 2, "warmup": 1, "dtype": "fp32", "seed": 0, "timeline": False,
+         "optimizer": {"lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1}}
+
+
+def _scenario(systems, **over):
+    return load_scenario({**_TINY, "systems": systems, **over})
+
+
+def _run(scenario, label):
+    row = run_spec({"scenario": scenario.to_dict(), "label": label, "timeline_path": None}, in_process=True)
+    assert row["status"] == "ok", row["reason"]
+    return row
+
+
+def _reference_losses(scenario) -> list[float]:
+    """Plain PyTorch: N micro-batches of loss / N, one AdamW step (no decay for biases and norm weights)."""
+    from strategies.models import build_model
+    from strategies.weight_decay import param_groups
+
+    n, b = scenario.accumulation_steps, scenario.batch
+    gen = torch.Generator().manual_seed(scenario.seed)
+    vocab = scenario.model["vocab"]
+    tokens = torch.randint(0, vocab, (n * b, scenario.seq + 1), generator=gen)
+    torch.manual_seed(scenario.seed)
+    model = build_model("gpt", dtype=torch.float32, **scenario.model_dims())
+    o = scenario.optimizer
+    opt = torch.optim.AdamW(param_groups(model, o["weight_decay"]), lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"])
+    out = []
+    for _ in range(scenario.warmup + scenario.steps):
+        losses = []
+        for i in range(n):
+            x, y = tokens[i * b:(i + 1) * b, :-1], tokens[i * b:(i + 1) * b, 1:]
+            loss = model(x, y)
+            (loss / n).backward()
+            losses.append(float(loss.detach()))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(sum(losses) / n)
+    return out
+
+
+@pytest.mark.parametrize("system", ["torch", "memferry"])
+def test_accumulation_matches_a_plain_reference(cpu_backend, system):
+    options = {"plan": "prefetch"} if system == "memferry" else {}
+    scenario = _scenario([{"name": system, "options": options}], accumulation_steps=3)
+    row = _run(scenario, system)
+    ref = _reference_losses(scenario)
+    assert row["losses"] == pytest.approx(ref, abs=2e-5)
+    assert row["accumulation_steps"] == 3
+    # tokens per second count every micro-batch of the step
+    assert row["tokens_per_s"] == pytest.approx(3 * 2 * 16 / row["step_s"], rel=1e-3)
+
+
+def test_accumulated_micro_batches_train_as_one_large_batch(cpu_backend):
+    # Two micro-batches of 2 rows see the same 4 rows as one batch of 4 (same seed): equal means, equal updates.
+    acc = _run(_scenario(["torch"], accumulation_steps=2), "torch")
+    whole = _run(_scenario(["torch"], batch=4), "torch")
+    assert acc["losses"] == pytest.approx(whole["losses"], abs=1e-5)
+    assert acc["losses"][-1] < acc["losses"][0]
+
+
+def test_fsdp2_offload_accumulates_like_the_reference(cpu_backend):
+    scenario = _scenario(["fsdp2-offload"], accumulation_steps=2)
+    row = _run(scenario, "fsdp2-offload")
+    assert row["losses"] == pytest.approx(_reference_losses(scenario), abs=2e-5)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "2", True])
+def test_accumulation_steps_must_be_a_positive_int(value):
+    with pytest.raises(ScenarioError, match=r"accumulation_steps must be a positive integer .*got"):
+        _scenario(["torch"], accumulation_steps=value)
+
+
+def test_mpress_refuses_accumulation_with_what_to_write_instead():
+    with pytest.raises(ScenarioError, match=r"system 'mpress' does not take accumulation_steps > 1 .*microbatches"):
+        _scenario([{"name": "mpress", "options": {"stages": 2, "microbatches": 2}}], accumulation_steps=2)
+    _scenario([{"name": "mpress", "options": {"stages": 2, "microbatches": 2}}])  # N = 1 is fine
+
+
+def test_split_batch_gives_each_rank_its_rows_of_every_micro_batch():
+    rows = torch.arange(12).reshape(12, 1)  # 3 micro-batches x 2 ranks x 2 rows
+    parts = split_batch(rows, rows + 100, ranks=2, micro_batch=2, accumulation=3)
+    assert parts[0][0].flatten().tolist() == [0, 1, 4, 5, 8, 9]
+    assert parts[1][0].flatten().tolist() == [2, 3, 6, 7, 10, 11]
+    assert parts[1][1].flatten().tolist() == [102, 103, 106, 107, 110, 111]
+    assert split_batch(rows[:4], rows[:4], 2, 2)[1][0].flatten().tolist() == [2, 3]  # N = 1 as before
+
+
+def test_deepspeed_config_carries_the_accumulation_steps(cpu_backend):
+    import xpu
+    from bench.systems.base import SystemContext
+    from bench.systems.deepspeed_offload import ds_config
+
+    ctx = SystemContext(backend=xpu.get_backend(), device_index=0, family="gpt", dims={}, dtype=torch.bfloat16,
+                        batch=4, seq=16, optimizer=dict(_TINY["optimizer"]), options={"config": {}},
+                        accumulation_steps=8)
+    cfg = ds_config("z3", ctx)
+    assert cfg["gradient_accumulation_steps"] == 8 and cfg["train_micro_batch_size_per_gpu"] == 4
+
+
+# ---------------------------------------------------------------------------------- local HF folder
+def _make_tiny_qwen2(out: Path) -> Path:
+    spec = importlib.util.spec_from_file_location("make_hf_model", ROOT / "bench" / "scripts" / "make_hf_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    fields = mod.hf_config_fields("qwen2", 32, 2, 4, 2, 64, 128, True, 64)
+    return mod.make_hf_model(fields, out, dtype="fp32")
+
+
+def test_tiny_finetune_scenario_from_a_local_hf_folder(cpu_backend, tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    folder = _make_tiny_qwen2(tmp_path / "qwen2")
+    scenario = load_scenario("qwen2-finetune-tiny", {"model.path": str(folder), "steps": 1, "warmup": 1,
+                                                     "loss_after": 2})
+    rows = {label: _run(scenario, label) for label in ("torch", "memferry", "memferry-lora", "fsdp2-offload")}
+    # The same folder, the same data: full MemFerry and FSDP2 train as the torch reference does.
+    assert rows["memferry"]["losses"] == pytest.approx(rows["torch"]["losses"], abs=2e-5)
+    assert rows["fsdp2-offload"]["losses"] == pytest.approx(rows["torch"]["losses"], abs=2e-5)
+    assert rows["memferry"]["losses"][-1] < rows["memferry"]["losses"][0]
+    assert rows["memferry-lora"]["losses"][0] == pytest.approx(rows["torch"]["losses"][0], abs=2e-5)
+    assert rows["memferry-lora"]["losses"][-1] < rows["memferry-lora"]["losses"][0]
+    assert rows["memferry-lora"]["params"] == rows["torch"]["params"]  # counted without adapters
+    for label in ("memferry", "memferry-lora"):
+        notes = rows[label]["notes"]
+        m = re.search(r"export reloads \(from_pretrained, [\d.]+ M params(, LoRA merged)?\): loss ([\d.]+) vs engine "
+                      r"([\d.]+)", notes)
+        assert m, notes
+        assert bool(m.group(1)) == (label == "memferry-lora")
+        assert float(m.group(2)) == pytest.approx(float(m.group(3)), abs=1e-4)
+        assert "loss " in notes and " -> " in notes
+    assert "LoRA" in rows["memferry-lora"]["notes"] and "trainable" in rows["memferry-lora"]["notes"]
+
+
+def test_memferry_lora_needs_an_hf_model(cpu_backend):
+    scenario = _scenario([{"name": "memferry", "options": {"lora": {"r": 4}}}])
+    row = run_spec({"scenario": scenario.to_dict(), "label": "memferry", "timeline_path": None}, in_process=True)
+    assert row["status"] == "error" and "options lora and export_hf need a model of family hf" in row["reason"]
+
+
+@pytest.mark.parametrize("system", ["memferry-dp", "fsdp2-offload"])
+def test_two_ranks_accumulate_like_the_reference(system, monkeypatch):
+    # As in a bench worker: one virtual device here; the system gives its ranks one each. Batch 4 over
+    # 2 ranks, 2 accumulated micro-batches: each rank gets its 2 rows of each micro-batch.
+    import xpu
+
+    monkeypatch.setenv("XPU_BACKEND", "cpu")
+    monkeypatch.setenv("XPU_CPU_DEVICES", "1")
+    xpu.reset_backend()
+    options = {"ranks": 2, "plan": "prefetch"} if system == "memferry-dp" else {"ranks": 2}
+    try:
+        scenario = _scenario([{"name": system, "options": options}], batch=4, accumulation_steps=2)
+        row = run_spec({"scenario": scenario.to_dict(), "label": system, "timeline_path": None}, in_process=True)
+    finally:
+        xpu.reset_backend()
+    assert row["status"] == "ok", row["reason"]
+    assert row["losses"] == pytest.approx(_reference_losses(scenario), abs=2e-5)
+
+
+def test_memferry_lora_plan_auto_under_a_cap(cpu_backend, tmp_path):
+    # The scheduler profiles a LoRA model whose embedding and tied head are frozen (no backward there).
+    pytest.importorskip("peft")
+    folder = _make_tiny_qwen2(tmp_path / "qwen2")
+    scenario = load_scenario("qwen2-finetune-tiny", {
+        "model.path": str(folder), "steps": 1, "warmup": 1, "loss_after": 2, "device_mem_gb": 0.02,
+        "systems": [{"name": "memferry", "options": {"plan": "auto", "loss_chunks": 2, "lora": {"r": 4}}}]})
+    row = _run(scenario, "memferry")
+    assert row["losses"][-1] < row["losses"][0] and row["peak_device_gb"] <= 0.02
