@@ -307,7 +307,7 @@ class StageExecutor:
                 if d.peer not in self.peer_regions:
                     raise ValueError(f"block {b} is planned to peer {d.peer} but no region on that peer was given")
                 if d.peer == self.stage:
-                    raise ValueError(f"block {b}: a stage cannot swap to its own pool {d.peer}")
+                    raise ValueError(f"block {b}: a stage cannot swap to its own device (peer {d.peer} is this stage)")
         self._allocators = {j: RegionAllocator(buf.numel()) for j, buf in self.peer_regions.items()}
         self.min_bytes = int(min_bytes)
         self.lookahead = int(lookahead)
