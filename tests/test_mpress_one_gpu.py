@@ -140,10 +140,10 @@ def _ipc_rank(rank, port, out_dir):
         dist.destroy_process_group()
 
 
-@pytest.mark.gpu
-def test_a_peer_pool_exported_by_one_process_is_written_and_read_by_another_on_one_gpu(gpu_backend, tmp_path):
-    if not gpu_backend.caps.ipc:
-        pytest.skip(f"backend '{gpu_backend.name}' cannot share device buffers between processes (caps.ipc)")
+def test_a_peer_pool_exported_by_one_process_is_written_and_read_by_another_on_one_device(backend, tmp_path):
+    """Runs on the cpu backend (shm pool) and, under ``-m gpu``, on CUDA (a CUDA IPC handle on one GPU)."""
+    if not backend.caps.ipc:
+        pytest.skip(f"backend '{backend.name}' cannot share device buffers between processes (caps.ipc)")
     port = rendezvous_port()
     try:
         mp.spawn(_ipc_rank, args=(port, str(tmp_path)), nprocs=2, join=True)
