@@ -13,7 +13,7 @@ import socket
 import tempfile
 from typing import Any, Callable, TypeVar
 
-__all__ = ["free_port", "rendezvous_port", "rendezvous_path", "release_rendezvous", "init_local_group",
+__all__ = ["HOST_LIBRARY", "p2p_library", "free_port", "rendezvous_port", "rendezvous_path", "release_rendezvous", "init_local_group",
            "decide_on_first_rank",
            "collective_timeout", "peer_failure", "TIMEOUT_ENV"]
 
@@ -65,6 +65,21 @@ def release_rendezvous(port: int) -> None:
         os.unlink(rendezvous_path(port))
     except FileNotFoundError:
         pass
+
+
+#: The host collective library: it runs wherever torch.distributed does, on host tensors.
+HOST_LIBRARY = "gloo"
+
+
+def p2p_library(dist_backend: str, devices: list[int] | tuple[int, ...]) -> str:
+    """The collective library for a group whose rank ``r`` runs on device ``devices[r]``.
+
+    ``dist_backend`` (the backend's own, e.g. NCCL) when every rank has a device of its own;
+    :data:`HOST_LIBRARY` when two ranks share one, which an accelerator's library refuses
+    (NCCL: "Duplicate GPU detected"). Device tensors must then be staged through host memory
+    to cross the group (gloo's send/recv take host tensors only).
+    """
+    return dist_backend if len(set(devices)) == len(devices) else HOST_LIBRARY
 
 
 def init_local_group(dist_backend: str, rank: int, world: int, port: int, timeout_s: float) -> None:

@@ -20,7 +20,7 @@ from .executor import StageExecutor
 from .job import PipelineJob, job_batch
 from .stages import StageModule
 
-__all__ = ["BuiltStage", "build_stage", "adamw_with_states"]
+__all__ = ["BuiltStage", "build_stage", "adamw_with_states", "HostStaged"]
 
 
 @dataclass
@@ -34,7 +34,8 @@ class BuiltStage:
         stage: this rank's :class:`~strategies.mpress.stages.StageModule`, on device ``rank``.
         params: the stage's parameters (executors tell them apart from saved activations).
         schedule: the GPipe or 1F1B schedule that runs :attr:`stage` with its peers.
-        budgets: device -> byte budget (the job's, parsed).
+        budgets: stage -> byte budget of its device (the job's, parsed).
+        device: the device index this stage runs on (``job.device_of(rank)``).
     """
 
     job: PipelineJob
@@ -45,12 +46,17 @@ class BuiltStage:
     params: list[torch.Tensor]
     schedule: Any
     budgets: dict[int, int]
+    device: int = -1
+
+    def __post_init__(self) -> None:
+        if self.device < 0:  # built without a map: stage `rank` on device `rank`
+            self.device = self.job.device_of(self.rank)
 
     def executor(self, decisions: dict[int, Any] | None = None,
                  peer_regions: dict[int, torch.Tensor] | None = None) -> StageExecutor:
         """A :class:`~strategies.mpress.executor.StageExecutor` for this stage carrying out ``decisions``."""
-        return StageExecutor(self.backend, self.rank, decisions, params=self.params, peer_regions=peer_regions,
-                             min_bytes=self.job.min_bytes)
+        return StageExecutor(self.backend, self.device, decisions, params=self.params, peer_regions=peer_regions,
+                             min_bytes=self.job.min_bytes, stage=self.rank)
 
     def step(self, idx: torch.Tensor | None, tgt: torch.Tensor | None) -> list[torch.Tensor]:
         """One pipelined forward and backward of the whole batch; the last stage's per-micro-batch losses.
@@ -63,8 +69,8 @@ class BuiltStage:
         losses: list[torch.Tensor] = []
         # torch.distributed.pipelining feeds the first stage's inputs (and the last stage's
         # targets) to the module as given: a host batch must reach this stage's device first.
-        idx, tgt = (_on_device(self.backend, self.rank, t) for t in (idx, tgt))
-        with self.backend.device_scope(self.rank):
+        idx, tgt = (_on_device(self.backend, self.device, t) for t in (idx, tgt))
+        with self.backend.device_scope(self.device):
             if stage.is_first and stage.is_last:
                 schedule.step(idx, target=tgt, losses=losses)
             elif stage.is_first:
@@ -83,7 +89,13 @@ class BuiltStage:
 
 def build_stage(job: PipelineJob, rank: int, world: int, backend: Any,
                 prepare: Callable[[torch.nn.Module], None] | None = None) -> BuiltStage:
-    """Build this rank's stage of ``job`` on device ``rank``; every rank builds the same model from the job's seed.
+    """Build this rank's stage of ``job`` on its device (``job.device_of(rank)``); every rank builds the
+    same model from the job's seed.
+
+    When the job puts two stages on one device their process group is the host library
+    (:func:`xpu.dist.p2p_library`), which sends host tensors only: the pipeline stage then
+    exchanges activations and gradients in host memory (:class:`HostStaged`), and the stage
+    itself still runs on its device.
 
     Args:
         job: the job.
@@ -105,17 +117,48 @@ def build_stage(job: PipelineJob, rank: int, world: int, backend: Any,
     model = build_model(job.family, dtype=job.dtype, **job.dims)
     stage = split_model(model, world, list(job.counts) if job.counts else None)[rank]
     del model
-    with backend.device_scope(rank):
+    device = job.device_of(rank)
+    with backend.device_scope(device):
         for p in stage.parameters():
-            p.data = backend.to_device(p.data, rank)
+            p.data = backend.to_device(p.data, device)
         if prepare is not None:
             prepare(stage)
     params = list(stage.parameters())
-    stage.executor = StageExecutor(backend, rank, params=params, min_bytes=job.min_bytes)
-    pipe = PipelineStage(stage, rank, world, backend.device(rank))
+    stage.executor = StageExecutor(backend, device, params=params, min_bytes=job.min_bytes, stage=rank)
+    if job.shares_devices(world):
+        pipe = PipelineStage(HostStaged(stage, backend.device(device)), rank, world, torch.device("cpu"))
+    else:
+        pipe = PipelineStage(stage, rank, world, backend.device(device))
     schedule = (ScheduleGPipe if job.schedule == "gpipe" else Schedule1F1B)(pipe, job.microbatches, loss_fn=lm_loss)
     budgets = {int(d): parse_bytes(b) for d, b in (job.budgets or {}).items()}
-    return BuiltStage(job, rank, world, backend, stage, params, schedule, budgets)
+    return BuiltStage(job, rank, world, backend, stage, params, schedule, budgets, device)
+
+
+class HostStaged(torch.nn.Module):
+    """A stage whose inputs arrive and outputs leave in host memory, while it runs on ``device``.
+
+    For pipeline stages whose process group sends host tensors only (stages sharing a device
+    meet over gloo). The copies are autograd's own (``Tensor.to``), so gradients cross the same
+    way back. The last stage's output stays on the device: the loss is computed there and
+    nothing is sent. Meta tensors (a schedule's shape inference) pass through unmoved.
+    """
+
+    def __init__(self, stage: StageModule, device: torch.device) -> None:
+        super().__init__()
+        self.stage = stage  # registered: the schedule scales its parameters' gradients
+        self.device = device
+
+    def forward(self, *args: Any) -> Any:
+        """The stage on its device; the output back in host memory unless this is the last stage."""
+        out = self.stage(*(_moved(a, self.device) for a in args))
+        return out if self.stage.is_last else _moved(out, torch.device("cpu"))
+
+
+def _moved(t: Any, device: torch.device) -> Any:
+    """``t`` on ``device`` by an autograd copy (anything but a real tensor elsewhere is returned as is)."""
+    if not isinstance(t, torch.Tensor) or t.is_meta or t.device == device:
+        return t
+    return t.to(device)
 
 
 def adamw_with_states(stage: torch.nn.Module, adamw: dict[str, Any]) -> torch.optim.AdamW:
@@ -149,8 +192,8 @@ def adamw_with_states(stage: torch.nn.Module, adamw: dict[str, Any]) -> torch.op
     return optimizer
 
 
-def _on_device(backend: Any, rank: int, t: torch.Tensor | None) -> torch.Tensor | None:
-    """``t`` on ``rank``'s device (copied there if it is elsewhere, e.g. a host batch); None stays None."""
-    if t is None or t.device == backend.device(rank):
+def _on_device(backend: Any, device: int, t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` on device ``device`` (copied there if it is elsewhere, e.g. a host batch); None stays None."""
+    if t is None or t.device == backend.device(device):
         return t
-    return backend.to_device(t, rank)
+    return backend.to_device(t, device)

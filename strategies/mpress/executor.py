@@ -290,21 +290,24 @@ class StageExecutor:
             (from :func:`~strategies.mpress.ipc.import_buffer`).
         min_bytes: saved tensors smaller than this are kept (swapping them costs more than it saves).
         lookahead: how many earlier blocks to prefetch when backward reaches a block.
+        stage: the index ``peer:<j>`` decisions number this stage by (None: ``device``); it
+            differs from the device when stages share devices (a job's ``devices`` map).
     """
 
     def __init__(self, backend: Any, device: int, decisions: dict[int, Any] | None = None, *,
                  params: list[torch.Tensor] | None = None, peer_regions: dict[int, torch.Tensor] | None = None,
-                 min_bytes: int = 1024, lookahead: int = 1) -> None:
+                 min_bytes: int = 1024, lookahead: int = 1, stage: int | None = None) -> None:
         self.backend = backend
         self.device = backend.index_of(device)
+        self.stage = self.device if stage is None else int(stage)
         self.decisions = {int(k): Decision.parse(v) for k, v in (decisions or {}).items()}
         self.peer_regions = dict(peer_regions or {})
         for b, d in self.decisions.items():
             if d.kind == "peer":
                 if d.peer not in self.peer_regions:
                     raise ValueError(f"block {b} is planned to peer {d.peer} but no region on that peer was given")
-                if d.peer == self.device:
-                    raise ValueError(f"block {b}: a stage cannot swap to its own device {d.peer}")
+                if d.peer == self.stage:
+                    raise ValueError(f"block {b}: a stage cannot swap to its own device (peer {d.peer} is this stage)")
         self._allocators = {j: RegionAllocator(buf.numel()) for j, buf in self.peer_regions.items()}
         self.min_bytes = int(min_bytes)
         self.lookahead = int(lookahead)

@@ -48,6 +48,11 @@ class PipelineJob:
         overlap: override for the planner's copy/compute overlap (None: ``caps.async_copy``).
         dtype: parameter dtype of the model (None: fp32, the default of :func:`strategies.models.build_model`).
         profile_mode: one of :data:`PROFILE_MODES`: how the profiled iteration treats activations.
+        devices: stage -> device index (None: stage ``s`` on device ``s``). Stages may share a
+            device (``(0, 0)``: two stage processes on one accelerator); budgets, plans and
+            ``peer:<j>`` decisions still name stages, so ``peer:1`` is stage 1's pool wherever
+            stage 1 runs. Stages that share a device exchange activations over the host
+            (:func:`xpu.dist.p2p_library`), their peer pools still go through the backend's IPC.
     """
 
     dims: dict[str, Any]
@@ -66,6 +71,7 @@ class PipelineJob:
     overlap: bool | None = None
     dtype: torch.dtype | None = None
     profile_mode: str = "auto"
+    devices: tuple[int, ...] | None = None
 
     def validate(self, stages: int) -> None:
         """Check the job against a pipeline of ``stages`` stages; raises ValueError with the reason."""
@@ -86,6 +92,29 @@ class PipelineJob:
         validate_dims(self.family, dict(self.dims))
         if self.dims["layers"] < stages:
             raise ValueError(f"{self.dims['layers']} blocks cannot fill {stages} stages")
+        if self.devices is not None:
+            devices = self.devices
+            if not isinstance(devices, (list, tuple)) or len(devices) != stages:
+                raise ValueError(f"devices must list one device index per stage ({stages}), got {devices!r}")
+            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices):
+                raise ValueError(f"devices must be non-negative device indices, one per stage, got {devices!r}")
+
+    def device_of(self, stage: int) -> int:
+        """The device index stage ``stage`` runs on (the ``devices`` map, else ``stage`` itself)."""
+        return int(self.devices[stage]) if self.devices is not None else stage
+
+    def shares_devices(self, stages: int) -> bool:
+        """Whether two of the ``stages`` stages run on one device."""
+        return len({self.device_of(s) for s in range(stages)}) < stages
+
+    def check_devices(self, stages: int, device_count: int, backend_name: str) -> None:
+        """Check that every stage's device exists on a backend with ``device_count`` devices (ValueError)."""
+        for s in range(stages):
+            d = self.device_of(s)
+            if d >= device_count:
+                where = f"devices[{s}] = {d}" if self.devices is not None else f"stage {s} (on device {s} by default)"
+                raise ValueError(f"{where} is out of range: backend '{backend_name}' has {device_count} device(s) "
+                                 f"(0..{device_count - 1}); give devices=(...) with indices in that range")
 
 
 def job_batch(job: PipelineJob) -> tuple[torch.Tensor, torch.Tensor]:

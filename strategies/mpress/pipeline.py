@@ -2,14 +2,15 @@
 
 :func:`launch` spawns one process per stage (``torch.multiprocessing``, spawn start method);
 each joins a process group of the backend's collective library (gloo on the cpu backend,
-NCCL/HCCL on accelerators) and runs the jobs it is given one after the other (so tests pay for
+NCCL/HCCL on accelerators; gloo, with activations staged through the host, when the job's
+``devices`` map puts two stages on one device: :func:`xpu.dist.p2p_library`) and runs the jobs it is given one after the other (so tests pay for
 process start-up once). Under ``torchrun`` call :func:`run_jobs` directly from each rank.
 
 A job (:class:`~strategies.mpress.job.PipelineJob`) runs the set-up steps of
 :mod:`strategies.mpress.stage_setup`:
 
 1. build: every stage process builds the same model from the same seed and keeps its own
-   stage on device ``rank`` (:mod:`strategies.mpress.build`);
+   stage on its device: ``job.devices[rank]``, by default ``rank`` (:mod:`strategies.mpress.build`);
 2. profile: optionally one measured iteration, every stage's profile gathered
    (:mod:`strategies.mpress.profiling`, :mod:`strategies.mpress.memory_profile`);
 3. plan: on rank 0 (``plan="auto"``: :func:`~strategies.mpress.planner.plan_offload`; or a
@@ -34,7 +35,7 @@ from typing import Any
 
 import torch
 
-from xpu.dist import collective_timeout, init_local_group, peer_failure, release_rendezvous, rendezvous_port
+from xpu.dist import collective_timeout, init_local_group, p2p_library, peer_failure, release_rendezvous, rendezvous_port
 from xpu.errors import CollectiveTimeoutError
 
 from .build import adamw_with_states, build_stage
@@ -65,6 +66,10 @@ def launch(jobs: list[PipelineJob], stages: int, *, env: dict[str, str] | None =
         raise ValueError(f"need at least one stage, got {stages}")
     for job in jobs:
         job.validate(stages)
+    maps = {tuple(job.device_of(s) for s in range(stages)) for job in jobs}
+    if len(maps) > 1:  # the process group and each process's device are set once, for all jobs
+        raise ValueError(f"the jobs of one launch must share one stage -> device map, got {sorted(maps)}; "
+                         f"launch jobs with different devices separately")
     with tempfile.TemporaryDirectory(prefix="mpress-") as out:
         port = rendezvous_port()
         try:
@@ -88,10 +93,15 @@ def _stage_process(rank: int, world: int, port: int, jobs: list[PipelineJob], ou
     import xpu
 
     backend = xpu.get_backend()
-    # This stage's device current for good: NCCL stages collective objects on the current device.
-    backend.bind_process(rank)
-    # A bounded timeout: a stage that dies (e.g. out of memory) must not leave its peers waiting forever.
-    init_local_group(backend.dist_backend, rank, world, port, collective_timeout(60.0).total_seconds())
+    devices = [jobs[0].device_of(r) for r in range(world)] if jobs else list(range(world))
+    if devices[rank] < backend.device_count():  # else run_jobs refuses the map with its reason
+        # This stage's device current for good: NCCL stages collective objects on the current device.
+        backend.bind_process(devices[rank])
+    # Stages sharing a device meet over the host library (the accelerator's refuses two ranks
+    # on one device); a bounded timeout: a stage that dies (e.g. out of memory) must not leave
+    # its peers waiting forever.
+    init_local_group(p2p_library(backend.dist_backend, devices), rank, world, port,
+                     collective_timeout(60.0).total_seconds())
     try:
         results = run_jobs(jobs, backend)
     finally:
@@ -107,8 +117,11 @@ def run_jobs(jobs: list[PipelineJob], backend: Any = None) -> list[dict[str, Any
 
     backend = backend or xpu.get_backend()
     world = dist.get_world_size()
-    if backend.device_count() < world:
-        raise ValueError(f"{world} stages need {world} devices; backend '{backend.name}' has {backend.device_count()}")
+    for job in jobs:
+        if job.devices is None and backend.device_count() < world:
+            raise ValueError(f"{world} stages need {world} devices; backend '{backend.name}' has {backend.device_count()}")
+        job.validate(world)
+        job.check_devices(world, backend.device_count(), backend.name)
     rank = dist.get_rank()
     try:
         return [_run_job(job, rank, world, backend) for job in jobs]
@@ -158,7 +171,7 @@ def _run_job(job: PipelineJob, rank: int, world: int, backend: Any) -> dict[str,
             stage.zero_grad(set_to_none=True)
             losses.append([float(l) for l in rt.step(idx, tgt)])
             if opt is not None and step < job.steps - 1:
-                with backend.device_scope(rank):
+                with backend.device_scope(rt.device):
                     opt.step()
     except Exception as exc:
         result["error"] = traceback.format_exc()
@@ -166,9 +179,9 @@ def _run_job(job: PipelineJob, rank: int, world: int, backend: Any) -> dict[str,
         # cause rather than let them time out on a collective.
         raise _StepFailed(f"stage {rank} failed in step {len(losses)}:\n{result['error']}\nplan:\n{result['plan_text']}") from exc
     finally:
-        result["peak"] = backend.memory_stats(rank).peak_allocated
-        result["cap"] = backend.memory_cap(rank)
-        backend.set_memory_cap(rank, None)
+        result["peak"] = backend.memory_stats(rt.device).peak_allocated
+        result["cap"] = backend.memory_cap(rt.device)
+        backend.set_memory_cap(rt.device, None)
     result["losses"] = losses
     result["grads"] = {n: p.grad.detach().clone() for n, p in stage.named_parameters() if p.grad is not None}
     result["stats"] = stage.executor.stats.as_dict()

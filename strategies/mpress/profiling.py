@@ -73,6 +73,7 @@ def profile_stage(built: BuiltStage) -> tuple[StageProfile, dict[str, Any] | Non
     import torch.distributed as dist
 
     job, rank, backend, stage = built.job, built.rank, built.backend, built.stage
+    device = built.device
     swap_all = {b: "host" for b in stage.block_ids}
     inflight_cap = schedule_inflight(job.schedule, job.microbatches, rank, built.world)
     mode = job.profile_mode
@@ -85,7 +86,7 @@ def profile_stage(built: BuiltStage) -> tuple[StageProfile, dict[str, Any] | Non
     stage.executor.profiling = mode == "auto"
     stage.executor.trace_tensors = False  # the warm-up needs per-block sums only
     gc.collect()
-    backend.reset_peak_memory(rank)
+    backend.reset_peak_memory(device)
     built.trial_step()
     stage.zero_grad(set_to_none=True)
     if mode == "auto":
@@ -94,22 +95,22 @@ def profile_stage(built: BuiltStage) -> tuple[StageProfile, dict[str, Any] | Non
         # in-flight count includes shape inference's forward, which never runs backward: the
         # schedule's own count caps it.
         warm = _stage_profile(stage.executor, stage, rank, 0, job.microbatches, "keep", inflight_cap)
-        bound = backend.memory_stats(rank).peak_allocated + warm.inflight * sum(b.saved_bytes for b in warm.blocks)
-        free, _total = backend.mem_info(rank)
-        usable = free + backend.memory_stats(rank).reserved  # what this process can reach on the device
+        bound = backend.memory_stats(device).peak_allocated + warm.inflight * sum(b.saved_bytes for b in warm.blocks)
+        free, _total = backend.mem_info(device)
+        usable = free + backend.memory_stats(device).reserved  # what this process can reach on the device
         mode = "keep" if bound <= usable * (1 - PROFILE_HEADROOM) else "host"
         choice = {"keep_peak_bound": bound, "usable": usable, "mode": mode}
     stage.executor = executor(mode)
     stage.executor.profiling = True
     gc.collect()
-    backend.reset_peak_memory(rank)
+    backend.reset_peak_memory(device)
     # Every stage starts its clock together, so tensor times read alike across stages.
     dist.barrier()
     stage.executor.restart_clock()
     built.trial_step()
     stage.executor.profiling = False
-    budget = built.budgets.get(rank, backend.mem_info(rank)[1])  # as the planner takes it
-    profile = _stage_profile(stage.executor, stage, rank, backend.memory_stats(rank).peak_allocated,
+    budget = built.budgets.get(rank, backend.mem_info(device)[1])  # as the planner takes it
+    profile = _stage_profile(stage.executor, stage, rank, backend.memory_stats(device).peak_allocated,
                              job.microbatches, mode, budget=budget)
     stage.zero_grad(set_to_none=True)
     stage.executor = executor("keep")

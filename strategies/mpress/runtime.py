@@ -37,7 +37,8 @@ class StageRuntime:
         profiled: what profiling found (:class:`~strategies.mpress.profiling.Profiled`).
         job: the job it was built for.
         rank, world: this stage's index and the pipeline depth.
-        stage: this rank's :class:`~strategies.mpress.stages.StageModule`, on device ``rank``.
+        device: the device index the stage runs on (``job.device_of(rank)``).
+        stage: this rank's :class:`~strategies.mpress.stages.StageModule`, on device :attr:`device`.
         budgets: device -> byte budget (the job's, parsed).
         profile: this stage's profile, when one was taken.
         profiles: every stage's profile, by stage (all None when none was taken); the planner's input.
@@ -57,6 +58,7 @@ class StageRuntime:
         """Take over ``built`` and its profiles, following no plan yet."""
         self.built, self.profiled = built, profiled
         self.job, self.rank, self.world, self.backend = built.job, built.rank, built.world, built.backend
+        self.device = built.device
         self.stage, self.budgets = built.stage, built.budgets
         self.profile, self.profiles = profiled.own, profiled.stages
         self.result: dict[str, Any] = {"rank": built.rank}
@@ -76,7 +78,7 @@ class StageRuntime:
         """
         self.plan = plan
         self.result["plan_text"] = format_plan(plan, self.profiles)
-        self.owned, _handles, self.regions = _open_pools(plan, self.rank, self.world, self.backend)
+        self.owned, _handles, self.regions = _open_pools(plan, self.rank, self.world, self.backend, self.device)
         self.decisions = plan.decisions(self.rank) if self.rank < len(plan.stages) else {}
         self.stage.executor = self.built.executor(self.decisions, self.regions)
 
@@ -86,20 +88,20 @@ class StageRuntime:
         import torch.distributed as dist
 
         gc.collect()
-        self.backend.reset_peak_memory(self.rank)
+        self.backend.reset_peak_memory(self.device)
         self.built.trial_step()
         self.stage.zero_grad(set_to_none=True)
         peaks: list[Any] = [None] * self.world
-        dist.all_gather_object(peaks, self.backend.memory_stats(self.rank).peak_allocated)
+        dist.all_gather_object(peaks, self.backend.memory_stats(self.device).peak_allocated)
         self.result.setdefault("calibration", []).append(peaks)
         return peaks
 
     def apply_cap(self) -> None:
         """Cap this stage's device at its budget (if the job gives it one) and reset the peak counter."""
         if self.rank in self.budgets:
-            self.backend.set_memory_cap(self.rank, self.budgets[self.rank])
+            self.backend.set_memory_cap(self.device, self.budgets[self.rank])
         gc.collect()
-        self.backend.reset_peak_memory(self.rank)
+        self.backend.reset_peak_memory(self.device)
 
     def step(self, idx: torch.Tensor | None, tgt: torch.Tensor | None) -> list[torch.Tensor]:
         """One pipelined forward and backward of the whole batch (:meth:`BuiltStage.step
@@ -116,8 +118,13 @@ class StageRuntime:
         gc.collect()
 
 
-def _open_pools(plan: Any, rank: int, world: int, backend: Any) -> tuple[list[Any], dict, dict[int, Any]]:
-    """Allocate the regions this device hosts and open the ones this stage writes; returns (owned, handles, regions)."""
+def _open_pools(plan: Any, rank: int, world: int, backend: Any, device: int) -> tuple[list[Any], dict, dict[int, Any]]:
+    """Allocate the regions stage ``rank`` hosts (on ``device``) and open the ones it writes; returns
+    (owned, handles, regions).
+
+    Regions are named by stage; a pool always travels through the backend's IPC handles, even
+    to a stage on the same device (another process: it cannot use the owner's pointer).
+    """
     import torch.distributed as dist
 
     from .ipc import export_buffer, import_buffer, unlink_buffer
@@ -125,7 +132,7 @@ def _open_pools(plan: Any, rank: int, world: int, backend: Any) -> tuple[list[An
     owned, handles = [], {}
     for (writer, owner), nbytes in sorted(plan.regions.items()):
         if owner == rank:
-            buf, handle = export_buffer(backend, int(nbytes), rank)  # counted against this device
+            buf, handle = export_buffer(backend, int(nbytes), device)  # counted against this device
             owned.append(buf)
             handles[(writer, owner)] = handle
     all_handles: list[Any] = [None] * world

@@ -62,8 +62,9 @@ def plan_and_run(built: BuiltStage, profiled: Profiled) -> StageRuntime:
 
 
 def planning_budgets(built: BuiltStage) -> dict[int, int]:
-    """Device -> the budget the planner plans for: the job's, else the device's whole memory."""
-    return {d: built.budgets[d] if d in built.budgets else _device_total(built.backend, d) for d in range(built.world)}
+    """Stage -> the budget the planner plans for: the job's, else the whole memory of the stage's device."""
+    return {d: built.budgets[d] if d in built.budgets else _device_total(built.backend, built.job.device_of(d))
+            for d in range(built.world)}
 
 
 def plan_stage(built: BuiltStage, profiled: Profiled, budgets: dict[int, int], *, remeasured: bool = False) -> Plan:
