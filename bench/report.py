@@ -197,15 +197,18 @@ def flag_loss_outliers(rows: list[dict[str, Any]]) -> None:
 
     The reference is the ``torch`` row (plain PyTorch) where one reports a loss, else the median
     of the exact rows when there are at least three; rows of approximate systems are never
-    flagged, and only losses at the same step are compared. A flagged row keeps its status: it
-    ran, but its set-up deserves a look before its speed is compared.
+    flagged, and only losses at the same step of the same training problem are compared (a row
+    training a LoRA adapter, option ``lora``, only beside rows with the same adapter: its loss
+    falls more slowly than full fine-tuning's by design). A flagged row keeps its status: it ran,
+    but its set-up deserves a look before its speed is compared.
     """
     exact = [r for r in rows if r.get("status") == "ok" and r.get("loss") is not None and not r.get("approximate")]
     for r in rows:
         r.pop("loss_flag", None)
     by_step: dict[Any, list[dict[str, Any]]] = {}
     for r in exact:
-        by_step.setdefault(r.get("loss_step"), []).append(r)
+        lora = (r.get("options") or {}).get("lora")
+        by_step.setdefault((r.get("loss_step"), repr(lora) if lora else None), []).append(r)
     for group in by_step.values():
         torch_rows = [r for r in group if r.get("system_name", r["system"]) == "torch"]
         if torch_rows:

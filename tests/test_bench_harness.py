@@ -236,3 +236,23 @@ def test_an_exact_system_whose_loss_departs_from_torch_is_flagged_not_the_approx
     result = {"scenario": {"name": "s", "model": {"family": "gpt"}, "batch": 1, "seq": 1, "dtype": "fp32"},
               "machine": "m", "date": "d", "command": "c", "rows": rows}
     assert "| deepspeed-z3-offload | ok, loss? | " in markdown_table(result)
+
+
+def test_a_lora_row_is_judged_only_beside_rows_training_the_same_adapter():
+    from bench.report import flag_loss_outliers
+
+    lora = {"r": 16, "alpha": 32}
+
+    def row(label, loss, options=None):
+        return {"system": label, "system_name": label.split("-")[0], "status": "ok", "loss": loss, "loss_step": 5,
+                "options": options or {}}
+
+    # Qwen2-1.5B on the H200 (2026-12-02): full fine-tuning fell to 7.5 while the adapter read 12.2.
+    rows = [row("memferry-full", 7.53), row("fsdp2-offload", 7.53), row("deepspeed-z3", 7.29),
+            row("memferry-lora", 12.16, {"lora": lora})]
+    flag_loss_outliers(rows)
+    assert not any(r.get("loss_flag") for r in rows)
+    rows += [row("other-lora", 12.2, {"lora": lora}), row("broken-lora", 207.0, {"lora": lora})]
+    rows[1]["loss"] = 20.0  # a broken full fine-tune is still caught among the full ones
+    flag_loss_outliers(rows)
+    assert {r["system"] for r in rows if r.get("loss_flag")} == {"broken-lora", "fsdp2-offload"}
