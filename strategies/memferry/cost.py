@@ -44,17 +44,19 @@ form is what :func:`predict` evaluates, with the exact recurrence the scheduler'
 program uses (:func:`advance`, :func:`finish`), so the scheduler is optimal for this model.
 
 Peak memory (bytes): resident ``rest`` (compute-dtype weights; + fp32 master and 2 moments
-when device-homed) + per block (device-homed: the same 18 B/param in
-bf16; host-homed resident: its weights) + saved activations of every block (only the block
-input with recompute) + prefetch slots ``(depth + 1) * largest prefetched block`` + the
-largest of the loss peak (logits in fp32 and their gradient: what OOMed the capped device12
-run), one block's backward transient (its recomputed activations + its gradients) beside
-``rest``'s gradients (held until backward's end), and a device-homed ``rest``'s update
-(:func:`transient_bytes`), all
-times ``1 + margin`` for allocator fragmentation (``memory_margin``: the only reserve; none
-is added on top). The loss peak is measured by the profiler on the model as it will run,
-``loss_chunks`` included, for our ``CausalLM`` (gpt, llama), ``HFCausalLM`` and Hugging Face
-models computing their own loss alike; where it cannot be measured it is
+when device-homed) + per block (device-homed: the same 18 B/param in bf16; host-homed
+resident: its weights) + saved activations of every block (only the block input with
+recompute) + prefetch slots ``(depth + 1) * largest prefetched block`` + the largest of the
+loss peak (logits in fp32 and their gradient: what OOMed the capped device12 run), one
+block's backward transient (its recomputed activations + its gradients) beside ``rest``'s
+gradients (held until backward's end), and a device-homed ``rest``'s update
+(:func:`transient_bytes`), all times ``1 + margin`` for allocator fragmentation
+(``memory_margin``: the only reserve; none is added on top; it also covers CUDA's rounding
+and its cap on reserved bytes, docs/design.md §3.5). With gradient accumulation a
+device-homed unit's fp32 gradient buffer is resident all step, not its update's transient
+(:func:`grads_persist`). The loss peak is measured by the profiler on the model as it will
+run, ``loss_chunks`` included, for our ``CausalLM`` (gpt, llama), ``HFCausalLM`` and Hugging
+Face models computing their own loss alike; where it cannot be measured it is
 :func:`loss_peak_estimate` of the head's shape. The head's weights are ``rest``'s, resident.
 
 Activation offload (``UnitPlan.offload``): the block's saved activations leave on the d2h
@@ -169,14 +171,10 @@ def device_bytes_per_param(dtype_bytes: int, with_grad: bool = False) -> int:
 
 
 def grads_persist(profile: "StepProfile") -> bool:
-    """Whether device-homed units' fp32 gradient buffers stay allocated across the step's
-    micro-batches: with ``accumulation_steps > 1`` the ``DeviceOptimizer`` sums each
-    micro-batch's gradients into the buffer and frees it only after the update, so it is
-    resident through the later micro-batches' forwards, losses and backwards, not a transient.
-
-    (Qwen2-1.5B, device-homed tied head of 233 M parameters, 8 micro-batches under 8 GB on the
-    H200: the 934 MB buffer counted as a transient let a plan through that ran out of memory.)
-    """
+    """Whether device-homed units' fp32 gradient buffers stay allocated all step: with
+    ``accumulation_steps > 1`` the ``DeviceOptimizer`` sums micro-batches into the buffer and
+    frees it after the update (Qwen2-1.5B's device-homed tied head: 934 MB, resident through
+    every later micro-batch; counted as a transient, an 8 GB plan ran out of memory)."""
     return getattr(profile, "accumulation_steps", 1) > 1
 
 
