@@ -179,7 +179,7 @@ class MemFerry:
             if plan == "auto":  # the convenience form: plan first (the model is already cast)
                 plan = plan_for(model, sample, device_budget, optim=self.cfg, loss_fn=loss_fn, blocks=blocks,
                                 device=self.device, backend=self.backend, process_group=process_group,
-                                memory_margin=memory_margin)
+                                memory_margin=memory_margin, accumulation_steps=accumulation_steps)
             elif isinstance(plan, str):
                 plan = Plan.from_spec(plan, n_blocks)
             plan = plan or Plan.uniform(n_blocks, UnitPlan("prefetch", "prefetch"))
