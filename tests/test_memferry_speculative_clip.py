@@ -147,6 +147,31 @@ def test_host_bytes_count_the_backups():
     assert backup_elements(units, device, budget=None) == 3 * (trainable - units[0].train_numel)
 
 
+def test_auto_backups_take_half_the_host_memory_left_and_all_backups_are_refused_when_they_do_not_fit(cpu_backend):
+    from xpu.errors import HostMemoryBudgetError
+
+    units = split_units(_model())
+    rest = host_bytes_needed(units, set())
+    full = host_bytes_needed(units, set(), backup_budget=None) - rest
+    cpu_backend.host_arena.budget = rest + full  # room for every backup beside the other buffers
+    try:
+        def shadow_backup(backup):
+            cfg = AdamW(max_grad_norm=1.0, clip_backup_bytes=backup)
+            engine = MemFerry(_model(), optim=cfg, plan=PLANS["prefetch"](), backend=cpu_backend, loss_fn=lm_loss)
+            n = engine.shadow.backup.numel()
+            engine.close()
+            return n
+
+        assert shadow_backup("auto") == full // 2 // 4  # half of what the other buffers leave
+        assert shadow_backup(None) == full // 4
+        cpu_backend.host_arena.budget = rest + full // 2
+        with pytest.raises(HostMemoryBudgetError, match="speculative clipping's backups .*clip_mode='wait'"):
+            shadow_backup(None)
+        assert cpu_backend.host_arena.stats().in_use == 0
+    finally:
+        cpu_backend.host_arena.budget = None
+
+
 @pytest.mark.parametrize("kwargs, match", [({"clip_mode": "eager"}, "clip_mode must be"),
                                            ({"clip_backup_bytes": -1}, "clip_backup_bytes"),
                                            ({"clip_backup_bytes": "lots"}, "clip_backup_bytes")])

@@ -37,9 +37,11 @@ class AdamW:
             moments; a step whose norm turns out above ``max_grad_norm`` restores the backups and
             re-applies with the true coefficient (a rollback: exact, bit-equal to ``"wait"``).
             ``"wait"`` holds every host update until backward has ended.
-        clip_backup_bytes: host memory for ``"speculative"``'s backups (12 bytes per host-updated
-            parameter; int or a size such as ``"8GB"``); units landing once it is full wait as
-            in ``"wait"``. None: enough for every host-updated unit.
+        clip_backup_bytes: pinned host memory for ``"speculative"``'s backups (12 bytes per
+            host-updated parameter; int or a size such as ``"8GB"``); units landing once it is
+            full wait as in ``"wait"``. None: enough for every host-updated unit (refused when
+            it does not fit). ``"auto"``: that, but at most half the host memory the shadow
+            model's other buffers leave.
         host_threads: CPU threads of the host optimizer (None: torch's intra-op default).
             Its OpenMP team waits for its slowest thread, so a team that shares a core with
             the training thread (busy launching kernels) runs at that core's pace.
@@ -57,7 +59,7 @@ class AdamW:
     host_threads: int | None = None
     host_kernel: str = "auto"
     clip_mode: str = "speculative"
-    clip_backup_bytes: int | str | None = None
+    clip_backup_bytes: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -74,19 +76,18 @@ class AdamW:
             raise ValueError(f"host_kernel must be 'auto', 'torch' or 'single-pass', got {self.host_kernel!r}")
         if self.clip_mode not in CLIP_MODES:
             raise ValueError(f"clip_mode must be 'speculative' or 'wait', got {self.clip_mode!r}")
-        if self.clip_backup_bytes is not None:
-            self.backup_budget()  # refuses a bad size now
+        self.backup_budget()  # refuses a bad size now
 
-    def backup_budget(self) -> int | None:
-        """``clip_backup_bytes`` in bytes (None: unbounded)."""
-        if self.clip_backup_bytes is None:
-            return None
+    def backup_budget(self) -> int | str | None:
+        """``clip_backup_bytes`` in bytes (None: unbounded; ``"auto"`` as given)."""
+        if self.clip_backup_bytes is None or self.clip_backup_bytes == "auto":
+            return self.clip_backup_bytes
         from xpu.units import parse_bytes
 
         try:
             value = parse_bytes(self.clip_backup_bytes)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"clip_backup_bytes must be a byte count >= 0 or a size such as '8GB', "
+            raise ValueError(f"clip_backup_bytes must be a byte count >= 0, a size such as '8GB', 'auto' or None, "
                              f"got {self.clip_backup_bytes!r}") from exc
         if value < 0:
             raise ValueError(f"clip_backup_bytes must be >= 0, got {self.clip_backup_bytes!r}")

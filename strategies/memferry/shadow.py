@@ -181,11 +181,14 @@ class ShadowModel:
             master and moments live in device memory and the device updates them.
         dp: data-parallel set-up: host-homed units keep only this rank's shard of their
             master, moments and gradient.
+        backup_budget: bytes of speculative clipping's backup arena (:attr:`backup`, see
+            :func:`backup_elements`): 0 none, None as much as every host-homed unit needs,
+            ``"auto"`` that but at most half the host memory the other buffers leave.
     """
 
     def __init__(self, units: list[Unit], backend: Backend, device: int, device_homes: set[int] | frozenset = frozenset(),
                  dp: "DataParallel | None" = None, originals: dict[str, torch.Tensor] | None = None,
-                 accumulate: bool = False, backup_budget: int | None = 0) -> None:
+                 accumulate: bool = False, backup_budget: int | str | None = 0) -> None:
         self.backend, self.device, self.dp = backend, device, dp
         self.backup_budget = backup_budget
         self.accumulate = accumulate
@@ -203,24 +206,30 @@ class ShadowModel:
             for name, _ in u.params:
                 self._originals.pop(name, None)
         # Speculative clipping's backups of masters and moments (host_optimizer.py): one flat fp32 arena.
-        n_backup = backup_elements(units, device_homes, dp, backup_budget)
+        n_backup = backup_elements(units, device_homes, dp, self.backup_budget)
         #: fp32 backup arena for speculative clipping (empty without it).
         self.backup = backend.host_arena.empty(n_backup, torch.float32) if n_backup else torch.empty(0)
 
+    def _room(self) -> tuple[int | None, str]:
+        """Host bytes left for the shadow model (None: unknown) and what bounds them, for messages."""
+        arena = self.backend.host_arena
+        if arena.budget is not None:
+            return arena.budget - arena.stats().in_use, "the pinned host-memory budget (XPU_HOST_MEM_BUDGET)"
+        return _mem_available(), "the host's available memory (MemAvailable)"
+
     def _check_host_memory(self, device_homes: set[int] | frozenset) -> None:
-        """Refuse before allocating anything when the host buffers cannot all fit."""
+        """Refuse before allocating anything when the host buffers cannot all fit; resolve an
+        ``"auto"`` backup budget to half the room the other buffers leave."""
         from xpu.errors import HostMemoryBudgetError
         from xpu.units import format_bytes
 
+        room, what = self._room()
+        if self.backup_budget == "auto":
+            rest = host_bytes_needed(self.units, device_homes, self.dp, self.accumulate)
+            self.backup_budget = None if room is None else max(0, (room - rest) // 2)
         need = host_bytes_needed(self.units, device_homes, self.dp, self.accumulate, self.backup_budget)
-        arena = self.backend.host_arena
-        stats = arena.stats()
-        if arena.budget is not None:
-            room, what = arena.budget - stats.in_use, "the pinned host-memory budget (XPU_HOST_MEM_BUDGET)"
-        else:
-            room, what = _mem_available(), "the host's available memory (MemAvailable)"
-            if room is None:
-                return
+        if room is None:
+            return
         if need > room:
             backup = 4 * backup_elements(self.units, device_homes, self.dp, self.backup_budget)
             extra = (f", {format_bytes(backup)} of them speculative clipping's backups (AdamW clip_mode='wait' or a "
