@@ -232,3 +232,19 @@ def test_two_ranks_speculative_equals_wait(tmp_path, plan_spec, cpu_backend):
         n_fired = fired(wait, 0.95)
         assert 0 < n_fired < STEPS, wait["norms"]
         assert spec["stats"]["rollback_steps"] == spec["stats"]["clipped_steps"] == n_fired
+
+
+def test_bench_notes_count_clipped_steps_and_rollbacks(cpu_backend):
+    from bench.systems.memferry import MemFerrySystem
+    from tests.test_bench_measured_alone import _batch, _ctx
+
+    options = {"plan": "prefetch", "max_grad_norm": 1e-3, "clip_mode": "speculative", "host_threads": None,
+               "host_kernel": "auto", "loss_chunks": 1, "memory_margin": 0.10, "measure": "step"}
+    system = MemFerrySystem(_ctx(cpu_backend, options))
+    try:
+        inputs, targets = _batch(cpu_backend)
+        for _ in range(2):
+            system.step(inputs, targets)
+        assert "clip speculative: 2 of 2 steps clipped, 2 rolled back" in system.notes
+    finally:
+        system.close()
