@@ -80,7 +80,7 @@ class HostOptimizer:
         self._order: list[tuple[int, float | None]] = []
         self._backups = Backups(backup if backup is not None else torch.empty(0)) if cfg.speculative else None
         self._lr = cfg.lr  # worker side: the rate the kernel applies now
-        #: speculative clipping, totals so far (worker side; read after :meth:`wait_all`):
+        #: speculative clipping, totals so far (worker side; read them with :meth:`clip_counts`):
         #: ``steps`` finished with clipping on, ``rollback_steps`` among them that restored
         #: backups, ``speculated_units``, ``rolled_back_units``, ``held_units`` (no backup room).
         self.clip_stats = {"steps": 0, "rollback_steps": 0, "speculated_units": 0, "rolled_back_units": 0,
@@ -284,7 +284,7 @@ class HostOptimizer:
             self.clip_stats["speculated_units"] += 1
         else:
             self._order.append((index, None))
-            self.clip_stats["held_units"] += self._backups is not None
+            self.clip_stats["held_units"] += int(self._backups is not None)
 
     def _resolve(self, coef: float) -> None:
         """The clip coefficient is known: apply held updates; keep speculative ones that used
@@ -310,7 +310,7 @@ class HostOptimizer:
         if self._backups is not None:
             self._backups.reset()
         self.clip_stats["steps"] += 1
-        self.clip_stats["rollback_steps"] += rolled > 0
+        self.clip_stats["rollback_steps"] += int(rolled > 0)
         self.clip_stats["rolled_back_units"] += rolled
 
     def _fail(self, exc: BaseException) -> None:
