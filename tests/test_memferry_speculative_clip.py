@@ -116,6 +116,29 @@ def test_speculative_equals_wait_with_accumulation(cpu_backend, dtype, case, pla
     assert spec["stats"]["rolled_back_units"] == host_units(cpu_backend, plan) * n_fired
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_a_step_after_fewer_backwards_than_declared_rolls_back_exactly(cpu_backend, dtype):
+    def early(mode):
+        cfg = AdamW(lr=3e-3, weight_decay=0.1, max_grad_norm=0.6, clip_mode=mode)
+        engine = MemFerry(_model(), optim=cfg, plan=PLANS["device"](), backend=cpu_backend, loss_fn=lm_loss,
+                          compute_dtype=DTYPES[dtype], accumulation_steps=3)
+        data = batches(6)
+        for step in range(3):  # two of the three declared micro-batches, then step()
+            for x, y in data[2 * step:2 * step + 2]:
+                engine.backward(lm_loss(engine(x), engine._to_device(y)) / 2)
+            engine.step()
+        engine.synchronize()  # the last step's host updates may still run
+        out = {"buffers": [{k: getattr(s, k).detach().cpu().clone() for k in ("work", "master", "exp_avg", "exp_avg_sq")}
+                           for s in engine.shadow.shadows], "stats": engine.clip_stats()}
+        engine.close()
+        return out
+
+    wait, spec = early("wait"), early("speculative")
+    for a, b in zip(wait["buffers"], spec["buffers"]):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert spec["stats"]["clipped_steps"] == 3 and spec["stats"]["rollback_steps"] == 3
+
+
 def test_a_bounded_backup_speculates_on_the_first_units_and_holds_the_rest(cpu_backend):
     units = [u for u in split_units(_model()) if u.trainable]
     block = units[0].train_numel * 12  # one block's master and moments
