@@ -68,7 +68,8 @@ blocks' worth (this one and the look-ahead) while backward passes. Saved tensors
 Not modelled: link contention between prefetch copies, DHA reads and gradient copies (the
 probe measures 92-98 GB/s duplex against 55 GB/s per direction); D2H queueing; a deeper
 prefetch's smoothing of uneven blocks (depth only costs slots here); gradient clipping
-(``max_grad_norm`` makes every update wait for backward's end).
+(speculative by default, ``AdamW.clip_mode``: updates overlap backward as without it, but a
+step whose clip fires re-applies them after backward; ``"wait"`` makes every update wait).
 """
 from __future__ import annotations
 
