@@ -1,0 +1,95 @@
+"""The device-memory terms of MemFerry's cost model that do not depend on a plan's timing.
+
+Bytes per parameter of a device-homed unit, what ``rest`` (embeddings, head, final norm) holds
+all step, the transient on top of it (the loss, a block's backward beside ``rest``'s gradients,
+a device-homed ``rest``'s update), the loss's shape-based estimate and the automatic choice of
+``loss_chunks``. :mod:`strategies.memferry.cost` combines them into a plan's peak.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .profiler import StepProfile
+
+__all__ = ["device_bytes_per_param", "grads_persist", "loss_peak_estimate", "LOSS_SLICE_SHARE", "auto_loss_chunks",
+           "rest_resident_bytes", "transient_bytes"]
+
+
+def device_bytes_per_param(dtype_bytes: int, with_grad: bool = False) -> int:
+    """Device bytes per parameter of a device-homed unit, as ``ShadowModel`` allocates them:
+    compute-dtype weights, fp32 master (the same buffer in fp32) and two fp32 moments (14 B in
+    bf16, 12 B in fp32), plus the fp32 gradient buffer (4 B) ``with_grad``, which holds memory
+    only while the unit's update runs without accumulation, and from the step's first
+    micro-batch to the update with it (:func:`grads_persist`)."""
+    return dtype_bytes + (0 if dtype_bytes == 4 else 4) + 8 + (4 if with_grad else 0)
+
+
+def grads_persist(profile: "StepProfile") -> bool:
+    """Whether device-homed units' fp32 gradient buffers stay allocated all step: with
+    ``accumulation_steps > 1`` the ``DeviceOptimizer`` sums micro-batches into the buffer and
+    frees it after the update (Qwen2-1.5B's device-homed tied head: 934 MB, resident through
+    every later micro-batch; counted as a transient, an 8 GB plan ran out of memory)."""
+    return getattr(profile, "accumulation_steps", 1) > 1
+
+
+def loss_peak_estimate(tokens: int, vocab: int, hidden: int, chunks: int = 1, dtype_bytes: int = 4) -> int:
+    """Device bytes the head and loss add at their peak, from their shapes: an upper estimate
+    of what the profiler measures (on the tiny test models it is 5-50 % above the measured).
+
+    The account, for ``chunks`` token slices (``loss_chunks``; each slice's logits recomputed
+    in backward): one slice's logits in fp32, their log-softmax and their gradient (3 x 4 B
+    per logit), plus the compute-dtype logits and their gradient where that is not fp32; the
+    head weight's gradient, one slice's contribution to it before accumulation, and (tied
+    to the input embedding) the lookup's dense gradient (3 x vocab x hidden in the compute
+    dtype); the final hidden states and their gradient (2 x tokens x
+    hidden). The head's weights themselves are the ``rest`` unit's, always resident on the
+    device (counted apart, with ``rest_param_bytes``).
+    """
+    chunks = max(1, min(int(chunks), int(tokens)))
+    per = math.ceil(tokens / chunks) * vocab
+    logits = per * (12 + (2 * dtype_bytes if dtype_bytes != 4 else 0))
+    return int(logits + 3 * vocab * hidden * dtype_bytes + 2 * tokens * hidden * dtype_bytes)
+
+
+#: Share of the device budget one slice's fp32 logits may take when ``loss_chunks`` is chosen
+#: for the user (:func:`auto_loss_chunks`): with log-softmax and gradient the loss then takes
+#: about 3/32 of the budget.
+LOSS_SLICE_SHARE = 1 / 32
+
+
+def auto_loss_chunks(tokens: int, vocab: int, budget_bytes: int | float, share: float = LOSS_SLICE_SHARE) -> int:
+    """The fewest token slices whose fp32 logits each stay within ``share`` of ``budget_bytes``
+    (1 when the whole logits already do; at most one slice per token).
+
+    Qwen2-1.5B at 4 x 2048 tokens (vocab 151936) under 8 GB: whole logits 4.98 GB, 20 slices.
+    """
+    whole = tokens * vocab * 4
+    return int(max(1, min(tokens, math.ceil(whole / max(1.0, budget_bytes * share)))))
+
+
+def rest_resident_bytes(profile: "StepProfile", rest_optimizer: str) -> int:
+    """Device bytes ``rest`` (embeddings, head, final norm) holds all step: its compute-dtype
+    weights, plus the fp32 master and moments when it is device-homed, and then its fp32
+    gradient buffer too under gradient accumulation (:func:`grads_persist`; without it the
+    buffer is a transient: :func:`transient_bytes`)."""
+    per = (device_bytes_per_param(profile.dtype_bytes, with_grad=grads_persist(profile)) if rest_optimizer == "device"
+           else profile.dtype_bytes)
+    return profile.rest_numel * per
+
+
+def transient_bytes(profile: "StepProfile", rest_optimizer: str, trans: int) -> int:
+    """The largest of what comes and goes on top of the resident bytes, given ``trans`` (the
+    largest block backward transient):
+
+    * the loss (``loss_peak_bytes``: one slice's fp32 logits, their log-softmax and gradient,
+      the head's weight gradient, the hidden-state gradient; measured with ``loss_chunks``);
+    * a block's backward, beside ``rest``'s gradients: they stay on the device until its last
+      one lands (the input embedding's, at backward's end; a tied head's is that same one);
+    * ``rest``'s update when device-homed: its gradients upcast into the fp32 buffer (already
+      resident under gradient accumulation: :func:`rest_resident_bytes`).
+    """
+    rest_grads = profile.rest_numel * profile.dtype_bytes
+    end = rest_grads + (profile.rest_numel * 4 if rest_optimizer == "device" and not grads_persist(profile) else 0)
+    return max(profile.loss_peak_bytes, trans + rest_grads, end)
