@@ -18,8 +18,8 @@ from strategies.memferry.config import AdamW
 from strategies.memferry.host_kernel import SinglePassKernel, TorchKernel, make_host_kernel
 from strategies.memferry.shadow import UnitShadow
 
-C = 64  # chunk length of the kernels under test: sizes around it exercise whole chunks and tails
-SIZES = [1, 7, C - 1, C, C + 1, 3 * C + 5]
+C = 64  # row length of the kernels under test: sizes around it exercise whole rows, tails, scratch only
+SIZES = [1, 7, C - 1, C, C + 1, 2 * C, 3 * C + 5]
 CFG = AdamW(lr=3e-3, betas=(0.85, 0.99), eps=1e-7, weight_decay=0.1)
 
 
@@ -121,13 +121,25 @@ def test_no_recompile_for_any_unit_size():
     """Compiled once per dtype combination: sizes, offsets and decay boundaries reuse it."""
     from torch._dynamo.utils import counters
 
-    shadows = [_shadow(n, torch.bfloat16, n // 3, seed=n) for n in SIZES]
-    k = _kernel("single-pass", shadows)
+    import threading
+
+    shadows = [_shadow(n, torch.bfloat16, n // 3, seed=n, accumulate=True) for n in SIZES]
+    with torch.no_grad():  # built under another grad mode than the worker thread's (a Dynamo guard)
+        k = _kernel("single-pass", shadows)
     before = dict(counters["stats"]).get("unique_graphs", 0)
-    for s in shadows:
-        s.grad_stage.normal_()
-        k.apply(s, 0.5)
-        k.accumulate(torch.zeros(s.master.numel()), s.grad_stage)
+
+    def updates() -> None:  # in a worker thread, as HostOptimizer runs them
+        for s in shadows:
+            s.grad_stage.normal_()
+            k.apply(s, 0.5)
+            k.accumulate(s.grad_acc, s.grad_stage)
+            s.accumulated = True
+            k.apply(s, 1.0)
+
+    worker = threading.Thread(target=updates)
+    worker.start()
+    worker.join()
+    assert all(s.step == 2 for s in shadows)
     assert dict(counters["stats"]).get("unique_graphs", 0) == before
 
 

@@ -3,9 +3,9 @@
 ``single-pass`` (the default where it compiles): one loop compiled by ``torch.compile``
 (Inductor's C++/OpenMP code on the host) reads the 16-bit gradient, updates the fp32 master
 and moments and writes the compute-dtype working copy in one sweep, 28 bytes per bf16
-parameter. It is compiled once for a fixed chunk length and run chunk by chunk over every
-unit, the tail through the same kernel on scratch (:mod:`.host_loops`), so unit sizes never
-recompile it. The earlier dynamic-size build ran 3-4x slower than ``torch`` inside real steps
+parameter. It is compiled once per dtype combination for a fixed row length (symbolic row
+count) and runs each parameter range of a unit in one call, the last partial row through the
+same code on scratch (:mod:`.host_loops`), so unit sizes never recompile it. The earlier dynamic-size build ran 3-4x slower than ``torch`` inside real steps
 on the H200 machine (bench/results/2026-11-29-h200-session2/): it recompiled inside steps
 (a one-element parameter range and the fp32 sum of accumulated micro-batches each made a new
 graph, seconds of compiling each on the optimizer's thread) and its OpenMP team size was
@@ -171,7 +171,7 @@ class TorchKernel(HostKernel):
 class SinglePassKernel(HostKernel):
     """Upcast + AdamW + write-back as one compiled loop (see the module docstring).
 
-    Compiled once per dtype combination the ``shadows`` need, for ``chunk`` elements
+    Compiled once per dtype combination the ``shadows`` need, for rows of ``chunk`` elements
     (:mod:`.host_loops`); other combinations compile on first use. ``threads``: the compiled
     code's OpenMP team (``cfg.host_threads``, else torch's current intra-op count).
 
@@ -229,9 +229,9 @@ class SinglePassKernel(HostKernel):
         self.lr = lr
 
     def self_check(self) -> None:
-        """Compare one update of ``chunk + 3`` elements (whole chunk and tail) with
+        """Compare one update of ``3 * chunk + 5`` elements (whole rows and a tail) with
         ``torch.optim.AdamW``; raise RuntimeError if they differ beyond rounding."""
-        n = self.chunk + 3
+        n = 3 * self.chunk + 5
         with _disable_current_modes():
             gen = torch.Generator().manual_seed(0)
             master = torch.randn(n, generator=gen)

@@ -1,15 +1,18 @@
-"""Elementwise host loops compiled once for one fixed chunk length, run chunk by chunk.
+"""Elementwise host loops compiled once, for a fixed row length, run over units of any size.
 
 ``torch.compile`` (Inductor's C++/OpenMP code on the host) turns an elementwise update into
-one vectorised sweep. Compiled for *dynamic* sizes, the old single-pass kernel recompiled
-inside training steps (a size-1 range and an fp32 accumulated gradient each made a new graph,
-seconds of compiling on the host optimizer's thread) and baked the main thread's OpenMP team
-size into its code. Here each loop is compiled once per dtype combination, for exactly
-``chunk`` elements (``dynamic=False``): a unit of any size runs as whole chunks through that
-one kernel, and its tail (fewer than ``chunk`` elements) through the same kernel on
-fixed-size scratch buffers (copied in, run, the mutated ones copied back), so no size ever
-compiles again. The OpenMP team size is fixed at compile time (``cpp.threads``) to the host
-optimizer's thread count.
+one vectorised sweep. The old single-pass kernel, compiled for fully dynamic sizes, recompiled
+inside training steps (a size-1 range and an fp32 accumulated gradient each made a new graph:
+seconds of compiling on the host optimizer's thread) and baked the compiling thread's OpenMP
+team size into its code. Here each loop is compiled once per dtype combination, for tensors
+viewed as ``(rows, chunk)``: ``chunk`` (the row length) is fixed, so the inner loop is
+vectorised with no remainder, and only the row count is symbolic (at least 2; one graph for
+every count). A flat range of any size runs as its whole rows in one call, and its last
+``< chunk`` elements (or all of a range shorter than two rows) through the same compiled
+code on fixed ``(2, chunk)`` scratch (copied in, run, the written ones copied back). One call
+per range matters besides compiling: each call's return re-takes the GIL, which a training
+thread busy in Python hands over only every switch interval (5 ms).
+The OpenMP team size is fixed at compile time (``cpp.threads``) to the host optimizer's.
 """
 from __future__ import annotations
 
@@ -21,10 +24,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["ChunkLoop", "adamw_loop", "accumulate_loop", "DEFAULT_CHUNK", "clear_cache"]
 
-#: Elements per compiled call: 1 Mi elements is 28 MB of traffic per AdamW call (about 0.25 ms
-#: at host-memory bandwidth), so the per-call overhead (guards, OpenMP fork/join: tens of
-#: microseconds) stays a few percent, and a unit's tail through scratch costs at most one chunk.
-DEFAULT_CHUNK = 1 << 20
+#: Row length: a multiple of every vector width; a range's tail and ranges shorter than two
+#: rows (8 Ki elements) go through scratch, a negligible copy.
+DEFAULT_CHUNK = 4096
 
 
 def _adamw_work(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -59,18 +61,18 @@ def _accumulate(acc: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 class ChunkLoop:
-    """One elementwise function compiled for ``chunk``-element flat tensors of fixed dtypes.
+    """One elementwise function compiled for flat tensors of fixed dtypes viewed as ``(rows, chunk)``.
 
     Args:
-        fn: the function; its first ``len(dtypes)`` arguments are flat tensors of one length,
-            then ``extra`` (tensors or constants passed through unchanged).
+        fn: the function; its first ``len(dtypes)`` arguments are tensors of one shape, then
+            ``extra`` (tensors or constants passed through unchanged).
         dtypes: the flat tensors' dtypes (a different combination is a different loop).
-        mutated: positions of the flat tensors ``fn`` writes (copied back from the tail's scratch).
-        chunk: elements per compiled call.
+        mutated: positions of the tensors ``fn`` writes (copied back from the tail's scratch).
+        chunk: the row length (fixed in the compiled code).
         threads: OpenMP threads of the compiled code (fixed when it is compiled).
 
-    Raises at construction when it cannot compile here (no C++ compiler, no Inductor): the
-    first call compiles, on zero-filled scratch.
+    Raises at construction when it cannot compile here (no C++ compiler, no Inductor): it
+    compiles then, on zero-filled buffers.
     """
 
     def __init__(self, fn: Callable, dtypes: Sequence[torch.dtype], mutated: Sequence[int], chunk: int,
@@ -82,28 +84,35 @@ class ChunkLoop:
         # object per loop keeps every (function, dtypes, chunk) from evicting another.
         name = f"{fn.__name__}_{chunk}_{'_'.join(str(d).split('.')[-1] for d in self.dtypes)}"
         own = type(fn)(fn.__code__.replace(co_name=name), fn.__globals__, name)
-        self._fn = torch.compile(own, dynamic=False, fullgraph=True, options={"cpp.threads": threads})
-        with _disable_current_modes():
-            self._scratch = [torch.zeros(chunk, dtype=d) for d in self.dtypes]
-            self._fn(*self._scratch, *extra)  # compile now, not inside a training step
+        self._fn = torch.compile(own, fullgraph=True, options={"cpp.threads": threads})
+        self._tail = threading.Lock()  # the scratch is shared by every thread calling this loop
+        # Grad mode is one of Dynamo's guards and thread-local: compile and run under one
+        # (no_grad), so a worker thread never recompiles what the training thread compiled.
+        with _disable_current_modes(), torch.no_grad():
+            self._scratch = [torch.zeros(2, chunk, dtype=d) for d in self.dtypes]
+            warm = [torch.zeros(3, chunk, dtype=d) for d in self.dtypes]
+            for t in warm:
+                torch._dynamo.mark_dynamic(t, 0)  # the row count is symbolic: one graph for all counts >= 2
+            self._fn(*warm, *extra)  # compile now, not inside a training step
 
     def __call__(self, tensors: Sequence[torch.Tensor], extra: tuple = ()) -> None:
-        """Run over flat ``tensors`` (one length, the loop's dtypes; any length), in place."""
+        """Run over flat contiguous ``tensors`` (one length, the loop's dtypes; any length), in place."""
         n = tensors[0].numel()
         c = self.chunk
-        full = n - n % c
+        rows = n // c if n >= 2 * c else 0
+        full = rows * c
         # Host buffers only: outside any dispatch mode (the cpu backend's device-memory
         # tracker is one), which torch.compile would refuse to run under.
-        with _disable_current_modes():
-            for a in range(0, full, c):
-                self._fn(*(t[a:a + c] for t in tensors), *extra)
+        with _disable_current_modes(), torch.no_grad():
+            if rows:
+                self._fn(*(t[:full].view(rows, c) for t in tensors), *extra)
             if full < n:
                 r = n - full
-                for s, t in zip(self._scratch, tensors):
-                    s[:r].copy_(t[full:])
-                self._fn(*self._scratch, *extra)
-                for i in self.mutated:
-                    tensors[i][full:].copy_(self._scratch[i][:r])
+                with self._tail:
+                    flat = [s.view(-1)[:r] for s in self._scratch]
+                    torch._foreach_copy_(flat, [t[full:] for t in tensors])
+                    self._fn(*self._scratch, *extra)
+                    torch._foreach_copy_([tensors[i][full:] for i in self.mutated], [flat[i] for i in self.mutated])
 
 
 _CACHE: dict[tuple, ChunkLoop] = {}
