@@ -50,7 +50,8 @@ def _reference_losses(scenario, steps: int, clip: float | None) -> list[float]:
 def test_memferry_dp_is_registered_with_its_options():
     spec = get_system("memferry-dp")
     assert spec.target == "bench.systems.memferry_dp:make"
-    assert spec.options == {"ranks": 2, "plan": "prefetch+recompute", "max_grad_norm": None, "loss_chunks": 1,
+    assert spec.options == {"ranks": 2, "plan": "prefetch+recompute", "max_grad_norm": None, "clip_mode": "speculative",
+                            "loss_chunks": 1,
                             "host_threads": None, "host_kernel": "auto", "memory_margin": 0.10}
 
 

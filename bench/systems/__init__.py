@@ -127,13 +127,14 @@ register_system("deepspeed-zenflow", "bench.systems.deepspeed_offload:make_zenfl
 
 # Ours.
 register_system("memferry", "bench.systems.memferry:make",
-                options={"plan": "prefetch+recompute", "max_grad_norm": None, "host_threads": None,
-                         "host_kernel": "auto", "loss_chunks": 1, "memory_margin": 0.10, "measure": "step",
+                options={"plan": "prefetch+recompute", "max_grad_norm": None, "clip_mode": "speculative",
+                         "host_threads": None, "host_kernel": "auto", "loss_chunks": 1, "memory_margin": 0.10, "measure": "step",
                          "lora": None, "export_hf": False},
                 accumulation=True,
                 description="MemFerry: parameters homed in host memory; per-block prefetch / DHA / device-homed plans")
 register_system("memferry-dp", "bench.systems.memferry_dp:make",
-                options={"ranks": 2, "plan": "prefetch+recompute", "max_grad_norm": None, "loss_chunks": 1,
+                options={"ranks": 2, "plan": "prefetch+recompute", "max_grad_norm": None, "clip_mode": "speculative",
+                         "loss_chunks": 1,
                          "host_threads": None, "host_kernel": "auto", "memory_margin": 0.10},
                 accumulation=True,
                 description="MemFerry data parallel: one rank process per device, the scenario's batch split between "

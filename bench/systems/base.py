@@ -150,11 +150,9 @@ def _mean(losses: list[torch.Tensor]) -> torch.Tensor:
     return losses[0] if len(losses) == 1 else torch.stack([l.float() for l in losses]).mean()
 
 
-def forward_backward(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                     autocast: Any = contextlib.nullcontext, accumulation: int = 1) -> torch.Tensor:
-    """Labelled forward and backward of a plain module (``model(inputs, targets)`` returns the
-    loss) over ``accumulation`` micro-batches; the gradients are dropped, so repeated calls
-    time compute alone. Returns the mean micro-batch loss."""
+def _accumulate(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, autocast: Any,
+                accumulation: int) -> torch.Tensor:
+    """Forward and backward of ``loss / N`` over the ``accumulation`` micro-batches (gradients summed); the mean loss."""
     losses = []
     for x, y in micro_batches(inputs, targets, accumulation):
         with phase("forward"), autocast():
@@ -162,9 +160,18 @@ def forward_backward(model: torch.nn.Module, inputs: torch.Tensor, targets: torc
         with phase("backward"):
             (loss / accumulation if accumulation > 1 else loss).backward()
         losses.append(loss.detach())
+    return _mean(losses)
+
+
+def forward_backward(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                     autocast: Any = contextlib.nullcontext, accumulation: int = 1) -> torch.Tensor:
+    """Labelled forward and backward of a plain module (``model(inputs, targets)`` returns the
+    loss) over ``accumulation`` micro-batches; the gradients are dropped, so repeated calls
+    time compute alone. Returns the mean micro-batch loss."""
+    loss = _accumulate(model, inputs, targets, autocast, accumulation)
     for p in model.parameters():
         p.grad = None
-    return _mean(losses)
+    return loss
 
 
 def module_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor,
@@ -173,17 +180,11 @@ def module_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs
     returns the loss; over ``accumulation`` micro-batches, backward of ``loss / N`` (gradients
     summed); ``optimizer.step()`` once and zeroed gradients. Returns the mean micro-batch loss.
     """
-    losses = []
-    for x, y in micro_batches(inputs, targets, accumulation):
-        with phase("forward"), autocast():
-            loss = model(x, y)
-        with phase("backward"):
-            (loss / accumulation if accumulation > 1 else loss).backward()
-        losses.append(loss.detach())
+    loss = _accumulate(model, inputs, targets, autocast, accumulation)
     with phase("optimizer"):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return _mean(losses)
+    return loss
 
 
 def engine_step(engine: Any, inputs: torch.Tensor, targets: torch.Tensor, accumulation: int = 1,

@@ -6,6 +6,8 @@ Options:
         one batch and picks the plan under the scenario's device cap (its prediction goes in
         the row's notes, the explained plan in the worker log).
     max_grad_norm: global-norm clipping (None: off).
+    clip_mode: with clipping, ``speculative`` (host updates overlap backward, exact rollback of
+        clipped steps; the notes count them) or ``wait`` (see ``AdamW.clip_mode``).
     host_threads: CPU threads of the host optimizer (None: torch's default).
     host_kernel: ``auto``, ``torch`` or ``single-pass`` (see ``host_kernel.py``).
     memory_margin: the scheduler's fragmentation margin on predicted peak memory (plan auto).
@@ -66,7 +68,8 @@ class MemFerrySystem(BenchSystem):
         self._optimizer_alone = measure == "host-optimizer"
         spec = "prefetch" if self._optimizer_alone else ctx.options["plan"]
         cfg = AdamW(**ctx.adamw_kwargs(), max_grad_norm=ctx.options["max_grad_norm"],
-                    host_threads=ctx.options["host_threads"], host_kernel=ctx.options["host_kernel"])
+                    host_threads=ctx.options["host_threads"], host_kernel=ctx.options["host_kernel"],
+                    clip_mode=ctx.options.get("clip_mode", "speculative"))
         sample = None
         if spec == "auto":  # the scheduler profiles one batch of the scenario's shape under the device cap
             vocab = _vocab(ctx)
@@ -112,7 +115,16 @@ class MemFerrySystem(BenchSystem):
         measured, planned = self.engine.host_rate()
         rate = "" if measured is None else f"; host AdamW {measured * 1e9:.3f} ns/param" + (
             f" (planned {planned * 1e9:.3f})" if planned else "")
-        return f"{base}; host optimizer ms/step: {phases}{rate}"
+        return f"{base}; host optimizer ms/step: {phases}{rate}{self._clip_note()}"
+
+    def _clip_note(self) -> str:
+        """With clipping: how many steps clipped, and how many speculative updates rolled back."""
+        if self.engine.cfg.max_grad_norm is None:
+            return ""
+        c = self.engine.clip_stats()
+        return (f"; clip {self.engine.cfg.clip_mode}: {c['clipped_steps']} of {c['steps']} steps clipped, "
+                f"{c['rollback_steps']} rolled back ({c['rolled_back_units']} unit updates redone, "
+                f"{c['held_units']} held for want of backup room)")
 
     def _loss_note(self) -> str:
         """First and last step loss (does the loss fall?)."""

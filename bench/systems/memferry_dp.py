@@ -38,6 +38,7 @@ Options:
         separately could home different units on the device, and their collectives would not
         line up).
     max_grad_norm: global-norm clipping over the averaged gradient (None: off).
+    clip_mode: ``speculative`` or ``wait`` (as ``memferry``'s).
     loss_chunks: compute the loss over this many token slices (see ``bench/systems/memferry.py``).
     host_threads, host_kernel, memory_margin: as ``memferry``'s. Without ``host_threads``
         each rank's torch uses ``cpu_count // ranks`` threads, so the ranks do not
@@ -138,7 +139,7 @@ def build_job(ctx: SystemContext) -> tuple[DPJob, dict[str, str]]:
         raise ValueError(f"{_NAME}: memory_margin must lie in [0, 1), got {margin!r}")
     try:
         optim = AdamW(**ctx.adamw_kwargs(), max_grad_norm=opts["max_grad_norm"], host_threads=opts["host_threads"],
-                      host_kernel=opts["host_kernel"])
+                      host_kernel=opts["host_kernel"], clip_mode=opts.get("clip_mode", "speculative"))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{_NAME}: {exc}") from None
     cap = backend.memory_cap(ctx.device_index)

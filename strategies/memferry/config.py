@@ -5,7 +5,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["AdamW", "UnitPlan", "Plan", "MODES", "OFFLOAD_MIN_BYTES"]
+__all__ = ["AdamW", "UnitPlan", "Plan", "MODES", "OFFLOAD_MIN_BYTES", "CLIP_MODES"]
+
+#: How host updates meet global-norm clipping (``AdamW.clip_mode``).
+CLIP_MODES = ("speculative", "wait")
 
 #: Where a unit's weights are read from during a pass:
 #: ``resident``: a device copy kept between steps (refreshed after each update);
@@ -27,8 +30,18 @@ class AdamW:
         betas: moment decay rates.
         eps: denominator term.
         weight_decay: decoupled weight decay, applied to every parameter.
-        max_grad_norm: clip the global gradient 2-norm to this (None: no clipping). Clipping
-            needs every gradient before any update, so updates then wait for backward to end.
+        max_grad_norm: clip the global gradient 2-norm to this (None: no clipping). The clip
+            coefficient needs every gradient; see ``clip_mode`` for how updates meet that.
+        clip_mode: with ``max_grad_norm``: ``"speculative"`` (default) updates each host-homed
+            unit as its gradient lands, as if no clip fired, after backing up its fp32 master and
+            moments; a step whose norm turns out above ``max_grad_norm`` restores the backups and
+            re-applies with the true coefficient (a rollback: exact, bit-equal to ``"wait"``).
+            ``"wait"`` holds every host update until backward has ended.
+        clip_backup_bytes: pinned host memory for ``"speculative"``'s backups (12 bytes per
+            host-updated parameter; int or a size such as ``"8GB"``); units landing once it is
+            full wait as in ``"wait"``. None: enough for every host-updated unit (refused when
+            it does not fit). ``"auto"``: that, but at most half the host memory the shadow
+            model's other buffers leave.
         host_threads: CPU threads of the host optimizer (None: torch's intra-op default).
             Its OpenMP team waits for its slowest thread, so a team that shares a core with
             the training thread (busy launching kernels) runs at that core's pace.
@@ -46,6 +59,8 @@ class AdamW:
     max_grad_norm: float | None = None
     host_threads: int | None = None
     host_kernel: str = "auto"
+    clip_mode: str = "speculative"
+    clip_backup_bytes: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -60,6 +75,29 @@ class AdamW:
             raise ValueError(f"host_threads must be a positive int or None, got {self.host_threads!r}")
         if self.host_kernel not in ("auto", "torch", "single-pass"):
             raise ValueError(f"host_kernel must be 'auto', 'torch' or 'single-pass', got {self.host_kernel!r}")
+        if self.clip_mode not in CLIP_MODES:
+            raise ValueError(f"clip_mode must be 'speculative' or 'wait', got {self.clip_mode!r}")
+        self.backup_budget()  # refuses a bad size now
+
+    def backup_budget(self) -> int | str | None:
+        """``clip_backup_bytes`` in bytes (None: unbounded; ``"auto"`` as given)."""
+        if self.clip_backup_bytes is None or self.clip_backup_bytes == "auto":
+            return self.clip_backup_bytes
+        from xpu.units import parse_bytes
+
+        try:
+            value = parse_bytes(self.clip_backup_bytes)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"clip_backup_bytes must be a byte count >= 0, a size such as '8GB', 'auto' or None, "
+                             f"got {self.clip_backup_bytes!r}") from exc
+        if value < 0:
+            raise ValueError(f"clip_backup_bytes must be >= 0, got {self.clip_backup_bytes!r}")
+        return value
+
+    @property
+    def speculative(self) -> bool:
+        """Clipping is on and host updates run speculatively (see ``clip_mode``)."""
+        return self.max_grad_norm is not None and self.clip_mode == "speculative"
 
 
 @dataclass(frozen=True)

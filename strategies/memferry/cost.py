@@ -44,17 +44,19 @@ form is what :func:`predict` evaluates, with the exact recurrence the scheduler'
 program uses (:func:`advance`, :func:`finish`), so the scheduler is optimal for this model.
 
 Peak memory (bytes): resident ``rest`` (compute-dtype weights; + fp32 master and 2 moments
-when device-homed) + per block (device-homed: the same 18 B/param in
-bf16; host-homed resident: its weights) + saved activations of every block (only the block
-input with recompute) + prefetch slots ``(depth + 1) * largest prefetched block`` + the
-largest of the loss peak (logits in fp32 and their gradient: what OOMed the capped device12
-run), one block's backward transient (its recomputed activations + its gradients) beside
-``rest``'s gradients (held until backward's end), and a device-homed ``rest``'s update
-(:func:`transient_bytes`), all
-times ``1 + margin`` for allocator fragmentation (``memory_margin``: the only reserve; none
-is added on top). The loss peak is measured by the profiler on the model as it will run,
-``loss_chunks`` included, for our ``CausalLM`` (gpt, llama), ``HFCausalLM`` and Hugging Face
-models computing their own loss alike; where it cannot be measured it is
+when device-homed) + per block (device-homed: the same 18 B/param in bf16; host-homed
+resident: its weights) + saved activations of every block (only the block input with
+recompute) + prefetch slots ``(depth + 1) * largest prefetched block`` + the largest of the
+loss peak (logits in fp32 and their gradient: what OOMed the capped device12 run), one
+block's backward transient (its recomputed activations + its gradients) beside ``rest``'s
+gradients (held until backward's end), and a device-homed ``rest``'s update
+(:func:`transient_bytes`), all times ``1 + margin`` for allocator fragmentation
+(``memory_margin``: the only reserve; none is added on top; it also covers CUDA's rounding
+and its cap on reserved bytes, docs/design.md §3.5). With gradient accumulation a
+device-homed unit's fp32 gradient buffer is resident all step, not its update's transient
+(:func:`grads_persist`). The loss peak is measured by the profiler on the model as it will
+run, ``loss_chunks`` included, for our ``CausalLM`` (gpt, llama), ``HFCausalLM`` and Hugging
+Face models computing their own loss alike; where it cannot be measured it is
 :func:`loss_peak_estimate` of the head's shape. The head's weights are ``rest``'s, resident.
 
 Activation offload (``UnitPlan.offload``): the block's saved activations leave on the d2h
@@ -66,7 +68,8 @@ blocks' worth (this one and the look-ahead) while backward passes. Saved tensors
 Not modelled: link contention between prefetch copies, DHA reads and gradient copies (the
 probe measures 92-98 GB/s duplex against 55 GB/s per direction); D2H queueing; a deeper
 prefetch's smoothing of uneven blocks (depth only costs slots here); gradient clipping
-(``max_grad_norm`` makes every update wait for backward's end).
+(speculative by default, ``AdamW.clip_mode``: updates overlap backward as without it, but a
+step whose clip fires re-applies them after backward; ``"wait"`` makes every update wait).
 """
 from __future__ import annotations
 
@@ -83,7 +86,7 @@ if TYPE_CHECKING:  # the profiler imports torch; the model itself needs only num
 
 __all__ = ["Links", "links_from_probe", "OptionCost", "option_cost", "Prediction", "predict", "State",
            "initial_state", "advance", "finish", "device_bytes_per_param", "H200_DHA_ROWS", "loss_peak_estimate",
-           "auto_loss_chunks", "rest_resident_bytes", "transient_bytes"]
+           "auto_loss_chunks", "rest_resident_bytes", "transient_bytes", "grads_persist"]
 
 #: DHA matmul slow-down against copy-then-matmul, by M (rows), measured on the H200
 #: (docs/design.md §3: 8192x8192 bf16 weight; 2.66/2.49 ms at M=64, 5.3/2.5 at 256, 42/3.1 at 4096,
@@ -163,8 +166,17 @@ def device_bytes_per_param(dtype_bytes: int, with_grad: bool = False) -> int:
     """Device bytes per parameter of a device-homed unit, as ``ShadowModel`` allocates them:
     compute-dtype weights, fp32 master (the same buffer in fp32) and two fp32 moments (14 B in
     bf16, 12 B in fp32), plus the fp32 gradient buffer (4 B) ``with_grad``, which holds memory
-    only while the unit's update runs."""
+    only while the unit's update runs without accumulation, and from the step's first
+    micro-batch to the update with it (:func:`grads_persist`)."""
     return dtype_bytes + (0 if dtype_bytes == 4 else 4) + 8 + (4 if with_grad else 0)
+
+
+def grads_persist(profile: "StepProfile") -> bool:
+    """Whether device-homed units' fp32 gradient buffers stay allocated all step: with
+    ``accumulation_steps > 1`` the ``DeviceOptimizer`` sums micro-batches into the buffer and
+    frees it after the update (Qwen2-1.5B's device-homed tied head: 934 MB, resident through
+    every later micro-batch; counted as a transient, an 8 GB plan ran out of memory)."""
+    return getattr(profile, "accumulation_steps", 1) > 1
 
 
 def loss_peak_estimate(tokens: int, vocab: int, hidden: int, chunks: int = 1, dtype_bytes: int = 4) -> int:
@@ -297,8 +309,9 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
     # The executor keeps the last `depth` blocks' forward copies for backward when both passes prefetch.
     kept = unit.forward == unit.backward == "prefetch" and index >= n - prefetch_depth
     grad_bytes = blk.numel * profile.dtype_bytes
+    held = grads_persist(profile)  # the fp32 gradient buffer: resident all step, or only in backward
     if not host:
-        persist = blk.numel * device_bytes_per_param(profile.dtype_bytes)
+        persist = blk.numel * device_bytes_per_param(profile.dtype_bytes, with_grad=held)
     else:
         persist = w if resident else 0
     off_out = off_in = 0.0
@@ -318,7 +331,7 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
         # recompute: the block's activations rebuilt in backward; offload: this block's and the
         # next one's (look-ahead) back on the device
         trans=(blk.act_bytes if unit.recompute else 2 * blk.act_bytes if unit.offload else 0) + grad_bytes
-        + (0 if host else blk.numel * 4)
+        + (0 if host or held else blk.numel * 4)
         + (_ring_bytes(profile.tokens) if unit.forward == "dha" else 0),
         slot=w if "prefetch" in (unit.forward, unit.backward) else 0,
         host=host,
@@ -437,9 +450,11 @@ def finish(state: State, first: OptionCost, profile: "StepProfile", links: Links
 
 def rest_resident_bytes(profile: "StepProfile", rest_optimizer: str) -> int:
     """Device bytes ``rest`` (embeddings, head, final norm) holds all step: its compute-dtype
-    weights, plus the fp32 master and moments when it is device-homed (its fp32 gradient
+    weights, plus the fp32 master and moments when it is device-homed, and then its fp32
+    gradient buffer too under gradient accumulation (:func:`grads_persist`; without it the
     buffer is a transient: :func:`transient_bytes`)."""
-    per = device_bytes_per_param(profile.dtype_bytes) if rest_optimizer == "device" else profile.dtype_bytes
+    per = (device_bytes_per_param(profile.dtype_bytes, with_grad=grads_persist(profile)) if rest_optimizer == "device"
+           else profile.dtype_bytes)
     return profile.rest_numel * per
 
 
@@ -451,10 +466,11 @@ def transient_bytes(profile: "StepProfile", rest_optimizer: str, trans: int) -> 
       the head's weight gradient, the hidden-state gradient; measured with ``loss_chunks``);
     * a block's backward, beside ``rest``'s gradients: they stay on the device until its last
       one lands (the input embedding's, at backward's end; a tied head's is that same one);
-    * ``rest``'s update when device-homed: its gradients upcast into the fp32 buffer.
+    * ``rest``'s update when device-homed: its gradients upcast into the fp32 buffer (already
+      resident under gradient accumulation: :func:`rest_resident_bytes`).
     """
     rest_grads = profile.rest_numel * profile.dtype_bytes
-    end = rest_grads + (profile.rest_numel * 4 if rest_optimizer == "device" else 0)
+    end = rest_grads + (profile.rest_numel * 4 if rest_optimizer == "device" and not grads_persist(profile) else 0)
     return max(profile.loss_peak_bytes, trans + rest_grads, end)
 
 

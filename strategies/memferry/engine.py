@@ -179,7 +179,7 @@ class MemFerry:
             if plan == "auto":  # the convenience form: plan first (the model is already cast)
                 plan = plan_for(model, sample, device_budget, optim=self.cfg, loss_fn=loss_fn, blocks=blocks,
                                 device=self.device, backend=self.backend, process_group=process_group,
-                                memory_margin=memory_margin)
+                                memory_margin=memory_margin, accumulation_steps=accumulation_steps)
             elif isinstance(plan, str):
                 plan = Plan.from_spec(plan, n_blocks)
             plan = plan or Plan.uniform(n_blocks, UnitPlan("prefetch", "prefetch"))
@@ -197,7 +197,8 @@ class MemFerry:
                 self.dp = DataParallel.create(self.backend.device(self.device), process_group)
             with self.backend.device_scope(self.device):
                 self.shadow = ShadowModel(units, self.backend, self.device, device_homes, self.dp, originals=originals,
-                                          accumulate=accumulation_steps > 1)
+                                          accumulate=accumulation_steps > 1,
+                                          backup_budget=self.cfg.backup_budget() if self.cfg.speculative else 0)
         except BaseException:
             # Refused (a bad budget, no fitting plan, too little host memory): give the caller
             # back the model as it came; units already made into shadows are the engine's.
@@ -208,13 +209,15 @@ class MemFerry:
         read_in_place = frozenset(u.index for u, up in zip(units, plan.units) if "dha" in (up.forward, up.backward))
         self.optimizer = HostOptimizer(self.cfg, self.shadow.shadows, self.dp,
                                        bind=functools.partial(self.backend.bind_process, self.device),
-                                       whole_on_host=read_in_place)
+                                       whole_on_host=read_in_place, backup=self.shadow.backup)
         self.device_optimizer = DeviceOptimizer(self.cfg, self.shadow.shadows, self.backend)
         self.copier = self._copier(multipath)
         self.executor = Executor(self.backend, self.device, self.shadow, plan, self.optimizer, self.device_optimizer,
                                  copier=self.copier)
         self.plan = plan
         self._steps = 0
+        #: steps whose clip coefficient was below 1 (clipping fired).
+        self.clipped_steps = 0
         self.micro = MicroBatches(accumulation_steps)
         self._handle: Any = None  # the Optimizer-shaped handle, once asked for
         self._in_backward = False  # between the gate's backward and the end-of-backward callback
@@ -288,7 +291,9 @@ class MemFerry:
             self.executor.end_backward()
 
     def step(self) -> None:
-        """End the step: with clipping, the held updates run now (after every gradient is in).
+        """End the step: with clipping, the coefficient is computed now (after every gradient is in)
+        and the host applies it: held updates run, speculative ones are kept (no clip) or rolled
+        back and re-applied (``AdamW.clip_mode``; counts in :meth:`clip_stats`).
 
         Without clipping, updates started as gradients landed and this returns at once. After
         fewer backwards than ``accumulation_steps``, the accumulated updates are applied now.
@@ -312,12 +317,21 @@ class MemFerry:
             self.last_grad_norm = math.sqrt(sq)
             # as torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), capped at 1
             coef = min(1.0, self.cfg.max_grad_norm / (self.last_grad_norm + 1e-6))
+            self.clipped_steps += coef != 1.0
         with self.backend.device_scope(self.device):
             self.device_optimizer.finish_step(coef)
         self.optimizer.finish_step(coef)
         self._steps += 1
         if self._steps == _RATE_CHECK_STEP:
             self._check_host_rate()
+
+    def clip_stats(self) -> dict[str, int]:
+        """Clipping so far: ``clipped_steps`` (coefficient below 1), and from the host optimizer
+        (see ``AdamW.clip_mode``) ``steps``, ``rollback_steps`` (steps whose speculative updates
+        were restored and re-applied: the clipped ones, plus any whose learning rate changed
+        between backward and :meth:`step`), ``speculated_units``, ``rolled_back_units`` and
+        ``held_units`` (no backup room: they waited). Waits for queued host work."""
+        return {"clipped_steps": self.clipped_steps, **self.optimizer.clip_counts()}
 
     def host_rate(self) -> tuple[float | None, float | None]:
         """``(measured, planned)`` host AdamW seconds per parameter: what this engine's updates

@@ -6,10 +6,14 @@ compute-dtype working copy, which is where the next forward reads weights from: 
 separate upload phase. Consumers wait per unit (:meth:`HostOptimizer.wait`), so the next
 forward of unit *i* starts as soon as unit *i* is updated.
 
-Global-norm clipping needs every gradient before any update. With ``max_grad_norm`` set,
-the worker still receives, upcasts and measures each unit's gradient during backward, and
-applies all updates once :meth:`finish_step` supplies the clip coefficient (from
-:meth:`grad_sqnorm` and the device units' norms): exact, less overlap.
+Global-norm clipping needs every gradient before the coefficient is known. With
+``max_grad_norm`` set, the worker measures each unit's gradient as it lands, and
+:meth:`finish_step` supplies the coefficient (from :meth:`grad_sqnorm` and the device units'
+norms). ``clip_mode="wait"`` holds every update until then: exact, less overlap.
+``clip_mode="speculative"`` backs the unit's master and moments up (``speculative_clip.py``) and
+updates at once with coefficient 1; :meth:`finish_step` then commits (coefficient 1, same
+learning rate) or rolls back and re-applies: exact too, bit-equal to ``"wait"``. Either way a
+unit's update is published (:meth:`wait` returns, its landing zone is freed) only at the finish.
 
 Gradient accumulation: a gradient submitted with ``final=False`` (an earlier micro-batch of
 the step) is only added into the unit's fp32 ``grad_acc``; the one submitted with
@@ -22,7 +26,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -30,6 +34,7 @@ from .config import AdamW
 from .data_parallel import DataParallel
 from .host_kernel import make_host_kernel
 from .shadow import UnitShadow
+from .speculative_clip import Backups
 
 __all__ = ["HostOptimizer"]
 
@@ -48,10 +53,13 @@ class HostOptimizer:
         bind: called first in the worker thread, e.g. to make the engine's device the thread's
             current one (a new thread starts on device 0: waiting on an event there would open
             a context on device 0 in every rank's process).
+        backup: fp32 arena for speculative clipping's backups (``ShadowModel.backup``); used
+            when ``cfg.speculative``; None or empty: every clipped update waits.
     """
 
     def __init__(self, cfg: AdamW, shadows: list[UnitShadow], dp: DataParallel | None = None,
-                 bind: Callable[[], None] | None = None, whole_on_host: frozenset[int] = frozenset()) -> None:
+                 bind: Callable[[], None] | None = None, whole_on_host: frozenset[int] = frozenset(),
+                 backup: torch.Tensor | None = None) -> None:
         self.cfg = cfg
         self.whole_on_host = whole_on_host
         self._bind = bind
@@ -67,13 +75,24 @@ class HostOptimizer:
         self._received = [0] * len(shadows)  # worker side: micro-batches summed into grad_acc this step
         self._open: set[int] = set()  # training side: units with accumulated gradients and no update queued
         self._tasks: queue.Queue = queue.Queue()
-        self._pending: list[int] = []
+        # This step's clipped units in landing order, each with the learning rate its speculative
+        # update used (None: held, not yet updated).
+        self._order: list[tuple[int, float | None]] = []
+        self._backups = Backups(backup if backup is not None else torch.empty(0)) if cfg.speculative else None
+        self._lr = cfg.lr  # worker side: the rate the kernel applies now
+        #: speculative clipping, totals so far (worker side; read them with :meth:`clip_counts`):
+        #: ``steps`` finished with clipping on, ``rollback_steps`` among them that restored
+        #: backups, ``speculated_units``, ``rolled_back_units``, ``held_units`` (no backup room).
+        self.clip_stats = {"steps": 0, "rollback_steps": 0, "speculated_units": 0, "rolled_back_units": 0,
+                           "held_units": 0}
         self._sqnorm = 0.0
         self._error: BaseException | None = None
         #: seconds spent per phase, for the scheduler's cost model: waiting for gradients to
         #: land, upcasting them, the AdamW kernel, writing the compute-dtype copy; and
-        #: ``consumer_wait``: how long callers of :meth:`wait` (the next forward) were blocked.
-        self.time_s = {"wait": 0.0, "upcast": 0.0, "adamw": 0.0, "writeback": 0.0, "consumer_wait": 0.0}
+        #: ``consumer_wait``: how long callers of :meth:`wait` (the next forward) were blocked;
+        #: ``backup``: speculative clipping's copies and restores.
+        self.time_s = {"wait": 0.0, "upcast": 0.0, "adamw": 0.0, "writeback": 0.0, "consumer_wait": 0.0,
+                       "backup": 0.0}
         #: parameters updated so far (this rank's shards), for :meth:`measured_s_per_param`.
         self.updated_numel = 0
         self._thread = threading.Thread(target=self._run, name="memferry-host-adamw", daemon=True)
@@ -120,8 +139,16 @@ class HostOptimizer:
 
         Only with clipping (otherwise updates do not wait and nothing is measured).
         """
-        result: "queue.Queue[float]" = queue.Queue(maxsize=1)
-        self._tasks.put(("norm", None, result.put))
+        return self._ask("norm")
+
+    def clip_counts(self) -> dict[str, int]:
+        """:attr:`clip_stats` once every queued task is done (a copy)."""
+        return self._ask("stats")
+
+    def _ask(self, kind: str) -> Any:
+        """Queue ``kind`` behind everything submitted and block for the worker's reply."""
+        result: queue.Queue = queue.Queue(maxsize=1)
+        self._tasks.put((kind, None, result.put))
         while True:
             self._raise_if_failed()
             try:
@@ -164,11 +191,12 @@ class HostOptimizer:
 
     def measured_s_per_param(self) -> float | None:
         """Seconds per parameter the updates so far took (upcast, AdamW and write-back, which
-        under data parallelism includes the weight exchange; not the waits), the figure the
+        under data parallelism includes the weight exchange, and speculative clipping's backups;
+        not the waits; a rolled-back update counts twice), the figure the
         scheduler's profile predicts; None before any update."""
         if not self.updated_numel:
             return None
-        work = self.time_s["upcast"] + self.time_s["adamw"] + self.time_s["writeback"]
+        work = self.time_s["upcast"] + self.time_s["adamw"] + self.time_s["writeback"] + self.time_s["backup"]
         return work / self.updated_numel
 
     def close(self) -> None:
@@ -209,12 +237,13 @@ class HostOptimizer:
                             self._finalize(i)
                 elif kind == "norm":
                     callback(self._sqnorm)
+                elif kind == "stats":
+                    callback(dict(self.clip_stats))
                 elif kind == "lr":
                     self.kernel.set_lr(arg)
+                    self._lr = arg
                 elif kind == "finish":
-                    for i in self._pending:
-                        self._update(i, arg)
-                    self._pending, self._sqnorm = [], 0.0
+                    self._resolve(arg)
             except BaseException as exc:
                 self._fail(exc)
                 return
@@ -244,9 +273,45 @@ class HostOptimizer:
         self._received[index] = 0
         if self.cfg.max_grad_norm is None:
             self._update(index, 1.0)
+            return
+        self._sqnorm += float(s.grad_source.double().square().sum())
+        t0 = time.perf_counter()
+        if self._backups is not None and self._backups.save(s):
+            self.time_s["backup"] += time.perf_counter() - t0
+            with torch.profiler.record_function(f"optimizer:host speculative {s.unit.name}"):
+                self._kernel(index, 1.0)  # published (or rolled back) by _resolve
+            self._order.append((index, self._lr))
+            self.clip_stats["speculated_units"] += 1
         else:
-            self._sqnorm += float(s.grad_source.double().square().sum())
-            self._pending.append(index)
+            self._order.append((index, None))
+            self.clip_stats["held_units"] += int(self._backups is not None)
+
+    def _resolve(self, coef: float) -> None:
+        """The clip coefficient is known: apply held updates; keep speculative ones that used
+        coefficient 1 and the current rate, restore and re-apply the others (exactly what
+        ``clip_mode="wait"`` computes). Units go in landing order on every rank (the weight
+        exchange of data parallelism follows it)."""
+        rolled = 0
+        for index, lr in self._order:
+            s = self.shadows[index]
+            if lr is None:
+                self._update(index, coef)
+            elif coef == 1.0 and lr == self._lr:
+                self._publish(index)
+            else:
+                t0 = time.perf_counter()
+                self._backups.restore(s)
+                s.step -= 1
+                self.kernel.sync_step(s)
+                self.time_s["backup"] += time.perf_counter() - t0
+                rolled += 1
+                self._update(index, coef)
+        self._order, self._sqnorm = [], 0.0
+        if self._backups is not None:
+            self._backups.reset()
+        self.clip_stats["steps"] += 1
+        self.clip_stats["rollback_steps"] += int(rolled > 0)
+        self.clip_stats["rolled_back_units"] += rolled
 
     def _fail(self, exc: BaseException) -> None:
         """Keep ``exc`` for the training thread (``_raise_if_failed``) and release every waiter."""
@@ -261,12 +326,21 @@ class HostOptimizer:
             self._apply(index, coef)
 
     def _apply(self, index: int, coef: float) -> None:
+        self._kernel(index, coef)
+        self._publish(index)
+
+    def _kernel(self, index: int, coef: float) -> None:
+        """The update itself: master, moments and working copy change; nothing is published."""
         s = self.shadows[index]
         for phase, seconds in self.kernel.apply(s, coef).items():
             self.time_s[phase] += seconds
+        self.updated_numel += s.master.numel()
+
+    def _publish(self, index: int) -> None:
+        """Unit ``index``'s update is final: free its landing zone, exchange shards, release waiters."""
+        s = self.shadows[index]
         s.accumulated = False
         self._consumed[index].set()
-        self.updated_numel += s.master.numel()
         if self.dp is not None and index in self.whole_on_host:
             t0 = time.perf_counter()
             self.dp.gather(s.work)  # read whole in place by DHA: every rank's copy whole again

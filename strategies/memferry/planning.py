@@ -36,7 +36,7 @@ def plan_for(model: nn.Module, sample: tuple[Any, Any] | None, device_budget: in
              optim: AdamW | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
              blocks: nn.ModuleList | None = None, device: int | None = None, backend: Backend | None = None,
              process_group: Any = None, memory_margin: float = 0.10,
-             compute_dtype: torch.dtype | None = None) -> Plan:
+             compute_dtype: torch.dtype | None = None, accumulation_steps: int = 1) -> Plan:
     """The plan MemFerry's scheduler picks for ``model`` under ``device_budget``, from one profiled step.
 
     The arguments mean what they mean to :class:`~strategies.memferry.engine.MemFerry`; the
@@ -48,8 +48,10 @@ def plan_for(model: nn.Module, sample: tuple[Any, Any] | None, device_budget: in
             ranks other than the group's first, which take its plan).
         device_budget: most device memory the run may use (None: what the device has free).
         optim: the optimizer settings training will use (its host kernel is measured).
-        loss_fn, blocks, device, backend, process_group, memory_margin, compute_dtype: as
-            :class:`~strategies.memferry.engine.MemFerry`'s.
+        loss_fn, blocks, device, backend, process_group, memory_margin, compute_dtype,
+            accumulation_steps: as :class:`~strategies.memferry.engine.MemFerry`'s (the
+            micro-batches per step keep device-homed units' fp32 gradients resident all step:
+            ``cost.grads_persist``).
 
     Raises:
         ValueError: no ``sample`` where one is profiled, a bad ``memory_margin`` or
@@ -57,12 +59,15 @@ def plan_for(model: nn.Module, sample: tuple[Any, Any] | None, device_budget: in
     """
     if not 0.0 <= memory_margin < 1.0:
         raise ValueError(f"memory_margin must lie in [0, 1), got {memory_margin}")
+    from .accumulation import check_accumulation_steps
+
+    check_accumulation_steps(accumulation_steps)
     backend = backend or xpu.get_backend()
     index = backend.index_of(device)
 
     def plan_here() -> Plan:
         return _profile_and_schedule(model, sample, device_budget, optim or AdamW(), loss_fn, blocks, index, backend,
-                                     memory_margin, compute_dtype)
+                                     memory_margin, compute_dtype, accumulation_steps)
 
     if process_group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         process_group = dist.group.WORLD
@@ -73,7 +78,8 @@ def plan_for(model: nn.Module, sample: tuple[Any, Any] | None, device_budget: in
 
 
 def _profile_and_schedule(model: nn.Module, sample: Any, device_budget: Any, optim: AdamW, loss_fn: Any, blocks: Any,
-                          index: int, backend: Backend, margin: float, compute_dtype: torch.dtype | None) -> Plan:
+                          index: int, backend: Backend, margin: float, compute_dtype: torch.dtype | None,
+                          accumulation_steps: int = 1) -> Plan:
     """Profile one step here and pick the fastest plan the budget allows."""
     from xpu.units import parse_bytes
 
@@ -91,6 +97,7 @@ def _profile_and_schedule(model: nn.Module, sample: Any, device_budget: Any, opt
         inputs, targets = sample
         profile = profile_step(model, units, backend, index, inputs, targets, loss_fn=loss_fn, blocks=blocks,
                                host_kernel=optim.host_kernel)
+        profile.accumulation_steps = accumulation_steps  # what persists across micro-batches (cost.grads_persist)
         budget = parse_bytes(device_budget) if device_budget is not None else backend.mem_info(index)[0]
         plan = schedule(profile, links_from_probe(backend, index), budget, n_blocks, allow_dha=backend.caps.dha,
                         margin=margin)

@@ -87,6 +87,11 @@ class StepProfile:
         notes: how figures were obtained, where not plainly measured.
         vocab, hidden: the output head's shape (0: no head found).
         loss_chunks: the token slices the loss was profiled with (``model.loss_chunks``; 1: whole logits).
+        accumulation_steps: micro-batches per optimizer step of the run being planned (a
+            setting, not a measurement: ``plan_for`` sets it). Above 1, the fp32 gradient
+            buffer of every device-homed unit lives from the step's first micro-batch to its
+            update (``cost.grads_persist``): 4 bytes per parameter held through every forward
+            and backward, which a profile of one micro-batch never sees.
     """
 
     blocks: list[BlockProfile]
@@ -106,6 +111,7 @@ class StepProfile:
     vocab: int = 0
     hidden: int = 0
     loss_chunks: int = 1
+    accumulation_steps: int = 1
 
     def to_json(self) -> str:
         """The profile as a JSON string."""

@@ -30,7 +30,7 @@ from xpu import Backend
 from .data_parallel import DataParallel
 from .units import Unit
 
-__all__ = ["UnitShadow", "ShadowModel", "host_bytes_needed"]
+__all__ = ["UnitShadow", "ShadowModel", "host_bytes_needed", "backup_elements"]
 
 
 @dataclass
@@ -119,17 +119,33 @@ def train_part(shard: slice, train_numel: int) -> slice:
     return slice(min(shard.start, train_numel), min(shard.stop, train_numel))
 
 
+def backup_elements(units: list[Unit], device_homes: set[int] | frozenset, dp: "DataParallel | None" = None,
+                    budget: int | None = 0) -> int:
+    """fp32 elements of the speculative-clipping backup arena (``AdamW.clip_mode``): room for the
+    master and two moments (12 bytes per parameter) of every host-updated shard, capped at
+    ``budget`` bytes (None: uncapped; 0: no speculation)."""
+    total = 0
+    for u in units:
+        if u.index in device_homes or not u.params:
+            continue
+        shard = dp.shard(u.numel)[1] if dp is not None else slice(0, u.train_numel)
+        shard = train_part(shard, u.train_numel)
+        total += 3 * (shard.stop - shard.start)
+    return total if budget is None else min(total, budget // 4)
+
+
 def host_bytes_needed(units: list[Unit], device_homes: set[int] | frozenset, dp: "DataParallel | None" = None,
-                      accumulate: bool = False) -> int:
+                      accumulate: bool = False, backup_budget: int | None = 0) -> int:
     """Pinned host bytes :class:`ShadowModel` will take for ``units`` (checked before allocating).
 
     Per host-homed unit: the compute-dtype working copy of all parameters (whole, padded under
     data parallelism), and for the trainable ones the gradient landing zone, the fp32 master and
     two moments (this rank's shard); an fp32 unit's master is its working copy. Frozen
     parameters take only their working copy (2 bytes each in bf16, 4 in fp32). With ``accumulate`` (gradient accumulation), an
-    fp32 sum of the micro-batches' gradients per shard too.
+    fp32 sum of the micro-batches' gradients per shard too. With ``backup_budget`` (speculative
+    clipping: 0 none, None uncapped), the backup arena of :func:`backup_elements`.
     """
-    total = 0
+    total = 4 * backup_elements(units, device_homes, dp, backup_budget)
     for u in units:
         if u.index in device_homes or not u.params:
             continue
@@ -165,12 +181,16 @@ class ShadowModel:
             master and moments live in device memory and the device updates them.
         dp: data-parallel set-up: host-homed units keep only this rank's shard of their
             master, moments and gradient.
+        backup_budget: bytes of speculative clipping's backup arena (:attr:`backup`, see
+            :func:`backup_elements`): 0 none, None as much as every host-homed unit needs,
+            ``"auto"`` that but at most half the host memory the other buffers leave.
     """
 
     def __init__(self, units: list[Unit], backend: Backend, device: int, device_homes: set[int] | frozenset = frozenset(),
                  dp: "DataParallel | None" = None, originals: dict[str, torch.Tensor] | None = None,
-                 accumulate: bool = False) -> None:
+                 accumulate: bool = False, backup_budget: int | str | None = 0) -> None:
         self.backend, self.device, self.dp = backend, device, dp
+        self.backup_budget = backup_budget
         self.accumulate = accumulate
         self.units = units
         # Parameters cast to the compute dtype by the engine: masters from these (fp32)
@@ -185,25 +205,38 @@ class ShadowModel:
             # one), so the host never holds the whole fp32 model beside the finished shadows.
             for name, _ in u.params:
                 self._originals.pop(name, None)
+        # Speculative clipping's backups of masters and moments (host_optimizer.py): one flat fp32 arena.
+        n_backup = backup_elements(units, device_homes, dp, self.backup_budget)
+        #: fp32 backup arena for speculative clipping (empty without it).
+        self.backup = backend.host_arena.empty(n_backup, torch.float32) if n_backup else torch.empty(0)
+
+    def _room(self) -> tuple[int | None, str]:
+        """Host bytes left for the shadow model (None: unknown) and what bounds them, for messages."""
+        arena = self.backend.host_arena
+        if arena.budget is not None:
+            return arena.budget - arena.stats().in_use, "the pinned host-memory budget (XPU_HOST_MEM_BUDGET)"
+        return _mem_available(), "the host's available memory (MemAvailable)"
 
     def _check_host_memory(self, device_homes: set[int] | frozenset) -> None:
-        """Refuse before allocating anything when the host buffers cannot all fit."""
+        """Refuse before allocating anything when the host buffers cannot all fit; resolve an
+        ``"auto"`` backup budget to half the room the other buffers leave."""
         from xpu.errors import HostMemoryBudgetError
         from xpu.units import format_bytes
 
-        need = host_bytes_needed(self.units, device_homes, self.dp, self.accumulate)
-        arena = self.backend.host_arena
-        stats = arena.stats()
-        if arena.budget is not None:
-            room, what = arena.budget - stats.in_use, "the pinned host-memory budget (XPU_HOST_MEM_BUDGET)"
-        else:
-            room, what = _mem_available(), "the host's available memory (MemAvailable)"
-            if room is None:
-                return
+        room, what = self._room()
+        if self.backup_budget == "auto":
+            rest = host_bytes_needed(self.units, device_homes, self.dp, self.accumulate)
+            self.backup_budget = None if room is None else max(0, (room - rest) // 2)
+        need = host_bytes_needed(self.units, device_homes, self.dp, self.accumulate, self.backup_budget)
+        if room is None:
+            return
         if need > room:
+            backup = 4 * backup_elements(self.units, device_homes, self.dp, self.backup_budget)
+            extra = (f", {format_bytes(backup)} of them speculative clipping's backups (AdamW clip_mode='wait' or a "
+                     f"smaller clip_backup_bytes needs less)") if backup else ""
             raise HostMemoryBudgetError(
                 f"the shadow model needs {format_bytes(need)} of pinned host memory (working copies, fp32 masters, "
-                f"Adam moments, gradients of the host-homed units) but {what} leaves {format_bytes(room)}; "
+                f"Adam moments, gradients of the host-homed units{extra}) but {what} leaves {format_bytes(room)}; "
                 f"raise it, home more units on the device (plan deviceN), or train a smaller model")
 
     def _original(self, name: str, p: torch.Tensor) -> torch.Tensor:
@@ -294,6 +327,9 @@ class ShadowModel:
             buffers = {t.untyped_storage().data_ptr(): t for t in held if t is not None and t.numel()}
             for t in buffers.values():
                 arena.release(t)
+        if self.backup.numel():
+            arena.release(self.backup)
+            self.backup = torch.empty(0)
         self.shadows = []
 
     # ------------------------------------------------------------------ checkpoints

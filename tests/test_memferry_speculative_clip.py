@@ -1,0 +1,280 @@
+"""Speculative clipping (AdamW clip_mode="speculative"): host updates start with coefficient 1 as
+gradients land and roll back exactly when the clip fires. Bit-equal to clip_mode="wait"."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from strategies.memferry import AdamW, MemFerry, Plan, UnitPlan
+from strategies.memferry.shadow import backup_elements, host_bytes_needed
+from strategies.memferry.units import split_units
+from tests.test_memferry_numerics import TinyGPT, batches, lm_loss
+
+PLANS = {
+    "prefetch": lambda: Plan.uniform(4, UnitPlan("prefetch", "prefetch")),
+    # device-homed, resident, recompute and DHA-backward units together, the rest unit on the device
+    "device": lambda: Plan([UnitPlan("resident", "resident", optimizer="device"), UnitPlan("prefetch", "prefetch"),
+                            UnitPlan("resident", "resident", recompute=True, optimizer="device"),
+                            UnitPlan("dha", "prefetch", recompute=True)], rest_optimizer="device"),
+}
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+# Gradient norms of these runs lie near 0.93-0.99: never / always / on some steps only.
+CLIPS = {"never": 10.0, "always": 0.5, "some": 0.955}
+STEPS = 5
+
+
+def _model():
+    torch.manual_seed(0)
+    return TinyGPT()
+
+
+def run(backend, clip, mode, plan="prefetch", dtype="fp32", accumulation=1, backup=None, lr_between=None):
+    """Train STEPS steps; returns losses, norms, every shadow buffer, the state dicts and clip stats."""
+    cfg = AdamW(lr=3e-3, weight_decay=0.1, max_grad_norm=clip, clip_mode=mode, clip_backup_bytes=backup)
+    engine = MemFerry(_model(), optim=cfg, plan=PLANS[plan](), backend=backend, loss_fn=lm_loss,
+                      compute_dtype=DTYPES[dtype], accumulation_steps=accumulation)
+    losses, norms = [], []
+    data = batches(STEPS * accumulation)
+    for step in range(STEPS):
+        for x, y in data[step * accumulation:(step + 1) * accumulation]:
+            loss = lm_loss(engine(x), engine._to_device(y)) / accumulation
+            engine.backward(loss)
+            losses.append(loss.detach().float().cpu())
+        if lr_between is not None and step == 2:
+            engine.set_lr(lr_between)  # after backward, before step: the speculative updates used the old rate
+        engine.step()
+        norms.append(engine.last_grad_norm)
+    state = engine.state_dict()
+    buffers = [{k: getattr(s, k).detach().cpu().clone() for k in ("work", "master", "exp_avg", "exp_avg_sq")}
+               | {"step": s.step} for s in engine.shadow.shadows]
+    stats = engine.clip_stats()
+    engine.close()
+    return {"losses": losses, "norms": norms, "buffers": buffers, "state": state, "stats": stats}
+
+
+def assert_bit_equal(a, b):
+    assert len(a["losses"]) == len(b["losses"])
+    for la, lb in zip(a["losses"], b["losses"]):
+        assert torch.equal(la, lb)
+    assert a["norms"] == b["norms"]
+    for ba, bb in zip(a["buffers"], b["buffers"]):
+        assert ba["step"] == bb["step"]
+        for k in ("work", "master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(ba[k], bb[k]), k
+    for name, t in a["state"]["model"].items():
+        assert torch.equal(t, b["state"]["model"][name]), name
+    for name, st in a["state"]["optimizer"].items():
+        for k in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[k], b["state"]["optimizer"][name][k]), (name, k)
+        assert st["step"] == b["state"]["optimizer"][name]["step"]
+
+
+def fired(result, clip):
+    """Steps whose clip coefficient was below 1 (as the engine computes it)."""
+    return sum(min(1.0, clip / (n + 1e-6)) != 1.0 for n in result["norms"])
+
+
+def host_units(backend, plan="prefetch"):
+    homes = PLANS[plan]()
+    return sum(1 for up in homes.units if up.optimizer == "host") + (homes.rest_optimizer == "host")
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("case", list(CLIPS))
+def test_speculative_equals_wait_bit_for_bit(cpu_backend, plan, dtype, case):
+    clip = CLIPS[case]
+    wait = run(cpu_backend, clip, "wait", plan, dtype)
+    spec = run(cpu_backend, clip, "speculative", plan, dtype)
+    assert_bit_equal(spec, wait)
+    n_fired = fired(wait, clip)
+    assert {"never": n_fired == 0, "always": n_fired == STEPS, "some": 0 < n_fired < STEPS}[case], wait["norms"]
+    units = host_units(cpu_backend, plan)
+    s = spec["stats"]
+    assert s["clipped_steps"] == n_fired and s["steps"] == STEPS
+    assert s["rollback_steps"] == n_fired  # every clipped step, and only those, rolled back
+    assert s["speculated_units"] == units * STEPS and s["held_units"] == 0
+    assert s["rolled_back_units"] == units * n_fired
+    assert wait["stats"]["rollback_steps"] == wait["stats"]["speculated_units"] == 0
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("case", ["always", "some"])
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_speculative_equals_wait_with_accumulation(cpu_backend, dtype, case, plan):
+    clip = 0.686 if case == "some" else CLIPS[case]  # norms of the summed halves lie near 0.68-0.69
+    wait = run(cpu_backend, clip, "wait", plan, dtype, accumulation=2)
+    spec = run(cpu_backend, clip, "speculative", plan, dtype, accumulation=2)
+    assert_bit_equal(spec, wait)
+    n_fired = fired(wait, clip)
+    assert (n_fired == STEPS) if case == "always" else (0 < n_fired < STEPS), wait["norms"]
+    assert spec["stats"]["rollback_steps"] == n_fired
+    assert spec["stats"]["rolled_back_units"] == host_units(cpu_backend, plan) * n_fired
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_a_step_after_fewer_backwards_than_declared_rolls_back_exactly(cpu_backend, dtype):
+    def early(mode):
+        cfg = AdamW(lr=3e-3, weight_decay=0.1, max_grad_norm=0.6, clip_mode=mode)
+        engine = MemFerry(_model(), optim=cfg, plan=PLANS["device"](), backend=cpu_backend, loss_fn=lm_loss,
+                          compute_dtype=DTYPES[dtype], accumulation_steps=3)
+        data = batches(6)
+        for step in range(3):  # two of the three declared micro-batches, then step()
+            for x, y in data[2 * step:2 * step + 2]:
+                engine.backward(lm_loss(engine(x), engine._to_device(y)) / 2)
+            engine.step()
+        engine.synchronize()  # the last step's host updates may still run
+        out = {"buffers": [{k: getattr(s, k).detach().cpu().clone() for k in ("work", "master", "exp_avg", "exp_avg_sq")}
+                           for s in engine.shadow.shadows], "stats": engine.clip_stats()}
+        engine.close()
+        return out
+
+    wait, spec = early("wait"), early("speculative")
+    for a, b in zip(wait["buffers"], spec["buffers"]):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert spec["stats"]["clipped_steps"] == 3 and spec["stats"]["rollback_steps"] == 3
+
+
+def test_a_bounded_backup_speculates_on_the_first_units_and_holds_the_rest(cpu_backend):
+    units = [u for u in split_units(_model()) if u.trainable]
+    block = units[0].train_numel * 12  # one block's master and moments
+    wait = run(cpu_backend, CLIPS["some"], "wait")
+    for budget, speculated in ((0, 0), (block + 11, 1), (2 * block, 2)):
+        spec = run(cpu_backend, CLIPS["some"], "speculative", backup=budget)
+        assert_bit_equal(spec, wait)
+        s = spec["stats"]
+        assert s["speculated_units"] == speculated * STEPS
+        assert s["held_units"] == (len(units) - speculated) * STEPS
+        assert s["rolled_back_units"] == speculated * fired(wait, CLIPS["some"])
+
+
+def test_a_learning_rate_changed_between_backward_and_step_rolls_back_exactly(cpu_backend):
+    wait = run(cpu_backend, CLIPS["never"], "wait", lr_between=1e-3)
+    spec = run(cpu_backend, CLIPS["never"], "speculative", lr_between=1e-3)
+    assert_bit_equal(spec, wait)
+    assert spec["stats"]["clipped_steps"] == 0 and spec["stats"]["rollback_steps"] == 1
+
+
+def test_host_bytes_count_the_backups():
+    units = split_units(_model())
+    trainable = sum(u.train_numel for u in units)
+    base = host_bytes_needed(units, set())
+    assert host_bytes_needed(units, set(), backup_budget=None) - base == 12 * trainable
+    assert host_bytes_needed(units, set(), backup_budget=4000) - base == 4000
+    assert backup_elements(units, set(), budget=4001) == 1000
+    device = {units[0].index}
+    assert backup_elements(units, device, budget=None) == 3 * (trainable - units[0].train_numel)
+
+
+def test_auto_backups_take_half_the_host_memory_left_and_all_backups_are_refused_when_they_do_not_fit(cpu_backend):
+    from xpu.errors import HostMemoryBudgetError
+
+    units = split_units(_model())
+    rest = host_bytes_needed(units, set())
+    full = host_bytes_needed(units, set(), backup_budget=None) - rest
+    cpu_backend.host_arena.budget = rest + full  # room for every backup beside the other buffers
+    try:
+        def shadow_backup(backup):
+            cfg = AdamW(max_grad_norm=1.0, clip_backup_bytes=backup)
+            engine = MemFerry(_model(), optim=cfg, plan=PLANS["prefetch"](), backend=cpu_backend, loss_fn=lm_loss)
+            n = engine.shadow.backup.numel()
+            engine.close()
+            return n
+
+        assert shadow_backup("auto") == full // 2 // 4  # half of what the other buffers leave
+        assert shadow_backup(None) == full // 4
+        cpu_backend.host_arena.budget = rest + full // 2
+        with pytest.raises(HostMemoryBudgetError, match="speculative clipping's backups .*clip_mode='wait'"):
+            shadow_backup(None)
+        assert cpu_backend.host_arena.stats().in_use == 0
+    finally:
+        cpu_backend.host_arena.budget = None
+
+
+@pytest.mark.parametrize("kwargs, match", [({"clip_mode": "eager"}, "clip_mode must be"),
+                                           ({"clip_backup_bytes": -1}, "clip_backup_bytes"),
+                                           ({"clip_backup_bytes": "lots"}, "clip_backup_bytes")])
+def test_bad_clip_settings_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AdamW(max_grad_norm=1.0, **kwargs)
+
+
+def test_speculative_is_the_default_and_needs_clipping():
+    assert AdamW(max_grad_norm=1.0).speculative
+    assert not AdamW().speculative and not AdamW(max_grad_norm=1.0, clip_mode="wait").speculative
+
+
+# ---------------------------------------------------------------- two data-parallel ranks
+WORLD = 2
+
+
+# a device-homed unit (its norm joins the all-reduced host norm), DHA units (their updated shards are
+# exchanged on the host, in landing order on every rank) and a prefetched one; the rest unit on the host
+DP_PLAN = Plan([UnitPlan("resident", "resident", optimizer="device"), UnitPlan("dha", "dha"),
+                UnitPlan("prefetch", "prefetch"), UnitPlan("dha", "dha")])
+
+
+def _rank(rank, port, out_dir):
+    os.environ.update(XPU_BACKEND="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import xpu
+
+    xpu.reset_backend()
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    data = batches(STEPS)
+    out = {}
+    for mode in ("wait", "speculative"):
+        torch.manual_seed(0)
+        engine = MemFerry(TinyGPT(), optim=AdamW(lr=3e-3, weight_decay=0.1, max_grad_norm=0.95, clip_mode=mode),
+                          plan=DP_PLAN, loss_fn=lm_loss, device=rank)
+        losses, norms = [], []
+        for x, y in data:
+            half = x.shape[0] // WORLD
+            losses.append(engine.train_step(x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]))
+            norms.append(engine.last_grad_norm)
+        state = engine.state_dict()
+        out[mode] = {"losses": [t.cpu() for t in losses], "norms": norms, "state": state, "stats": engine.clip_stats()}
+        engine.close()
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_two_ranks_speculative_equals_wait(tmp_path, cpu_backend):
+    from xpu.dist import free_port
+
+    mp.spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    for r in range(WORLD):
+        out = torch.load(tmp_path / f"rank{r}.pt")
+        wait, spec = out["wait"], out["speculative"]
+        assert all(torch.equal(a, b) for a, b in zip(spec["losses"], wait["losses"]))
+        assert spec["norms"] == wait["norms"]
+        for part in ("model", "optimizer"):
+            for name, v in wait["state"][part].items():
+                w = spec["state"][part][name]
+                pairs = [(v, w)] if part == "model" else [(v[k], w[k]) for k in ("master", "exp_avg", "exp_avg_sq")]
+                assert all(torch.equal(a, b) for a, b in pairs), (part, name)
+        n_fired = fired(wait, 0.95)
+        assert 0 < n_fired < STEPS, wait["norms"]
+        assert spec["stats"]["rollback_steps"] == spec["stats"]["clipped_steps"] == n_fired
+        assert spec["stats"]["speculated_units"] == 4 * STEPS  # three host-homed blocks and the rest unit
+        assert spec["stats"]["rolled_back_units"] == 4 * n_fired
+
+
+def test_bench_notes_count_clipped_steps_and_rollbacks(cpu_backend):
+    from bench.systems.memferry import MemFerrySystem
+    from tests.test_bench_measured_alone import _batch, _ctx
+
+    options = {"plan": "prefetch", "max_grad_norm": 1e-3, "clip_mode": "speculative", "host_threads": None,
+               "host_kernel": "auto", "loss_chunks": 1, "memory_margin": 0.10, "measure": "step"}
+    system = MemFerrySystem(_ctx(cpu_backend, options))
+    try:
+        inputs, targets = _batch(cpu_backend)
+        for _ in range(2):
+            system.step(inputs, targets)
+        assert "clip speculative: 2 of 2 steps clipped, 2 rolled back" in system.notes
+    finally:
+        system.close()
