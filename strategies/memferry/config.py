@@ -47,7 +47,7 @@ class AdamW:
             the training thread (busy launching kernels) runs at that core's pace.
         host_kernel: how host updates run: ``"torch"`` (upcast, torch's fused AdamW, write
             back: three passes), ``"single-pass"`` (one loop compiled by ``torch.compile``
-            for a fixed chunk length; needs a C++ compiler) or ``"auto"`` (``single-pass``
+            once for a fixed row length; needs a C++ compiler) or ``"auto"`` (``single-pass``
             where it compiles and passes a check against ``torch.optim.AdamW``, else
             ``torch``; see ``host_kernel.py``).
     """
