@@ -149,7 +149,9 @@ class CpuBackend(Backend):
         self._live: dict[int, list] = {}  # storage data_ptr -> record [device, ptr, nbytes]
         self._records: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storage -> record
         self._pinned: set[int] = set()  # data_ptrs of pinned/registered host storages
-        self._lock = threading.Lock()
+        # Reentrant: garbage collection can run a dead storage's _untrack finalizer inside
+        # _track (weakref.finalize allocates) on the same thread, which a plain Lock deadlocks on.
+        self._lock = threading.RLock()
         self._tls = threading.local()
         self._default_streams = [CpuStream(i) for i in range(len(self._devices))]
 

@@ -46,9 +46,10 @@ class AdamW:
             Its OpenMP team waits for its slowest thread, so a team that shares a core with
             the training thread (busy launching kernels) runs at that core's pace.
         host_kernel: how host updates run: ``"torch"`` (upcast, torch's fused AdamW, write
-            back: three passes), ``"single-pass"`` (one compiled loop, 30 % less memory
-            traffic, experimental; needs a C++ compiler) or ``"auto"`` (``torch`` today; see
-            ``host_kernel.py`` for the measurements behind that).
+            back: three passes), ``"single-pass"`` (one loop compiled by ``torch.compile``
+            once for a fixed row length; needs a C++ compiler) or ``"auto"`` (``single-pass``
+            where it compiles and passes a check against ``torch.optim.AdamW``, else
+            ``torch``; see ``host_kernel.py``).
     """
 
     lr: float = 1e-3

@@ -1,32 +1,39 @@
 """The host AdamW update of one unit: two interchangeable kernels.
 
-``torch``: three passes, all torch ops: upcast the landed compute-dtype gradient into fp32,
-torch's fused AdamW over the fp32 master, write the master back into the compute-dtype
-working copy; done in cache-sized chunks so the intermediate passes mostly hit the CPU cache
-(40 bytes of traffic per bf16 parameter when done whole, closer to 28 in chunks).
+``single-pass`` (the default where it compiles): one loop compiled by ``torch.compile``
+(Inductor's C++/OpenMP code on the host) reads the 16-bit gradient, updates the fp32 master
+and moments and writes the compute-dtype working copy in one sweep, 28 bytes per bf16
+parameter. It is compiled once per dtype combination for a fixed row length (symbolic row
+count) and runs each parameter range of a unit in one call, the last partial row through the
+same code on scratch (:mod:`.host_loops`), so unit sizes never recompile it. The earlier dynamic-size build ran 3-4x slower than ``torch`` inside real steps
+on the H200 machine (bench/results/2026-11-29-h200-session2/): it recompiled inside steps
+(a one-element parameter range and the fp32 sum of accumulated micro-batches each made a new
+graph, seconds of compiling each on the optimizer's thread) and its OpenMP team size was
+baked in from the training thread at compile time, ignoring ``host_threads``.
 
-``single-pass`` (experimental, opt-in): the same arithmetic as one loop compiled by
-``torch.compile`` (Inductor's C++/OpenMP code on the host): it reads the bf16 gradient,
-updates master and moments and writes the bf16 working copy in one sweep, 28 bytes per
-parameter. Compiled for one fixed size it ran a 50 M-parameter block in 13.2 ms against
-20.8 ms for ``torch`` (H200 machine, 2026-11-29, bench/results/2026-11-29-h200-session2/diag/);
-but this dynamic-size build ran 3-4x *slower* than ``torch`` inside real training steps on the
-same machine (capped run, same folder), for a reason not yet found. Hence:
+``torch``: three passes of torch ops, cache-sized chunk by chunk: upcast the landed gradient
+into fp32 scratch, torch's fused AdamW over the fp32 master, write the master back into the
+working copy (close to 28 bytes per parameter of memory traffic, three sweeps of work).
 
-``auto`` is ``torch`` for now. Both give AdamW as ``torch.optim.AdamW`` defines it
-(decoupled weight decay, bias-corrected moments); ``single-pass`` needs a C++ compiler.
+``auto`` is ``single-pass`` when it compiles here and agrees with ``torch.optim.AdamW`` on a
+check update, else ``torch`` (a warning says why); the kernel's ``name`` says which ran. Both
+give AdamW as ``torch.optim.AdamW`` defines it (decoupled weight decay, bias-corrected
+moments, fp32 master and moments), equal up to fp32 rounding (FMA contraction).
+
+Both also sum accumulated micro-batches (:meth:`HostKernel.accumulate`) in one in-place pass
+per micro-batch: eager ``acc.add_(bf16_grad)`` first materialises a whole fp32 copy of the
+gradient on the CPU (TensorIterator promotes CPU inputs into temporaries).
 """
 from __future__ import annotations
 
 import logging
 import math
 import time
-from typing import Callable
-
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .adamw import decay_ranges, flat_adamw
+from .host_loops import DEFAULT_CHUNK, accumulate_loop, adamw_loop
 from .config import AdamW
 from .shadow import UnitShadow
 
@@ -57,6 +64,23 @@ class HostKernel:
 
     def sync_step(self, s: UnitShadow) -> None:
         """Take the step count from ``s.step`` (after loading a checkpoint)."""
+
+    def accumulate(self, acc: torch.Tensor, grad: torch.Tensor) -> None:
+        """``acc += grad`` in place (fp32 ``acc``, a micro-batch's gradient of any float dtype),
+        without a whole-size fp32 temporary (eager ``acc.add_(bf16)`` makes one on the CPU)."""
+        if grad.dtype == acc.dtype:
+            acc.add_(grad)
+            return
+        step = 1 << 20  # upcast through one cache-sized fp32 chunk, reused
+        scratch = getattr(self, "_acc_scratch", None)
+        if scratch is None or scratch.numel() < min(step, grad.numel()):
+            with _disable_current_modes():
+                scratch = self._acc_scratch = torch.empty(min(step, grad.numel()), dtype=torch.float32)
+        for a in range(0, grad.numel(), step):
+            b = min(a + step, grad.numel())
+            part = scratch[: b - a]
+            part.copy_(grad[a:b])
+            acc[a:b].add_(part)
 
 
 def _l3_bytes() -> int | None:
@@ -144,75 +168,84 @@ class TorchKernel(HostKernel):
             opt.state[p]["step"] = torch.tensor(float(s.step))
 
 
-def _single_pass(master: torch.Tensor, grad_low: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 work: torch.Tensor, scalars: torch.Tensor, beta1: float, beta2: float, eps: float) -> None:
-    # scalars = [gradient scale, 1 - lr * weight_decay, lr / bias_correction1, sqrt(bias_correction2)]:
-    # tensors, so a new step or learning rate does not recompile.
-    g = grad_low.float() * scalars[0]
-    master.mul_(scalars[1])
-    exp_avg.lerp_(g, 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    denom = exp_avg_sq.sqrt() / scalars[3] + eps
-    master.sub_(exp_avg / denom * scalars[2])
-    work.copy_(master)
-
-
-_COMPILED: Callable | None = None
-
-
-def _compiled() -> Callable:
-    global _COMPILED
-    if _COMPILED is None:
-        _COMPILED = torch.compile(_single_pass, dynamic=True, fullgraph=True)
-    return _COMPILED
-
-
 class SinglePassKernel(HostKernel):
     """Upcast + AdamW + write-back as one compiled loop (see the module docstring).
+
+    Compiled once per dtype combination the ``shadows`` need, for rows of ``chunk`` elements
+    (:mod:`.host_loops`); other combinations compile on first use. ``threads``: the compiled
+    code's OpenMP team (``cfg.host_threads``, else torch's current intra-op count).
 
     Raises at construction if this machine cannot compile it (the caller falls back).
     """
 
     name = "single-pass"
 
-    def __init__(self, cfg: AdamW) -> None:
+    def __init__(self, cfg: AdamW, shadows: list[UnitShadow] = (), chunk: int | None = None,
+                 threads: int | None = None) -> None:
         self.cfg = cfg
         self.lr = cfg.lr
-        self._fn = _compiled()
-        self._warm_up()
+        self.chunk = DEFAULT_CHUNK if chunk is None else chunk
+        if self.chunk < 1:
+            raise ValueError(f"chunk must be a positive number of elements, got {self.chunk}")
+        self.threads = threads or cfg.host_threads or torch.get_num_threads()
+        for s in shadows:  # compile now what training will call, not inside its first step
+            work = None if s.master_is_work else s.train_work.dtype
+            self._loop(s.grad_stage.dtype, work)
+            if s.grad_acc is not None:
+                self._loop(torch.float32, work)
+                if s.grad_stage.dtype != torch.float32:
+                    accumulate_loop(s.grad_stage.dtype, self.chunk, self.threads)
+        if not shadows:
+            self._loop(torch.bfloat16, torch.bfloat16)
 
-    def _warm_up(self) -> None:
-        # Compile now, on a small buffer, instead of inside the first training step. Sizes
-        # are dynamic, so units of every size reuse this one kernel.
-        n = 4099
-        with _disable_current_modes():
-            m32 = [torch.zeros(n) for _ in range(3)]
-            g, w = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
-            torch._dynamo.mark_dynamic(m32[0], 0)
-            self._fn(m32[0], g, m32[1], m32[2], w, torch.tensor([1.0, 1.0, 1.0, 1.0]), *self._consts())
-
-    def _consts(self) -> tuple[float, float, float]:
-        b1, b2 = self.cfg.betas
-        return float(b1), float(b2), float(self.cfg.eps)
+    def _loop(self, grad: torch.dtype, work: torch.dtype | None):
+        return adamw_loop(grad, work, self.cfg.betas, self.cfg.eps, self.chunk, self.threads)
 
     def apply(self, s: UnitShadow, coef: float) -> dict[str, float]:
         t0 = time.perf_counter()
         step = s.step + 1
-        b1, b2, eps = self._consts()
+        b1, b2 = (float(b) for b in self.cfg.betas)
         bc1, bc2 = 1.0 - b1 ** step, 1.0 - b2 ** step
-        work, grad = s.train_work, s.grad_source
-        # Host buffers only: outside any dispatch mode (the cpu backend's device-memory tracker
-        # is one), which torch.compile would refuse to run under.
-        with _disable_current_modes():
+        grad = s.grad_source
+        work = None if s.master_is_work else s.train_work
+        loop = self._loop(grad.dtype, None if work is None else work.dtype)
+        with _disable_current_modes():  # host scratch scalars: no device-memory tracking
             for a, b, decays in decay_ranges(s.master.numel(), s.decay_end):
                 wd = self.cfg.weight_decay if decays else 0.0
+                # rounded to fp32 once, as torch's ops round their Python-float scalars
                 scalars = torch.tensor([coef, 1.0 - self.lr * wd, self.lr / bc1, math.sqrt(bc2)], dtype=torch.float32)
-                self._fn(s.master[a:b], grad[a:b], s.exp_avg[a:b], s.exp_avg_sq[a:b], work[a:b], scalars, b1, b2, eps)
+                flat = [s.master[a:b], grad[a:b], s.exp_avg[a:b], s.exp_avg_sq[a:b]]
+                loop(flat + ([] if work is None else [work[a:b]]), (scalars, b1, b2, float(self.cfg.eps)))
         s.step = step
         return {"upcast": 0.0, "adamw": time.perf_counter() - t0, "writeback": 0.0}
 
+    def accumulate(self, acc: torch.Tensor, grad: torch.Tensor) -> None:
+        if grad.dtype == torch.float32:
+            acc.add_(grad)
+        else:
+            accumulate_loop(grad.dtype, self.chunk, self.threads)([acc, grad])
+
     def set_lr(self, lr: float) -> None:
         self.lr = lr
+
+    def self_check(self) -> None:
+        """Compare one update of ``3 * chunk + 5`` elements (whole rows and a tail) with
+        ``torch.optim.AdamW``; raise RuntimeError if they differ beyond rounding."""
+        n = 3 * self.chunk + 5
+        with _disable_current_modes():
+            gen = torch.Generator().manual_seed(0)
+            master = torch.randn(n, generator=gen)
+            ref = master.clone()
+            grad = torch.randn(n, generator=gen).to(torch.bfloat16)
+            s = UnitShadow(None, master.to(torch.bfloat16), master, torch.zeros(n), torch.zeros(n), grad, grad, None, [])
+            self.apply(s, 1.0)
+            s.step = 0
+            opt = torch.optim.AdamW([ref], lr=self.lr, betas=self.cfg.betas, eps=self.cfg.eps,
+                                    weight_decay=self.cfg.weight_decay)
+            ref.grad = grad.float()
+            opt.step()
+        if not torch.allclose(master, ref, rtol=1e-5, atol=1e-6) or not torch.equal(s.work, master.to(torch.bfloat16)):
+            raise RuntimeError("the compiled single-pass AdamW disagrees with torch.optim.AdamW on this machine")
 
 
 def make_host_kernel(kind: str, cfg: AdamW, shadows: list[UnitShadow]) -> HostKernel:
@@ -224,11 +257,13 @@ def make_host_kernel(kind: str, cfg: AdamW, shadows: list[UnitShadow]) -> HostKe
     """
     if kind not in KERNELS:
         raise ValueError(f"unknown host kernel {kind!r}; valid: {', '.join(KERNELS)}")
-    if kind in ("torch", "auto") or not shadows:
+    if kind == "torch" or not shadows:
         return TorchKernel(cfg, shadows)
     try:
-        return SinglePassKernel(cfg)
-    except Exception as exc:  # no compiler, or a torch without Inductor's CPU backend
+        kernel = SinglePassKernel(cfg, shadows)
+        kernel.self_check()
+        return kernel
+    except Exception as exc:  # no compiler, a torch without Inductor's CPU backend, or wrong results
         if kind == "single-pass":
             raise RuntimeError(f"the single-pass host AdamW kernel could not be compiled here: {exc}; "
                                "use host_kernel='torch'") from exc

@@ -256,7 +256,7 @@ class HostOptimizer:
         else:
             t0 = time.perf_counter()
             if self._received[index]:
-                s.grad_acc.add_(s.grad_stage)
+                self.kernel.accumulate(s.grad_acc, s.grad_stage)  # one pass, no fp32 temporary
             else:
                 s.grad_acc.copy_(s.grad_stage)
             s.accumulated = True
