@@ -29,29 +29,25 @@ __all__ = ["ChunkLoop", "adamw_loop", "accumulate_loop", "DEFAULT_CHUNK", "clear
 DEFAULT_CHUNK = 4096
 
 
-def _adamw_work(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                work: torch.Tensor, scalars: torch.Tensor, beta1: float, beta2: float, eps: float) -> None:
-    # torch.optim.AdamW's single-tensor arithmetic, step for step. scalars = [gradient scale,
-    # 1 - lr * weight_decay, lr / bias_correction1, sqrt(bias_correction2)]: a tensor, so a new
-    # step, learning rate or clip coefficient does not recompile.
-    g = grad.float() * scalars[0]
-    master.mul_(scalars[1])
-    exp_avg.lerp_(g, 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    denom = exp_avg_sq.sqrt() / scalars[3] + eps
-    master.sub_(scalars[2] * exp_avg / denom)  # addcdiv_(exp_avg, denom, value=-step_size), same order
-    work.copy_(master)
-
-
 def _adamw_master(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                   scalars: torch.Tensor, beta1: float, beta2: float, eps: float) -> None:
-    # The same update where the fp32 master is the working copy (fp32 compute): no write-back.
+    # torch.optim.AdamW's single-tensor arithmetic, step for step, where the fp32 master is the
+    # working copy (fp32 compute). scalars = [gradient scale, 1 - lr * weight_decay,
+    # lr / bias_correction1, sqrt(bias_correction2)]: a tensor, so a new step, learning rate or
+    # clip coefficient does not recompile.
     g = grad.float() * scalars[0]
     master.mul_(scalars[1])
     exp_avg.lerp_(g, 1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
     denom = exp_avg_sq.sqrt() / scalars[3] + eps
     master.sub_(scalars[2] * exp_avg / denom)  # addcdiv_(exp_avg, denom, value=-step_size), same order
+
+
+def _adamw_work(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                work: torch.Tensor, scalars: torch.Tensor, beta1: float, beta2: float, eps: float) -> None:
+    # The same update, then the compute-dtype working copy written in the same pass.
+    _adamw_master(master, grad, exp_avg, exp_avg_sq, scalars, beta1, beta2, eps)
+    work.copy_(master)
 
 
 def _accumulate(acc: torch.Tensor, grad: torch.Tensor) -> None:
