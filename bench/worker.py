@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .host_memory import HostMemoryMonitor, host_bytes_now, ru_maxrss_bytes  # noqa: F401 (re-exported)
+from .host_memory import HostMemoryMonitor
 
-__all__ = ["run_spec", "describe", "HostMemoryMonitor", "main"]
+__all__ = ["run_spec", "describe", "main"]
 
 ROW_PREFIX = "@@row "
 PROGRESS_PREFIX = "@@progress "

@@ -354,12 +354,7 @@ class MemFerry:
 
     def train_step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
         """Forward, backward and step; returns the loss (detached, still on the device)."""
-        if self.loss_fn is not None:
-            loss = self.loss_fn(self(inputs), self._to_device(targets))
-        elif targets is None:
-            loss = self(inputs)
-        else:  # the model computes its own loss: model(idx, targets), or model(x, labels=y).loss (Hugging Face)
-            loss = model_loss(self, inputs, targets, labels_model=self.model)
+        loss = self._loss(inputs, targets)
         self.backward(loss)
         self.step()
         return loss.detach()
@@ -420,8 +415,13 @@ class MemFerry:
     def eval_loss(self, inputs: Any, targets: Any = None) -> float:
         """The loss of one batch under ``torch.no_grad`` (evaluation: no gradients, no update)."""
         with torch.no_grad(), self.backend.device_scope(self.device):
-            if self.loss_fn is not None:
-                loss = self.loss_fn(self(inputs), self._to_device(targets))
-            else:
-                loss = self(inputs) if targets is None else self(inputs, targets)
-            return float(loss)
+            return float(self._loss(inputs, targets))
+
+    def _loss(self, inputs: Any, targets: Any) -> torch.Tensor:
+        """The forward's loss: ``loss_fn`` on the outputs, or the model's own (``targets`` None: the output)."""
+        if self.loss_fn is not None:
+            return self.loss_fn(self(inputs), self._to_device(targets))
+        if targets is None:
+            return self(inputs)
+        # the model computes its own loss: model(idx, targets), or model(x, labels=y).loss (Hugging Face)
+        return model_loss(self, inputs, targets, labels_model=self.model)
