@@ -31,8 +31,9 @@ def _jobs(dims, devices):
     return [PipelineJob(dims, plan=plan, profile=True, devices=devices, **RUN) for plan in ("keep", PEER_PLAN)]
 
 
-def _assert_same(res, want, atol, rtol):
-    """``res`` (one job's stages) trained like ``want``: the last stage's losses, every gradient."""
+def _assert_same(res, want, atol, rtol, relative: dict | None = None):
+    """``res`` (one job's stages) trained like ``want``: the last stage's losses, every gradient
+    (those named in ``relative``: the difference's norm within that fraction of the tensor's)."""
     for r in res:
         assert "error" not in r, r["error"]
     for step, losses in enumerate(want[-1]["losses"]):
@@ -40,7 +41,12 @@ def _assert_same(res, want, atol, rtol):
     for r, w in zip(res, want):
         assert set(r["grads"]) == set(w["grads"]) and r["grads"]
         for n, g in w["grads"].items():  # the last step's gradients: after a step of SGD, so the weights too
-            torch.testing.assert_close(r["grads"][n].cpu(), g.cpu(), atol=atol, rtol=rtol, msg=n)
+            got, g = r["grads"][n].cpu(), g.cpu()
+            if n in (relative or {}):
+                off = (got - g).norm().item() / max(g.norm().item(), 1e-30)
+                assert off <= relative[n], f"{n}: relative difference {off:.3g} > {relative[n]}"
+                continue
+            torch.testing.assert_close(got, g, atol=atol, rtol=rtol, msg=lambda m, n=n: f"{n}: {m}")
 
 
 def _assert_peer_swapped(res):
@@ -167,9 +173,11 @@ def test_two_stages_on_one_gpu_swap_to_the_peer_and_train_like_keep(gpu_backend)
             assert "error" not in r, r["error"]
             assert all(g.device == gpu_backend.device(0) for g in r["grads"].values())  # both ran on device 0
     # The same kernels on the same device: only where saved activations waited differs. Not bit for
-    # bit: CUDA's embedding backward sums rows with atomics, in an order that differs run to run
-    # (tok_emb.weight missed atol 1e-6 on the H200, 2026-12-02, while every block's gradient met it).
-    _assert_same(peer, keep, atol=1e-5, rtol=1e-5)
+    # bit: CUDA's embedding backward sums rows with atomics, in an order that differs run to run,
+    # and after a step of SGD at lr 0.1 a few elements of tok_emb.weight's gradient differ by more
+    # than 1e-5 (H200, 2026-12-02, twice) while every block's gradient met 1e-6: the embedding is
+    # compared as a whole, to 1e-4 of its norm.
+    _assert_same(peer, keep, atol=1e-5, rtol=1e-5, relative={"tok_emb.weight": 1e-4})
     _assert_peer_swapped(peer)
     ref = reference(jobs[0])
     for step, ref_loss in enumerate(ref["losses"]):  # device kernels against the host reference

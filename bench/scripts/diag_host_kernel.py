@@ -4,7 +4,7 @@
 
 Times, on one flat unit of ``--numel`` bf16 parameters (fp32 master and moments), in a worker
 thread as HostOptimizer runs them: the ``torch`` kernel (upcast, fused AdamW, write-back),
-the ``single-pass`` kernel (compiled once for a fixed chunk), the earlier dynamic-size
+the ``single-pass`` kernel (the C loop of host_loops.c), the earlier dynamic-size
 single-pass build (``dynamic=True``, compiled in the main thread), each alone and with a busy
 Python main thread; and the fp32 accumulation of a bf16 micro-batch gradient: eager
 ``acc.add_(bf16)`` (what HostOptimizer did) against ``kernel.accumulate``. Prints JSON lines.

@@ -5,7 +5,7 @@ import torch
 
 from .config import AdamW
 
-__all__ = ["flat_adamw", "decay_ranges"]
+__all__ = ["flat_adamw", "decay_ranges", "squared_norm"]
 
 
 def flat_adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int,
@@ -32,3 +32,22 @@ def decay_ranges(size: int, decay_end: int, chunk: int | None = None) -> list[tu
         step = chunk or max(1, b0 - a0)
         out.extend((a, min(a + step, b0), decays) for a in range(a0, b0, step))
     return out
+
+
+#: Elements per piece of :func:`squared_norm`: its fp64 temporaries stay at 2 x 32 MiB.
+NORM_CHUNK = 1 << 22
+
+
+def squared_norm(t: torch.Tensor, chunk: int = NORM_CHUNK) -> torch.Tensor:
+    """The sum of squares of ``t`` in fp64, a 0-dim tensor on ``t``'s device (no sync).
+
+    Piece by piece: ``t.double().square()`` of a whole unit made two fp64 temporaries of 8 B
+    per element each (1 GiB for a 65 M-parameter embedding on the device, which no plan counts).
+    """
+    flat = t.reshape(-1)
+    if flat.numel() <= chunk:
+        return flat.double().square().sum()
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    for part in flat.split(chunk):
+        total += part.double().square().sum()
+    return total

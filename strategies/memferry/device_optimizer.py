@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from .adamw import decay_ranges, flat_adamw
+from .adamw import decay_ranges, flat_adamw, squared_norm
 from .config import AdamW
 from .shadow import UnitShadow
 
@@ -74,7 +74,7 @@ class DeviceOptimizer:
         if self.cfg.max_grad_norm is None:
             self._update(s, 1.0)
         else:
-            self._sqnorms.append(s.grad.double().square().sum())
+            self._sqnorms.append(squared_norm(s.grad))
             self._pending.append(s)
 
     def pending_sqnorm(self) -> float:

@@ -1,21 +1,19 @@
 """The host AdamW update of one unit: two interchangeable kernels.
 
-``single-pass`` (the default where it compiles): one loop compiled by ``torch.compile``
-(Inductor's C++/OpenMP code on the host) reads the 16-bit gradient, updates the fp32 master
+``single-pass`` (the default where it builds): one C loop (:mod:`.host_loops`, called
+through ``ctypes`` with the GIL released) reads the 16-bit gradient, updates the fp32 master
 and moments and writes the compute-dtype working copy in one sweep, 28 bytes per bf16
-parameter. It is compiled once per dtype combination for a fixed row length (symbolic row
-count) and runs each parameter range of a unit in one call, the last partial row through the
-same code on scratch (:mod:`.host_loops`), so unit sizes never recompile it. The earlier dynamic-size build ran 3-4x slower than ``torch`` inside real steps
-on the H200 machine (bench/results/2026-11-29-h200-session2/): it recompiled inside steps
-(a one-element parameter range and the fp32 sum of accumulated micro-batches each made a new
-graph, seconds of compiling each on the optimizer's thread) and its OpenMP team size was
-baked in from the training thread at compile time, ignoring ``host_threads``.
+parameter, split over the host optimizer's threads. Two earlier builds with ``torch.compile``
+were slower than ``torch`` inside real steps on the H200 machine: a dynamic-size one recompiled
+inside steps (bench/results/2026-11-29-h200-session2/), and a fixed-row one, though its host
+time was lower, held the GIL through every call and starved the training thread (0.174 s
+against 0.119 s per 17-layer starved step, 2026-12-02).
 
 ``torch``: three passes of torch ops, cache-sized chunk by chunk: upcast the landed gradient
 into fp32 scratch, torch's fused AdamW over the fp32 master, write the master back into the
 working copy (close to 28 bytes per parameter of memory traffic, three sweeps of work).
 
-``auto`` is ``single-pass`` when it compiles here and agrees with ``torch.optim.AdamW`` on a
+``auto`` is ``single-pass`` when it builds here and agrees with ``torch.optim.AdamW`` on a
 check update, else ``torch`` (a warning says why); the kernel's ``name`` says which ran. Both
 give AdamW as ``torch.optim.AdamW`` defines it (decoupled weight decay, bias-corrected
 moments, fp32 master and moments), equal up to fp32 rounding (FMA contraction).
@@ -33,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .adamw import decay_ranges, flat_adamw
-from .host_loops import DEFAULT_CHUNK, accumulate_loop, adamw_loop
+from .host_loops import UnavailableError, host_loops
 from .config import AdamW
 from .shadow import UnitShadow
 
@@ -169,37 +167,24 @@ class TorchKernel(HostKernel):
 
 
 class SinglePassKernel(HostKernel):
-    """Upcast + AdamW + write-back as one compiled loop (see the module docstring).
+    """Upcast + AdamW + write-back as one C loop with the GIL released (:mod:`.host_loops`).
 
-    Compiled once per dtype combination the ``shadows`` need, for rows of ``chunk`` elements
-    (:mod:`.host_loops`); other combinations compile on first use. ``threads``: the compiled
-    code's OpenMP team (``cfg.host_threads``, else torch's current intra-op count).
-
-    Raises at construction if this machine cannot compile it (the caller falls back).
+    ``threads``: the loop's threads (``cfg.host_threads``, else torch's current intra-op count).
+    Raises :class:`~.host_loops.UnavailableError` at construction where the loops cannot be
+    built here (the caller falls back).
     """
 
     name = "single-pass"
 
-    def __init__(self, cfg: AdamW, shadows: list[UnitShadow] = (), chunk: int | None = None,
-                 threads: int | None = None) -> None:
+    def __init__(self, cfg: AdamW, shadows: list[UnitShadow] = (), threads: int | None = None) -> None:
         self.cfg = cfg
         self.lr = cfg.lr
-        self.chunk = DEFAULT_CHUNK if chunk is None else chunk
-        if self.chunk < 1:
-            raise ValueError(f"chunk must be a positive number of elements, got {self.chunk}")
         self.threads = threads or cfg.host_threads or torch.get_num_threads()
-        for s in shadows:  # compile now what training will call, not inside its first step
-            work = None if s.master_is_work else s.train_work.dtype
-            self._loop(s.grad_stage.dtype, work)
-            if s.grad_acc is not None:
-                self._loop(torch.float32, work)
-                if s.grad_stage.dtype != torch.float32:
-                    accumulate_loop(s.grad_stage.dtype, self.chunk, self.threads)
-        if not shadows:
-            self._loop(torch.bfloat16, torch.bfloat16)
-
-    def _loop(self, grad: torch.dtype, work: torch.dtype | None):
-        return adamw_loop(grad, work, self.cfg.betas, self.cfg.eps, self.chunk, self.threads)
+        self._loops = host_loops()  # built (or loaded from the cache) now, not inside a training step
+        for s in shadows:
+            for t in (s.grad_stage, None if s.master_is_work else s.train_work):
+                if t is not None and t.dtype not in self._loops.dtypes:
+                    raise UnavailableError(f"dtype {t.dtype} is not built here")
 
     def apply(self, s: UnitShadow, coef: float) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -208,14 +193,12 @@ class SinglePassKernel(HostKernel):
         bc1, bc2 = 1.0 - b1 ** step, 1.0 - b2 ** step
         grad = s.grad_source
         work = None if s.master_is_work else s.train_work
-        loop = self._loop(grad.dtype, None if work is None else work.dtype)
-        with _disable_current_modes():  # host scratch scalars: no device-memory tracking
-            for a, b, decays in decay_ranges(s.master.numel(), s.decay_end):
-                wd = self.cfg.weight_decay if decays else 0.0
-                # rounded to fp32 once, as torch's ops round their Python-float scalars
-                scalars = torch.tensor([coef, 1.0 - self.lr * wd, self.lr / bc1, math.sqrt(bc2)], dtype=torch.float32)
-                flat = [s.master[a:b], grad[a:b], s.exp_avg[a:b], s.exp_avg_sq[a:b]]
-                loop(flat + ([] if work is None else [work[a:b]]), (scalars, b1, b2, float(self.cfg.eps)))
+        for a, b, decays in decay_ranges(s.master.numel(), s.decay_end):
+            wd = self.cfg.weight_decay if decays else 0.0
+            self._loops.adamw(s.master[a:b], grad[a:b], s.exp_avg[a:b], s.exp_avg_sq[a:b],
+                              None if work is None else work[a:b], grad_scale=coef, decay=1.0 - self.lr * wd,
+                              beta1=b1, beta2=b2, bias_correction2_sqrt=math.sqrt(bc2), eps=float(self.cfg.eps),
+                              step_size=self.lr / bc1, threads=self.threads)
         s.step = step
         return {"upcast": 0.0, "adamw": time.perf_counter() - t0, "writeback": 0.0}
 
@@ -223,29 +206,30 @@ class SinglePassKernel(HostKernel):
         if grad.dtype == torch.float32:
             acc.add_(grad)
         else:
-            accumulate_loop(grad.dtype, self.chunk, self.threads)([acc, grad])
+            self._loops.accumulate(acc, grad, self.threads)
 
     def set_lr(self, lr: float) -> None:
         self.lr = lr
 
     def self_check(self) -> None:
-        """Compare one update of ``3 * chunk + 5`` elements (whole rows and a tail) with
+        """Compare two updates of ``2**16 + 5`` elements (several threads' parts) with
         ``torch.optim.AdamW``; raise RuntimeError if they differ beyond rounding."""
-        n = 3 * self.chunk + 5
+        n = (1 << 16) + 5
         with _disable_current_modes():
             gen = torch.Generator().manual_seed(0)
             master = torch.randn(n, generator=gen)
             ref = master.clone()
             grad = torch.randn(n, generator=gen).to(torch.bfloat16)
             s = UnitShadow(None, master.to(torch.bfloat16), master, torch.zeros(n), torch.zeros(n), grad, grad, None, [])
-            self.apply(s, 1.0)
-            s.step = 0
             opt = torch.optim.AdamW([ref], lr=self.lr, betas=self.cfg.betas, eps=self.cfg.eps,
                                     weight_decay=self.cfg.weight_decay)
-            ref.grad = grad.float()
-            opt.step()
+            for _ in range(2):
+                self.apply(s, 1.0)
+                ref.grad = grad.float()
+                opt.step()
+            s.step = 0
         if not torch.allclose(master, ref, rtol=1e-5, atol=1e-6) or not torch.equal(s.work, master.to(torch.bfloat16)):
-            raise RuntimeError("the compiled single-pass AdamW disagrees with torch.optim.AdamW on this machine")
+            raise RuntimeError("the single-pass host AdamW disagrees with torch.optim.AdamW on this machine")
 
 
 def make_host_kernel(kind: str, cfg: AdamW, shadows: list[UnitShadow]) -> HostKernel:
@@ -253,7 +237,7 @@ def make_host_kernel(kind: str, cfg: AdamW, shadows: list[UnitShadow]) -> HostKe
 
     Raises:
         ValueError: unknown ``kind``.
-        RuntimeError: ``"single-pass"`` asked for explicitly and it cannot compile here.
+        RuntimeError: ``"single-pass"`` asked for explicitly and it cannot be built here.
     """
     if kind not in KERNELS:
         raise ValueError(f"unknown host kernel {kind!r}; valid: {', '.join(KERNELS)}")
@@ -263,9 +247,9 @@ def make_host_kernel(kind: str, cfg: AdamW, shadows: list[UnitShadow]) -> HostKe
         kernel = SinglePassKernel(cfg, shadows)
         kernel.self_check()
         return kernel
-    except Exception as exc:  # no compiler, a torch without Inductor's CPU backend, or wrong results
+    except Exception as exc:  # no C compiler, a dtype it lacks, or wrong results
         if kind == "single-pass":
-            raise RuntimeError(f"the single-pass host AdamW kernel could not be compiled here: {exc}; "
+            raise RuntimeError(f"the single-pass host AdamW kernel could not be built here: {exc}; "
                                "use host_kernel='torch'") from exc
         _log.warning("MemFerry: single-pass host AdamW unavailable (%s: %s); using torch's fused AdamW in three passes",
                      type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")

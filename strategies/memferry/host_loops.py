@@ -1,153 +1,185 @@
-"""Elementwise host loops compiled once, for a fixed row length, run over units of any size.
+"""The host optimizer's elementwise loops in C: AdamW in one pass, fp32 accumulation.
 
-``torch.compile`` (Inductor's C++/OpenMP code on the host) turns an elementwise update into
-one vectorised sweep. The old single-pass kernel, compiled for fully dynamic sizes, recompiled
-inside training steps (a size-1 range and an fp32 accumulated gradient each made a new graph:
-seconds of compiling on the host optimizer's thread) and baked the compiling thread's OpenMP
-team size into its code. Here each loop is compiled once per dtype combination, for tensors
-viewed as ``(rows, chunk)``: ``chunk`` (the row length) is fixed, so the inner loop is
-vectorised with no remainder, and only the row count is symbolic (at least 2; one graph for
-every count). A flat range of any size runs as its whole rows in one call, and its last
-``< chunk`` elements (or all of a range shorter than two rows) through the same compiled
-code on fixed ``(2, chunk)`` scratch (copied in, run, the written ones copied back). One call
-per range matters besides compiling: each call's return re-takes the GIL, which a training
-thread busy in Python hands over only every switch interval (5 ms).
-The OpenMP team size is fixed at compile time (``cpp.threads``) to the host optimizer's.
+Why C through ``ctypes`` and not ``torch.compile``: Inductor's compiled CPU kernels hold the
+GIL for their whole run (its Python binding never releases it), so a host update of tens of
+milliseconds on the optimizer's worker thread stopped the training thread from issuing device
+work: on the H200 machine (2026-12-02, bench/results/2026-12-02-h200-session9/) the compiled
+single pass made the 17-layer starved step 0.174 s against 0.119 s for torch's ops, which
+release the GIL. A ``ctypes`` call releases it for its whole duration.
+
+``host_loops.c`` is built once per machine with the C compiler (``$CC``, else ``cc``/``gcc``;
+``-O3 -march=native``, no FMA contraction beyond the one ATen's lerp has), cached under
+``$XPU_CACHE_DIR`` (default ``~/.cache/xpu``) keyed by the source, flags and CPU, and loaded
+once per process. Its loops split a range over ``threads`` POSIX threads (no OpenMP: a second
+OpenMP runtime beside torch's would fight it for the cores).
 """
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
 import threading
-from typing import Callable, Sequence
+from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["ChunkLoop", "adamw_loop", "accumulate_loop", "DEFAULT_CHUNK", "clear_cache"]
+__all__ = ["HostLoops", "host_loops", "clear_cache", "UnavailableError"]
 
-#: Row length: a multiple of every vector width; a range's tail and ranges shorter than two
-#: rows (8 Ki elements) go through scratch, a negligible copy.
-DEFAULT_CHUNK = 4096
-
-
-def _adamw_master(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                  scalars: torch.Tensor, beta1: float, beta2: float, eps: float) -> None:
-    # torch.optim.AdamW's single-tensor arithmetic, step for step, where the fp32 master is the
-    # working copy (fp32 compute). scalars = [gradient scale, 1 - lr * weight_decay,
-    # lr / bias_correction1, sqrt(bias_correction2)]: a tensor, so a new step, learning rate or
-    # clip coefficient does not recompile.
-    g = grad.float() * scalars[0]
-    master.mul_(scalars[1])
-    exp_avg.lerp_(g, 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    denom = exp_avg_sq.sqrt() / scalars[3] + eps
-    master.sub_(scalars[2] * exp_avg / denom)  # addcdiv_(exp_avg, denom, value=-step_size), same order
+_SOURCE = Path(__file__).with_name("host_loops.c")
+_FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-ffp-contract=off", "-std=gnu11"]
+_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def _adamw_work(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                work: torch.Tensor, scalars: torch.Tensor, beta1: float, beta2: float, eps: float) -> None:
-    # The same update, then the compute-dtype working copy written in the same pass.
-    _adamw_master(master, grad, exp_avg, exp_avg_sq, scalars, beta1, beta2, eps)
-    work.copy_(master)
+class UnavailableError(RuntimeError):
+    """The loops cannot be built or loaded here (no C compiler, or it failed)."""
 
 
-def _accumulate(acc: torch.Tensor, grad: torch.Tensor) -> None:
-    # acc += grad in fp32, reading the 16-bit gradient once (eager add_ of a bf16 tensor into an
-    # fp32 one first makes a whole-tensor fp32 temporary on the CPU).
-    acc.add_(grad.float())
+def _cpu_key() -> str:
+    # -march=native code is only valid on the CPU it was built for: a shared home directory
+    # seen by different machines must not share the build.
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "\n".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
 
 
-class ChunkLoop:
-    """One elementwise function compiled for flat tensors of fixed dtypes viewed as ``(rows, chunk)``.
+def _cache_dir() -> Path:
+    root = os.environ.get("XPU_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
+                                                           "xpu")
+    return Path(root) / "host-loops"
 
-    Args:
-        fn: the function; its first ``len(dtypes)`` arguments are tensors of one shape, then
-            ``extra`` (tensors or constants passed through unchanged).
-        dtypes: the flat tensors' dtypes (a different combination is a different loop).
-        mutated: positions of the tensors ``fn`` writes (copied back from the tail's scratch).
-        chunk: the row length (fixed in the compiled code).
-        threads: OpenMP threads of the compiled code (fixed when it is compiled).
 
-    Raises at construction when it cannot compile here (no C++ compiler, no Inductor): it
-    compiles then, on zero-filled buffers.
+def _compiler() -> str:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    raise UnavailableError("no C compiler found (set CC, or install gcc)")
+
+
+def _build() -> Path:
+    cc = _compiler()
+    source = _SOURCE.read_text()
+    attempts = [["-march=native"], ["-march=native", "-DXPU_NO_F16"], [], ["-DXPU_NO_F16"]]
+    errors = []
+    for extra in attempts:
+        flags = _FLAGS + extra
+        key = hashlib.sha256("\0".join([source, cc, *flags, platform.machine(), _cpu_key()]).encode()).hexdigest()[:20]
+        out = _cache_dir() / f"host_loops-{key}.so"
+        if out.exists():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        try:
+            proc = subprocess.run([cc, *flags, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                                  timeout=120)
+            if proc.returncode == 0:
+                os.replace(tmp, out)  # atomic: a concurrent build by another process is the same bytes
+                return out
+            last = (proc.stderr.strip().splitlines() or ["failed"])[-1]
+            errors.append(f"{cc} {' '.join(extra) or '(portable)'}: {last}")
+        except (OSError, subprocess.SubprocessError) as exc:
+            errors.append(f"{cc}: {exc}")
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    raise UnavailableError("could not build host_loops.c: " + "; ".join(errors))
+
+
+class HostLoops:
+    """The built loops, loaded (one instance per process: :func:`host_loops`).
+
+    Every tensor must be a contiguous host tensor; a range is processed in place by up to
+    ``threads`` threads, with the GIL released.
     """
 
-    def __init__(self, fn: Callable, dtypes: Sequence[torch.dtype], mutated: Sequence[int], chunk: int,
-                 threads: int, extra: tuple = ()) -> None:
-        if chunk < 1:
-            raise ValueError(f"chunk must be a positive number of elements, got {chunk}")
-        self.chunk, self.dtypes, self.mutated, self.threads = chunk, tuple(dtypes), tuple(mutated), threads
-        # Dynamo keeps compiled graphs per code object, with a limit on how many: a fresh code
-        # object per loop keeps every (function, dtypes, chunk) from evicting another.
-        name = f"{fn.__name__}_{chunk}_{'_'.join(str(d).split('.')[-1] for d in self.dtypes)}"
-        own = type(fn)(fn.__code__.replace(co_name=name), fn.__globals__, name)
-        self._fn = torch.compile(own, fullgraph=True, options={"cpp.threads": threads})
-        self._tail = threading.Lock()  # the scratch is shared by every thread calling this loop
-        # Grad mode is one of Dynamo's guards and thread-local: compile and run under one
-        # (no_grad), so a worker thread never recompiles what the training thread compiled.
-        with _disable_current_modes(), torch.no_grad():
-            self._scratch = [torch.zeros(2, chunk, dtype=d) for d in self.dtypes]
-            warm = [torch.zeros(3, chunk, dtype=d) for d in self.dtypes]
-            for t in warm:
-                torch._dynamo.mark_dynamic(t, 0)  # the row count is symbolic: one graph for all counts >= 2
-            self._fn(*warm, *extra)  # compile now, not inside a training step
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.xpu_adamw.argtypes = [c_int, c_int, p, p, p, p, p, i64, ctypes.POINTER(ctypes.c_float), c_int]
+        lib.xpu_adamw.restype = c_int
+        lib.xpu_accumulate.argtypes = [c_int, p, p, i64, c_int]
+        lib.xpu_accumulate.restype = c_int
+        lib.xpu_has_f16.restype = c_int
+        self._lib, self.path = lib, path
+        self.dtypes = (torch.float32, torch.bfloat16) + ((torch.float16,) if lib.xpu_has_f16() else ())
 
-    def __call__(self, tensors: Sequence[torch.Tensor], extra: tuple = ()) -> None:
-        """Run over flat contiguous ``tensors`` (one length, the loop's dtypes; any length), in place."""
-        n = tensors[0].numel()
-        c = self.chunk
-        rows = n // c if n >= 2 * c else 0
-        full = rows * c
-        # Host buffers only: outside any dispatch mode (the cpu backend's device-memory
-        # tracker is one), which torch.compile would refuse to run under.
-        with _disable_current_modes(), torch.no_grad():
-            if rows:
-                self._fn(*(t[:full].view(rows, c) for t in tensors), *extra)
-            if full < n:
-                r = n - full
-                with self._tail:
-                    flat = [s.view(-1)[:r] for s in self._scratch]
-                    torch._foreach_copy_(flat, [t[full:] for t in tensors])
-                    self._fn(*self._scratch, *extra)
-                    torch._foreach_copy_([tensors[i][full:] for i in self.mutated], [flat[i] for i in self.mutated])
+    def _kind(self, t: torch.Tensor, what: str) -> int:
+        if t.dtype not in self.dtypes:
+            raise ValueError(f"{what}: dtype {t.dtype} is not built here; built: {', '.join(map(str, self.dtypes))}")
+        return _KIND[t.dtype]
+
+    @staticmethod
+    def _check(tensors: dict[str, torch.Tensor | None], n: int) -> None:
+        for what, t in tensors.items():
+            if t is None:
+                continue
+            if t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n:
+                raise ValueError(f"{what} must be a contiguous host tensor of {n} elements, got "
+                                 f"{tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})")
+
+    def adamw(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+              work: torch.Tensor | None, *, grad_scale: float, decay: float, beta1: float, beta2: float,
+              bias_correction2_sqrt: float, eps: float, step_size: float, threads: int) -> None:
+        """One AdamW step in place over fp32 ``master``/moments, ``grad`` of any built dtype, and
+        (unless None) the ``work`` copy written from the updated master.
+
+        ``decay`` is ``1 - lr * weight_decay`` and ``step_size`` ``lr / bias_correction1``; each
+        scalar is rounded to fp32 once, as torch's ops round their Python-float arguments.
+        """
+        n = master.numel()
+        self._check({"master": master, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "work": work}, n)
+        for what, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            if t.dtype != torch.float32:
+                raise ValueError(f"{what} must be fp32, got {t.dtype}")
+        hp = (ctypes.c_float * 8)(grad_scale, decay, 1.0 - beta1, beta2, 1.0 - beta2, bias_correction2_sqrt, eps,
+                                  -step_size)
+        wkind = -1 if work is None else self._kind(work, "work")
+        rc = self._lib.xpu_adamw(self._kind(grad, "grad"), wkind, master.data_ptr(), grad.data_ptr(),
+                                 exp_avg.data_ptr(), exp_avg_sq.data_ptr(), 0 if work is None else work.data_ptr(),
+                                 n, hp, int(threads))
+        if rc != 0:
+            raise ValueError(f"no AdamW loop for grad {grad.dtype} / work {None if work is None else work.dtype}")
+
+    def accumulate(self, acc: torch.Tensor, grad: torch.Tensor, threads: int) -> None:
+        """``acc += grad`` in place: fp32 ``acc``, a 16-bit ``grad`` read once (no fp32 temporary)."""
+        self._check({"acc": acc, "grad": grad}, acc.numel())
+        if acc.dtype != torch.float32 or grad.dtype == torch.float32:
+            raise ValueError(f"accumulate sums a 16-bit gradient into fp32, got {grad.dtype} into {acc.dtype}")
+        if self._lib.xpu_accumulate(self._kind(grad, "grad"), acc.data_ptr(), grad.data_ptr(), acc.numel(),
+                                    int(threads)) != 0:
+            raise ValueError(f"no accumulation loop for {grad.dtype}")
 
 
-_CACHE: dict[tuple, ChunkLoop] = {}
+_LOADED: HostLoops | None = None
+_FAILED: str | None = None
 _LOCK = threading.Lock()
 
 
-def _loop(key: tuple, make: Callable[[], ChunkLoop]) -> ChunkLoop:
-    with _LOCK:  # compiled once per process and shared: the profiler and the engine build kernels too
-        if key not in _CACHE:
-            _CACHE[key] = make()
-        return _CACHE[key]
-
-
-def adamw_loop(grad_dtype: torch.dtype, work_dtype: torch.dtype | None, betas: tuple[float, float], eps: float,
-               chunk: int = DEFAULT_CHUNK, threads: int | None = None) -> ChunkLoop:
-    """The compiled single-pass AdamW for these dtypes (``work_dtype`` None: the master is the
-    working copy), cached per process. Call it with ``[master, grad, exp_avg, exp_avg_sq(, work)]``
-    and ``extra=(scalars, beta1, beta2, eps)``."""
-    threads = threads or torch.get_num_threads()
-    b1, b2, eps = float(betas[0]), float(betas[1]), float(eps)
-    consts = (torch.ones(4), b1, b2, eps)
-    if work_dtype is None:
-        dtypes, fn = (torch.float32, grad_dtype, torch.float32, torch.float32), _adamw_master
-        mutated = (0, 2, 3)
-    else:
-        dtypes, fn = (torch.float32, grad_dtype, torch.float32, torch.float32, work_dtype), _adamw_work
-        mutated = (0, 2, 3, 4)
-    key = ("adamw", dtypes, b1, b2, eps, chunk, threads)
-    return _loop(key, lambda: ChunkLoop(fn, dtypes, mutated, chunk, threads, consts))
-
-
-def accumulate_loop(grad_dtype: torch.dtype, chunk: int = DEFAULT_CHUNK, threads: int | None = None) -> ChunkLoop:
-    """The compiled ``acc += grad`` (fp32 ``acc``), cached per process; call with ``[acc, grad]``."""
-    threads = threads or torch.get_num_threads()
-    dtypes = (torch.float32, grad_dtype)
-    return _loop(("acc", dtypes, chunk, threads), lambda: ChunkLoop(_accumulate, dtypes, (0,), chunk, threads))
+def host_loops() -> HostLoops:
+    """The loops, built on first use and shared by the process; raises :class:`UnavailableError`
+    (remembering why) where they cannot be built."""
+    global _LOADED, _FAILED
+    with _LOCK:
+        if _LOADED is None:
+            if _FAILED is not None:
+                raise UnavailableError(_FAILED)
+            try:
+                _LOADED = HostLoops(_build())
+            except (UnavailableError, OSError) as exc:
+                _FAILED = str(exc)
+                raise UnavailableError(_FAILED) from exc
+        return _LOADED
 
 
 def clear_cache() -> None:
-    """Forget every compiled loop (tests that simulate a machine without a compiler)."""
+    """Forget the loaded loops and any remembered failure (tests that simulate another machine)."""
+    global _LOADED, _FAILED
     with _LOCK:
-        _CACHE.clear()
+        _LOADED, _FAILED = None, None

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+from .adamw import squared_norm
 from .config import AdamW
 from .data_parallel import DataParallel
 from .host_kernel import make_host_kernel
@@ -274,7 +275,7 @@ class HostOptimizer:
         if self.cfg.max_grad_norm is None:
             self._update(index, 1.0)
             return
-        self._sqnorm += float(s.grad_source.double().square().sum())
+        self._sqnorm += float(squared_norm(s.grad_source))
         t0 = time.perf_counter()
         if self._backups is not None and self._backups.save(s):
             self.time_s["backup"] += time.perf_counter() - t0
