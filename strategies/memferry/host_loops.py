@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from xpu.hostmem import in_host_memory
+
 __all__ = ["HostLoops", "host_loops", "clear_cache", "UnavailableError"]
 
 _SOURCE = Path(__file__).with_name("host_loops.c")
@@ -120,7 +122,7 @@ class HostLoops:
         for what, t in tensors.items():
             if t is None:
                 continue
-            if t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n:
+            if not in_host_memory(t) or not t.is_contiguous() or t.numel() != n:
                 raise ValueError(f"{what} must be a contiguous host tensor of {n} elements, got "
                                  f"{tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})")
 
