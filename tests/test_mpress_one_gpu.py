@@ -31,13 +31,14 @@ def _jobs(dims, devices):
     return [PipelineJob(dims, plan=plan, profile=True, devices=devices, **RUN) for plan in ("keep", PEER_PLAN)]
 
 
-def _assert_same(res, want, atol, rtol, relative: dict | None = None):
-    """``res`` (one job's stages) trained like ``want``: the last stage's losses, every gradient
-    (those named in ``relative``: the difference's norm within that fraction of the tensor's)."""
+def _assert_same(res, want, atol, rtol, relative: dict | None = None, loss_rtol: float | None = None):
+    """``res`` (one job's stages) trained like ``want``: the last stage's losses (within
+    ``loss_rtol`` where given), every gradient (those named in ``relative``: the difference's norm
+    within that fraction of the tensor's)."""
     for r in res:
         assert "error" not in r, r["error"]
     for step, losses in enumerate(want[-1]["losses"]):
-        assert res[-1]["losses"][step] == pytest.approx(losses, abs=atol, rel=rtol), step
+        assert res[-1]["losses"][step] == pytest.approx(losses, abs=atol, rel=loss_rtol or rtol), step
     for r, w in zip(res, want):
         assert set(r["grads"]) == set(w["grads"]) and r["grads"]
         for n, g in w["grads"].items():  # the last step's gradients: after a step of SGD, so the weights too
@@ -176,8 +177,9 @@ def test_two_stages_on_one_gpu_swap_to_the_peer_and_train_like_keep(gpu_backend)
     # bit: CUDA's embedding backward sums rows with atomics, in an order that differs run to run,
     # and after a step of SGD at lr 0.1 a few elements of tok_emb.weight's gradient differ by more
     # than 1e-5 (H200, 2026-12-02, twice) while every block's gradient met 1e-6: the embedding is
-    # compared as a whole, to 1e-4 of its norm.
-    _assert_same(peer, keep, atol=1e-5, rtol=1e-5, relative={"tok_emb.weight": 1e-4})
+    # compared as a whole, to 1e-4 of its norm; the losses after that step moved by 1e-5 relative
+    # (5.7e-5 on a loss of 5.46, H200, 2026-12-02), so they are compared to 1e-4 relative.
+    _assert_same(peer, keep, atol=1e-5, rtol=1e-5, relative={"tok_emb.weight": 1e-4}, loss_rtol=1e-4)
     _assert_peer_swapped(peer)
     ref = reference(jobs[0])
     for step, ref_loss in enumerate(ref["losses"]):  # device kernels against the host reference
