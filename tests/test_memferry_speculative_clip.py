@@ -1,8 +1,13 @@
 """Speculative clipping (AdamW clip_mode="speculative"): host updates start with coefficient 1 as
-gradients land and roll back exactly when the clip fires. Bit-equal to clip_mode="wait"."""
+gradients land and roll back exactly when the clip fires. Bit-equal to clip_mode="wait".
+
+Which units the worker reaches before the coefficient is known depends on timing; the runs here
+call ``HostOptimizer.settle()`` before ``step()`` so the counts they assert depend only on the calls:
+every unit is speculated except, after the first step, the one expected to land last."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -46,6 +51,7 @@ def run(backend, clip, mode, plan="prefetch", dtype="fp32", accumulation=1, back
             losses.append(loss.detach().float().cpu())
         if lr_between is not None and step == 2:
             engine.set_lr(lr_between)  # after backward, before step: the speculative updates used the old rate
+        engine.optimizer.settle()
         engine.step()
         norms.append(engine.last_grad_norm)
     state = engine.state_dict()
@@ -73,9 +79,32 @@ def assert_bit_equal(a, b):
         assert st["step"] == b["state"]["optimizer"][name]["step"]
 
 
+def fired_steps(result, clip):
+    """Indices of the steps whose clip coefficient was below 1 (as the engine computes it)."""
+    return {i for i, n in enumerate(result["norms"]) if min(1.0, clip / (n + 1e-6)) != 1.0}
+
+
 def fired(result, clip):
-    """Steps whose clip coefficient was below 1 (as the engine computes it)."""
-    return sum(min(1.0, clip / (n + 1e-6)) != 1.0 for n in result["norms"])
+    """How many steps clipped."""
+    return len(fired_steps(result, clip))
+
+
+def assert_counts(stats, units, result, clip, room=None):
+    """Clip counts of a settled run: per step, the units queued for speculation (all in the first,
+    all but the last to land later) speculate while backup room for ``room`` units lasts (None:
+    all); the speculated ones of a clipped step roll back."""
+    room = units if room is None else room
+    steps = fired_steps(result, clip)
+    want = dict.fromkeys(("speculated_units", "held_units", "direct_units", "rolled_back_units", "rollback_steps"), 0)
+    for step in range(STEPS):
+        queued = units if step == 0 else units - 1
+        speculated = min(queued, room)
+        want["speculated_units"] += speculated
+        want["held_units"] += queued - speculated
+        want["direct_units"] += units - queued
+        want["rolled_back_units"] += speculated if step in steps else 0
+        want["rollback_steps"] += int(step in steps and speculated > 0)
+    assert {k: stats[k] for k in want} == want
 
 
 def host_units(backend, plan="prefetch"):
@@ -97,9 +126,8 @@ def test_speculative_equals_wait_bit_for_bit(cpu_backend, plan, dtype, case):
     s = spec["stats"]
     assert s["clipped_steps"] == n_fired and s["steps"] == STEPS
     assert s["rollback_steps"] == n_fired  # every clipped step, and only those, rolled back
-    assert s["speculated_units"] == units * STEPS and s["held_units"] == 0
-    assert s["rolled_back_units"] == units * n_fired
-    assert wait["stats"]["rollback_steps"] == wait["stats"]["speculated_units"] == 0
+    assert_counts(s, units, wait, clip)
+    assert wait["stats"]["rollback_steps"] == wait["stats"]["speculated_units"] == wait["stats"]["direct_units"] == 0
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -113,7 +141,7 @@ def test_speculative_equals_wait_with_accumulation(cpu_backend, dtype, case, pla
     n_fired = fired(wait, clip)
     assert (n_fired == STEPS) if case == "always" else (0 < n_fired < STEPS), wait["norms"]
     assert spec["stats"]["rollback_steps"] == n_fired
-    assert spec["stats"]["rolled_back_units"] == host_units(cpu_backend, plan) * n_fired
+    assert_counts(spec["stats"], host_units(cpu_backend, plan), wait, clip)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -126,6 +154,7 @@ def test_a_step_after_fewer_backwards_than_declared_rolls_back_exactly(cpu_backe
         for step in range(3):  # two of the three declared micro-batches, then step()
             for x, y in data[2 * step:2 * step + 2]:
                 engine.backward(lm_loss(engine(x), engine._to_device(y)) / 2)
+            engine.optimizer.settle()
             engine.step()
         engine.synchronize()  # the last step's host updates may still run
         out = {"buffers": [{k: getattr(s, k).detach().cpu().clone() for k in ("work", "master", "exp_avg", "exp_avg_sq")}
@@ -146,10 +175,7 @@ def test_a_bounded_backup_speculates_on_the_first_units_and_holds_the_rest(cpu_b
     for budget, speculated in ((0, 0), (block + 11, 1), (2 * block, 2)):
         spec = run(cpu_backend, CLIPS["some"], "speculative", backup=budget)
         assert_bit_equal(spec, wait)
-        s = spec["stats"]
-        assert s["speculated_units"] == speculated * STEPS
-        assert s["held_units"] == (len(units) - speculated) * STEPS
-        assert s["rolled_back_units"] == speculated * fired(wait, CLIPS["some"])
+        assert_counts(spec["stats"], len(units), wait, CLIPS["some"], room=speculated)
 
 
 def test_a_learning_rate_changed_between_backward_and_step_rolls_back_exactly(cpu_backend):
@@ -233,7 +259,11 @@ def _rank(rank, port, out_dir):
         losses, norms = [], []
         for x, y in data:
             half = x.shape[0] // WORLD
-            losses.append(engine.train_step(x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]))
+            loss = lm_loss(engine(x[rank * half:(rank + 1) * half]), engine._to_device(y[rank * half:(rank + 1) * half]))
+            engine.backward(loss)
+            engine.optimizer.settle()
+            engine.step()
+            losses.append(loss.detach())
             norms.append(engine.last_grad_norm)
         state = engine.state_dict()
         out[mode] = {"losses": [t.cpu() for t in losses], "norms": norms, "state": state, "stats": engine.clip_stats()}
@@ -260,8 +290,7 @@ def test_two_ranks_speculative_equals_wait(tmp_path, cpu_backend):
         n_fired = fired(wait, 0.95)
         assert 0 < n_fired < STEPS, wait["norms"]
         assert spec["stats"]["rollback_steps"] == spec["stats"]["clipped_steps"] == n_fired
-        assert spec["stats"]["speculated_units"] == 4 * STEPS  # three host-homed blocks and the rest unit
-        assert spec["stats"]["rolled_back_units"] == 4 * n_fired
+        assert_counts(spec["stats"], 4, wait, 0.95)  # three host-homed blocks and the rest unit
 
 
 def test_bench_notes_count_clipped_steps_and_rollbacks(cpu_backend):
@@ -275,6 +304,7 @@ def test_bench_notes_count_clipped_steps_and_rollbacks(cpu_backend):
         inputs, targets = _batch(cpu_backend)
         for _ in range(2):
             system.step(inputs, targets)
-        assert "clip speculative: 2 of 2 steps clipped, 2 rolled back" in system.notes
+        # the first step speculates every unit, so it rolls back; the second may not have reached any
+        assert re.search(r"clip speculative: 2 of 2 steps clipped, [12] rolled back", system.notes), system.notes
     finally:
         system.close()

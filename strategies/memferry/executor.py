@@ -409,7 +409,7 @@ class Executor:
             p.grad = None
         if self.unit_plans[s.unit.index].backward != "dha" and len(s.unit.trainable) == len(s.unit.params):
             self._release(s)  # (a unit with frozen parameters is released by the next unit's backward hook)
-        self.opt.submit(s.unit.index, landed.synchronize, final=self._final)
+        self.opt.submit(s.unit.index, landed.synchronize, final=self._final, landed=landed.query)
 
 
 class _Gathered:

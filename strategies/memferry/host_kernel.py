@@ -27,34 +27,64 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import Iterator
+
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .adamw import decay_ranges, flat_adamw
+from .adamw import decay_ranges, flat_adamw, squared_norm
 from .host_loops import UnavailableError, host_loops
 from .config import AdamW
 from .shadow import UnitShadow
 
-__all__ = ["HostKernel", "TorchKernel", "SinglePassKernel", "make_host_kernel", "default_chunk", "KERNELS"]
+__all__ = ["PHASES", "Triple", "HostKernel", "TorchKernel", "SinglePassKernel", "make_host_kernel", "default_chunk", "KERNELS"]
 
 _log = logging.getLogger("xpu.memferry")
 
 KERNELS = ("auto", "torch", "single-pass")
 
 
+#: What the host optimizer's time is spent on, per update (``HostOptimizer.time_s`` adds the waits).
+PHASES = ("upcast", "adamw", "writeback", "backup")
+
+#: A unit's master, exp_avg and exp_avg_sq in a backup (speculative clipping's arena).
+Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 class HostKernel:
     """Applies one AdamW step to a host-homed unit (gradient already in ``grad_source``: the
     landed ``grad_stage``, or the fp32 sum of a step's micro-batches).
 
-    ``apply`` returns the seconds spent per phase (``upcast``, ``adamw``, ``writeback``; a
-    single-pass kernel reports everything as ``adamw``) and advances ``shadow.step``.
+    ``apply`` returns the seconds spent per phase (``upcast``, ``adamw``, ``writeback``,
+    ``backup``; a single-pass kernel reports its sweeps as ``adamw``) and advances ``shadow.step``.
+    :meth:`pieces` does the same update a piece at a time, so the host optimizer's worker can
+    answer the training thread between pieces.
     """
 
     name = "?"
 
-    def apply(self, s: UnitShadow, coef: float) -> dict[str, float]:
-        """One update of ``s`` with its gradient scaled by ``coef`` (global-norm clipping)."""
+    def pieces(self, s: UnitShadow, coef: float, save: Triple | None = None,
+               source: Triple | None = None) -> Iterator[dict[str, float]]:
+        """One update of ``s`` with its gradient scaled by ``coef`` (global-norm clipping), a
+        piece at a time (seconds per phase after each); ``s.step`` advances after the last.
+
+        ``save``: also write the old master and moments there (speculative clipping's backup);
+        ``source``: take the old master and moments from there (a rollback).
+        """
         raise NotImplementedError
+
+    def apply(self, s: UnitShadow, coef: float, save: Triple | None = None,
+              source: Triple | None = None) -> dict[str, float]:
+        """:meth:`pieces` all at once: the seconds per phase of the whole update."""
+        total = dict.fromkeys(PHASES, 0.0)
+        for times in self.pieces(s, coef, save, source):
+            for phase, seconds in times.items():
+                total[phase] += seconds
+        return total
+
+    def sqnorm(self, t: torch.Tensor) -> float:
+        """The sum of ``t``'s squares in fp64 (a gradient, for the clip coefficient)."""
+        return float(squared_norm(t))
 
     def set_lr(self, lr: float) -> None:
         """Learning rate of the following updates."""
@@ -126,12 +156,22 @@ class TorchKernel(HostKernel):
         # One fp32 gradient chunk, reused: the worker updates one unit at a time.
         self._scratch = torch.empty(largest, dtype=torch.float32) if largest else None
 
-    def apply(self, s: UnitShadow, coef: float) -> dict[str, float]:
-        times = {"upcast": 0.0, "adamw": 0.0, "writeback": 0.0}
+    def pieces(self, s: UnitShadow, coef: float, save: Triple | None = None,
+               source: Triple | None = None) -> Iterator[dict[str, float]]:
         src = s.grad_source
         low = src.dtype != torch.float32
         work = None if s.master_is_work else s.train_work
-        for (a, b), opt in zip(self._bounds[id(s)], self._optims[id(s)]):
+        state = (s.master, s.exp_avg, s.exp_avg_sq)
+        bounds = self._bounds[id(s)]
+        if not bounds:  # nothing trainable: the step still counts
+            s.step += 1
+            yield {}
+        for k, ((a, b), opt) in enumerate(zip(bounds, self._optims[id(s)])):
+            times = {"upcast": 0.0, "adamw": 0.0, "writeback": 0.0, "backup": 0.0}
+            t0 = time.perf_counter()
+            for mine, other in zip(state, save or source or ()):
+                (other[a:b].copy_(mine[a:b]) if save is not None else mine[a:b].copy_(other[a:b]))
+            times["backup"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             if low:
                 g = self._scratch[: b - a]
@@ -152,8 +192,9 @@ class TorchKernel(HostKernel):
             times["upcast"] += t1 - t0
             times["adamw"] += t2 - t1
             times["writeback"] += t3 - t2
-        s.step += 1
-        return times
+            if k == len(bounds) - 1:
+                s.step += 1
+            yield times
 
     def set_lr(self, lr: float) -> None:
         for opts in self._optims.values():
@@ -176,6 +217,10 @@ class SinglePassKernel(HostKernel):
 
     name = "single-pass"
 
+    #: Elements per piece (:meth:`HostKernel.pieces`): about 2 ms at the H200 host's rate, the
+    #: longest the worker keeps the training thread waiting for a gradient norm.
+    piece = 1 << 23
+
     def __init__(self, cfg: AdamW, shadows: list[UnitShadow] = (), threads: int | None = None) -> None:
         self.cfg = cfg
         self.lr = cfg.lr
@@ -186,21 +231,32 @@ class SinglePassKernel(HostKernel):
                 if t is not None and t.dtype not in self._loops.dtypes:
                     raise UnavailableError(f"dtype {t.dtype} is not built here")
 
-    def apply(self, s: UnitShadow, coef: float) -> dict[str, float]:
-        t0 = time.perf_counter()
-        step = s.step + 1
+    def pieces(self, s: UnitShadow, coef: float, save: Triple | None = None,
+               source: Triple | None = None) -> Iterator[dict[str, float]]:
+        step, lr = s.step + 1, self.lr  # fixed for the whole unit, whatever happens between pieces
         b1, b2 = (float(b) for b in self.cfg.betas)
         bc1, bc2 = 1.0 - b1 ** step, 1.0 - b2 ** step
         grad = s.grad_source
         work = None if s.master_is_work else s.train_work
-        for a, b, decays in decay_ranges(s.master.numel(), s.decay_end):
+        ranges = decay_ranges(s.master.numel(), s.decay_end, self.piece)
+        if not ranges:  # nothing trainable: the step still counts
+            s.step = step
+            yield {}
+        for k, (a, b, decays) in enumerate(ranges):
+            t0 = time.perf_counter()
             wd = self.cfg.weight_decay if decays else 0.0
             self._loops.adamw(s.master[a:b], grad[a:b], s.exp_avg[a:b], s.exp_avg_sq[a:b],
-                              None if work is None else work[a:b], grad_scale=coef, decay=1.0 - self.lr * wd,
+                              None if work is None else work[a:b], grad_scale=coef, decay=1.0 - lr * wd,
                               beta1=b1, beta2=b2, bias_correction2_sqrt=math.sqrt(bc2), eps=float(self.cfg.eps),
-                              step_size=self.lr / bc1, threads=self.threads)
-        s.step = step
-        return {"upcast": 0.0, "adamw": time.perf_counter() - t0, "writeback": 0.0}
+                              step_size=lr / bc1, threads=self.threads,
+                              save=None if save is None else tuple(t[a:b] for t in save),
+                              source=None if source is None else tuple(t[a:b] for t in source))
+            if k == len(ranges) - 1:
+                s.step = step
+            yield {"adamw": time.perf_counter() - t0}
+
+    def sqnorm(self, t: torch.Tensor) -> float:
+        return self._loops.sqnorm(t.reshape(-1), self.threads) if t.dtype in self._loops.dtypes else super().sqnorm(t)
 
     def accumulate(self, acc: torch.Tensor, grad: torch.Tensor) -> None:
         if grad.dtype == torch.float32:

@@ -104,8 +104,11 @@ class HostLoops:
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
         p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.xpu_adamw.argtypes = [c_int, c_int, p, p, p, p, p, i64, ctypes.POINTER(ctypes.c_float), c_int]
+        lib.xpu_adamw.argtypes = [c_int, c_int, p, p, p, p, p, i64, ctypes.POINTER(ctypes.c_float), c_int,
+                                  c_int, p, p, p]
         lib.xpu_adamw.restype = c_int
+        lib.xpu_sqnorm.argtypes = [c_int, p, i64, c_int, p, ctypes.POINTER(ctypes.c_double)]
+        lib.xpu_sqnorm.restype = c_int
         lib.xpu_accumulate.argtypes = [c_int, p, p, i64, c_int]
         lib.xpu_accumulate.restype = c_int
         lib.xpu_has_f16.restype = c_int
@@ -128,24 +131,36 @@ class HostLoops:
 
     def adamw(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
               work: torch.Tensor | None, *, grad_scale: float, decay: float, beta1: float, beta2: float,
-              bias_correction2_sqrt: float, eps: float, step_size: float, threads: int) -> None:
+              bias_correction2_sqrt: float, eps: float, step_size: float, threads: int,
+              save: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+              source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         """One AdamW step in place over fp32 ``master``/moments, ``grad`` of any built dtype, and
         (unless None) the ``work`` copy written from the updated master.
 
         ``decay`` is ``1 - lr * weight_decay`` and ``step_size`` ``lr / bias_correction1``; each
         scalar is rounded to fp32 once, as torch's ops round their Python-float arguments.
+        ``save``: fp32 (master, exp_avg, exp_avg_sq) to receive the old values in the same sweep;
+        ``source``: read the old values from these instead (restore and update in one sweep).
         """
         n = master.numel()
-        self._check({"master": master, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "work": work}, n)
-        for what, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-            if t.dtype != torch.float32:
+        if save is not None and source is not None:
+            raise ValueError("adamw takes save or source, not both")
+        backup = save if save is not None else source
+        tensors = {"master": master, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "work": work}
+        if backup is not None:
+            tensors.update(zip(("backup master", "backup exp_avg", "backup exp_avg_sq"), backup))
+        self._check(tensors, n)
+        for what, t in tensors.items():
+            if what != "grad" and what != "work" and t.dtype != torch.float32:
                 raise ValueError(f"{what} must be fp32, got {t.dtype}")
         hp = (ctypes.c_float * 8)(grad_scale, decay, 1.0 - beta1, beta2, 1.0 - beta2, bias_correction2_sqrt, eps,
                                   -step_size)
         wkind = -1 if work is None else self._kind(work, "work")
+        form = 0 if backup is None else 1 if save is not None else 2
+        bp, bm, bv = (t.data_ptr() for t in backup) if backup is not None else (0, 0, 0)
         rc = self._lib.xpu_adamw(self._kind(grad, "grad"), wkind, master.data_ptr(), grad.data_ptr(),
                                  exp_avg.data_ptr(), exp_avg_sq.data_ptr(), 0 if work is None else work.data_ptr(),
-                                 n, hp, int(threads))
+                                 n, hp, int(threads), form, bp, bm, bv)
         if rc != 0:
             raise ValueError(f"no AdamW loop for grad {grad.dtype} / work {None if work is None else work.dtype}")
 
@@ -157,6 +172,19 @@ class HostLoops:
         if self._lib.xpu_accumulate(self._kind(grad, "grad"), acc.data_ptr(), grad.data_ptr(), acc.numel(),
                                     int(threads)) != 0:
             raise ValueError(f"no accumulation loop for {grad.dtype}")
+
+
+    def sqnorm(self, grad: torch.Tensor, threads: int) -> float:
+        """The sum of ``grad``'s squares in fp64: in fixed 65536-element blocks added in order, so
+        the same for any ``threads`` (the clip coefficient must not depend on the thread count)."""
+        n = grad.numel()
+        self._check({"grad": grad}, n)
+        part = torch.empty(max(1, -(-n // 65536)), dtype=torch.float64)
+        out = ctypes.c_double()
+        if self._lib.xpu_sqnorm(self._kind(grad, "grad"), grad.data_ptr(), n, int(threads), part.data_ptr(),
+                                ctypes.byref(out)) != 0:
+            raise ValueError(f"no norm loop for {grad.dtype}")
+        return out.value
 
 
 _LOADED: HostLoops | None = None

@@ -10,10 +10,17 @@ Global-norm clipping needs every gradient before the coefficient is known. With
 ``max_grad_norm`` set, the worker measures each unit's gradient as it lands, and
 :meth:`finish_step` supplies the coefficient (from :meth:`grad_sqnorm` and the device units'
 norms). ``clip_mode="wait"`` holds every update until then: exact, less overlap.
-``clip_mode="speculative"`` backs the unit's master and moments up (``speculative_clip.py``) and
-updates at once with coefficient 1; :meth:`finish_step` then commits (coefficient 1, same
-learning rate) or rolls back and re-applies: exact too, bit-equal to ``"wait"``. Either way a
-unit's update is published (:meth:`wait` returns, its landing zone is freed) only at the finish.
+``clip_mode="speculative"`` updates with coefficient 1 while backward goes on, backing the
+unit's master and moments up in the same sweep (``speculative_clip.py``); :meth:`finish_step`
+then commits (coefficient 1, same learning rate) or re-applies from the backup: exact too,
+bit-equal to ``"wait"``. Either way a unit's update is published (:meth:`wait` returns, its
+landing zone is freed) only at the finish, units in order of their index (the next forward's).
+
+The norm must not wait for updates: a landed gradient's norm is taken at once (one read of the
+gradient), and speculative updates run a piece at a time (``HostKernel.pieces``) only while no
+landed gradient waits, so :meth:`grad_sqnorm` answers soon after the last gradient lands. The
+unit expected to land last (the previous step's count) is not speculated, nor any whose
+update had not started when the coefficient came: they update once, with the true coefficient.
 
 Gradient accumulation: a gradient submitted with ``final=False`` (an earlier micro-batch of
 the step) is only added into the unit's fp32 ``grad_acc``; the one submitted with
@@ -22,22 +29,36 @@ from the sum. :meth:`flush` turns what was accumulated into updates when the ste
 """
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 import torch
 
-from .adamw import squared_norm
 from .config import AdamW
 from .data_parallel import DataParallel
-from .host_kernel import make_host_kernel
+from .host_kernel import PHASES, make_host_kernel
 from .shadow import UnitShadow
 from .speculative_clip import Backups
 
 __all__ = ["HostOptimizer"]
+
+
+@dataclass
+class _Held:
+    """A unit of this step whose update is published only when the clip coefficient is known."""
+
+    index: int
+    #: the learning rate of its speculative update (made or under way); None: not updated yet
+    lr: float | None = None
+    #: its speculative update's remaining pieces while under way
+    pieces: Iterator[dict[str, float]] | None = None
+    #: no backup room was left for it
+    no_room: bool = False
 
 
 class HostOptimizer:
@@ -76,16 +97,23 @@ class HostOptimizer:
         self._received = [0] * len(shadows)  # worker side: micro-batches summed into grad_acc this step
         self._open: set[int] = set()  # training side: units with accumulated gradients and no update queued
         self._tasks: queue.Queue = queue.Queue()
-        # This step's clipped units in landing order, each with the learning rate its speculative
-        # update used (None: held, not yet updated).
-        self._order: list[tuple[int, float | None]] = []
+        # Clipping, worker side: this step's units in landing order; those waiting to be
+        # speculated; the one being speculated; a task taken from the queue whose gradient has
+        # not landed yet; how many units the last step had (the one landing last is not speculated).
+        self._order: list[_Held] = []
+        self._to_speculate: collections.deque[_Held] = collections.deque()
+        self._running: _Held | None = None
+        self._head: tuple | None = None
+        self._expect: int | None = None
         self._backups = Backups(backup if backup is not None else torch.empty(0)) if cfg.speculative else None
         self._lr = cfg.lr  # worker side: the rate the kernel applies now
         #: speculative clipping, totals so far (worker side; read them with :meth:`clip_counts`):
-        #: ``steps`` finished with clipping on, ``rollback_steps`` among them that restored
-        #: backups, ``speculated_units``, ``rolled_back_units``, ``held_units`` (no backup room).
+        #: ``steps`` finished with clipping on, ``rollback_steps`` among them that re-applied
+        #: updates from backups, ``speculated_units``, ``rolled_back_units``, ``held_units`` (no
+        #: backup room), ``direct_units`` (updated once the coefficient was known: the unit landing
+        #: last, or one whose speculation had not started).
         self.clip_stats = {"steps": 0, "rollback_steps": 0, "speculated_units": 0, "rolled_back_units": 0,
-                           "held_units": 0}
+                           "held_units": 0, "direct_units": 0}
         self._sqnorm = 0.0
         self._error: BaseException | None = None
         #: seconds spent per phase, for the scheduler's cost model: waiting for gradients to
@@ -103,11 +131,14 @@ class HostOptimizer:
         self._finalizer = weakref.finalize(self, _stop_worker, self._tasks, self._thread)
 
     # ------------------------------------------------------------------ producer side
-    def submit(self, index: int, ready: Callable[[], None], final: bool = True) -> None:
+    def submit(self, index: int, ready: Callable[[], None], final: bool = True,
+               landed: Callable[[], bool] | None = None) -> None:
         """Queue unit ``index``'s gradient; ``ready()`` blocks until it is in host memory.
 
         ``final``: the step's last micro-batch: update from it (plus what was accumulated);
-        otherwise it is only added into the unit's fp32 accumulation buffer.
+        otherwise it is only added into the unit's fp32 accumulation buffer. ``landed()``: whether
+        it is in host memory already, without blocking (an event's ``query``): the worker goes on
+        with speculative updates until it is (None: it waits on ``ready``).
         """
         self._raise_if_failed()
         if not final and self.shadows[index].grad_acc is None:
@@ -119,7 +150,7 @@ class HostOptimizer:
             self._open.discard(index)
         else:
             self._open.add(index)
-        self._tasks.put(("grad", index, (ready, final)))
+        self._tasks.put(("grad", index, (ready, final, landed)))
 
     def flush(self) -> None:
         """The step ends before its last micro-batch: update every unit from what it accumulated."""
@@ -145,6 +176,11 @@ class HostOptimizer:
     def clip_counts(self) -> dict[str, int]:
         """:attr:`clip_stats` once every queued task is done (a copy)."""
         return self._ask("stats")
+
+    def settle(self) -> None:
+        """Block until every landed gradient that will be updated speculatively has been: which
+        units speculate then depends on nothing but the order of calls (tests count them)."""
+        self._ask("settle")
 
     def _ask(self, kind: str) -> Any:
         """Queue ``kind`` behind everything submitted and block for the worker's reply."""
@@ -197,8 +233,7 @@ class HostOptimizer:
         scheduler's profile predicts; None before any update."""
         if not self.updated_numel:
             return None
-        work = self.time_s["upcast"] + self.time_s["adamw"] + self.time_s["writeback"] + self.time_s["backup"]
-        return work / self.updated_numel
+        return sum(self.time_s[phase] for phase in PHASES) / self.updated_numel
 
     def close(self) -> None:
         """Stop the worker after the queued work."""
@@ -218,16 +253,16 @@ class HostOptimizer:
                 return
         if self.cfg.host_threads is not None:
             torch.set_num_threads(self.cfg.host_threads)  # this thread's OpenMP team
-        # Tasks are (kind, argument, callback): ("grad", unit index, wait-for-landing),
-        # ("norm", None, reply), ("finish", clip coefficient, None), ("lr", rate, None),
-        # ("stop", None, None).
+        # Tasks are (kind, argument, callback): ("grad", unit index, (ready, final, landed)),
+        # ("flush", None, None), ("norm" | "stats" | "settle", None, reply), ("finish", clip
+        # coefficient, None), ("lr", rate, None), ("stop", None, None).
         while True:
-            kind, arg, callback = self._tasks.get()
-            if kind == "stop":
-                return
             try:
+                kind, arg, callback = self._take()
+                if kind == "stop":
+                    return
                 if kind == "grad":
-                    ready, final = callback
+                    ready, final, _ = callback
                     t0 = time.perf_counter()
                     ready()
                     self.time_s["wait"] += time.perf_counter() - t0
@@ -240,7 +275,12 @@ class HostOptimizer:
                     callback(self._sqnorm)
                 elif kind == "stats":
                     callback(dict(self.clip_stats))
+                elif kind == "settle":
+                    while self._running is not None or self._to_speculate:
+                        self._speculate_piece()
+                    callback(None)
                 elif kind == "lr":
+                    self._finish_running()  # a unit's update uses one rate throughout
                     self.kernel.set_lr(arg)
                     self._lr = arg
                 elif kind == "finish":
@@ -248,6 +288,26 @@ class HostOptimizer:
             except BaseException as exc:
                 self._fail(exc)
                 return
+
+    def _take(self) -> tuple:
+        """The next task; while speculative updates wait and no task can be worked on at once
+        (the queue is empty, or its head's gradient has not landed), run them a piece at a time."""
+        while True:
+            due = self._running is not None or bool(self._to_speculate)
+            if self._head is None:
+                if not due:
+                    return self._tasks.get()
+                try:
+                    self._head = self._tasks.get_nowait()
+                except queue.Empty:
+                    self._speculate_piece()
+                    continue
+            kind, _, callback = self._head
+            if due and kind == "grad" and callback[2] is not None and not callback[2]():
+                self._speculate_piece()
+                continue
+            task, self._head = self._head, None
+            return task
 
     def _receive(self, index: int, final: bool) -> None:
         """A landed gradient: sum it into ``grad_acc`` unless it is a step's only one; update if final."""
@@ -269,44 +329,70 @@ class HostOptimizer:
             self._finalize(index)
 
     def _finalize(self, index: int) -> None:
-        """The step's gradient of unit ``index`` is complete: update now, or hold it for the clip."""
+        """The step's gradient of unit ``index`` is complete: update now, or hold it for the clip
+        (and queue it for a speculative update, unless it is the step's last expected)."""
         s = self.shadows[index]
         self._received[index] = 0
         if self.cfg.max_grad_norm is None:
             self._update(index, 1.0)
             return
-        self._sqnorm += float(squared_norm(s.grad_source))
-        t0 = time.perf_counter()
-        if self._backups is not None and self._backups.save(s):
-            self.time_s["backup"] += time.perf_counter() - t0
-            with torch.profiler.record_function(f"optimizer:host speculative {s.unit.name}"):
-                self._kernel(index, 1.0)  # published (or rolled back) by _resolve
-            self._order.append((index, self._lr))
+        self._sqnorm += self.kernel.sqnorm(s.grad_source)
+        held = _Held(index)
+        self._order.append(held)
+        if self._backups is not None and (self._expect is None or len(self._order) < self._expect):
+            self._to_speculate.append(held)
+
+    def _speculate_piece(self) -> None:
+        """One piece of a speculative update: start the next queued unit's if none is under way
+        (taking backup room, or leaving the unit held where there is none)."""
+        if self._running is None:
+            held = self._to_speculate.popleft()
+            s = self.shadows[held.index]
+            room = self._backups.reserve(s)
+            if room is None:
+                held.no_room = True
+                self.clip_stats["held_units"] += 1
+                return
+            held.lr, held.pieces = self._lr, self.kernel.pieces(s, 1.0, save=room)
+            self._running = held
             self.clip_stats["speculated_units"] += 1
-        else:
-            self._order.append((index, None))
-            self.clip_stats["held_units"] += int(self._backups is not None)
+        held = self._running
+        s = self.shadows[held.index]
+        with torch.profiler.record_function(f"optimizer:host speculative {s.unit.name}"):
+            times = next(held.pieces, None)
+        if times is None:
+            held.pieces, self._running = None, None
+            self.updated_numel += s.master.numel()
+            return
+        for phase, seconds in times.items():
+            self.time_s[phase] += seconds
+
+    def _finish_running(self) -> None:
+        """Complete the speculative update under way, if any."""
+        while self._running is not None:
+            self._speculate_piece()
 
     def _resolve(self, coef: float) -> None:
-        """The clip coefficient is known: apply held updates; keep speculative ones that used
-        coefficient 1 and the current rate, restore and re-apply the others (exactly what
-        ``clip_mode="wait"`` computes). Units go in landing order on every rank (the weight
-        exchange of data parallelism follows it)."""
+        """The clip coefficient is known: keep speculative updates that used coefficient 1 and the
+        current rate, re-apply the others from their backups, and update the rest once (exactly
+        what ``clip_mode="wait"`` computes). Units go in index order on every rank: the next
+        forward needs the first ones first, and data parallelism's weight exchange follows it."""
+        self._finish_running()
+        self._to_speculate.clear()
         rolled = 0
-        for index, lr in self._order:
-            s = self.shadows[index]
-            if lr is None:
-                self._update(index, coef)
-            elif coef == 1.0 and lr == self._lr:
-                self._publish(index)
-            else:
-                t0 = time.perf_counter()
-                self._backups.restore(s)
+        for held in sorted(self._order, key=lambda h: h.index):
+            s = self.shadows[held.index]
+            if held.lr is None:
+                self.clip_stats["direct_units"] += int(self._backups is not None and not held.no_room)
+                self._update(held.index, coef)
+            elif coef == 1.0 and held.lr == self._lr:
+                self._publish(held.index)
+            else:  # restore and re-apply in one sweep, from the backup
                 s.step -= 1
                 self.kernel.sync_step(s)
-                self.time_s["backup"] += time.perf_counter() - t0
                 rolled += 1
-                self._update(index, coef)
+                self._update(held.index, coef, source=self._backups.slot(s))
+        self._expect = len(self._order)
         self._order, self._sqnorm = [], 0.0
         if self._backups is not None:
             self._backups.reset()
@@ -320,22 +406,16 @@ class HostOptimizer:
         for ev in self._done + self._consumed:
             ev.set()
 
-    def _update(self, index: int, coef: float) -> None:
+    def _update(self, index: int, coef: float, source: Any = None) -> None:
+        """Update unit ``index`` (from ``source``'s master and moments if given) and publish it."""
+        s = self.shadows[index]
         # A named span, so a profiler trace (the benchmark's timelines) shows host updates
         # on the CPU optimizer lane beside the device's backward.
-        with torch.profiler.record_function(f"optimizer:host {self.shadows[index].unit.name}"):
-            self._apply(index, coef)
-
-    def _apply(self, index: int, coef: float) -> None:
-        self._kernel(index, coef)
-        self._publish(index)
-
-    def _kernel(self, index: int, coef: float) -> None:
-        """The update itself: master, moments and working copy change; nothing is published."""
-        s = self.shadows[index]
-        for phase, seconds in self.kernel.apply(s, coef).items():
-            self.time_s[phase] += seconds
-        self.updated_numel += s.master.numel()
+        with torch.profiler.record_function(f"optimizer:host {s.unit.name}"):
+            for phase, seconds in self.kernel.apply(s, coef, source=source).items():
+                self.time_s[phase] += seconds
+            self.updated_numel += s.master.numel()
+            self._publish(index)
 
     def _publish(self, index: int) -> None:
         """Unit ``index``'s update is final: free its landing zone, exchange shards, release waiters."""
