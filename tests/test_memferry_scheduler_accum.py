@@ -144,6 +144,32 @@ def test_the_smallest_budget_trains_n_micro_batches(cpu_backend, setup, n, rest)
         assert min_budget(prof, links, rest_optimizers=rest, margin=0.0) < got
 
 
+def test_clipping_holds_the_device_homed_gradients_and_the_prediction_counts_them(cpu_backend, setup):
+    """With clipping the device optimizer holds every device-homed fp32 gradient until ``step()``:
+    the measured peak grows past the prediction without clipping, and stays under the one with."""
+    model, x, y, prof = setup
+    links = links_from_probe(cpu_backend, 0)
+    plan = plans()["device-all"]
+
+    def peak(clip):
+        gc.collect()
+        before = cpu_backend.memory_stats(0).allocated
+        engine = MemFerry(copy.deepcopy(model), optim=AdamW(lr=1e-3, max_grad_norm=clip), plan=plan, backend=cpu_backend)
+        for _ in range(2):
+            cpu_backend.reset_peak_memory(0)
+            engine.backward(model_loss(engine, x, y, labels_model=engine.model))
+            engine.step()
+            cpu_backend.synchronize(0)
+        got = cpu_backend.memory_stats(0).peak_allocated - before
+        engine.close()
+        return got
+
+    clipped = dataclasses.replace(prof, clipping=True)
+    assert grads_persist(clipped) and not grads_persist(prof)
+    assert predict(plan, prof, links, 0.0).peak_bytes < peak(1.0) <= predict(plan, clipped, links, 0.0).peak_bytes
+    assert peak(None) <= predict(plan, prof, links, 0.0).peak_bytes
+
+
 def test_plan_auto_passes_accumulation_steps_to_the_scheduler(cpu_backend, monkeypatch):
     """``MemFerry(plan="auto", accumulation_steps=4)`` schedules with the profile's
     ``accumulation_steps`` 4 and trains under the budget it was given."""

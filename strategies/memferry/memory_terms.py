@@ -30,8 +30,10 @@ def grads_persist(profile: "StepProfile") -> bool:
     """Whether device-homed units' fp32 gradient buffers stay allocated all step: with
     ``accumulation_steps > 1`` the ``DeviceOptimizer`` sums micro-batches into the buffer and
     frees it after the update (Qwen2-1.5B's device-homed tied head: 934 MB, resident through
-    every later micro-batch; counted as a transient, an 8 GB plan ran out of memory)."""
-    return getattr(profile, "accumulation_steps", 1) > 1
+    every later micro-batch; counted as a transient, an 8 GB plan ran out of memory); with
+    clipping it holds every buffer until ``step()`` knows the coefficient (counted from the
+    step's start: an upper bound, as they only build up through backward)."""
+    return getattr(profile, "accumulation_steps", 1) > 1 or getattr(profile, "clipping", False)
 
 
 def loss_peak_estimate(tokens: int, vocab: int, hidden: int, chunks: int = 1, dtype_bytes: int = 4) -> int:

@@ -92,6 +92,10 @@ class StepProfile:
             buffer of every device-homed unit lives from the step's first micro-batch to its
             update (``cost.grads_persist``): 4 bytes per parameter held through every forward
             and backward, which a profile of one micro-batch never sees.
+        clipping: whether the run clips gradients by their global norm (a setting, set by
+            ``plan_for``). The ``DeviceOptimizer`` then holds every device-homed unit's fp32
+            gradient buffer from its backward to ``step()`` (the coefficient needs all of
+            them), which a profile without clipping never sees (``cost.grads_persist``).
     """
 
     blocks: list[BlockProfile]
@@ -112,6 +116,7 @@ class StepProfile:
     hidden: int = 0
     loss_chunks: int = 1
     accumulation_steps: int = 1
+    clipping: bool = False
 
     def to_json(self) -> str:
         """The profile as a JSON string."""
