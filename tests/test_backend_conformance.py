@@ -186,6 +186,16 @@ def test_memory_cap_makes_a_smaller_device(backend):
     assert backend.empty(cap * 2, torch.uint8, 0).numel() == cap * 2
 
 
+def test_avoid_fragmentation_keeps_the_users_choice(backend, monkeypatch):
+    """A setting in the environment wins; without one a CUDA allocator grows segments in place
+    (the cpu reference has no allocator of its own: nothing to set)."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512,expandable_segments:False")
+    assert backend.avoid_fragmentation() is False
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert backend.avoid_fragmentation() is (backend.name == "cuda")
+
+
 @pytest.mark.parametrize("bad", [0, -1, "lots"])
 def test_bad_memory_cap_is_refused_before_any_change(backend, bad):
     with pytest.raises(ValueError):

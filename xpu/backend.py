@@ -364,6 +364,15 @@ class Backend(abc.ABC):
         """Start the peaks of :meth:`memory_stats` afresh."""
         torch.accelerator.memory.reset_peak_memory_stats(self.index_of(device))
 
+    def avoid_fragmentation(self) -> bool:
+        """Ask the device allocator to grow segments in place rather than cache fixed blocks
+        (CUDA's ``expandable_segments``), so reserved memory stays close to allocated memory
+        and a cap on reserved bytes (:meth:`set_memory_cap`) binds on what is in use; applies to
+        segments allocated from now on. Leaves a setting the user made in the environment as it
+        is. Returns whether the allocator now works that way; the base: no such setting (False).
+        """
+        return False
+
     def set_memory_cap(self, device: Any, nbytes: int | str | None) -> None:
         """Limit this process to ``nbytes`` of ``device``'s memory (None lifts the cap).
 

@@ -169,6 +169,9 @@ class MemFerry:
         self.backend = backend or xpu.get_backend()
         self.device = self.backend.index_of(device)
         self.cfg = optim or AdamW()
+        # Before profiling and the shadow allocate: prefetch slots of many sizes come and go,
+        # and a fragmented cache can fail a plan whose allocated peak fits the budget.
+        self.backend.avoid_fragmentation()
         # Cast before anything reads the model (the scheduler profiles it in its compute dtype);
         # the fp32 originals stay alive only until the shadow model has taken them as masters.
         originals = cast_parameters(model, compute_dtype)
