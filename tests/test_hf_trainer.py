@@ -137,10 +137,11 @@ def test_trainer_checkpoints_resume_a_memferry_run_exactly(cpu_backend, tmp_path
             with pytest.raises(ValueError, match=r"load_best_model_at_end=True: .* PEFT adapter .*leave it False"):
                 memferry_trainer(engine, best, train_dataset=data)
         trainer = memferry_trainer(engine, args, train_dataset=data, callbacks=[Snapshots(engine, saved)])
-        trainer.train(resume_from_checkpoint=resume)
-        state = engine.state_dict()
-        engine.close()
-        return state, saved, trainer
+        try:
+            trainer.train(resume_from_checkpoint=resume)
+            return engine.state_dict(), saved, trainer
+        finally:
+            engine.close()
 
     whole, saved, _ = run(tmp_path / "whole", 0)
     assert sorted(saved) == [3, 6]
@@ -154,6 +155,9 @@ def test_trainer_checkpoints_resume_a_memferry_run_exactly(cpu_backend, tmp_path
     folder = tmp_path / "whole" / "checkpoint-3"
     if lora:
         loaded = peft.PeftModel.from_pretrained(tiny_llama(tied=True), folder)
+        (tmp_path / "whole" / "checkpoint-6" / "optimizer.pt").unlink()  # as save_only_model=True leaves it
+        with pytest.raises(ValueError, match="checkpoint-6 has no optimizer.pt: a MemFerry PEFT model resumes its"):
+            run(tmp_path / "unused", 1, resume=str(tmp_path / "whole" / "checkpoint-6"))
     else:
         loaded = transformers.AutoModelForCausalLM.from_pretrained(folder)
         assert loaded.config.use_cache  # as a loaded model generates; the engine's model trains without
@@ -213,6 +217,16 @@ def test_plain_loss_backward_is_the_engine_s_backward(cpu_backend):
     with pytest.raises(AccumulationError, match="backward\\(\\) with no forward before it"):
         loss.backward()  # a plain second backward of one forward is refused as engine.backward's is
     engine.step()
+    # Trainer's loads: a whole state, or part of one (a shard) with strict=False
+    with pytest.raises(RuntimeError, match=r"missing \[\], unexpected \['extra'\]"):
+        wrapped.load_state_dict({**ref.state_dict(), "extra": torch.zeros(1)})
+    assert wrapped.load_state_dict(ref.state_dict()) == ([], [])
+    part = wrapped.load_state_dict({"model.norm.weight": torch.zeros(32)}, strict=False)
+    assert "lm_head.weight" in part.missing_keys and not part.unexpected_keys
+    state = engine.state_dict()["model"]
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state[name], torch.zeros(32) if name == "model.norm.weight" else p.detach(),
+                                   atol=0, rtol=0, msg=name)
     engine.close()
 
 

@@ -169,7 +169,9 @@ class MemFerryTrainer(transformers.Trainer):
         if not self.args.should_save:
             return
         self.model.save_pretrained(out, state_dict=state_dict)
-        tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
+        tokenizer = self.processing_class
+        if tokenizer is None:
+            tokenizer = getattr(self.data_collator, "tokenizer", None)
         if tokenizer is not None:
             tokenizer.save_pretrained(out)
         torch.save(self.args, os.path.join(out, TRAINING_ARGS_NAME))
