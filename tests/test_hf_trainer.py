@@ -1,4 +1,5 @@
-"""transformers.Trainer drives MemFerry (strategies/memferry/hf_trainer.py) exactly as it drives torch AdamW."""
+"""transformers.Trainer drives MemFerry (strategies/memferry/hf_trainer.py) exactly as it drives torch AdamW:
+the same weights, logged losses, gradient norms and eval losses; its checkpoints resume a run exactly."""
 from __future__ import annotations
 
 import copy
@@ -21,19 +22,19 @@ PLANS = {
 }
 
 
-def tiny_llama():
-    torch.manual_seed(0)
+def tiny_llama(tied=False, seed=0):
+    torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=False, initializer_range=0.1)  # gradient norms above the clip
+                                   tie_word_embeddings=tied, initializer_range=0.1)  # gradient norms above the clip
     return transformers.LlamaForCausalLM(cfg).float()
 
 
 class FixedBatches(torch.utils.data.IterableDataset):
     """The same token rows in the same order on every pass (no sampler: Trainer reads them in order)."""
 
-    def __init__(self, n: int) -> None:
-        g = torch.Generator().manual_seed(1)
+    def __init__(self, n: int, seed: int = 1) -> None:
+        g = torch.Generator().manual_seed(seed)
         self.rows = [torch.randint(0, 128, (16,), generator=g) for _ in range(n)]
         for i, row in enumerate(self.rows):
             if i % 3 == 0:
@@ -45,42 +46,56 @@ class FixedBatches(torch.utils.data.IterableDataset):
             yield {"input_ids": ids, "labels": labels}
 
 
-class GradNorms(transformers.TrainerCallback):
-    """Keeps the engine's pre-clip gradient norm after each optimizer step."""
+class Snapshots(transformers.TrainerCallback):
+    """Keeps the engine's weights at each checkpoint Trainer saves, by step."""
 
     def __init__(self, engine, out):
         self.engine, self.out = engine, out
 
-    def on_step_end(self, args, state, control, **kwargs):
-        self.out.append(self.engine.last_grad_norm)
+    def on_save(self, args, state, control, **kwargs):
+        self.out[state.global_step] = self.engine.state_dict()["model"]
 
 
 def _args(tmp_path, ga, clip, **extra):
     kw = dict(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=BATCH,
               gradient_accumulation_steps=ga, learning_rate=LR, weight_decay=WD, lr_scheduler_type="linear",
               warmup_steps=0, max_grad_norm=clip, optim="adamw_torch", report_to=[], save_strategy="no", use_cpu=True,
-              disable_tqdm=True, seed=0, dataloader_num_workers=0)
+              disable_tqdm=True, seed=0, dataloader_num_workers=0, logging_steps=1)
     return transformers.TrainingArguments(**{**kw, **extra})
+
+
+def _logged(trainer, key):
+    return [row[key] for row in trainer.state.log_history if key in row]
 
 
 def _compare(backend, tmp_path, plan, ga, use_cpu=True):
     model = tiny_llama()
-    data = FixedBatches(STEPS * ga * BATCH)
+    data, held_out = FixedBatches(STEPS * ga * BATCH), FixedBatches(6, seed=2)
+    evals = dict(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)  # evaluate() amid training
     ref = copy.deepcopy(model)
-    theirs = transformers.Trainer(model=ref, args=_args(tmp_path / "ref", ga, 1.0, use_cpu=use_cpu), train_dataset=data)
+    theirs = transformers.Trainer(model=ref, args=_args(tmp_path / "ref", ga, 1.0, use_cpu=use_cpu, **evals),
+                                  train_dataset=data, eval_dataset=held_out)
     theirs.train()
     engine = MemFerry(copy.deepcopy(model), optim=AdamW(lr=LR, weight_decay=WD, max_grad_norm=1.0), plan=PLANS[plan],
                       backend=backend, accumulation_steps=ga)
-    norms = []
-    ours = memferry_trainer(engine, _args(tmp_path / "mf", ga, 0.0, use_cpu=use_cpu), train_dataset=data,
-                            callbacks=[GradNorms(engine, norms)])
+    ours = memferry_trainer(engine, _args(tmp_path / "mf", ga, 0.0, use_cpu=use_cpu, **evals), train_dataset=data,
+                            eval_dataset=held_out)
     ours.train()
     assert ours.state.global_step == theirs.state.global_step == STEPS
     assert ours.lr_scheduler.get_last_lr() == theirs.lr_scheduler.get_last_lr()
+    # Trainer's logged grad_norm is MemFerry's pre-clip norm: torch's clip_grad_norm_ value in the reference
+    norms = _logged(ours, "grad_norm")
+    assert len(norms) == STEPS and max(norms) > 1.0  # the clip was active
+    torch.testing.assert_close(norms, _logged(theirs, "grad_norm"), rtol=1e-5, atol=0)
+    torch.testing.assert_close(_logged(ours, "loss"), _logged(theirs, "loss"), rtol=1e-5, atol=1e-6)
+    eval_losses = _logged(ours, "eval_loss")
+    assert len(eval_losses) == STEPS // 2
+    final = ours.evaluate()["eval_loss"], theirs.evaluate()["eval_loss"]
+    torch.testing.assert_close(eval_losses + [final[0]], _logged(theirs, "eval_loss")[:STEPS // 2] + [final[1]],
+                               rtol=1e-5, atol=0)
     state = engine.state_dict()
     engine.close()
     assert {v["step"] for v in state["optimizer"].values()} == {STEPS}
-    assert len(norms) == STEPS and max(norms) > 1.0  # MemFerry's clip was active
     for name, p in ref.named_parameters():
         torch.testing.assert_close(state["model"][name], p.detach().cpu(), atol=1e-5, rtol=1e-5, msg=name)
 
@@ -96,6 +111,62 @@ def test_trainer_with_memferry_on_the_accelerator(gpu_backend, tmp_path):
     _compare(gpu_backend, tmp_path, "device", 2, use_cpu=False)
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_trainer_checkpoints_resume_a_memferry_run_exactly(cpu_backend, tmp_path, lora):
+    """6 steps saving at 3; a fresh Trainer and engine (other initial weights, or adapters) resumed from
+    checkpoint-3 end where the uninterrupted run does; checkpoint-3's model folder (a LoRA model's adapter)
+    loads with from_pretrained as the engine's weights at step 3."""
+    peft = pytest.importorskip("peft") if lora else None
+    steps, ga = 6, 2
+    data = FixedBatches(steps * ga * BATCH)
+
+    def build(seed):
+        if not lora:
+            return tiny_llama(tied=True, seed=seed)
+        base = tiny_llama(tied=True)  # the frozen base is the same model in both runs
+        torch.manual_seed(seed)
+        return peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+    def run(out, seed, resume=None):
+        engine = MemFerry(build(seed), optim=AdamW(lr=LR, weight_decay=WD, max_grad_norm=1.0), plan=PLANS["prefetch"],
+                          backend=cpu_backend, accumulation_steps=ga)
+        saved = {}
+        args = _args(out, ga, 0.0, max_steps=steps, save_strategy="steps", save_steps=3)
+        if lora and resume is None:
+            best = _args(out, ga, 0.0, save_strategy="steps", eval_strategy="steps", load_best_model_at_end=True)
+            with pytest.raises(ValueError, match=r"load_best_model_at_end=True: .* PEFT adapter .*leave it False"):
+                memferry_trainer(engine, best, train_dataset=data)
+        trainer = memferry_trainer(engine, args, train_dataset=data, callbacks=[Snapshots(engine, saved)])
+        try:
+            trainer.train(resume_from_checkpoint=resume)
+            return engine.state_dict(), saved, trainer
+        finally:
+            engine.close()
+
+    whole, saved, _ = run(tmp_path / "whole", 0)
+    assert sorted(saved) == [3, 6]
+    resumed, _, trainer = run(tmp_path / "resumed", 1, resume=str(tmp_path / "whole" / "checkpoint-3"))
+    assert trainer.state.global_step == steps
+    assert {v["step"] for v in resumed["optimizer"].values()} == {steps}
+    for name, w in whole["model"].items():
+        torch.testing.assert_close(resumed["model"][name], w, atol=1e-6, rtol=0, msg=name)
+    for name, moments in whole["optimizer"].items():
+        torch.testing.assert_close(resumed["optimizer"][name]["exp_avg_sq"], moments["exp_avg_sq"], atol=1e-9, rtol=1e-6)
+    folder = tmp_path / "whole" / "checkpoint-3"
+    if lora:
+        loaded = peft.PeftModel.from_pretrained(tiny_llama(tied=True), folder)
+        (tmp_path / "whole" / "checkpoint-6" / "optimizer.pt").unlink()  # as save_only_model=True leaves it
+        with pytest.raises(ValueError, match="checkpoint-6 has no optimizer.pt: a MemFerry PEFT model resumes its"):
+            run(tmp_path / "unused", 1, resume=str(tmp_path / "whole" / "checkpoint-6"))
+    else:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(folder)
+        assert loaded.config.use_cache  # as a loaded model generates; the engine's model trains without
+    assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight  # tied again
+    assert {n for n, _ in loaded.named_parameters()} == set(saved[3])
+    for name, p in loaded.named_parameters():
+        torch.testing.assert_close(p.detach(), saved[3][name], atol=0, rtol=0, msg=name)
+
+
 def _engine(cpu_backend, ga=2):
     return MemFerry(tiny_llama(), optim=AdamW(lr=LR, max_grad_norm=1.0), plan=PLANS["prefetch"], backend=cpu_backend,
                     accumulation_steps=ga)
@@ -104,7 +175,6 @@ def _engine(cpu_backend, ga=2):
 @pytest.mark.parametrize("change, match", [
     ({"clip": 1.0}, r"max_grad_norm=1.0 would clip nothing .*AdamW\(max_grad_norm=...\)"),
     ({"ga": 4}, "gradient_accumulation_steps=4 differs from the engine's accumulation_steps=2"),
-    ({"save_strategy": "steps"}, "save_strategy='steps'.*give save_strategy='no'"),
 ])
 def test_misfitting_training_arguments_are_refused(cpu_backend, tmp_path, change, match):
     engine = _engine(cpu_backend)
@@ -147,8 +217,16 @@ def test_plain_loss_backward_is_the_engine_s_backward(cpu_backend):
     with pytest.raises(AccumulationError, match="backward\\(\\) with no forward before it"):
         loss.backward()  # a plain second backward of one forward is refused as engine.backward's is
     engine.step()
-    with pytest.raises(NotImplementedError, match="engine.state_dict"):
-        wrapped.save_pretrained("unused")
+    # Trainer's loads: a whole state, or part of one (a shard) with strict=False
+    with pytest.raises(RuntimeError, match=r"missing \[\], unexpected \['extra'\]"):
+        wrapped.load_state_dict({**ref.state_dict(), "extra": torch.zeros(1)})
+    assert wrapped.load_state_dict(ref.state_dict()) == ([], [])
+    part = wrapped.load_state_dict({"model.norm.weight": torch.zeros(32)}, strict=False)
+    assert "lm_head.weight" in part.missing_keys and not part.unexpected_keys
+    state = engine.state_dict()["model"]
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state[name], torch.zeros(32) if name == "model.norm.weight" else p.detach(),
+                                   atol=0, rtol=0, msg=name)
     engine.close()
 
 

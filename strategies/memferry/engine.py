@@ -221,6 +221,9 @@ class MemFerry:
         self._steps = 0
         #: steps whose clip coefficient was below 1 (clipping fired).
         self.clipped_steps = 0
+        #: the last step's global gradient norm before clipping (None: no step yet, or no clipping,
+        #: which measures no norm).
+        self.last_grad_norm: float | None = None
         self.micro = MicroBatches(accumulation_steps)
         self._handle: Any = None  # the Optimizer-shaped handle, once asked for
         self._in_backward = False  # between the gate's backward and the end-of-backward callback

@@ -1,13 +1,15 @@
-"""Hugging Face models given straight to MemFerry: no KV cache, and losses through ``labels=``."""
+"""Hugging Face models given straight to MemFerry: no KV cache, losses through ``labels=``, and
+weights written back out as a ``save_pretrained`` folder (:func:`save_hf_folder`)."""
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["no_kv_cache", "takes_labels", "model_loss", "head_shape"]
+__all__ = ["no_kv_cache", "takes_labels", "model_loss", "head_shape", "tied_names", "save_hf_folder"]
 
 
 def no_kv_cache(model: nn.Module) -> None:
@@ -52,3 +54,33 @@ def head_shape(model: nn.Module) -> tuple[int, int]:
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         return 0, 0
     return int(weight.shape[0]), int(weight.shape[1])
+
+
+def tied_names(model: nn.Module) -> set[str]:
+    """Parameter names that are a second name of another parameter (a tied ``lm_head.weight``):
+    ``named_parameters()`` and the engine's state list a tied weight once, under its first name."""
+    return {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+
+
+def save_hf_folder(model: nn.Module, out_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None,
+                   **kwargs: Any) -> Path:
+    """``model.save_pretrained(out_dir)`` (safetensors; a PEFT model writes its adapter) with
+    ``use_cache`` on in the written config, as a loaded model expects for generation (training
+    turned it off: :func:`no_kv_cache`); the model's own config is left as it was.
+
+    ``state_dict`` (by the model's parameter names; a tied weight once) is written instead of the
+    model's own tensors; ``save_pretrained`` writes a tied weight once and ``from_pretrained`` ties it
+    again. ``kwargs`` go to ``save_pretrained``.
+    """
+    out = Path(out_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    config = getattr(model, "config", None)
+    before = getattr(config, "use_cache", None)
+    if before is not None:
+        config.use_cache = True
+    try:
+        model.save_pretrained(out, state_dict=state_dict, **kwargs)
+    finally:
+        if before is not None:
+            config.use_cache = before
+    return out

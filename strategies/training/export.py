@@ -70,6 +70,7 @@ def export_hf(model_state: dict[str, torch.Tensor], config: TrainConfig | dict[s
     Raises:
         TrainConfigError: not an ``hf`` model, or a state whose names or shapes do not match the model.
     """
+    from strategies.memferry.hf_models import save_hf_folder, tied_names
     from strategies.models import build_model, validate_dims
     from strategies.training.checks import model_dims
 
@@ -84,7 +85,7 @@ def export_hf(model_state: dict[str, torch.Tensor], config: TrainConfig | dict[s
         raise TrainConfigError(f"export: model: {exc}") from None
     with torch.random.fork_rng(devices=[]):  # the build's random init is overwritten; leave the caller's RNG alone
         model = build_model("hf", dtype=_float_dtype(model_state), **dims)
-    tied = {name for name, p in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    tied = tied_names(model)
     try:
         missing, unexpected = model.load_state_dict(model_state, strict=False)
     except RuntimeError as exc:  # shape mismatch
@@ -96,9 +97,6 @@ def export_hf(model_state: dict[str, torch.Tensor], config: TrainConfig | dict[s
     hf = model.hf
     if model_section.get("lora") is not None and merge_lora:
         hf = hf.merge_and_unload()
-    hf.config.use_cache = True  # what a loaded model expects for generation
-    out = Path(out_dir).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
-    hf.save_pretrained(out, safe_serialization=True)
+    out = save_hf_folder(hf, out_dir)
     _copy_tokenizer(tokenizer if tokenizer is not None else model_section.get("path"), out)
     return out
