@@ -6,29 +6,8 @@
     xpu mpress examples/mpress/tiny.yaml --profile-json prof.json   # also dump every saved tensor of the profiled step
     torchrun --standalone --nproc_per_node 2 -m xpu mpress examples/mpress/tiny.yaml   # the same, by hand
 
-The config is an ``xpu train`` config (:mod:`strategies.training`) whose strategy is ``mpress``::
-
-    model: {family: gpt, layers: 4, hidden: 64, heads: 4, vocab: 256}   # gpt | llama (hf cannot be split)
-    strategy:
-      name: mpress
-      options: {stages: 2, microbatches: 4, schedule: 1f1b, plan: auto, counts: null, profile: auto}
-    device_budget: 64MB     # per stage: the most memory each stage's device may use (null: all of it)
-    optimizer: {lr: 1.0e-3, schedule: cosine, warmup_steps: 2, min_lr: 1.0e-4}
-    steps: 20
-    batch: 8                # split into `microbatches` equal micro-batches
-    seq: 64
-    data: {kind: synthetic, branching: 4}
-
-Options: ``stages`` (pipeline depth: one process and one device per stage), ``microbatches``
-(must divide ``batch``; 1F1B needs at least ``stages``), ``schedule`` (``1f1b`` | ``gpipe``),
-``plan`` (``auto``: profile one step, then the planner picks keep / recompute / host swap /
-peer swap per block under ``device_budget``; ``recompute``: the same planner allowed only
-recomputation (the recompute-only baseline); ``keep``: no offload; or a forced
-``{stage: {block: decision}}`` such as ``{0: {0: host, 1: recompute}, 1: {2: "peer:0"}}``),
-``counts`` (blocks per stage; null: an even split) and ``profile`` (how the profiled step
-treats activations: ``auto`` | ``keep`` | ``host``, see
-:data:`~strategies.mpress.job.PROFILE_MODES`). ``checkpoint`` and ``resume`` are not
-supported yet.
+The config (:mod:`strategies.mpress.config`: format, options and checks) is an ``xpu train``
+config whose strategy is ``mpress``.
 
 Each rank builds the whole model from ``seed`` on the host, keeps its own stage on device
 ``rank`` with an AdamW over its parameters, and draws the same batches as ``xpu train`` would
@@ -46,253 +25,22 @@ step whatever the plan and writes every stage's profile with all its tensor reco
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any, Callable
 
-from strategies.training import TrainConfig, TrainConfigError
+from strategies.training import TrainConfig
 from xpu.dist import collective_timeout
+
+# The config half lives in .config; re-exported here, where callers have always found it.
+from .config import OPTIONS, MPressConfig, MPressConfigError, check_devices, load_config
 
 __all__ = ["MPressConfig", "MPressConfigError", "OPTIONS", "load_config", "under_torchrun", "launch_command",
            "check_devices", "run_rank", "reference_losses"]
-
-#: ``strategy.options`` of an mpress config and their defaults.
-OPTIONS: dict[str, Any] = {"stages": 2, "microbatches": 4, "schedule": "1f1b", "plan": "auto", "counts": None,
-                           "profile": "auto"}
-#: Train-config keys ``xpu mpress`` does not support (yet).
-_UNSUPPORTED = ("checkpoint", "resume", "logging")
-#: Train-config knobs the pipeline would ignore: (the value that changes nothing, why it is refused).
-_REFUSED = {"accumulation_steps": (1, "is not an xpu mpress key: the pipeline splits each batch into "
-                                      "strategy.options.microbatches (--microbatches) micro-batches; set that instead"),
-            "eval_every": (0, "is not supported by xpu mpress (no held-out evaluation in the pipeline); "
-                              "remove it (xpu train supports it)")}
-#: Model families that can be split into stages (:mod:`strategies.mpress.stages`).
-_SPLITTABLE = ("gpt", "llama")
-
-
-class MPressConfigError(TrainConfigError):
-    """An mpress config that cannot run as written; the message names the key and what would work."""
-
-
-@dataclass
-class MPressConfig:
-    """A validated ``xpu mpress`` config.
-
-    Attributes:
-        train: the train-config part (model, optimizer, data, steps, batch, seq, dtype, seed,
-            log_every, device_budget: the budget of each stage's device), validated by
-            :class:`~strategies.training.TrainConfig`.
-        stages, microbatches, schedule, plan, counts, profile: the pipeline options (:data:`OPTIONS`).
-        source: the YAML file it came from, if any.
-    """
-
-    train: TrainConfig
-    stages: int
-    microbatches: int
-    schedule: str
-    plan: Any
-    counts: tuple[int, ...] | None
-    profile: str
-    source: str | None = None
-
-    @property
-    def budget(self) -> int | None:
-        """Each stage's device budget in bytes (None: the whole device)."""
-        return self.train.device_budget  # bytes: TrainConfig.validate parsed it
-
-    def job(self, dtype: Any = None) -> Any:
-        """The :class:`~strategies.mpress.job.PipelineJob` every rank builds its stage from.
-
-        Its ``steps``, ``lr`` and data are not used: :func:`run_rank` drives the steps itself
-        with AdamW and the config's data.
-        """
-        from .job import PipelineJob
-
-        budget = self.budget
-        return PipelineJob(dims=self.train.model_dims(), family=self.train.family, schedule=self.schedule,
-                           microbatches=self.microbatches, batch=self.train.batch, steps=self.train.steps,
-                           seed=self.train.seed, counts=self.counts, plan=self.plan,
-                           budgets={r: budget for r in range(self.stages)} if budget else None, dtype=dtype,
-                           profile_mode=self.profile)
-
-
-# ---------------------------------------------------------------------------------- config
-def load_config(source: str | Path | dict[str, Any], overrides: dict[str, Any] | None = None) -> MPressConfig:
-    """Load an mpress config from a YAML path or a dict, apply dotted ``overrides``, validate it all.
-
-    ``overrides`` maps dotted keys to values (``{"strategy.options.stages": 4, "steps": 2}``),
-    as ``--set`` and the launcher's flags give them.
-
-    Raises:
-        MPressConfigError: a missing file, bad YAML, or any invalid key or value.
-    """
-    from strategies.training.checks import apply_overrides, read_config_source
-
-    data, path = read_config_source(source, MPressConfigError)
-    name, base_dir, shown = (path.stem, path.resolve().parent, str(path)) if path is not None else (None, None, None)
-    if not isinstance(data, dict):
-        raise MPressConfigError(f"an mpress config must be a mapping of keys to values, got {type(data).__name__}")
-    data.setdefault("strategy", {"name": "mpress"})
-    apply_overrides(data, overrides, MPressConfigError, promote={"strategy": "name"})
-    options = _strategy_options(data.pop("strategy"))
-    for key in _UNSUPPORTED:
-        if data.get(key) is not None:
-            raise MPressConfigError(f"'{key}' is not supported by xpu mpress yet; remove it (xpu train supports it)")
-        data.pop(key, None)
-    for key, (inert, why) in _REFUSED.items():
-        if data.get(key, inert) != inert:
-            raise MPressConfigError(f"'{key}' {why}")
-    model = data.get("model")
-    if isinstance(model, dict) and model.get("family") in ("hf",):  # before its dimensions are checked for nothing
-        raise MPressConfigError(f"model.family {model['family']!r} cannot be split into pipeline stages; "
-                                f"use one of {', '.join(_SPLITTABLE)}")
-    # Everything but the pipeline is a train config: the same keys, checks and messages as `xpu train`.
-    data["strategy"] = "torch"
-    try:
-        train = TrainConfig.from_dict(data, name=name, base_dir=base_dir)
-    except TrainConfigError as exc:
-        message = str(exc)
-        if "valid keys:" in message:  # list what mpress accepts, not the train config's full set
-            valid = [k for k in message.split("valid keys: ", 1)[1].split(", ") if k not in _UNSUPPORTED and k not in _REFUSED]
-            message = message.split("valid keys: ", 1)[0] + "valid keys: " + ", ".join(valid)
-        raise MPressConfigError(message) from None
-    config = MPressConfig(train=train, source=shown, **options)
-    _check_pipeline(config)
-    return config
-
-
-def _strategy_options(value: Any) -> dict[str, Any]:
-    """The ``strategy`` section: must be ``mpress``; options checked for names and merged with defaults."""
-    if isinstance(value, str):
-        value = {"name": value}
-    if not isinstance(value, dict):
-        raise MPressConfigError(f"strategy is 'mpress' or {{name: mpress, options: {{...}}}}; got {value!r}")
-    unknown = set(value) - {"name", "options"}
-    if unknown:
-        raise MPressConfigError(f"unknown strategy key(s) {sorted(unknown)}; valid: name, options")
-    if value.get("name", "mpress") != "mpress":
-        raise MPressConfigError(f"strategy.name is {value['name']!r}, but xpu mpress runs only 'mpress' "
-                                f"(use `xpu train` for memferry or torch)")
-    options = value.get("options") or {}
-    if not isinstance(options, dict):
-        raise MPressConfigError(f"strategy.options must be a mapping, got {options!r}")
-    bad = set(options) - set(OPTIONS)
-    if bad:
-        raise MPressConfigError(f"strategy 'mpress' has no option(s) {sorted(bad)}; valid options: "
-                                f"{', '.join(sorted(OPTIONS))}")
-    return {**copy.deepcopy(OPTIONS), **options}
-
-
-def _positive(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise MPressConfigError(f"{key} must be a positive integer, got {value!r}")
-    return value
-
-
-def _check_pipeline(c: MPressConfig) -> None:
-    """Every pipeline check that needs no device (the rest is :func:`check_devices`)."""
-    from .executor import Decision
-    from .job import PROFILE_MODES, SCHEDULES
-    from .stages import partition_blocks
-
-    t = c.train
-    if t.family not in _SPLITTABLE:
-        raise MPressConfigError(f"model.family {t.family!r} cannot be split into pipeline stages; "
-                                f"use one of {', '.join(_SPLITTABLE)}")
-    layers = int(t.model["layers"])
-    _positive("strategy.options.stages (--stages)", c.stages)
-    if c.stages > layers:
-        raise MPressConfigError(f"strategy.options.stages (--stages) is {c.stages} but model.layers is {layers}: "
-                                f"each stage needs at least one block; use at most {layers} stages or raise model.layers")
-    _positive("strategy.options.microbatches (--microbatches)", c.microbatches)
-    if t.batch % c.microbatches:
-        divisors = [d for d in range(1, t.batch + 1) if t.batch % d == 0]
-        raise MPressConfigError(f"strategy.options.microbatches (--microbatches) is {c.microbatches}, which does not "
-                                f"divide batch {t.batch} into equal micro-batches; use one of "
-                                f"{', '.join(map(str, divisors))}")
-    if c.schedule not in SCHEDULES:
-        raise MPressConfigError(f"strategy.options.schedule (--schedule) is {c.schedule!r}; valid: {', '.join(SCHEDULES)}")
-    if c.schedule == "1f1b" and c.microbatches < c.stages:
-        raise MPressConfigError(f"schedule 1f1b needs at least as many micro-batches as stages: microbatches is "
-                                f"{c.microbatches}, stages {c.stages}; use --microbatches {c.stages} or more "
-                                f"(dividing batch {t.batch}), or --schedule gpipe")
-    if c.profile not in PROFILE_MODES:
-        raise MPressConfigError(f"strategy.options.profile is {c.profile!r}; valid: {', '.join(PROFILE_MODES)}")
-    if c.counts is not None:
-        if not isinstance(c.counts, (list, tuple)) or not all(isinstance(n, int) and not isinstance(n, bool)
-                                                              for n in c.counts):
-            raise MPressConfigError(f"strategy.options.counts must be a list of blocks per stage or null, got {c.counts!r}")
-        c.counts = tuple(c.counts)
-    try:
-        parts = partition_blocks(layers, c.stages, list(c.counts) if c.counts is not None else None)
-    except ValueError as exc:
-        raise MPressConfigError(f"strategy.options.counts: {exc}") from None
-    if isinstance(c.plan, dict):
-        plan: dict[int, dict[int, str]] = {}
-        for stage, blocks in c.plan.items():
-            if not isinstance(stage, int) or not 0 <= stage < c.stages:
-                raise MPressConfigError(f"strategy.options.plan: stage {stage!r} is not one of 0..{c.stages - 1}")
-            if not isinstance(blocks, dict):
-                raise MPressConfigError(f"strategy.options.plan: stage {stage} needs a mapping {{block: decision}}, "
-                                        f"got {blocks!r}")
-            plan[stage] = {}
-            for block, decision in blocks.items():
-                if block not in parts[stage]:
-                    raise MPressConfigError(f"strategy.options.plan: block {block!r} is not on stage {stage}, which "
-                                            f"runs blocks {parts[stage].start}..{parts[stage].stop - 1}")
-                try:
-                    parsed = Decision.parse(decision)
-                except (ValueError, TypeError) as exc:
-                    raise MPressConfigError(f"strategy.options.plan: stage {stage} block {block}: {exc}") from None
-                if parsed.kind == "peer" and not (0 <= parsed.peer < c.stages and parsed.peer != stage):
-                    raise MPressConfigError(f"strategy.options.plan: stage {stage} block {block}: peer {parsed.peer} "
-                                            f"must be another stage's device (0..{c.stages - 1}, not {stage})")
-                plan[stage][block] = str(parsed)
-        c.plan = plan
-    elif c.plan not in ("auto", "recompute", "keep"):
-        raise MPressConfigError(f"strategy.options.plan is {c.plan!r}; valid: auto, recompute, keep, or "
-                                f"{{stage: {{block: keep|recompute|host|peer:<stage>}}}}")
-    try:  # the runtime's own checks, as a net under the ones above
-        c.job().validate(c.stages)
-    except ValueError as exc:
-        raise MPressConfigError(str(exc)) from None
-
-
-def check_devices(config: MPressConfig, backend: Any, *, add_virtual: bool = False) -> dict[str, str]:
-    """Check the config against ``backend``'s devices; return environment the stage processes need.
-
-    With ``add_virtual`` (the launcher, before it starts the ranks), the cpu backend's stages
-    get as many virtual devices of the same capacity as they need (``XPU_CPU_DEVICES``);
-    otherwise there must be a device per stage.
-
-    Raises:
-        MPressConfigError: too few devices, or a budget larger than a stage's device.
-    """
-    from xpu.units import format_bytes
-
-    env: dict[str, str] = {}
-    devices = list(backend.topology().devices)
-    # A comma list of capacities names each device: more of them cannot be made up.
-    made_up = backend.env_for_device_count(config.stages) if add_virtual and len(devices) < config.stages else None
-    if made_up:
-        env.update(made_up)
-        devices += [devices[0]] * (config.stages - len(devices))
-    if len(devices) < config.stages:
-        raise MPressConfigError(f"{config.stages} stages need {config.stages} devices, one each; backend "
-                                f"'{backend.name}' has {len(devices)}: lower --stages or make more devices visible")
-    budget = config.budget
-    if budget is not None:
-        for index, d in enumerate(devices[:config.stages]):
-            if budget > d.total_bytes:
-                raise MPressConfigError(f"device_budget (--budget-gb) {format_bytes(budget)} exceeds device {index}'s "
-                                        f"{format_bytes(d.total_bytes)}; lower it, or set it to null for the whole device")
-    return env
 
 
 # ---------------------------------------------------------------------------------- launching
