@@ -100,6 +100,19 @@ def test_mpress_below_its_floor_exits_2_with_one_line_every_time():
         assert "infeasible memory budget" in line and "raise --budget-gb" in line, line
 
 
+def test_mpress_a_given_plan_over_its_budget_exits_2_naming_the_stages_and_what_works():
+    """A plan the config gives is measured in one uncapped step before training and refused when it
+    does not fit: with both stages on device 0 (strategy.options.devices), their peaks add up."""
+    proc = _xpu("mpress", MPRESS, "--budget-gb", "0.0008", "--steps", "1", "--set", "strategy.options.plan={0: {0: host}}",
+                "--set", "strategy.options.devices=[0, 0]")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = _one_error_line(proc, "mpress")
+    assert re.fullmatch(r"xpu mpress: error: the given plan does not fit: stages 0, 1 \(device 0\) peak at [0-9.]+ MB "
+                        r"together, over the device's budget of 800\.0 kB \(measured in one uncapped step\); use plan: "
+                        r"auto \(the planner fits every device to its budget\), or raise --budget-gb to at least "
+                        r"[0-9.]+ MB", line), line
+
+
 # ---------------------------------------------------------------------------------- numbers and plan names
 @pytest.mark.parametrize("text, value", [("1e-3", 1e-3), ("3E-4", 3e-4), (".5", 0.5), ("-2e5", -2e5), ("42", 42),
                                          ("'1e-3'", "1e-3"), ("1.2.3", "1.2.3"), ("e5", "e5")])

@@ -169,3 +169,29 @@ def test_infeasible_budget_is_refused_with_the_minimum():
     assert plan.stages[0].predicted_peak <= need
     with pytest.raises(ValueError, match="no budget"):
         plan_offload(profiles, {0: need}, host_rate=host, peer_rate=peer)
+
+
+def test_stages_sharing_a_device_share_its_budget_and_never_swap_to_each_other():
+    from dataclasses import replace
+
+    host, _ = _rates()
+    peer = {(a, b): 100e9 for a in range(2) for b in range(2)}  # even a "link" from device 0 to itself
+    two = [replace(p, device=0) for p in _profiles(stages=2)]
+    budget = sum(p.peak_bytes for p in two) - 1000  # fits either stage alone, not both
+    assert max(p.peak_bytes for p in two) < budget
+    plan = plan_offload(two, {0: budget}, host_rate=host, peer_rate=peer)
+    assert plan.device_peaks()[0] == sum(sp.predicted_peak for sp in plan.stages) <= budget, format_plan(plan)
+    assert {d.kind for sp in plan.stages for d in sp.decisions.values()} <= {"host", "recompute"}, format_plan(plan)
+    assert "device 0 (stages 0, 1, one budget): predicted" in format_plan(plan)
+    # One device each, the same budget: both fit as they are.
+    apart = plan_offload(_profiles(stages=2), {0: budget, 1: budget}, host_rate=host, peer_rate=peer)
+    assert all(not sp.decisions for sp in apart.stages)
+    # A third stage on another device takes the swaps; its pool counts against its own device.
+    three = two + [replace(_profiles(stages=3)[2], device=1)]
+    plan = plan_offload(three, {0: budget, 1: 10**6}, host_rate=host, peer_rate=peer)
+    assert {str(d) for sp in plan.stages[:2] for d in sp.decisions.values()} == {"peer:2"}, format_plan(plan)
+    assert {j for (_, j) in plan.regions} == {2} and plan.device_peaks()[1] > three[2].peak_bytes
+    with pytest.raises(InfeasibleBudgetError, match=r"^infeasible memory budget; device 0 \(stages 0, 1\): budget "
+                                                    r"5\.0 kB, needs at least") as info:
+        plan_offload(two, {0: 5000}, host_rate=host, peer_rate=peer)
+    assert info.value.minimum == {0: (10_000 + 2 * 1000) * 2}  # each stage's static bytes plus its transient

@@ -68,7 +68,14 @@ def _config(tmp_path: Path, **changes) -> Path:
     (["--budget-gb", "0"], "--budget-gb must be a positive number of GB"),
     (["--budget-gb", "100"], "device_budget (--budget-gb) 100.0 GB exceeds device 0's 2.0 GB"),
     (["--set", "strategy.options.plann=keep"], "strategy 'mpress' has no option(s) ['plann']; valid options: counts, "
-                                                "microbatches, plan, profile, schedule, stages"),
+                                                "devices, microbatches, plan, profile, schedule, stages"),
+    (["--set", "strategy.options.devices=[0]"], "strategy.options.devices lists 1 device(s) for 2 stages; give one "
+                                                "device index per stage, e.g. [0, 0] (every stage on device 0) or [0, 1]"),
+    (["--set", "strategy.options.devices=[0, -1]"], "strategy.options.devices[1] is -1; device indices are whole "
+                                                    "numbers from 0, e.g. [0, 0]"),
+    (["--set", "strategy.options.devices=0"], "strategy.options.devices must list one device index per stage (e.g. "
+                                              "[0, 0] (every stage on device 0) or [0, 1]), or be null for stage i"),
+    (["--set", "strategy.options.devices=[0, 99]"], "strategy.options.devices[1] = 99 is out of range: backend 'cpu' has "),
     (["--set", "strategy.name=memferry"], "xpu mpress runs only 'mpress' (use `xpu train` for memferry or torch)"),
     (["--set", "stepz=3"], "unknown key(s) ['stepz']; valid keys: model, name, description, strategy, device_budget"),
     (["--set", "strategy.options.plan={0: {3: host}}"], "block 3 is not on stage 0, which runs blocks 0..1"),
@@ -115,6 +122,9 @@ def test_dry_run_prints_the_torchrun_command_and_starts_nothing(tmp_path, capsys
                     f"--nproc_per_node 4 -m xpu mpress {cfg} --stages 4 --schedule gpipe --budget-gb 0.5 "
                     f"--set strategy.options.plan=keep"), line
     assert launch_command("c.yaml", 2, ["--json"])[-4:] == ["c.yaml", "--stages", "2", "--json"]
+    # A devices map names its devices: none are made up, and device 0 exists.
+    assert main(["mpress", cfg, "--set", "strategy.options.devices=[0, 0]", "--dry-run"]) == 0
+    assert "XPU_CPU_DEVICES" not in capsys.readouterr().out
     assert under_torchrun({"LOCAL_RANK": "0", "WORLD_SIZE": "2"}) and not under_torchrun({"WORLD_SIZE": "2"})
 
 

@@ -87,14 +87,34 @@ def test_a_device_out_of_range_stops_the_stages_with_its_reason():
         launch([PipelineJob(DIMS, devices=(0, 1))], 2, env={**CPU_ENV, "XPU_CPU_DEVICES": "1"})
 
 
-def test_two_stages_on_one_cpu_device_train_like_one_device_each():
+#: A device budget that holds either stage of DIMS all kept, not both (checked against their profiles below).
+BUDGET = 1_350_000
+
+
+def _budget_jobs(devices, shared: bool):
+    """``plan="auto"`` under :data:`BUDGET` (trained and compared on a shared device, planned only on
+    one device each), and on a shared device ``keep`` under it too."""
+    budgets = {0: BUDGET, 1: BUDGET}
+    if not shared:
+        return [PipelineJob(DIMS, plan="auto", budgets=budgets, devices=devices, **{**RUN, "steps": 1})]
+    return [PipelineJob(DIMS, plan=plan, budgets=budgets, devices=devices, **RUN) for plan in ("auto", "keep")]
+
+
+@pytest.fixture(scope="module")
+def layouts():
+    """Both stages on virtual device 0, and one device each: the same jobs, one launch per layout."""
+    shared = launch(_jobs(DIMS, (0, 0)) + _budget_jobs((0, 0), True), 2, env={**CPU_ENV, "XPU_CPU_DEVICES": "1"})
+    usual = launch(_jobs(DIMS, None) + _budget_jobs(None, False), 2, env={**CPU_ENV, "XPU_CPU_DEVICES": "2"})
+    return shared, usual
+
+
+def test_two_stages_on_one_cpu_device_train_like_one_device_each(layouts):
     """Both stages on virtual device 0 (host-staged sends, shm peer pool) equal the usual layout and the model."""
-    shared = launch(_jobs(DIMS, (0, 0)), 2, env={**CPU_ENV, "XPU_CPU_DEVICES": "1"})
-    usual = launch(_jobs(DIMS, None), 2, env={**CPU_ENV, "XPU_CPU_DEVICES": "2"})
+    shared, usual = layouts
     ref = reference(_jobs(DIMS, None)[0])
-    for job_shared, job_usual in zip(shared, usual):
+    for job_shared, job_usual in zip(shared[:2], usual[:2]):
         _assert_same(job_shared, job_usual, atol=0, rtol=0)  # the same arithmetic, bit for bit
-    keep, peer = shared
+    keep, peer = shared[:2]
     for step, ref_loss in enumerate(ref["losses"]):
         assert sum(keep[-1]["losses"][step]) / RUN["microbatches"] == pytest.approx(ref_loss, abs=1e-6)
     for r in keep:
@@ -102,6 +122,32 @@ def test_two_stages_on_one_cpu_device_train_like_one_device_each():
             torch.testing.assert_close(g, ref["grads"][n], atol=1e-6, rtol=0, msg=n)
     _assert_same(peer, keep, atol=0, rtol=0)
     _assert_peer_swapped(peer)
+
+
+def test_stages_on_one_device_share_its_budget(layouts):
+    """A budget that holds either stage but not both: on one device the planner offloads until
+    both fit together (predicted and measured, the measured peaks of the two processes added)
+    and keep is refused after one measured step; on one device each, the same budget keeps
+    everything. (A shared device's infeasible budget: tests/test_mpress_executor.py.)"""
+    (keep, _, auto, over), (_, _, apart) = layouts
+    peaks = [r["profile"].peak_bytes for r in keep]  # all kept, measured
+    assert max(peaks) <= BUDGET < sum(peaks), peaks  # the premise: either alone fits, both do not
+    for r in auto + apart:
+        assert "error" not in r, r["error"]
+    assert all(not r["decisions"] for r in apart), apart[0]["plan_text"]  # one device each: nothing to do
+    assert {d for r in auto for d in r["decisions"].values()} <= {"host", "recompute"}, auto[0]["plan_text"]
+    assert auto[0]["decisions"] or auto[1]["decisions"]
+    predicted = auto[0]["predicted_device_peaks"]
+    measured = sum(r["peak"] for r in auto)  # each process counts its own allocations on the device
+    assert set(predicted) == {0} and predicted[0] <= BUDGET and measured <= BUDGET, (predicted, measured)
+    assert abs(measured - predicted[0]) <= 0.1 * BUDGET, (predicted, measured, auto[0]["plan_text"])
+    assert sum(r["cap"] for r in auto) <= BUDGET and all(r["peak"] <= r["cap"] for r in auto)
+    _assert_same(auto, keep, atol=1e-6, rtol=0)
+    assert "device 0 (stages 0, 1, one budget): predicted" in auto[0]["plan_text"]
+    for r in over:
+        assert r["error"].startswith("the given plan does not fit: stages 0, 1 (device 0) peak at "), r
+        assert r["error"].endswith(" together, over the device's budget of 1.4 MB (measured in one uncapped step)"), r
+        assert r["minimum"] == {0: sum(peaks)}
 
 
 # ------------------------------------------------------------------------------------ one GPU

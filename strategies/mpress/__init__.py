@@ -22,11 +22,11 @@ docs/design.md §2 describes the mechanism.
 """
 from .executor import Decision, StageExecutor, SwapStats, TensorRecord
 from .memory_profile import BlockProfile, StageProfile, dump_profiles, format_profile, load_profiles
-from .planner import InfeasibleBudgetError, Plan, format_plan, plan_offload
+from .planner import InfeasibleBudgetError, Plan, PlanOverBudgetError, format_plan, plan_offload
 from .stages import StageModule, split_model, partition_blocks
 
 __all__ = [
-    "Decision", "StageExecutor", "SwapStats", "InfeasibleBudgetError", "Plan", "StageProfile", "BlockProfile",
+    "Decision", "StageExecutor", "SwapStats", "InfeasibleBudgetError", "PlanOverBudgetError", "Plan", "StageProfile", "BlockProfile",
     "plan_offload", "format_plan", "format_profile", "dump_profiles", "load_profiles", "TensorRecord", "StageModule",
     "split_model", "partition_blocks",
 ]

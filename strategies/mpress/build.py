@@ -52,6 +52,18 @@ class BuiltStage:
         if self.device < 0:  # built without a map: stage `rank` on device `rank`
             self.device = self.job.device_of(self.rank)
 
+    def device_budgets(self) -> dict[int, int]:
+        """Device -> the job's budget for it (stages on one device share theirs); devices without one absent."""
+        return {self.job.device_of(s): b for s, b in self.budgets.items() if s < self.world}
+
+    def device_loads(self, peaks: list[int]) -> dict[int, int]:
+        """Device -> the sum of ``peaks`` (one per stage) of the stages on it: each process counts its own
+        allocations, so stages sharing a device add up."""
+        out: dict[int, int] = {}
+        for s, peak in enumerate(peaks):
+            out[self.job.device_of(s)] = out.get(self.job.device_of(s), 0) + peak
+        return out
+
     def executor(self, decisions: dict[int, Any] | None = None,
                  peer_regions: dict[int, torch.Tensor] | None = None) -> StageExecutor:
         """A :class:`~strategies.mpress.executor.StageExecutor` for this stage carrying out ``decisions``."""

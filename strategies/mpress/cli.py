@@ -3,6 +3,7 @@
     xpu mpress examples/mpress/tiny.yaml
     xpu mpress examples/mpress/tiny.yaml --stages 4 --microbatches 8 --schedule gpipe --budget-gb 0.002
     xpu mpress examples/mpress/tiny.yaml --dry-run      # check the config, print the torchrun command
+    xpu mpress examples/mpress/tiny.yaml --set 'strategy.options.devices=[0, 0]'   # both stages on device 0
     xpu mpress examples/mpress/tiny.yaml --profile-json prof.json   # dump every saved tensor of the profiled step
 
 Run by hand, the command checks the config and the devices, then re-runs itself under
@@ -24,7 +25,7 @@ from xpu.cli import register_command
 __all__ = ["add_arguments", "run"]
 
 #: Set by the launcher for its ranks: a file where rank 0 writes the exit status of an error
-#: every rank shares (no plan fits). The ranks then exit 0, so torchrun does not print its
+#: every rank shares (no plan fits, or the given plan does not). The ranks then exit 0, so torchrun does not print its
 #: failure report over the one-line error, and the launcher exits with the status.
 _STATUS_ENV = "XPU_MPRESS_STATUS_FILE"
 
@@ -32,13 +33,14 @@ _STATUS_ENV = "XPU_MPRESS_STATUS_FILE"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``xpu mpress``."""
     parser.add_argument("config", help="training config YAML with strategy mpress (see examples/mpress/)")
-    parser.add_argument("--stages", type=int, help="pipeline stages, one process and one device each "
-                                                    "(strategy.options.stages)")
+    parser.add_argument("--stages", type=int, help="pipeline stages, one process each, on devices 0, 1, ... unless "
+                                                    "strategy.options.devices maps them (strategy.options.stages)")
     parser.add_argument("--microbatches", type=int, help="micro-batches per step; must divide the batch "
                                                           "(strategy.options.microbatches)")
     parser.add_argument("--schedule", help="pipeline schedule: 1f1b or gpipe (strategy.options.schedule)")
     parser.add_argument("--budget-gb", type=float, metavar="X",
-                        help="device memory each stage may use, in GB (device_budget); the planner fits every stage to it")
+                        help="device memory each device may use, in GB (device_budget), shared by the stages on it; "
+                             "the planner fits every device's stages to it")
     parser.add_argument("--nproc", type=int, metavar="N",
                         help="processes for torchrun to start: one per stage, so it sets --stages (default: the stages)")
     parser.add_argument("--steps", type=int, help="training steps")
@@ -152,15 +154,22 @@ def _run_rank(config: Any, args: argparse.Namespace) -> int:
     import torch
 
     from strategies.mpress.launcher import run_rank
-    from strategies.mpress.planner import InfeasibleBudgetError
+    from strategies.mpress.planner import InfeasibleBudgetError, PlanOverBudgetError
+    from xpu.units import format_bytes
 
     rank = int(os.environ.get("RANK", "0"))
     try:
         run_rank(config, json_out=args.json, profile_json=args.profile_json)
     except InfeasibleBudgetError as exc:  # every rank has it (rank 0 planned and broadcast it): say it once
+        if isinstance(exc, PlanOverBudgetError):  # a given plan, measured: found before any training step
+            hint = (f"use plan: auto (the planner fits every device to its budget), or raise --budget-gb to at least "
+                    f"{format_bytes(max(exc.minimum.values()))}")
+        else:
+            shared = config.job().shares_devices(config.stages)
+            hint = "raise --budget-gb, or " + ("spread the stages over more devices (strategy.options.devices)"
+                                               if shared else "add stages so each holds fewer blocks")
         if rank == 0:
-            print(f"xpu mpress: error: {exc}; raise --budget-gb, or add stages so each holds fewer blocks",
-                  file=sys.stderr)
+            print(f"xpu mpress: error: {exc}; {hint}", file=sys.stderr)
         status = os.environ.get(_STATUS_ENV)
         if status is not None and rank == 0:
             with open(status, "w") as fh:

@@ -5,24 +5,26 @@ The config is an ``xpu train`` config (:mod:`strategies.training`) whose strateg
     model: {family: gpt, layers: 4, hidden: 64, heads: 4, vocab: 256}   # gpt | llama (hf cannot be split)
     strategy:
       name: mpress
-      options: {stages: 2, microbatches: 4, schedule: 1f1b, plan: auto, counts: null, profile: auto}
-    device_budget: 64MB     # per stage: the most memory each stage's device may use (null: all of it)
+      options: {stages: 2, microbatches: 4, schedule: 1f1b, plan: auto, counts: null, profile: auto, devices: null}
+    device_budget: 64MB     # per device: the most memory each stage's device may use (null: all of it)
     optimizer: {lr: 1.0e-3, schedule: cosine, warmup_steps: 2, min_lr: 1.0e-4}
     steps: 20
     batch: 8                # split into `microbatches` equal micro-batches
     seq: 64
     data: {kind: synthetic, branching: 4}
 
-Options: ``stages`` (pipeline depth: one process and one device per stage), ``microbatches``
+Options: ``stages`` (pipeline depth: one process per stage), ``microbatches``
 (must divide ``batch``; 1F1B needs at least ``stages``), ``schedule`` (``1f1b`` | ``gpipe``),
 ``plan`` (``auto``: profile one step, then the planner picks keep / recompute / host swap /
 peer swap per block under ``device_budget``; ``recompute``: the same planner allowed only
 recomputation (the recompute-only baseline); ``keep``: no offload; or a forced
 ``{stage: {block: decision}}`` such as ``{0: {0: host, 1: recompute}, 1: {2: "peer:0"}}``),
-``counts`` (blocks per stage; null: an even split) and ``profile`` (how the profiled step
+``counts`` (blocks per stage; null: an even split), ``profile`` (how the profiled step
 treats activations: ``auto`` | ``keep`` | ``host``, see
-:data:`~strategies.mpress.job.PROFILE_MODES`). ``checkpoint`` and ``resume`` are not
-supported yet.
+:data:`~strategies.mpress.job.PROFILE_MODES`) and ``devices`` (the device index of each
+stage, e.g. ``[0, 0]``: both stages on device 0; null: stage ``i`` on device ``i``). Stages
+on one device share its ``device_budget``: the planner fits their peaks into it together
+(:mod:`strategies.mpress.planner`). ``checkpoint`` and ``resume`` are not supported yet.
 
 :func:`load_config` reads and checks a config (:class:`MPressConfig`); :func:`check_devices`
 checks it against a backend's devices. Every bad value is a :class:`MPressConfigError` naming
@@ -41,7 +43,7 @@ __all__ = ["MPressConfig", "MPressConfigError", "OPTIONS", "load_config", "check
 
 #: ``strategy.options`` of an mpress config and their defaults.
 OPTIONS: dict[str, Any] = {"stages": 2, "microbatches": 4, "schedule": "1f1b", "plan": "auto", "counts": None,
-                           "profile": "auto"}
+                           "profile": "auto", "devices": None}
 #: Train-config keys ``xpu mpress`` does not support (yet).
 _UNSUPPORTED = ("checkpoint", "resume", "logging")
 #: Train-config knobs the pipeline would ignore: (the value that changes nothing, why it is refused).
@@ -63,9 +65,9 @@ class MPressConfig:
 
     Attributes:
         train: the train-config part (model, optimizer, data, steps, batch, seq, dtype, seed,
-            log_every, device_budget: the budget of each stage's device), validated by
-            :class:`~strategies.training.TrainConfig`.
-        stages, microbatches, schedule, plan, counts, profile: the pipeline options (:data:`OPTIONS`).
+            log_every, device_budget: the budget of each device, shared by the stages on it),
+            validated by :class:`~strategies.training.TrainConfig`.
+        stages, microbatches, schedule, plan, counts, profile, devices: the pipeline options (:data:`OPTIONS`).
         source: the YAML file it came from, if any.
     """
 
@@ -76,11 +78,12 @@ class MPressConfig:
     plan: Any
     counts: tuple[int, ...] | None
     profile: str
+    devices: tuple[int, ...] | None = None
     source: str | None = None
 
     @property
     def budget(self) -> int | None:
-        """Each stage's device budget in bytes (None: the whole device)."""
+        """Each device's budget in bytes, shared by the stages on it (None: the whole device)."""
         return self.train.device_budget  # bytes: TrainConfig.validate parsed it
 
     def job(self, dtype: Any = None) -> Any:
@@ -96,7 +99,7 @@ class MPressConfig:
                            microbatches=self.microbatches, batch=self.train.batch, steps=self.train.steps,
                            seed=self.train.seed, counts=self.counts, plan=self.plan,
                            budgets={r: budget for r in range(self.stages)} if budget else None, dtype=dtype,
-                           profile_mode=self.profile)
+                           profile_mode=self.profile, devices=self.devices)
 
 
 # ---------------------------------------------------------------------------------- config
@@ -206,6 +209,7 @@ def _check_pipeline(c: MPressConfig) -> None:
                                                               for n in c.counts):
             raise MPressConfigError(f"strategy.options.counts must be a list of blocks per stage or null, got {c.counts!r}")
         c.counts = tuple(c.counts)
+    _check_device_map(c)
     try:
         parts = partition_blocks(layers, c.stages, list(c.counts) if c.counts is not None else None)
     except ValueError as exc:
@@ -241,31 +245,58 @@ def _check_pipeline(c: MPressConfig) -> None:
         raise MPressConfigError(str(exc)) from None
 
 
+def _check_device_map(c: MPressConfig) -> None:
+    """``strategy.options.devices``: null, or one non-negative device index per stage (made a tuple)."""
+    if c.devices is None:
+        return
+    key, like = "strategy.options.devices", f"e.g. {[0] * c.stages} (every stage on device 0) or {list(range(c.stages))}"
+    if not isinstance(c.devices, (list, tuple)):
+        raise MPressConfigError(f"{key} must list one device index per stage ({like}), or be null for stage i on "
+                                f"device i; got {c.devices!r}")
+    if len(c.devices) != c.stages:
+        raise MPressConfigError(f"{key} lists {len(c.devices)} device(s) for {c.stages} stages; give one device index "
+                                f"per stage, {like}")
+    for s, d in enumerate(c.devices):
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise MPressConfigError(f"{key}[{s}] is {d!r}; device indices are whole numbers from 0, {like}")
+    c.devices = tuple(c.devices)
+
+
 def check_devices(config: MPressConfig, backend: Any, *, add_virtual: bool = False) -> dict[str, str]:
     """Check the config against ``backend``'s devices; return environment the stage processes need.
 
     With ``add_virtual`` (the launcher, before it starts the ranks), the cpu backend's stages
-    get as many virtual devices of the same capacity as they need (``XPU_CPU_DEVICES``);
-    otherwise there must be a device per stage.
+    get as many virtual devices of the same capacity as they need (``XPU_CPU_DEVICES``) when
+    the config gives no ``devices`` map; otherwise there must be a device per stage, or every
+    device the map names.
 
     Raises:
-        MPressConfigError: too few devices, or a budget larger than a stage's device.
+        MPressConfigError: too few devices, a map naming a device the backend lacks, or a budget
+            larger than a stage's device.
     """
     from xpu.units import format_bytes
 
     env: dict[str, str] = {}
     devices = list(backend.topology().devices)
+    if config.devices is not None:  # the devices named must exist: none are made up for a map
+        try:
+            config.job().check_devices(config.stages, len(devices), backend.name, key="strategy.options.devices")
+        except ValueError as exc:
+            raise MPressConfigError(str(exc)) from None
     # A comma list of capacities names each device: more of them cannot be made up.
-    made_up = backend.env_for_device_count(config.stages) if add_virtual and len(devices) < config.stages else None
+    short = config.devices is None and len(devices) < config.stages
+    made_up = backend.env_for_device_count(config.stages) if add_virtual and short else None
     if made_up:
         env.update(made_up)
         devices += [devices[0]] * (config.stages - len(devices))
-    if len(devices) < config.stages:
+    if config.devices is None and len(devices) < config.stages:
         raise MPressConfigError(f"{config.stages} stages need {config.stages} devices, one each; backend "
-                                f"'{backend.name}' has {len(devices)}: lower --stages or make more devices visible")
+                                f"'{backend.name}' has {len(devices)}: lower --stages, make more devices visible, or "
+                                f"put stages on one device with strategy.options.devices")
     budget = config.budget
     if budget is not None:
-        for index, d in enumerate(devices[:config.stages]):
+        for index in sorted({config.job().device_of(s) for s in range(config.stages)}):
+            d = devices[index]
             if budget > d.total_bytes:
                 raise MPressConfigError(f"device_budget (--budget-gb) {format_bytes(budget)} exceeds device {index}'s "
                                         f"{format_bytes(d.total_bytes)}; lower it, or set it to null for the whole device")

@@ -41,8 +41,9 @@ class PipelineJob:
         plan: ``"keep"`` (no offload), ``"auto"`` (profile + planner), ``"recompute"`` (profile +
             planner allowed only recomputation: the recompute-only baseline) or
             ``{stage: {block: "host"|...}}``.
-        budgets: device -> bytes (or ``"12MB"``) used as memory caps in the measured steps; also
-            the planner's budgets (devices absent: their full memory).
+        budgets: stage -> bytes (or ``"12MB"``) its device may use: the planner's budgets and,
+            in the measured steps, the memory caps (stages absent: the device's full memory).
+            Stages that share a device share its budget: give them the same one.
         profile: run the profiled iteration even when ``plan`` does not need it.
         min_bytes: saved tensors smaller than this are always kept.
         overlap: override for the planner's copy/compute overlap (None: ``caps.async_copy``).
@@ -52,7 +53,9 @@ class PipelineJob:
             device (``(0, 0)``: two stage processes on one accelerator); budgets, plans and
             ``peer:<j>`` decisions still name stages, so ``peer:1`` is stage 1's pool wherever
             stage 1 runs. Stages that share a device exchange activations over the host
-            (:func:`xpu.dist.p2p_library`), their peer pools still go through the backend's IPC.
+            (:func:`xpu.dist.p2p_library`), their peer pools still go through the backend's IPC;
+            the planner fits their peaks together into the device's budget (and never swaps
+            between them: the same memory).
     """
 
     dims: dict[str, Any]
@@ -98,6 +101,14 @@ class PipelineJob:
                 raise ValueError(f"devices must list one device index per stage ({stages}), got {devices!r}")
             if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices):
                 raise ValueError(f"devices must be non-negative device indices, one per stage, got {devices!r}")
+        if self.devices is not None and self.budgets:
+            given: dict[int, tuple[int, Any]] = {}
+            for s in range(stages):
+                d, b = self.device_of(s), self.budgets.get(s)
+                if d in given and given[d][1] != b:
+                    raise ValueError(f"stages {given[d][0]} and {s} share device {d} but have budgets {given[d][1]!r} "
+                                     f"and {b!r}; give stages on one device the same budget (the device's)")
+                given.setdefault(d, (s, b))
 
     def device_of(self, stage: int) -> int:
         """The device index stage ``stage`` runs on (the ``devices`` map, else ``stage`` itself)."""
@@ -107,14 +118,19 @@ class PipelineJob:
         """Whether two of the ``stages`` stages run on one device."""
         return len({self.device_of(s) for s in range(stages)}) < stages
 
-    def check_devices(self, stages: int, device_count: int, backend_name: str) -> None:
-        """Check that every stage's device exists on a backend with ``device_count`` devices (ValueError)."""
+    def stages_on(self, device: int, stages: int) -> list[int]:
+        """The stages (of ``stages``) that run on ``device``."""
+        return [s for s in range(stages) if self.device_of(s) == device]
+
+    def check_devices(self, stages: int, device_count: int, backend_name: str, key: str = "devices") -> None:
+        """Check that every stage's device exists on a backend with ``device_count`` devices (ValueError);
+        ``key`` is what the message calls the map."""
         for s in range(stages):
             d = self.device_of(s)
             if d >= device_count:
-                where = f"devices[{s}] = {d}" if self.devices is not None else f"stage {s} (on device {s} by default)"
+                where = f"{key}[{s}] = {d}" if self.devices is not None else f"stage {s} (on device {s} by default)"
                 raise ValueError(f"{where} is out of range: backend '{backend_name}' has {device_count} device(s) "
-                                 f"(0..{device_count - 1}); give devices=(...) with indices in that range")
+                                 f"(0..{device_count - 1}); give {key} with indices in that range")
 
 
 def job_batch(job: PipelineJob) -> tuple[torch.Tensor, torch.Tensor]:

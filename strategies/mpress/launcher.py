@@ -9,8 +9,8 @@
 The config (:mod:`strategies.mpress.config`: format, options and checks) is an ``xpu train``
 config whose strategy is ``mpress``.
 
-Each rank builds the whole model from ``seed`` on the host, keeps its own stage on device
-``rank`` with an AdamW over its parameters, and draws the same batches as ``xpu train`` would
+Each rank builds the whole model from ``seed`` on the host, keeps its own stage on its device
+(``devices[rank]``, by default ``rank``) with an AdamW over its parameters, and draws the same batches as ``xpu train`` would
 (the first stage feeds the inputs, the last the targets), so the run's losses equal those of
 the unpipelined ``torch`` strategy on the same config (:func:`reference_losses`) up to
 summation order. Rank 0 prints the plan and, every ``log_every`` steps, the loss (the mean
@@ -34,7 +34,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from strategies.training import TrainConfig
-from xpu.dist import collective_timeout
+from xpu.dist import collective_timeout, p2p_library
 
 # The config half lives in .config; re-exported here, where callers have always found it.
 from .config import OPTIONS, MPressConfig, MPressConfigError, check_devices, load_config
@@ -82,7 +82,8 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
 
     Raises:
         MPressConfigError: the world size does not match the stages, or the devices do not fit.
-        InfeasibleBudgetError: no plan fits the budget (raised on every rank).
+        InfeasibleBudgetError: no plan fits the budget, or (:class:`~strategies.mpress.planner.PlanOverBudgetError`)
+            the config's own plan does not (raised on every rank).
         torch.OutOfMemoryError: a stage ran out of device memory.
     """
     import torch
@@ -114,11 +115,14 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
     # A bounded timeout: a stage that dies must not leave its peers waiting forever.
     timeout = collective_timeout(300.0)
     # This stage's device current for good: NCCL stages collective objects on the current device.
-    backend.bind_process(rank)
-    dist.init_process_group(backend.dist_backend, rank=rank, world_size=world, timeout=timeout)
+    job = config.job(dtype)
+    device = job.device_of(rank)
+    backend.bind_process(device)
+    # Stages sharing a device meet over the host library (an accelerator's refuses two ranks on one device).
+    library = p2p_library(backend.dist_backend, [job.device_of(s) for s in range(world)])
+    dist.init_process_group(library, rank=rank, world_size=world, timeout=timeout)
     try:
         box: list[torch.optim.Optimizer] = []
-        job = config.job(dtype)
         if profile_json is not None:
             job = replace(job, profile=True)
         built = build_stage(job, rank, world, backend, prepare=lambda stage: box.append(adamw_with_states(stage, adamw)))
@@ -137,7 +141,8 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
         budget = config.budget
         say(f"xpu mpress {t.name}: {sum(f[0] for f in facts) / 1e6:.2f}M parameters, {world} stages "
             f"({config.schedule}, {config.microbatches} micro-batches of {t.batch // config.microbatches}), "
-            f"{backend.name} backend, {dtype_name}, budget {format_bytes(budget) + ' per stage' if budget else 'whole device'}")
+            f"{backend.name} backend, {dtype_name}, budget {format_bytes(budget) + ' per device' if budget else 'whole device'}"
+            + (f", stages on devices {list(config.devices)}" if config.devices is not None else ""))
         data, data_desc = make_data(t)  # every rank draws the same batches; stage 0 uses inputs, the last targets
         say(f"data: {data_desc}; {t.batch * t.seq:,} tokens per step")
         if profile is not None:
@@ -165,19 +170,19 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
                 group["lr"] = lr
             inputs, targets = data.next()
             t0 = time.perf_counter()
-            with backend.device_scope(rank):
-                idx = backend.to_device(inputs, rank) if stage.is_first else None
-                tgt = backend.to_device(targets, rank) if stage.is_last else None
+            with backend.device_scope(device):
+                idx = backend.to_device(inputs, device) if stage.is_first else None
+                tgt = backend.to_device(targets, device) if stage.is_last else None
                 stage.zero_grad(set_to_none=True)
                 mb_losses = runtime.step(idx, tgt)
                 optimizer.step()
                 loss = float(torch.stack([l.float() for l in mb_losses]).mean()) if mb_losses else None
                 del idx, tgt, mb_losses
-                backend.synchronize(rank)
+                backend.synchronize(device)
             step_s = time.perf_counter() - t0
             # The loss lives on the last stage: one small gather brings it, and every stage's peak, to rank 0.
             reports: list[Any] = [None] * world
-            dist.all_gather_object(reports, (loss, backend.memory_stats(rank).peak_allocated))
+            dist.all_gather_object(reports, (loss, backend.memory_stats(device).peak_allocated))
             losses.append(reports[-1][0])
             peaks = [r[1] for r in reports]
             times.append(step_s)
@@ -188,6 +193,7 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
         wall = time.perf_counter() - t_begin
         summary = {"name": t.name, "stages": world, "schedule": config.schedule, "microbatches": config.microbatches,
                    "losses": losses, "step_times_s": times, "wall_s": wall, "peaks": peaks,
+                   "devices": [job.device_of(s) for s in range(world)], "device_peaks": built.device_loads(peaks),
                    "budget": budget, "plan": plan_text, "profile_modes": [f[1] for f in facts],
                    "decisions": {str(s): f[2] for s, f in enumerate(facts) if f[2]}}
         k = max(1, min(10, len(losses) // 10))
@@ -200,7 +206,7 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
             print(json.dumps(summary), flush=True)
         return summary if rank == 0 else None
     finally:
-        backend.set_memory_cap(rank, None)
+        backend.set_memory_cap(device, None)
         if dist.is_initialized():
             dist.destroy_process_group()
 

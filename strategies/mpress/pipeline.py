@@ -16,10 +16,12 @@ A job (:class:`~strategies.mpress.job.PipelineJob`) runs the set-up steps of
 3. plan: on rank 0 (``plan="auto"``: :func:`~strategies.mpress.planner.plan_offload`; or a
    forced ``{stage: {block: decision}}``), broadcast with any infeasibility error;
 4. run: peer pools opened and the plan's executor set (:mod:`strategies.mpress.runtime`);
-5. measure: under a budget, one uncapped step checks the plan's peaks and re-plans while a
-   device overshoots;
+5. measure: under a budget, one uncapped step checks the plan's peaks (stages sharing a device
+   add up) and re-plans while a device overshoots; a plan the job gives is refused if it does not
+   fit (:class:`~strategies.mpress.planner.PlanOverBudgetError`);
 
-then applies the device budget as a memory cap and trains ``steps`` steps with the chosen
+then applies the device budget as a memory cap (split between the stages that share a device,
+:meth:`StageRuntime.cap`) and trains ``steps`` steps with the chosen
 schedule (GPipe or 1F1B), recording losses, the last step's gradients, measured peaks and
 executor statistics. :func:`~strategies.mpress.job.reference` runs the same job unpipelined.
 
@@ -188,6 +190,8 @@ def _run_job(job: PipelineJob, rank: int, world: int, backend: Any) -> dict[str,
     result["region_peak"] = {j: stage.executor.region_peak(j) for j in rt.regions}
     result["hosted_pool_bytes"] = sum(b.numel() for b in rt.owned)
     result["decisions"] = {b: str(d) for b, d in rt.decisions.items()}
+    if job.plan in PLANNED and rt.plan is not None:  # device -> the planner's peak for its stages together
+        result["predicted_device_peaks"] = rt.plan.device_peaks()
     # Everyone must be done writing into the pools before owners free them.
     rt.close()
     return result

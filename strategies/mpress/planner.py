@@ -16,9 +16,15 @@ Model (per micro-batch, per block ``b`` of a stage with ``k`` micro-batches in f
 * every non-kept block re-materialises its tensors in backward: the planner reserves
   ``(1 + lookahead) * max saved`` of transient headroom.
 
-Search: greedy. Stages over budget are served most-over first; each step takes the option
-with the least exposed time per byte saved until the stage fits. If a stage cannot fit even
-with every block swapped, :class:`InfeasibleBudgetError` states the least budget that would.
+Budgets are per device. Stages that share a device (``PipelineJob.devices``) share its budget:
+the sum of their predicted peaks, plus the peer pools hosted there, must fit it; and they
+never swap to each other, since a pool on their own device is the same memory (no relief,
+only a copy).
+
+Search: greedy. Devices over budget are served most-over first; each step takes the option,
+among the blocks of every stage on the device, with the least exposed time per byte saved
+until the device fits. If a device cannot fit even with every block of its stages swapped,
+:class:`InfeasibleBudgetError` states the least budget that would.
 :func:`format_plan` writes a plan (and the profiles it came from) as text.
 """
 from __future__ import annotations
@@ -32,7 +38,7 @@ from .executor import Decision
 from .ipc import RegionAllocator
 from .memory_profile import BlockProfile, StageProfile, format_profile
 
-__all__ = ["Plan", "StagePlan", "InfeasibleBudgetError", "plan_offload", "format_plan", "link_rates", "REGION_SLACK"]
+__all__ = ["Plan", "StagePlan", "InfeasibleBudgetError", "PlanOverBudgetError", "plan_offload", "infeasible", "stages_text", "format_plan", "link_rates", "REGION_SLACK"]
 
 #: Extra fraction of each peer region, for fragmentation of its first-fit allocator.
 REGION_SLACK = 0.125
@@ -64,7 +70,7 @@ class Plan:
 
     Attributes:
         stages: one :class:`StagePlan` per stage, by stage index.
-        regions: ``(writer device, peer device) -> bytes`` of each peer-pool region.
+        regions: ``(writer stage, peer stage) -> bytes`` of each peer-pool region (the peer hosts it).
     """
 
     stages: list[StagePlan]
@@ -73,6 +79,13 @@ class Plan:
     def decisions(self, stage: int) -> dict[int, Decision]:
         """Block -> decision of ``stage``."""
         return dict(self.stages[stage].decisions)
+
+    def device_peaks(self) -> dict[int, int]:
+        """Device -> the predicted peak of its stages together (what its budget must hold)."""
+        out: dict[int, int] = {}
+        for sp in self.stages:
+            out[sp.device] = out.get(sp.device, 0) + sp.predicted_peak
+        return out
 
     def kinds(self) -> set[str]:
         """Decision kinds used anywhere (``keep`` included when a block is kept)."""
@@ -84,7 +97,8 @@ class Plan:
                region_bytes: int = 0) -> "Plan":
         """A hand-written plan (tests, experiments): ``{stage: {block: "peer:2", ...}}``.
 
-        Peer regions are sized from ``profiles`` when given (as the planner would), else ``region_bytes`` each.
+        Peer regions are sized from ``profiles`` when given (as the planner would), else ``region_bytes`` each;
+        they are keyed by stage, as the planner's.
         """
         stages, regions = [], {}
         n = max(assignments) + 1 if assignments else 0
@@ -102,12 +116,13 @@ class Plan:
                     need = _region_need(bp, profiles[s].inflight)
                 else:
                     need = region_bytes
-                regions[(device, d.peer)] = regions.get((device, d.peer), 0) + need
+                regions[(s, d.peer)] = regions.get((s, d.peer), 0) + need
         return cls(stages, regions)
 
 
 class InfeasibleBudgetError(ValueError):
-    """No plan fits a budget; ``minimum`` maps each failing device to the least budget that would fit."""
+    """No plan fits a budget; ``minimum`` maps each failing device to the least budget that would fit
+    (for stages sharing a device: the budget of the device, which they share)."""
 
     def __init__(self, message: str, minimum: dict[int, int]) -> None:
         super().__init__(message)
@@ -116,6 +131,11 @@ class InfeasibleBudgetError(ValueError):
     def __reduce__(self) -> tuple:
         # Rank 0 broadcasts the refusal to every stage; exceptions with extra arguments need this to unpickle.
         return (type(self), (str(self), self.minimum))
+
+
+class PlanOverBudgetError(InfeasibleBudgetError):
+    """A plan the job gives (``keep``, or ``{stage: {block: decision}}``) does not fit a device's budget
+    (one uncapped step measured it); ``minimum`` maps each such device to the peak it measured."""
 
 
 def link_rates(backend: Any) -> tuple[dict[int, float], dict[tuple[int, int], float]]:
@@ -173,10 +193,13 @@ def plan_offload(profiles: list[StageProfile], budgets: dict[int, int], *, host_
                  host_budget: int | None = None) -> Plan:
     """Choose a decision per block so every device's predicted peak fits its budget.
 
+    Stages are named by ``profile.stage`` (``peer:<j>`` names stage ``j``) and placed by
+    ``profile.device``: the stages of one device share its budget, and never swap to each other.
+
     Args:
-        profiles: one per stage, from a profiled iteration.
-        budgets: device -> bytes it may use (its cap).
-        host_rate: device -> host-link bytes/s; peer_rate: (a, b) -> peer-link bytes/s
+        profiles: one per stage, by stage index, from a profiled iteration.
+        budgets: device -> bytes its stages may use together (its cap).
+        host_rate: device -> host-link bytes/s; peer_rate: (device a, device b) -> peer-link bytes/s
             (pairs absent cannot swap to each other).
         allow_peer: False where device memory cannot be shared between processes (no ``caps.ipc``).
         overlap: whether copies overlap compute (``caps.async_copy``).
@@ -185,7 +208,7 @@ def plan_offload(profiles: list[StageProfile], budgets: dict[int, int], *, host_
 
     Raises:
         ValueError: a stage's device has no budget.
-        InfeasibleBudgetError: some stage cannot fit; the message states its minimum.
+        InfeasibleBudgetError: some device cannot fit its stages; the message states its minimum.
     """
     for p in profiles:
         if p.device not in budgets:
@@ -194,9 +217,11 @@ def plan_offload(profiles: list[StageProfile], budgets: dict[int, int], *, host_
             raise ValueError(f"budget for device {p.device} must be positive, got {budgets[p.device]}")
     plans = [StagePlan(p.stage, p.device, budgets[p.device], peak_before=p.peak_bytes, peak_estimated=p.mode != "keep")
              for p in profiles]
-    by_device = {p.device: i for i, p in enumerate(profiles)}
+    on: dict[int, list[int]] = {}  # device -> positions of its stages
+    for i, p in enumerate(profiles):
+        on.setdefault(p.device, []).append(i)
+    position = {p.stage: i for i, p in enumerate(profiles)}
     saved: list[int] = [0] * len(profiles)
-    hosted = {p.device: 0 for p in profiles}
     host_used = 0
 
     def transient(i: int) -> int:
@@ -204,7 +229,10 @@ def plan_offload(profiles: list[StageProfile], budgets: dict[int, int], *, host_
         return (1 + lookahead) * max(nonkeep, default=0)
 
     def predicted(i: int) -> int:
-        return profiles[i].peak_bytes - saved[i] + transient(i) + hosted[profiles[i].device]
+        return profiles[i].peak_bytes - saved[i] + transient(i) + plans[i].hosted
+
+    def load(d: int) -> int:
+        return sum(predicted(i) for i in on[d])
 
     # Minimum each stage could reach alone (every block swapped or recomputed, whichever saves more).
     def minimum(i: int) -> int:
@@ -216,93 +244,113 @@ def plan_offload(profiles: list[StageProfile], budgets: dict[int, int], *, host_
             best += max(swap, rec)
         return p.peak_bytes - best + (1 + lookahead) * max((b.saved_bytes for b in p.blocks), default=0)
 
-    order = sorted(range(len(profiles)), key=lambda i: predicted(i) - budgets[profiles[i].device], reverse=True)
-    over = {i for i in order if predicted(i) > budgets[profiles[i].device]}
+    order = sorted(on, key=lambda d: load(d) - budgets[d], reverse=True)
+    over = {d for d in order if load(d) > budgets[d]}
     failing: dict[int, int] = {}
-    for i in order:
-        if i not in over:
+    for d in order:
+        if d not in over:
             continue
-        p = profiles[i]
-        blocks = list(p.blocks)
-        k, m = p.inflight, p.microbatches
-        while predicted(i) > budgets[p.device]:
-            best: tuple | None = None  # (exposed per byte, busy per byte, -save, pos, decision, region)
-            for pos, bp in enumerate(blocks):
-                if bp.index in plans[i].decisions:
-                    continue
-                later = blocks[pos + 1:]
-                # (decision, bytes saved, exposed seconds, region bytes, busy seconds): when exposed
-                # times tie (both hidden), the option that keeps its resource busy less wins, so
-                # a fast peer link is preferred over the host link that other traffic shares.
-                options: list[tuple[Decision, int, float, int, float]] = []
-                if allow_recompute and bp.saved_bytes > bp.input_bytes:
-                    options.append((Decision("recompute"), k * (bp.saved_bytes - bp.input_bytes), m * bp.fwd_s, 0,
-                                    m * bp.fwd_s))
-                hr = host_rate.get(p.device, 0.0)
-                if allow_host and hr > 0 and (host_budget is None or host_used + k * bp.saved_bytes <= host_budget):
-                    options.append((Decision("host"), k * bp.saved_bytes, m * _exposed(bp, later, hr, overlap), 0,
-                                    2 * m * bp.saved_bytes / hr))
-                if allow_peer:
-                    for j in sorted(by_device):
-                        rate = peer_rate.get((p.device, j), 0.0)
-                        if j == p.device or rate <= 0 or by_device[j] in over:
+        while load(d) > budgets[d]:
+            best: tuple | None = None  # (exposed per byte, busy per byte, -save, i, pos, decision, region)
+            for i in on[d]:
+                p = profiles[i]
+                k, m = p.inflight, p.microbatches
+                for pos, bp in enumerate(p.blocks):
+                    if bp.index in plans[i].decisions:
+                        continue
+                    later = list(p.blocks[pos + 1:])
+                    # (decision, bytes saved, exposed seconds, region bytes, busy seconds): when exposed
+                    # times tie (both hidden), the option that keeps its resource busy less wins, so
+                    # a fast peer link is preferred over the host link that other traffic shares.
+                    options: list[tuple[Decision, int, float, int, float]] = []
+                    if allow_recompute and bp.saved_bytes > bp.input_bytes:
+                        options.append((Decision("recompute"), k * (bp.saved_bytes - bp.input_bytes), m * bp.fwd_s, 0,
+                                        m * bp.fwd_s))
+                    hr = host_rate.get(d, 0.0)
+                    if allow_host and hr > 0 and (host_budget is None or host_used + k * bp.saved_bytes <= host_budget):
+                        options.append((Decision("host"), k * bp.saved_bytes, m * _exposed(bp, later, hr, overlap), 0,
+                                        2 * m * bp.saved_bytes / hr))
+                    for q in profiles if allow_peer else []:
+                        rate = peer_rate.get((d, q.device), 0.0)
+                        # A stage on this same device is no destination: its pool is this memory.
+                        if q.device == d or rate <= 0 or q.device in over:
                             continue
                         need = _region_need(bp, k)
-                        if predicted(by_device[j]) + need > budgets[j]:
+                        if load(q.device) + need > budgets[q.device]:
                             continue
-                        options.append((Decision("peer", j), k * bp.saved_bytes, m * _exposed(bp, later, rate, overlap), need,
-                                        2 * m * bp.saved_bytes / rate))
-                for dec, save, cost, region, busy in options:
-                    if save <= 0 or cost == float("inf"):
-                        continue
-                    key = (cost / save, busy / save, -save, pos, dec, region)
-                    if best is None or key[:4] < best[:4]:
-                        best = key
+                        options.append((Decision("peer", q.stage), k * bp.saved_bytes,
+                                        m * _exposed(bp, later, rate, overlap), need, 2 * m * bp.saved_bytes / rate))
+                    for dec, save, cost, region, busy in options:
+                        if save <= 0 or cost == float("inf"):
+                            continue
+                        key = (cost / save, busy / save, -save, i, pos, dec, region)
+                        if best is None or key[:5] < best[:5]:
+                            best = key
             if best is None:
-                failing[p.device] = minimum(i)
+                failing[d] = sum(minimum(i) for i in on[d])
                 break
-            _, _, neg_save, pos, dec, region = best
-            bp = blocks[pos]
+            _, _, neg_save, i, pos, dec, region = best
+            p = profiles[i]
+            bp = p.blocks[pos]
             sp = plans[i]
             sp.decisions[bp.index] = dec
             saved[i] += -neg_save
-            later = blocks[pos + 1:]
+            later = list(p.blocks[pos + 1:])
             if dec.kind == "recompute":
                 sp.recomputed += -neg_save
-                sp.exposed_s += m * bp.fwd_s
+                sp.exposed_s += p.microbatches * bp.fwd_s
             elif dec.kind == "host":
                 sp.to_host += -neg_save
                 host_used += -neg_save
-                sp.exposed_s += m * _exposed(bp, later, host_rate.get(p.device, 0.0), overlap)
+                sp.exposed_s += p.microbatches * _exposed(bp, later, host_rate.get(d, 0.0), overlap)
             else:
+                peer = profiles[position[dec.peer]]
                 sp.to_peer[dec.peer] = sp.to_peer.get(dec.peer, 0) + -neg_save
-                hosted[dec.peer] += region
-                plans[by_device[dec.peer]].hosted += region
-                sp.exposed_s += m * _exposed(bp, later, peer_rate[(p.device, dec.peer)], overlap)
+                plans[position[dec.peer]].hosted += region
+                sp.exposed_s += p.microbatches * _exposed(bp, later, peer_rate[(d, peer.device)], overlap)
     if failing:
-        lines = [f"device {d} (stage {by_device[d]}): budget {format_bytes(budgets[d])}, needs at least {format_bytes(need)}"
-                 for d, need in sorted(failing.items())]
-        raise InfeasibleBudgetError("infeasible memory budget; " + "; ".join(lines), failing)
+        raise infeasible(failing, budgets, {d: [profiles[i].stage for i in on[d]] for d in on})
     regions: dict[tuple[int, int], int] = {}
     for i, p in enumerate(profiles):
         sp = plans[i]
         for bp in p.blocks:
-            d = sp.decisions.get(bp.index)
-            if d is None:
+            dec = sp.decisions.get(bp.index)
+            if dec is None:
                 sp.kept += p.inflight * bp.saved_bytes
-            elif d.kind == "peer":
-                regions[(p.device, d.peer)] = regions.get((p.device, d.peer), 0) + _region_need(bp, p.inflight)
+            elif dec.kind == "peer":
+                regions[(p.stage, dec.peer)] = regions.get((p.stage, dec.peer), 0) + _region_need(bp, p.inflight)
         sp.predicted_peak = predicted(i)
     return Plan(plans, regions)
 
 
+def infeasible(minimum: dict[int, int], budgets: dict[int, int], stages_on: dict[int, list[int]],
+               note: str = "") -> InfeasibleBudgetError:
+    """The refusal for devices that no plan fits: each with its stages, its budget and ``minimum[device]``."""
+    lines = [f"device {d} ({stages_text(stages_on[d])}): budget {format_bytes(budgets[d])}, "
+             f"needs at least {format_bytes(need)}" for d, need in sorted(minimum.items())]
+    return InfeasibleBudgetError("infeasible memory budget; " + "; ".join(lines) + note, minimum)
+
+
+def stages_text(stages: list[int]) -> str:
+    """``stage 0`` or ``stages 0, 1``."""
+    return f"stage {stages[0]}" if len(stages) == 1 else "stages " + ", ".join(map(str, stages))
+
+
 def format_plan(plan: Plan, profiles: "list[StageProfile | None] | None" = None) -> str:
     """The plan as text: per stage, bytes kept / recomputed / to each peer / to host, predicted peak,
-    spare memory under the budget and exposed time; with ``profiles``, each stage's
+    spare memory under the budget and exposed time (for stages sharing a device, a line per such
+    device gives their predicted peak together and its spare instead); with ``profiles``, each stage's
     :func:`format_profile` line too (also for stages the plan does not list)."""
     lines = []
     by_stage = {p.stage: p for p in profiles or () if p is not None}
     listed = set()
+    together = plan.device_peaks()
+    sharing = {sp.device for sp in plan.stages if sum(q.device == sp.device for q in plan.stages) > 1}
+    for device in sorted(sharing):
+        on = [sp for sp in plan.stages if sp.device == device]
+        budget = on[0].budget
+        text = f"device {device} ({stages_text([sp.stage for sp in on])}, one budget): predicted {format_bytes(together[device])}"
+        lines.append(text + (f" of {format_bytes(budget)}{_spare(budget - together[device])}" if budget > 0 else ""))
     for sp in plan.stages:
         listed.add(sp.stage)
         peers = ", ".join(f"peer {j}: {format_bytes(b)}" for j, b in sorted(sp.to_peer.items())) or "peers: 0 B"
@@ -310,9 +358,8 @@ def format_plan(plan: Plan, profiles: "list[StageProfile | None] | None" = None)
         if sp.peak_estimated:
             peak = f"~{peak} (all-keep estimate: profiled with host swap)"
         spare = ""
-        if sp.budget > 0:  # forced plans have no budget to be spare under
-            left = sp.budget - sp.predicted_peak
-            spare = f" (spare {format_bytes(left) if left >= 0 else '-' + format_bytes(-left)})"
+        if sp.budget > 0 and sp.device not in sharing:  # forced plans have no budget to be spare under
+            spare = _spare(sp.budget - sp.predicted_peak)
         lines.append(
             f"stage {sp.stage} (device {sp.device}): budget {format_bytes(sp.budget)}, peak {peak}"
             f" -> predicted {format_bytes(sp.predicted_peak)}{spare}; kept {format_bytes(sp.kept)}, recomputed "
@@ -325,3 +372,8 @@ def format_plan(plan: Plan, profiles: "list[StageProfile | None] | None" = None)
     for stage in sorted(set(by_stage) - listed):
         lines.append("profile: " + format_profile(by_stage[stage]))
     return "\n".join(lines)
+
+
+def _spare(left: int) -> str:
+    """`` (spare 1.0 MB)``, or a negative spare over the budget."""
+    return f" (spare {format_bytes(left) if left >= 0 else '-' + format_bytes(-left)})"

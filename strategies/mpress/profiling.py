@@ -94,7 +94,7 @@ def profile_stage(built: BuiltStage) -> tuple[StageProfile, dict[str, Any] | Non
         # saved byte (counted per saved tensor, so shared ones more than once). The warm-up's
         # in-flight count includes shape inference's forward, which never runs backward: the
         # schedule's own count caps it.
-        warm = _stage_profile(stage.executor, stage, rank, 0, job.microbatches, "keep", inflight_cap)
+        warm = _stage_profile(stage.executor, stage, device, 0, job.microbatches, "keep", inflight_cap)
         bound = backend.memory_stats(device).peak_allocated + warm.inflight * sum(b.saved_bytes for b in warm.blocks)
         free, _total = backend.mem_info(device)
         usable = free + backend.memory_stats(device).reserved  # what this process can reach on the device
@@ -110,7 +110,7 @@ def profile_stage(built: BuiltStage) -> tuple[StageProfile, dict[str, Any] | Non
     built.trial_step()
     stage.executor.profiling = False
     budget = built.budgets.get(rank, backend.mem_info(device)[1])  # as the planner takes it
-    profile = _stage_profile(stage.executor, stage, rank, backend.memory_stats(device).peak_allocated,
+    profile = _stage_profile(stage.executor, stage, device, backend.memory_stats(device).peak_allocated,
                              job.microbatches, mode, budget=budget)
     stage.zero_grad(set_to_none=True)
     stage.executor = executor("keep")
@@ -128,9 +128,9 @@ def schedule_inflight(schedule: str, microbatches: int, rank: int, world: int) -
     return max(1, min(microbatches, world - rank))
 
 
-def _stage_profile(executor: Any, stage: Any, rank: int, peak: int, microbatches: int, mode: str = "keep",
+def _stage_profile(executor: Any, stage: Any, device: int, peak: int, microbatches: int, mode: str = "keep",
                    inflight_cap: int | None = None, budget: int | None = None) -> StageProfile:
-    """The stage's :class:`StageProfile` from ``executor``'s records; ``peak`` is the measured one.
+    """The stage's :class:`StageProfile` from ``executor``'s records; ``peak`` is the measured one on ``device``.
 
     With ``mode="host"`` every block was host-swapped, and ``peak_bytes`` estimates the
     all-keep peak in the planner's own terms: the measured peak, plus the saved bytes of the
@@ -162,6 +162,6 @@ def _stage_profile(executor: Any, stage: Any, rank: int, peak: int, microbatches
         transient = (1 + executor.lookahead) * max((b.saved_bytes for b in blocks), default=0)
         estimate = peak + max(0, kept - transient)
     saved.sort(key=lambda t: (t.microbatch, t.block, t.index))
-    return StageProfile(stage=stage.stage, device=rank, blocks=tuple(blocks), peak_bytes=estimate,
+    return StageProfile(stage=stage.stage, device=device, blocks=tuple(blocks), peak_bytes=estimate,
                         inflight=inflight, microbatches=microbatches, mode=mode, measured_peak_bytes=peak,
                         saved=tuple(saved), budget_bytes=budget, clock_s=executor.origin)

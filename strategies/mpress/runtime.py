@@ -39,7 +39,7 @@ class StageRuntime:
         rank, world: this stage's index and the pipeline depth.
         device: the device index the stage runs on (``job.device_of(rank)``).
         stage: this rank's :class:`~strategies.mpress.stages.StageModule`, on device :attr:`device`.
-        budgets: device -> byte budget (the job's, parsed).
+        budgets: stage -> byte budget of its device (the job's, parsed).
         profile: this stage's profile, when one was taken.
         profiles: every stage's profile, by stage (all None when none was taken); the planner's input.
         plan: the plan every rank agreed on.
@@ -96,10 +96,26 @@ class StageRuntime:
         self.result.setdefault("calibration", []).append(peaks)
         return peaks
 
+    def cap(self) -> int | None:
+        """This stage's memory cap: its device's budget (None: the job gives none).
+
+        Stages that share a device split its budget in proportion to the peaks they measured
+        last (``result["calibration"]``; evenly before any measurement): each process caps
+        its own allocations, and the caps add up to the budget.
+        """
+        budget = self.built.device_budgets().get(self.device)
+        mates = self.job.stages_on(self.device, self.world)
+        if budget is None or len(mates) == 1:
+            return budget
+        peaks = (self.result.get("calibration") or [None])[-1]
+        total = sum(peaks[s] for s in mates) if peaks is not None else 0
+        return budget * peaks[self.rank] // total if total else budget // len(mates)
+
     def apply_cap(self) -> None:
-        """Cap this stage's device at its budget (if the job gives it one) and reset the peak counter."""
-        if self.rank in self.budgets:
-            self.backend.set_memory_cap(self.device, self.budgets[self.rank])
+        """Cap this stage's device at :meth:`cap` (if the job gives a budget) and reset the peak counter."""
+        cap = self.cap()
+        if cap is not None:
+            self.backend.set_memory_cap(self.device, cap)
         gc.collect()
         self.backend.reset_peak_memory(self.device)
 

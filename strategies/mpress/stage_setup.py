@@ -11,8 +11,12 @@
 
 :func:`setup_stage` runs them all. A budget no plan fits raises
 :class:`~strategies.mpress.planner.InfeasibleBudgetError` on every rank from step 3 (or from a
-re-plan in step 5); a caller that wants the profiles anyway (to report why) takes them from
-step 2 before planning.
+re-plan in step 5), and a plan the job gives that does not fit its budget raises
+:class:`~strategies.mpress.planner.PlanOverBudgetError` (a subclass) from step 5; a caller that
+wants the profiles anyway (to report why) takes them from step 2 before planning.
+
+Budgets are per device: stages that share one (``PipelineJob.devices``) share its budget, and
+their measured peaks add up against it (each process counts its own allocations).
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from xpu.dist import decide_on_first_rank
 
 from .build import BuiltStage, build_stage
 from .job import PLANNED, PipelineJob
-from .planner import InfeasibleBudgetError, Plan, link_rates, plan_offload
+from .planner import InfeasibleBudgetError, Plan, PlanOverBudgetError, infeasible, link_rates, plan_offload, stages_text
 from .profiling import Profiled, profile_stages
 from .runtime import StageRuntime
 
@@ -62,9 +66,10 @@ def plan_and_run(built: BuiltStage, profiled: Profiled) -> StageRuntime:
 
 
 def planning_budgets(built: BuiltStage) -> dict[int, int]:
-    """Stage -> the budget the planner plans for: the job's, else the whole memory of the stage's device."""
-    return {d: built.budgets[d] if d in built.budgets else _device_total(built.backend, built.job.device_of(d))
-            for d in range(built.world)}
+    """Device -> the budget the planner plans for: the job's, else the device's whole memory."""
+    given = built.device_budgets()
+    devices = sorted({built.job.device_of(s) for s in range(built.world)})
+    return {d: given[d] if d in given else _device_total(built.backend, d) for d in devices}
 
 
 def plan_stage(built: BuiltStage, profiled: Profiled, budgets: dict[int, int], *, remeasured: bool = False) -> Plan:
@@ -97,8 +102,10 @@ def plan_stage(built: BuiltStage, profiled: Profiled, budgets: dict[int, int], *
             return Plan.forced({})
         except InfeasibleBudgetError as exc:  # returned, so every stage raises this refusal itself
             if remeasured:  # the minimum was found with lowered budgets: state it against the real ones
-                minimum = {d: need + built.budgets.get(d, need) - budgets[d] for d, need in exc.minimum.items()}
-                exc = InfeasibleBudgetError(str(exc) + " (after measuring the plan's real peaks)", minimum)
+                real = {**budgets, **built.device_budgets()}
+                minimum = {d: need + real[d] - budgets[d] for d, need in exc.minimum.items()}
+                stages_on = {d: built.job.stages_on(d, built.world) for d in minimum}
+                exc = infeasible(minimum, real, stages_on, " (after measuring the plan's real peaks)")
             return exc
 
     return decide_on_first_rank(decide, what="plan the pipeline")
@@ -108,26 +115,54 @@ def calibrate(runtime: StageRuntime, budgets: dict[int, int], rounds: int = CALI
     """Check the runtime's plan by one uncapped step, and re-plan while a device overshoots (collective).
 
     The planner predicts peaks, the cap is enforced on measured ones: a device whose measured
-    peak exceeds its budget gets its planning budget (in ``budgets``, changed in place) lowered
-    by the overshoot, and the runtime switches to the plan made under it, ``rounds`` plans in
-    all at most. Only planned jobs with budgets are calibrated; each measurement's peaks are
-    kept in ``runtime.result["calibration"]``.
+    peak (the sum over its stages) exceeds its budget gets its planning budget (in ``budgets``,
+    changed in place) lowered by what the plan's prediction missed (at least the overshoot),
+    and the runtime switches to the plan made under it, ``rounds`` plans in all at most. A plan the job gives is measured once and refused if
+    it does not fit. Only jobs with budgets are measured; each measurement's per-stage peaks
+    are kept in ``runtime.result["calibration"]`` (:meth:`StageRuntime.cap` splits a shared
+    device's budget by the last one).
 
     Raises:
         InfeasibleBudgetError: a re-plan found no plan (on every rank).
+        PlanOverBudgetError: the job's own plan does not fit a device's budget (on every rank).
     """
     built = runtime.built
-    if built.job.plan not in PLANNED or not built.budgets:
+    given = built.device_budgets()
+    if not given:
+        return
+    if built.job.plan not in PLANNED:
+        _refuse_if_over(built.device_loads(runtime.measure_peaks()), given, built)
         return
     for attempt in range(1, rounds + 1):
-        peaks = runtime.measure_peaks()
-        over = {d: peaks[d] - b for d, b in built.budgets.items() if d < built.world and peaks[d] > b}
+        loads = built.device_loads(runtime.measure_peaks())
+        over = {d: loads[d] - b for d, b in given.items() if loads[d] > b}
         if not over or attempt == rounds:  # after the last round the capped steps report any overshoot as OOM
             return
+        predicted = runtime.plan.device_peaks() if runtime.plan is not None else {}
         for d, extra in over.items():
-            budgets[d] -= extra
+            # Lowered by what the prediction missed, not only by the overshoot: a plan that
+            # predicted less than its budget would otherwise come back unchanged.
+            budgets[d] -= max(extra, loads[d] - predicted.get(d, loads[d]))
         runtime.close()  # nobody writes into the old plan's pools any more
         runtime.follow(plan_stage(built, runtime.profiled, budgets, remeasured=True))
+
+
+def _refuse_if_over(loads: dict[int, int], given: dict[int, int], built: BuiltStage) -> None:
+    """Raise :class:`PlanOverBudgetError` naming every device whose measured ``loads`` exceed ``given``
+    (every rank measured the same peaks, so every rank raises the same error)."""
+    from xpu.units import format_bytes
+
+    over = {d: load for d, load in sorted(loads.items()) if d in given and load > given[d]}
+    if not over:
+        return
+    parts = []
+    for d, load in over.items():
+        stages = built.job.stages_on(d, built.world)
+        alone = len(stages) == 1
+        parts.append(f"{stages_text(stages)} (device {d}) peak{'s' if alone else ''} at {format_bytes(load)}"
+                     f"{'' if alone else ' together'}, over the device's budget of {format_bytes(given[d])}")
+    raise PlanOverBudgetError("the given plan does not fit: " + "; ".join(parts) + " (measured in one uncapped step)",
+                              over)
 
 
 def _device_total(backend: Any, index: int) -> int:
