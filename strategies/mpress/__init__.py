@@ -15,8 +15,9 @@ Modules, in the order a job uses them:
         saved activations (and profile them).
     ipc: device buffers one process allocates and others write one-sidedly (peer pools).
     pipeline: the multi-process runner of jobs on ``torch.distributed.pipelining`` (GPipe, 1F1B).
-    launcher: ``xpu mpress CONFIG.yaml``: config checks, the torchrun command, and the
-        training loop each torchrun rank runs.
+    config: the ``xpu mpress`` config: format, options (``devices`` among them) and checks.
+    launcher: ``xpu mpress CONFIG.yaml``: the torchrun command, and the training loop each
+        torchrun rank runs.
 
 docs/design.md §2 describes the mechanism.
 """

@@ -199,7 +199,9 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
         k = max(1, min(10, len(losses) // 10))
         head, tail = losses[:k], losses[-k:]
         say(f"done: {len(losses)} steps in {wall:.1f} s; loss {sum(head) / k:.3f} -> {sum(tail) / k:.3f} "
-            f"(mean of first/last {k}); peak device memory per stage {' | '.join(format_bytes(p) for p in peaks)}")
+            f"(mean of first/last {k}); peak device memory per stage {' | '.join(format_bytes(p) for p in peaks)}"
+            + ("".join(f"; device {d}: {format_bytes(b)} (its stages added)" for d, b in
+                       sorted(summary["device_peaks"].items())) if job.shares_devices(world) else ""))
         # Only on success: after a failure the peers may never reach this barrier (torchrun stops them).
         runtime.close()
         if json_out and rank == 0:
