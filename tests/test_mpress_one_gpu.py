@@ -76,6 +76,9 @@ def test_a_bad_devices_map_is_a_one_line_error():
     with pytest.raises(ValueError, match=r"^devices\[1\] = 3 is out of range: backend 'cpu' has 2 device\(s\) \(0\.\.1\); "):
         PipelineJob(DIMS, devices=(0, 3)).check_devices(2, 2, "cpu")
     PipelineJob(DIMS, devices=(1, 1)).check_devices(2, 2, "cpu")  # in range: no error
+    with pytest.raises(ValueError, match=r"^stages 0 and 1 share device 0 but have budgets '2MB' and None; give "):
+        PipelineJob(DIMS, devices=(0, 0), budgets={0: "2MB"}).validate(2)
+    PipelineJob(DIMS, devices=(0, 0), budgets={0: "2MB", 1: 2_000_000}).validate(2)  # one budget, written twice
     with pytest.raises(ValueError, match=r"^the jobs of one launch must share one stage -> device map"):
         launch([PipelineJob(DIMS, devices=(0, 0)), PipelineJob(DIMS)], 2, env=CPU_ENV)
     with pytest.raises(ValueError, match=r"^devices must list one device index per stage \(2\)"):

@@ -27,7 +27,7 @@ from .planner import InfeasibleBudgetError, Plan, PlanOverBudgetError, format_pl
 from .stages import StageModule, split_model, partition_blocks
 
 __all__ = [
-    "Decision", "StageExecutor", "SwapStats", "InfeasibleBudgetError", "PlanOverBudgetError", "Plan", "StageProfile", "BlockProfile",
-    "plan_offload", "format_plan", "format_profile", "dump_profiles", "load_profiles", "TensorRecord", "StageModule",
+    "Decision", "StageExecutor", "SwapStats", "InfeasibleBudgetError", "PlanOverBudgetError", "Plan", "StageProfile",
+    "BlockProfile", "plan_offload", "format_plan", "format_profile", "dump_profiles", "load_profiles", "TensorRecord", "StageModule",
     "split_model", "partition_blocks",
 ]

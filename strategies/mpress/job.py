@@ -105,7 +105,7 @@ class PipelineJob:
             given: dict[int, tuple[int, Any]] = {}
             for s in range(stages):
                 d, b = self.device_of(s), self.budgets.get(s)
-                if d in given and given[d][1] != b:
+                if d in given and _bytes_or_none(given[d][1]) != _bytes_or_none(b):
                     raise ValueError(f"stages {given[d][0]} and {s} share device {d} but have budgets {given[d][1]!r} "
                                      f"and {b!r}; give stages on one device the same budget (the device's)")
                 given.setdefault(d, (s, b))
@@ -131,6 +131,13 @@ class PipelineJob:
                 where = f"{key}[{s}] = {d}" if self.devices is not None else f"stage {s} (on device {s} by default)"
                 raise ValueError(f"{where} is out of range: backend '{backend_name}' has {device_count} device(s) "
                                  f"(0..{device_count - 1}); give {key} with indices in that range")
+
+
+def _bytes_or_none(value: Any) -> int | None:
+    """A budget as bytes (``"12MB"`` and 12000000 alike); None stays None."""
+    from xpu.units import parse_bytes
+
+    return None if value is None else parse_bytes(value)
 
 
 def job_batch(job: PipelineJob) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,10 +10,10 @@ The config (:mod:`strategies.mpress.config`: format, options and checks) is an `
 config whose strategy is ``mpress``.
 
 Each rank builds the whole model from ``seed`` on the host, keeps its own stage on its device
-(``devices[rank]``, by default ``rank``) with an AdamW over its parameters, and draws the same batches as ``xpu train`` would
-(the first stage feeds the inputs, the last the targets), so the run's losses equal those of
-the unpipelined ``torch`` strategy on the same config (:func:`reference_losses`) up to
-summation order. Rank 0 prints the plan and, every ``log_every`` steps, the loss (the mean
+(``devices[rank]``, by default ``rank``) with an AdamW over its parameters, and draws the same
+batches as ``xpu train`` would (the first stage feeds the inputs, the last the targets), so the
+run's losses equal those of the unpipelined ``torch`` strategy on the same config
+(:func:`reference_losses`) up to summation order. Rank 0 prints the plan and, every ``log_every`` steps, the loss (the mean
 over micro-batches, sent from the last stage) and each stage's device peak.
 
 When a step is profiled (``plan: auto``, or ``--profile-json``), rank 0 also prints a line per

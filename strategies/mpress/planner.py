@@ -38,7 +38,8 @@ from .executor import Decision
 from .ipc import RegionAllocator
 from .memory_profile import BlockProfile, StageProfile, format_profile
 
-__all__ = ["Plan", "StagePlan", "InfeasibleBudgetError", "PlanOverBudgetError", "plan_offload", "infeasible", "stages_text", "format_plan", "link_rates", "REGION_SLACK"]
+__all__ = ["Plan", "StagePlan", "InfeasibleBudgetError", "PlanOverBudgetError", "plan_offload", "infeasible",
+           "stages_text", "format_plan", "link_rates", "REGION_SLACK"]
 
 #: Extra fraction of each peer region, for fragmentation of its first-fit allocator.
 REGION_SLACK = 0.125
@@ -349,7 +350,8 @@ def format_plan(plan: Plan, profiles: "list[StageProfile | None] | None" = None)
     for device in sorted(sharing):
         on = [sp for sp in plan.stages if sp.device == device]
         budget = on[0].budget
-        text = f"device {device} ({stages_text([sp.stage for sp in on])}, one budget): predicted {format_bytes(together[device])}"
+        text = f"device {device} ({stages_text([sp.stage for sp in on])}, one budget): predicted "
+        text += format_bytes(together[device])
         lines.append(text + (f" of {format_bytes(budget)}{_spare(budget - together[device])}" if budget > 0 else ""))
     for sp in plan.stages:
         listed.add(sp.stage)

@@ -28,7 +28,8 @@ from xpu.dist import decide_on_first_rank
 
 from .build import BuiltStage, build_stage
 from .job import PLANNED, PipelineJob
-from .planner import InfeasibleBudgetError, Plan, PlanOverBudgetError, infeasible, link_rates, plan_offload, stages_text
+from .planner import (InfeasibleBudgetError, Plan, PlanOverBudgetError, infeasible, link_rates, plan_offload,
+                      stages_text)
 from .profiling import Profiled, profile_stages
 from .runtime import StageRuntime
 
@@ -117,10 +118,10 @@ def calibrate(runtime: StageRuntime, budgets: dict[int, int], rounds: int = CALI
     The planner predicts peaks, the cap is enforced on measured ones: a device whose measured
     peak (the sum over its stages) exceeds its budget gets its planning budget (in ``budgets``,
     changed in place) lowered by what the plan's prediction missed (at least the overshoot),
-    and the runtime switches to the plan made under it, ``rounds`` plans in all at most. A plan the job gives is measured once and refused if
-    it does not fit. Only jobs with budgets are measured; each measurement's per-stage peaks
-    are kept in ``runtime.result["calibration"]`` (:meth:`StageRuntime.cap` splits a shared
-    device's budget by the last one).
+    and the runtime switches to the plan made under it, ``rounds`` plans in all at most. A plan
+    the job gives is measured once and refused if it does not fit. Only jobs with budgets are
+    measured; each measurement's per-stage peaks are kept in ``runtime.result["calibration"]``
+    (:meth:`StageRuntime.cap` splits a shared device's budget by the last one).
 
     Raises:
         InfeasibleBudgetError: a re-plan found no plan (on every rank).
