@@ -25,8 +25,9 @@ from xpu.cli import register_command
 __all__ = ["add_arguments", "run"]
 
 #: Set by the launcher for its ranks: a file where rank 0 writes the exit status of an error
-#: every rank shares (no plan fits, or the given plan does not). The ranks then exit 0, so torchrun does not print its
-#: failure report over the one-line error, and the launcher exits with the status.
+#: every rank shares (no plan fits, or the given plan does not). The ranks then exit 0, so
+#: torchrun does not print its failure report over the one-line error, and the launcher exits
+#: with the status.
 _STATUS_ENV = "XPU_MPRESS_STATUS_FILE"
 
 

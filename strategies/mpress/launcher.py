@@ -13,8 +13,9 @@ Each rank builds the whole model from ``seed`` on the host, keeps its own stage 
 (``devices[rank]``, by default ``rank``) with an AdamW over its parameters, and draws the same
 batches as ``xpu train`` would (the first stage feeds the inputs, the last the targets), so the
 run's losses equal those of the unpipelined ``torch`` strategy on the same config
-(:func:`reference_losses`) up to summation order. Rank 0 prints the plan and, every ``log_every`` steps, the loss (the mean
-over micro-batches, sent from the last stage) and each stage's device peak.
+(:func:`reference_losses`) up to summation order. Rank 0 prints the plan and, every
+``log_every`` steps, the loss (the mean over micro-batches, sent from the last stage) and each
+stage's device peak (and each shared device's, its stages added).
 
 When a step is profiled (``plan: auto``, or ``--profile-json``), rank 0 also prints a line per
 stage: its measured peak, budget and spare memory, and its saved tensors in short (count,
