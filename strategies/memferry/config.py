@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = ["AdamW", "UnitPlan", "Plan", "MODES", "OFFLOAD_MIN_BYTES", "CLIP_MODES"]
 
@@ -150,6 +150,10 @@ class Plan:
         host_s_per_param: the host AdamW rate (seconds per parameter) that prediction assumed,
             as profiled; the engine compares it with the rate its steps measure.
         notes: the scheduler's explanation lines.
+        profile: the :class:`~strategies.memferry.profiler.StepProfile` the scheduler planned
+            from (None for a plan not scheduled here), so the plan can be remade under another
+            budget without profiling again (``planning.replan``).
+        predicted_peak_bytes: the scheduler's predicted device peak (its margin included).
     """
 
     units: list[UnitPlan]
@@ -158,6 +162,8 @@ class Plan:
     predicted_step_s: float | None = None
     host_s_per_param: float | None = None
     notes: list[str] = field(default_factory=list)
+    profile: Any = field(default=None, compare=False, repr=False)
+    predicted_peak_bytes: int | None = None
 
     @classmethod
     def uniform(cls, n_blocks: int, unit: UnitPlan | None = None, prefetch_depth: int = 1) -> "Plan":

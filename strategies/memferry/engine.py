@@ -136,6 +136,10 @@ class MemFerry:
         no_decay: qualified names of parameters trained without weight decay (None: biases and
             normalisation layers' parameters, as Hugging Face's Trainer groups them:
             :func:`strategies.weight_decay.no_decay_names`; an empty set: decay everything).
+        rehearse: with ``plan="auto"`` (one process), run one step on ``sample`` at learning rate
+            0 before training (``rehearsal.py``): weights stay exactly as they were, and a plan
+            whose real peak overshoots ``device_budget`` (the allocator's reserve, or what the
+            memory model misses) is made again with a larger margin instead of failing later.
 
     Frozen parameters (``requires_grad=False``, e.g. a LoRA model's base weights) are homed and
     moved with their units like the others but have no optimizer state (no master, moments or
@@ -159,6 +163,7 @@ class MemFerry:
         compute_dtype: torch.dtype | None = None,
         accumulation_steps: int = 1,
         no_decay: Iterable[str] | None = None,
+        rehearse: bool = True,
     ) -> None:
         check_accumulation_steps(accumulation_steps)
         no_decay = no_decay_names(model) if no_decay is None else set(no_decay)
@@ -176,7 +181,16 @@ class MemFerry:
         # the fp32 originals stay alive only until the shadow model has taken them as masters.
         originals = cast_parameters(model, compute_dtype)
         previous_cap = self.backend.memory_cap(self.device)
+        self.model = model
+        self.loss_fn = loss_fn
+        self.dp = None
+        #: what building the engine's parts for another plan needs again (``_assemble``, ``rehearsal.py``)
+        self._setup = {"blocks": blocks, "no_decay": no_decay, "device_budget": device_budget,
+                       "compute_dtype": compute_dtype, "accumulation_steps": accumulation_steps,
+                       "multipath": multipath, "memory_margin": memory_margin}
         try:
+            if process_group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+                self.dp = DataParallel.create(self.backend.device(self.device), process_group)
             units = split_units(model, blocks, no_decay)
             n_blocks = sum(u.is_block for u in units)
             if plan == "auto":  # the convenience form: plan first (the model is already cast)
@@ -186,22 +200,7 @@ class MemFerry:
             elif isinstance(plan, str):
                 plan = Plan.from_spec(plan, n_blocks)
             plan = plan or Plan.uniform(n_blocks, UnitPlan("prefetch", "prefetch"))
-            check_plan(plan, n_blocks, self.backend)  # before anything touches the model
-            device_homes = {u.index for u, up in zip(units, plan.units) if up.optimizer == "device"}
-            if plan.rest_optimizer == "device":
-                device_homes.add(units[-1].index)
-            if device_budget is not None:
-                _check_budget(units, plan, device_homes, device_budget)
-                self.backend.set_memory_cap(self.device, device_budget)
-            self.model = model
-            self.loss_fn = loss_fn
-            self.dp = None
-            if process_group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-                self.dp = DataParallel.create(self.backend.device(self.device), process_group)
-            with self.backend.device_scope(self.device):
-                self.shadow = ShadowModel(units, self.backend, self.device, device_homes, self.dp, originals=originals,
-                                          accumulate=accumulation_steps > 1,
-                                          backup_budget=self.cfg.backup_budget() if self.cfg.speculative else 0)
+            self._assemble(units, plan, originals)
         except BaseException:
             # Refused (a bad budget, no fitting plan, too little host memory): give the caller
             # back the model as it came; units already made into shadows are the engine's.
@@ -209,12 +208,38 @@ class MemFerry:
             self.backend.set_memory_cap(self.device, previous_cap)
             raise
         del originals
+        if rehearse and sample is not None and plan.profile is not None and self.dp is None:
+            from .rehearsal import fit_by_rehearsal, give_back
+
+            try:
+                fit_by_rehearsal(self, sample)
+            except BaseException:
+                give_back(self)  # the model as it came (its weights are unchanged), buffers released
+                self.backend.set_memory_cap(self.device, previous_cap)
+                raise
+
+    def _assemble(self, units: list, plan: Plan, originals: dict[str, torch.Tensor]) -> None:
+        """Build the engine's parts for ``plan``: the shadow model (taking ``originals`` as
+        masters), the host and device optimizers, the executor; counters start at zero."""
+        setup = self._setup
+        n_blocks = sum(u.is_block for u in units)
+        check_plan(plan, n_blocks, self.backend)  # before anything touches the model
+        device_homes = {u.index for u, up in zip(units, plan.units) if up.optimizer == "device"}
+        if plan.rest_optimizer == "device":
+            device_homes.add(units[-1].index)
+        if setup["device_budget"] is not None:
+            _check_budget(units, plan, device_homes, setup["device_budget"])
+            self.backend.set_memory_cap(self.device, setup["device_budget"])
+        with self.backend.device_scope(self.device):
+            self.shadow = ShadowModel(units, self.backend, self.device, device_homes, self.dp, originals=originals,
+                                      accumulate=setup["accumulation_steps"] > 1,
+                                      backup_budget=self.cfg.backup_budget() if self.cfg.speculative else 0)
         read_in_place = frozenset(u.index for u, up in zip(units, plan.units) if "dha" in (up.forward, up.backward))
         self.optimizer = HostOptimizer(self.cfg, self.shadow.shadows, self.dp,
                                        bind=functools.partial(self.backend.bind_process, self.device),
                                        whole_on_host=read_in_place, backup=self.shadow.backup)
         self.device_optimizer = DeviceOptimizer(self.cfg, self.shadow.shadows, self.backend)
-        self.copier = self._copier(multipath)
+        self.copier = self._copier(setup["multipath"])
         self.executor = Executor(self.backend, self.device, self.shadow, plan, self.optimizer, self.device_optimizer,
                                  copier=self.copier)
         self.plan = plan
@@ -224,7 +249,7 @@ class MemFerry:
         #: the last step's global gradient norm before clipping (None: no step yet, or no clipping,
         #: which measures no norm).
         self.last_grad_norm: float | None = None
-        self.micro = MicroBatches(accumulation_steps)
+        self.micro = MicroBatches(setup["accumulation_steps"])
         self._handle: Any = None  # the Optimizer-shaped handle, once asked for
         self._in_backward = False  # between the gate's backward and the end-of-backward callback
 

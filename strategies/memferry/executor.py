@@ -177,10 +177,16 @@ class Executor:
         self._count_grad(weight)
 
     def close(self) -> None:
-        """Remove hooks and routings (the model keeps its parameters as they are bound)."""
+        """Remove hooks and routings (the model keeps its parameters as they are bound), and drop
+        what a step cut short may still hold: its saved activations hold hooks that hold this
+        executor, a cycle through autograd's graph that the garbage collector cannot see."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._swap_groups.clear()
+        self._last_swap_group = None
+        self._loaded.clear()
+        self._frozen_in_backward = []
 
     # ------------------------------------------------------------------ step boundaries
     @property

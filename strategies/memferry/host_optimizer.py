@@ -177,6 +177,11 @@ class HostOptimizer:
         """:attr:`clip_stats` once every queued task is done (a copy)."""
         return self._ask("stats")
 
+    def reset_counters(self) -> None:
+        """Zero :attr:`time_s`, :attr:`updated_numel` and :attr:`clip_stats`, and forget the last
+        step's unit count (after the engine's rehearsal step; waits for queued work)."""
+        self._ask("reset")
+
     def settle(self) -> None:
         """Block until every landed gradient that will be updated speculatively has been: which
         units speculate then depends on nothing but the order of calls (tests count them)."""
@@ -254,7 +259,7 @@ class HostOptimizer:
         if self.cfg.host_threads is not None:
             torch.set_num_threads(self.cfg.host_threads)  # this thread's OpenMP team
         # Tasks are (kind, argument, callback): ("grad", unit index, (ready, final, landed)),
-        # ("flush", None, None), ("norm" | "stats" | "settle", None, reply), ("finish", clip
+        # ("flush", None, None), ("norm" | "stats" | "settle" | "reset", None, reply), ("finish", clip
         # coefficient, None), ("lr", rate, None), ("stop", None, None).
         while True:
             try:
@@ -275,6 +280,11 @@ class HostOptimizer:
                     callback(self._sqnorm)
                 elif kind == "stats":
                     callback(dict(self.clip_stats))
+                elif kind == "reset":
+                    self.time_s = dict.fromkeys(self.time_s, 0.0)
+                    self.clip_stats = dict.fromkeys(self.clip_stats, 0)
+                    self.updated_numel, self._expect = 0, None
+                    callback(None)
                 elif kind == "settle":
                     while self._running is not None or self._to_speculate:
                         self._speculate_piece()

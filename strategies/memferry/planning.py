@@ -27,7 +27,7 @@ from .compute_dtype import cast_parameters, check_compute_dtype, restore_paramet
 from .config import AdamW, Plan
 from .units import split_units
 
-__all__ = ["plan_for"]
+__all__ = ["plan_for", "replan"]
 
 _log = logging.getLogger("xpu.memferry")
 
@@ -106,3 +106,22 @@ def _profile_and_schedule(model: nn.Module, sample: Any, device_budget: Any, opt
         restore_parameters(model, originals)
     _log.info("MemFerry plan for %s:\n%s", type(model).__name__, plan.describe())
     return plan
+
+
+def replan(plan: Plan, budget_bytes: int, backend: Backend, device: int, margin: float) -> Plan:
+    """``plan`` made again by the scheduler, from the profile it was made from, under
+    ``budget_bytes`` with ``margin`` (no new profiling).
+
+    Raises:
+        ValueError: ``plan`` was not made by the scheduler (it keeps no profile).
+        NoPlanFitsError: no plan fits.
+    """
+    from .cost import links_from_probe
+    from .scheduler import schedule
+
+    if plan.profile is None:
+        raise ValueError("only a plan the scheduler made (plan='auto' or plan_for) can be made again under another budget")
+    again = schedule(plan.profile, links_from_probe(backend, device), budget_bytes, len(plan.units),
+                     allow_dha=backend.caps.dha, margin=margin)
+    _log.info("MemFerry plan made again under %d bytes, margin %.0f%%:\n%s", budget_bytes, margin * 100, again.describe())
+    return again

@@ -348,7 +348,9 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
     plan = best[1]
     pred = predict(plan, profile, links, margin)  # the same numbers, with the host-work total filled in
     plan.predicted_step_s = pred.step_s
+    plan.predicted_peak_bytes = int(pred.peak_bytes)
     plan.host_s_per_param = profile.host_adamw_s_per_param
+    plan.profile = profile
     plan.notes = _explain(plan, pred, profile, links, float(budget_bytes), choices, margin) if explain else []
     if group > 1:
         plan.notes.append(f"note: blocks were decided in groups of {group} consecutive blocks ({n} blocks); "

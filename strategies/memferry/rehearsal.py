@@ -1,0 +1,146 @@
+"""A rehearsal step before training: a plan that overshoots its budget is made again, not run out of memory.
+
+The scheduler's memory model counts tensors; the device's allocator also rounds blocks and keeps
+a reserve, and a model can hold memory its profile never saw. So before the first real step an
+engine with a scheduled plan and a ``device_budget`` runs one whole step (two micro-batches when
+it accumulates) on the planning sample at learning rate 0, with the cap lifted, and measures the
+device's peak. AdamW at rate 0 leaves every weight exactly as it was (decay ``1 - 0 * wd`` is 1,
+the step ``-0 * m / d`` adds zero), so afterwards only the moments and step counts are put back
+to their start. If the peak is over the budget, the engine takes its (unchanged) weights back
+from its shadow model, gives its buffers up, and is built again for the plan the scheduler makes
+from the same profile with a margin that covers what the prediction missed (no new profiling),
+up to :data:`ATTEMPTS` times. Lifting the cap means the overshoot is measured, never hit: an
+out-of-memory error in the middle of a step would leave its tensors to the autograd graph.
+
+Not under data parallelism (the ranks would have to re-plan together): there the plan is the
+one scheduled. Without a budget (the whole device) there is nothing to lift, and no rehearsal.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from xpu.units import format_bytes, parse_bytes
+
+from .compute_dtype import cast_parameters, restore_parameters
+from .planning import replan
+from .units import split_units
+
+if TYPE_CHECKING:
+    from .engine import MemFerry
+
+__all__ = ["fit_by_rehearsal", "give_back", "ATTEMPTS", "MARGIN_STEP"]
+
+_log = logging.getLogger("xpu.memferry")
+
+#: Plans made again after the first peaks over the budget, each with a larger margin.
+ATTEMPTS = 3
+#: How much more margin each new attempt takes than the overshoot it measured.
+MARGIN_STEP = 0.05
+
+
+def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
+    """Rehearse ``engine``'s plan on ``sample``; re-plan with a margin that covers the measured
+    overshoot while its peak is over the budget (see the module docstring). On return the engine
+    is as if just built, for a plan whose rehearsal fitted; ``engine.plan.notes`` says what was tried.
+
+    Raises:
+        torch.OutOfMemoryError: every attempt peaked over the budget (the message says by how much),
+            or the rehearsal ran out of the device's whole memory.
+        NoPlanFitsError: the scheduler found no plan for the larger margin.
+    """
+    setup = engine._setup
+    if setup["device_budget"] is None:
+        return
+    budget = parse_bytes(setup["device_budget"])
+    margin = setup["memory_margin"]
+    tried: list[str] = []
+    backend, device = engine.backend, engine.device
+    while True:
+        backend.set_memory_cap(device, None)  # measure the overshoot rather than run into it
+        try:
+            peak = _rehearse(engine, sample)
+        finally:
+            backend.set_memory_cap(device, budget)
+        predicted = engine.plan.predicted_peak_bytes or 0
+        if peak <= budget:
+            note = (f"rehearsal: one step at learning rate 0 peaked at {format_bytes(peak)}, budget "
+                    f"{format_bytes(budget)}, predicted {format_bytes(predicted)}"
+                    + (f" (after {'; '.join(tried)})" if tried else ""))
+            engine.plan = dataclasses.replace(engine.plan, notes=[*engine.plan.notes, note])  # the caller's plan stays as given
+            engine.executor.plan = engine.plan
+            _reset(engine)
+            return
+        tried.append(f"margin {margin:.0%} peaked at {format_bytes(peak)}")
+        if len(tried) > ATTEMPTS or not predicted:
+            raise torch.OutOfMemoryError(
+                f"MemFerry: every plan the scheduler made peaked over device_budget {format_bytes(budget)} in its "
+                f"rehearsal step ({'; '.join(tried)}); give a larger device_budget or memory_margin, or a smaller batch")
+        # predicted = raw * (1 + margin): the margin that would have covered this peak, and a step more
+        raw = predicted / (1 + margin)
+        margin = max(margin + MARGIN_STEP, peak / raw - 1 + MARGIN_STEP)
+        _log.warning("MemFerry: the plan peaked at %s in its rehearsal step, over the %s budget; planning again "
+                     "with memory margin %.0f%%", format_bytes(peak), format_bytes(budget), margin * 100)
+        plan = replan(engine.plan, budget, backend, device, margin)
+        _rebuild(engine, plan)
+
+
+def _rehearse(engine: "MemFerry", sample: tuple[Any, Any]) -> int:
+    """One whole step at learning rate 0; the device's peak (allocated, or reserved where the
+    allocator reserves more: a cap binds on what it reserves) over the step."""
+    inputs, targets = sample
+    backend, device = engine.backend, engine.device
+    n = min(engine.micro.steps, 2)  # a later micro-batch also holds the earlier ones' device gradients
+    engine.set_lr(0.0)
+    # Dropout draws random numbers: the run's random streams start where they would without this step.
+    forked = [] if backend.caps.virtual_devices else [device]
+    with torch.random.fork_rng(devices=forked, device_type=backend.device(device).type):
+        backend.synchronize(device)
+        backend.reset_peak_memory(device)
+        for _ in range(n):
+            engine.backward(engine._loss(inputs, targets) / n)
+        engine.step()
+        engine.synchronize()
+    engine.set_lr(engine.cfg.lr)
+    stats = backend.memory_stats(device)
+    return max(stats.peak_allocated, stats.peak_reserved)
+
+
+def _reset(engine: "MemFerry") -> None:
+    """Moments and step counts back to the start, counters to zero: the engine as just built."""
+    for s in engine.shadow.shadows:
+        s.exp_avg.zero_()
+        s.exp_avg_sq.zero_()
+        s.step = 0
+    engine.optimizer.reset_counters()
+    engine.optimizer.sync_steps_from_shadows()
+    engine.device_optimizer.sync_steps_from_shadows(engine.shadow.shadows)
+    engine.executor.invalidate_device_copies()
+    engine._steps = engine.clipped_steps = 0
+    engine.last_grad_norm = None
+
+
+def give_back(engine: "MemFerry") -> None:
+    """Release ``engine``'s parts and point the model's parameters at ordinary host tensors of
+    its weights (the engine's are unchanged since it was built: rehearsals run at rate 0)."""
+    engine.optimizer.close()  # the worker first: nothing may write the masters while they are read
+    weights = engine.shadow.state_dict()  # the parameters' own dtypes: the fp32 originals where cast
+    engine.executor.close()
+    if engine.copier is not None:
+        engine.copier.close()
+    engine.shadow.release()
+    del engine.shadow, engine.optimizer, engine.device_optimizer, engine.executor
+    gc.collect()
+    restore_parameters(engine.model, weights)
+
+
+def _rebuild(engine: "MemFerry", plan: Any) -> None:
+    """Build ``engine``'s parts again for ``plan`` from its (unchanged) weights."""
+    give_back(engine)
+    model, setup = engine.model, engine._setup
+    originals = cast_parameters(model, setup["compute_dtype"])
+    engine._assemble(split_units(model, setup["blocks"], setup["no_decay"]), plan, originals)

@@ -1,0 +1,107 @@
+"""MemFerry's rehearsal step (``rehearsal.py``): a scheduled plan is run once at learning rate 0
+with the cap lifted before training; one that peaks over its budget is made again with a margin
+covering what the prediction missed, and training then stays under the cap. The rehearsal leaves
+the engine exactly as if it had not run.
+
+The memory model is made to under-count on purpose (a profile whose activations and loss peak
+are scaled down), so the first plan's real peak is over the budget."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+import strategies.memferry.profiler as profiler
+from strategies.memferry import AdamW, MemFerry
+from strategies.memferry.cost import links_from_probe
+from strategies.memferry.hf_models import model_loss
+from strategies.memferry.planning import plan_for
+from strategies.memferry.scheduler import NoPlanFitsError, min_budget
+from tests.test_memferry_scheduler_accum import batch, qwen2_tied
+
+
+def _undercounting(monkeypatch, share: float) -> None:
+    """Profiles from now on count ``share`` of the activations and the loss peak."""
+    real = profiler.profile_step
+
+    def scaled(*args, **kwargs):
+        p = real(*args, **kwargs)
+        p.blocks = [dataclasses.replace(b, act_bytes=int(b.act_bytes * share),
+                                        act_bytes_recompute=int(b.act_bytes_recompute * share)) for b in p.blocks]
+        p.loss_peak_bytes = int(p.loss_peak_bytes * share)
+        return p
+
+    monkeypatch.setattr(profiler, "profile_step", scaled)
+
+
+@pytest.fixture(scope="module")
+def true_min_budget():
+    """The smallest budget of the true profile (margin 0): a plan exists that really fits it."""
+    import xpu
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XPU_BACKEND", "cpu")
+        xpu.reset_backend()
+        backend = xpu.get_backend()
+        model = qwen2_tied()
+        plan = plan_for(model, batch(), None, backend=backend, memory_margin=0.0)
+        budget = min_budget(plan.profile, links_from_probe(backend, 0), margin=0.0)
+        xpu.reset_backend()
+    return budget
+
+
+def test_a_plan_over_its_budget_is_made_again_and_trains_under_the_cap(cpu_backend, monkeypatch, true_min_budget):
+    _undercounting(monkeypatch, 0.8)
+    budget = int(true_min_budget * 1.1)
+    x, y = batch()
+    engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan="auto", sample=(x, y), device_budget=budget,
+                      backend=cpu_backend, memory_margin=0.0)
+    note = [n for n in engine.plan.notes if n.startswith("rehearsal:")]
+    assert len(note) == 1 and "(after margin 0% peaked at" in note[0], engine.plan.notes
+    cpu_backend.reset_peak_memory(0)
+    for _ in range(2):
+        engine.train_step(x, y)
+    assert cpu_backend.memory_stats(0).peak_allocated <= budget
+    engine.close()
+
+
+def test_rehearsing_leaves_training_exactly_as_without_it(cpu_backend):
+    """Same plan, with and without the rehearsal: every weight and moment equal after three
+    clipped, decayed steps of two micro-batches."""
+    x, y = batch()
+    plan = plan_for(qwen2_tied(), (x, y), None, backend=cpu_backend, memory_margin=0.0, accumulation_steps=2)
+    out = []
+    for rehearse in (True, False):
+        engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5), plan=plan,
+                          sample=(x, y), device_budget=int(plan.predicted_peak_bytes * 1.5), backend=cpu_backend,
+                          accumulation_steps=2, rehearse=rehearse)
+        assert any(n.startswith("rehearsal:") for n in engine.plan.notes) == rehearse
+        for _ in range(3):
+            for _ in range(2):
+                engine.backward(model_loss(engine, x, y, labels_model=engine.model) / 2)
+            engine.step()
+        out.append(engine.state_dict())
+        engine.close()
+    (a, b) = out
+    for name, t in a["model"].items():
+        assert torch.equal(t, b["model"][name]), name
+    for name, st in a["optimizer"].items():
+        assert all(torch.equal(st[k], b["optimizer"][name][k]) for k in ("master", "exp_avg", "exp_avg_sq")), name
+        assert st["step"] == b["optimizer"][name]["step"] == 3
+
+
+def test_when_no_plan_fits_after_the_rehearsal_the_model_comes_back_unchanged(cpu_backend, monkeypatch,
+                                                                              true_min_budget):
+    _undercounting(monkeypatch, 0.6)
+    model = qwen2_tied()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(NoPlanFitsError, match="no plan fits a device budget"):
+        MemFerry(model, optim=AdamW(lr=1e-3), plan="auto", sample=batch(), device_budget=true_min_budget,
+                 backend=cpu_backend, memory_margin=0.0)
+    assert cpu_backend.memory_cap(0) is None
+    after = model.state_dict()
+    assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
+    x, y = batch()
+    assert torch.isfinite(model_loss(model, x, y, labels_model=model))  # an ordinary host model again
