@@ -200,20 +200,8 @@ class Scenario:
         if not isinstance(data["systems"], list) or not data["systems"]:
             raise ScenarioError("'systems' must be a non-empty list of system names or {name:, options:} mappings")
         data["systems"] = [_entry(s) for s in data["systems"]]
-        mm = data.get("max_model") or {}
-        if not isinstance(mm, dict):
-            raise ScenarioError("'max_model' must be a mapping")
-        mm_valid = {f.name for f in fields(MaxModelConfig)}
-        if set(mm) - mm_valid:
-            raise ScenarioError(f"unknown max_model key(s) {sorted(set(mm) - mm_valid)}; valid: {sorted(mm_valid)}")
-        data["max_model"] = MaxModelConfig(**mm)
-        mc = data.get("min_cap") or {}
-        if not isinstance(mc, dict):
-            raise ScenarioError("'min_cap' must be a mapping")
-        mc_valid = {f.name for f in fields(MinCapConfig)}
-        if set(mc) - mc_valid:
-            raise ScenarioError(f"unknown min_cap key(s) {sorted(set(mc) - mc_valid)}; valid: {sorted(mc_valid)}")
-        data["min_cap"] = MinCapConfig(**mc)
+        for key, section in (("max_model", MaxModelConfig), ("min_cap", MinCapConfig)):
+            data[key] = _search_section(key, section, data.get(key))
         if name and "name" not in data:
             data["name"] = name
         scenario = cls(**data)
@@ -345,6 +333,17 @@ def _positive_int(key: str, value: Any) -> None:
 
 def _nonneg_int(key: str, value: Any) -> None:
     nonneg_int(key, value, ScenarioError)
+
+
+def _search_section(key: str, cls: type, value: Any) -> Any:
+    """A search's settings (``max_model``, ``min_cap``) as ``cls``; unknown keys named with the valid ones."""
+    value = value or {}
+    if not isinstance(value, dict):
+        raise ScenarioError(f"'{key}' must be a mapping")
+    valid = {f.name for f in fields(cls)}
+    if set(value) - valid:
+        raise ScenarioError(f"unknown {key} key(s) {sorted(set(value) - valid)}; valid: {sorted(valid)}")
+    return cls(**value)
 
 
 def _check_min_cap(mc: MinCapConfig) -> None:
