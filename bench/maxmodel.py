@@ -168,9 +168,8 @@ def run_max_model(scenario: Scenario | str | Path | dict[str, Any], out_dir: str
         raise ScenarioError(str(exc)) from None
     mm = scenario.max_model
 
-    def one(label: str, out: Path, **kw: Any) -> dict[str, Any]:
-        kw.pop("info")
-        return max_model_for_system(scenario, label, out, spawn=spawn, **kw)
+    def one(label: str, out: Path, *, info: dict[str, Any], **kw: Any) -> dict[str, Any]:
+        return max_model_for_system(scenario, label, out, spawn=spawn, **kw)  # the knob range does not need info
 
     return run_searches(scenario, out_dir, stem="max_model", title="largest model per system", spawn=spawn,
                         progress=progress, command=command or f"run_max_model({scenario.name!r})", search_one=one,
