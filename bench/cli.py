@@ -4,6 +4,7 @@
     xpu bench design-s3 --systems torch,deepspeed-z2-offload --device-mem-gb 40
     xpu bench tiny --set model.layers=4 --set steps=3 --out /tmp/b
     xpu bench tiny --max-model --device-mem-gb 0.05 --host-mem-gb 8
+    xpu bench qwen2-1.5b-finetune --min-cap --systems fsdp2-offload,deepspeed-z3-offload --cap-resolution 2
     xpu bench --list-systems
 
 Each system runs in a fresh process; rows for missing packages, OOM and errors are written
@@ -44,9 +45,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model", action="store_true", help="find, per system, the largest model that trains")
     parser.add_argument("--knob", choices=["layers", "hidden"], help="max-model: which dimension grows")
     parser.add_argument("--knob-range", metavar="LO:HI", help="max-model: search range of the knob, e.g. 1:256")
+    parser.add_argument("--min-cap", action="store_true",
+                        help="find, per system, the smallest device cap (GB) under which it trains the scenario")
+    parser.add_argument("--cap-range", metavar="LO:HI",
+                        help="min-cap: caps searched in GB, e.g. 4:48 (HI left out, e.g. 4: : the first trial runs uncapped)")
+    parser.add_argument("--cap-resolution", type=float, metavar="GB",
+                        help="min-cap: caps tried are LO + k * GB; the smallest is found to within it (default 1)")
     parser.add_argument("--merge", nargs="+", metavar="RESULTS_JSON",
-                        help="merge results.json (or max_model.json) files of one scenario into --out (later files win "
-                             "per system) and redo the report")
+                        help="merge results.json (max_model.json, min_cap.json) files of one scenario into --out (later "
+                             "files win per system) and redo the report; min_cap.json rows merge with results.json ones")
     parser.add_argument("--list-systems", action="store_true", help="list registered systems and exit")
     parser.add_argument("--json", action="store_true", help="print the result JSON instead of the table")
 
@@ -60,6 +67,16 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
               "warmup": args.warmup, "loss_after": args.loss_after, "dtype": args.dtype, "timeout_s": args.timeout,
               "max_model.knob": args.knob}
     out.update({k: v for k, v in simple.items() if v is not None})
+    if args.cap_resolution is not None:
+        out["min_cap.resolution"] = args.cap_resolution
+    if args.cap_range:
+        lo, sep, hi = args.cap_range.partition(":")
+        try:
+            out["min_cap.lo"], out["min_cap.hi"] = float(lo), (float(hi) if hi.strip() else None)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise ScenarioError(f"--cap-range takes LO:HI in GB (HI may be left out: uncapped), got {args.cap_range!r}")
     if args.knob_range:
         lo, sep, hi = args.knob_range.partition(":")
         try:
@@ -67,6 +84,22 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         except ValueError:
             raise ScenarioError(f"--knob-range takes LO:HI integers, got {args.knob_range!r}") from None
     return out
+
+
+def _check_search_flags(args: argparse.Namespace) -> None:
+    """Flags that contradict each other: a one-line error before anything runs."""
+    from .scenario import ScenarioError
+
+    if args.min_cap and args.max_model:
+        raise ScenarioError("--min-cap and --max-model are two searches; run one at a time")
+    if not args.min_cap and (args.cap_range or args.cap_resolution is not None):
+        raise ScenarioError("--cap-range and --cap-resolution set the --min-cap search; add --min-cap")
+    if args.min_cap and args.device_mem_gb is not None:
+        raise ScenarioError("--min-cap searches the device cap itself; drop --device-mem-gb (bound the search "
+                            "with --cap-range LO:HI)")
+    if args.min_cap and args.append:
+        raise ScenarioError("--min-cap does not --append; run it again into the same --out to go on from its "
+                            "trial journal, and --merge its min_cap.json with a results.json")
 
 
 def _list_systems() -> int:
@@ -109,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.scenario:
         raise ScenarioError("give a scenario (a YAML path or a name in examples/bench/), or --list-systems")
+    _check_search_flags(args)
     scenario = load_scenario(args.scenario, _overrides(args))
     systems = [s.strip() for s in args.systems.split(",") if s.strip()] if args.systems else None
     if systems:
@@ -120,6 +154,11 @@ def run(args: argparse.Namespace) -> int:
 
         result = run_max_model(scenario, args.out, progress=not args.no_progress, command=command)
         stem = "max_model"
+    elif args.min_cap:
+        from .mincap import run_min_cap
+
+        result = run_min_cap(scenario, args.out, progress=not args.no_progress, command=command)
+        stem = "min_cap"
     else:
         from .runner import run_bench
 

@@ -19,56 +19,18 @@ call's time limit goes on where the last call stopped.
 from __future__ import annotations
 
 import copy
-import datetime as _dt
-import hashlib
-import json
 import math
 from pathlib import Path
 from typing import Any, Callable
 
 from .scenario import Scenario, load_scenario
+from .search import TrialJournal, run_searches, run_trial, search_largest
 from .systems import get_system, missing_requirement
 
 __all__ = ["search_largest", "max_model_for_system", "run_max_model", "dims_for", "TrialJournal"]
 
-#: File, in the output folder, where finished trials are kept for reruns.
+#: File, in the output folder, where finished trials are kept for reruns (:func:`bench.search.run_searches`).
 JOURNAL_NAME = "max_model_trials.jsonl"
-
-
-class TrialJournal:
-    """Finished trials of largest-model searches, one JSON line each, for reruns to reuse.
-
-    Args:
-        path: the ``.jsonl`` file (created on the first trial).
-        machine: the machine the trials ran on; trials of other machines are never reused.
-    """
-
-    def __init__(self, path: Path, machine: str) -> None:
-        self.path, self.machine = Path(path), machine
-        self._rows: dict[str, dict[str, Any]] = {}
-        if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                    self._rows[rec["key"]] = rec["row"]
-                except (ValueError, KeyError, TypeError):
-                    continue  # a line cut short when a call hit its time limit
-
-    def key(self, trial: Scenario, label: str) -> str:
-        """What identifies a trial: machine, system and the trial's whole scenario."""
-        scenario = {k: v for k, v in trial.to_dict().items() if k != "max_model"}  # the search range is not the trial
-        blob = json.dumps({"machine": self.machine, "label": label, "scenario": scenario}, sort_keys=True, default=str)
-        return hashlib.sha256(blob.encode()).hexdigest()
-
-    def get(self, key: str) -> dict[str, Any] | None:
-        """The row of a finished trial, or None."""
-        return self._rows.get(key)
-
-    def add(self, key: str, row: dict[str, Any]) -> None:
-        """Record a finished trial (appended at once, so a cut-off search keeps it)."""
-        self._rows[key] = row
-        with self.path.open("a") as fh:
-            fh.write(json.dumps({"key": key, "row": row}, default=str) + "\n")
 
 
 def dims_for(scenario: Scenario, value: int) -> dict[str, Any]:
@@ -95,32 +57,6 @@ def knob_values(scenario: Scenario) -> tuple[int, int, int]:
     if hi < max(lo, 1):
         raise ValueError(f"max_model: hidden range [{mm.lo}, {mm.hi}] holds no multiple of heads*8 = {unit}")
     return max(lo, 1), hi, unit
-
-
-def search_largest(fits: Callable[[int], bool], lo: int, hi: int, resolution: int = 1) -> int | None:
-    """Largest k in [lo, hi] with ``fits(k)``, assuming fits is monotone (True then False); None if not even lo.
-
-    Doubling from ``lo`` then bisection: about 2·log2(answer/lo) calls. With ``resolution``
-    r > 1 bisection stops once the first failure is at most r above the last success, so the
-    answer may be up to r - 1 below the largest.
-    """
-    if not fits(lo):
-        return None
-    good, bad = lo, None
-    while good < hi:
-        nxt = min(max(2 * good, good + 1), hi)
-        if fits(nxt):
-            good = nxt
-        else:
-            bad = nxt
-            break
-    while bad is not None and bad - good > max(1, resolution):
-        mid = (good + bad) // 2
-        if fits(mid):
-            good = mid
-        else:
-            bad = mid
-    return good
 
 
 def _resolution_in_units(resolution: int, unit: int) -> int:
@@ -173,19 +109,7 @@ def max_model_for_system(scenario: Scenario, label: str, out_dir: Path | None = 
             return False
         value = k * unit
         trial = _trial_scenario(scenario, label, value)
-        key = journal.key(trial, label) if journal is not None else None
-        row = journal.get(key) if journal is not None else None
-        reused = row is not None
-        if row is None and spawn:
-            from .runner import run_system
-
-            row = run_system(trial, label, out_dir or Path("."), timeline=False, log_name=f"maxmodel-{label}-{value}")
-        elif row is None:
-            from .worker import run_spec
-
-            row = run_spec({"scenario": trial.to_dict(), "label": label, "timeline_path": None}, in_process=True)
-        if journal is not None and not reused and row["status"] != "missing":
-            journal.add(key, row)
+        row, reused = run_trial(trial, label, out_dir, spawn=spawn, journal=journal, log_name=f"maxmodel-{label}-{value}")
         params = row.get("params") or param_count(trial.family, **trial.model_dims())
         summary = {"value": value, "params": params, "status": row["status"], "step_s": row.get("step_s"),
                    "peak_device_gb": row.get("peak_device_gb"), "peak_host_gb": row.get("peak_host_gb")}
@@ -232,9 +156,6 @@ def run_max_model(scenario: Scenario | str | Path | dict[str, Any], out_dir: str
     Returns the result dict: ``{"machine", "date", "command", "scenario", "rows": [...]}`` where
     each row carries ``max_params``, ``max_config`` and its ``trials``.
     """
-    from .report import write_outputs
-    from .runner import _progress, default_out_dir, describe_machine
-
     if not isinstance(scenario, Scenario):
         scenario = load_scenario(scenario)
     if systems:
@@ -245,34 +166,13 @@ def run_max_model(scenario: Scenario | str | Path | dict[str, Any], out_dir: str
         from .scenario import ScenarioError
 
         raise ScenarioError(str(exc)) from None
-    if spawn:
-        info = describe_machine()
-    else:
-        from .worker import describe
+    mm = scenario.max_model
 
-        info = describe()
-    date = _dt.date.today().isoformat()
-    out = Path(out_dir) if out_dir else default_out_dir(info["machine"], date)
-    out.mkdir(parents=True, exist_ok=True)
-    journal = TrialJournal(out / JOURNAL_NAME, info["machine"])
-    rows = []
-    with _progress(progress) as bars:
-        overall = bars.add_task(f"{scenario.name}: largest model per system", total=len(scenario.systems))
-        for entry in scenario.systems:
-            task = bars.add_task(f"  {entry.label}", total=None)
+    def one(label: str, out: Path, *, info: dict[str, Any], **kw: Any) -> dict[str, Any]:
+        return max_model_for_system(scenario, label, out, spawn=spawn, **kw)  # the knob range does not need info
 
-            def on_trial(t: dict[str, Any], task=task, label=entry.label) -> None:
-                bars.update(task, description=f"  {label}: {scenario.max_model.knob}={t['value']} {t['status']}")
-
-            row = max_model_for_system(scenario, entry.label, out, spawn=spawn, on_trial=on_trial, journal=journal)
-            bars.update(task, total=1, completed=1,
-                        description=f"  {entry.label}: {row['status']}" + (
-                            f" max {row['max_params'] / 1e9:.3g} B params" if row.get("max_params") else ""))
-            bars.advance(overall)
-            rows.append(row)
-    result = {"machine": info["machine"], "date": date, "command": command or f"run_max_model({scenario.name!r})",
-              "scenario": scenario.to_dict(), "machine_info": info, "rows": rows,
-              "finished_at": _dt.datetime.now().isoformat(timespec="seconds")}
-    result["outputs"] = write_outputs(result, out, stem="max_model")
-    result["out_dir"] = str(out)
-    return result
+    return run_searches(scenario, out_dir, stem="max_model", title="largest model per system", spawn=spawn,
+                        progress=progress, command=command or f"run_max_model({scenario.name!r})", search_one=one,
+                        trial_text=lambda t: f"{mm.knob}={t['value']} {t['status']}",
+                        row_text=lambda r: r["status"] + (f" max {r['max_params'] / 1e9:.3g} B params"
+                                                          if r.get("max_params") else ""))

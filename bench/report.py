@@ -3,8 +3,9 @@
 Files written under the run's folder (``bench/results/<date>-<machine>/`` by default):
 
 * ``results.json``: ``{"machine", "date", "command", "scenario", "rows": [...]}`` plus the
-  machine details and software versions (``max_model.json`` for ``--max-model``);
-* ``results.md``: the side-by-side table (``max_model.md``);
+  machine details and software versions (``max_model.json`` for ``--max-model``,
+  ``min_cap.json`` for ``--min-cap``);
+* ``results.md``: the side-by-side table (``max_model.md``, ``min_cap.md``);
 * ``results.png``: step time and peak memory per system (needs matplotlib; skipped with a
   note otherwise);
 * ``timelines/<system>.json``: one step as Chrome-trace JSON that Perfetto and
@@ -20,7 +21,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-__all__ = ["timeline_lanes", "markdown_table", "max_model_markdown", "write_plot", "write_outputs", "lane_busy_ms",
+__all__ = ["timeline_lanes", "markdown_table", "max_model_markdown", "min_cap_markdown", "write_plot", "write_outputs", "lane_busy_ms",
            "merge_results"]
 
 _OPTIMIZER_OP = re.compile(r"adam|optimizer", re.IGNORECASE)
@@ -163,7 +164,7 @@ def _short(text: str | None, n: int = 90) -> str:
     return line if len(line) <= n else line[: n - 1] + "…"
 
 
-def _scenario_line(result: dict[str, Any]) -> str:
+def _scenario_line(result: dict[str, Any], caps: bool = True) -> str:
     sc = result["scenario"]
     dims = ", ".join(f"{k} {v}" for k, v in sc["model"].items() if k != "family" and not isinstance(v, dict))
     cap = f"{sc['device_mem_gb']} GB" if sc.get("device_mem_gb") else "none"
@@ -173,7 +174,16 @@ def _scenario_line(result: dict[str, Any]) -> str:
     acc = sc.get("accumulation_steps") or 1
     batch = f"batch {sc['batch']} × seq {sc['seq']}" + (f" × {acc} accumulated micro-batches per step" if acc > 1 else "")
     return (f"model {sc['model']['family']} ({dims}{p}); {batch}; dtype {sc['dtype']}; "
-            f"device cap {cap}; host cap {host}")
+            + (f"device cap {cap}; " if caps else "") + f"host cap {host}")
+
+
+def _cap_note(row: dict[str, Any], scenario: dict[str, Any]) -> str:
+    """``"cap 18 GB; "`` or ``"uncapped; "`` where a row ran under another device cap than the
+    scenario's (an entry's own cap); "" otherwise, and for smallest-cap rows (their notes say it)."""
+    cap = row.get("device_mem_gb")
+    if "min_cap_gb" in row or "device_mem_gb" not in row or cap == scenario.get("device_mem_gb"):
+        return ""
+    return "uncapped; " if cap is None else f"cap {cap:g} GB; "
 
 
 def _merged_note(result: dict[str, Any]) -> str:
@@ -244,6 +254,7 @@ def markdown_table(result: dict[str, Any]) -> str:
         notes = r.get("notes") or ""
         if r["status"] != "ok":
             notes = _short(r.get("reason"))
+        notes = (_cap_note(r, sc) + notes).rstrip("; ")
         if r.get("approximate"):
             notes = ("approximate (stale updates); " + notes).rstrip("; ")
         if r.get("loss_flag"):
@@ -295,6 +306,49 @@ def max_model_markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {r['system']} | {r['status']}{' ' + note if note else ''} | {params} | {cfg_s} "
                      f"| {_fmt(best.get('step_s'), '.3f')} | {_gb(best.get('peak_device_gb'))} "
                      f"| {_gb(best.get('peak_host_gb'))} | {trials} |")
+    return "\n".join(lines) + "\n"
+
+
+def min_cap_markdown(result: dict[str, Any]) -> str:
+    """The table of a ``--min-cap`` run: per system, its row at the smallest cap it trains under,
+    the cap just below that failed, and the trials that found them."""
+    sc = result["scenario"]
+    mc = sc.get("min_cap") or {}
+    ranges = {(tuple(r.get("cap_range") or ()), r.get("cap_resolution")) for r in result["rows"]}
+    per_row = len(ranges) > 1  # merged searches over different ranges: each row says its own
+
+    def span(lo: Any, hi: Any, res: Any) -> str:
+        return f"[{lo:g}, {'uncapped' if hi is None else f'{hi:g}'}] GB at {res:g} GB"
+
+    where = "each row's range with its trials" if per_row else span(mc.get("lo", 0), mc.get("hi"), mc.get("resolution", 1))
+    lines = [
+        f"# {sc['name']} smallest device cap: {result['machine']} ({result['date']})",
+        "",
+        f"{_scenario_line(result, caps=False)}; caps searched {where}; a trial trains if its warm-up and "
+        f"timed steps run without error.",
+        "",
+        f"Command: `{result['command']}`" + _merged_note(result),
+        "",
+        "| system | status | smallest cap (GB) | failed below | step median (s) | step mean (s) | tokens/s "
+        "| peak device (GB) | peak reserved (GB) | peak host (GB) | loss @ step | trials | notes |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in result["rows"]:
+        failed = r.get("failed_below") or {}
+        below = "–" if not failed else (f"{failed['device_mem_gb']:g} GB: {failed['status']}"
+                                        + (f" ({_short(failed.get('reason'), 50)})" if failed.get("reason") else ""))
+        trials = ", ".join(f"{'none' if t['device_mem_gb'] is None else format(t['device_mem_gb'], 'g')}:{t['status']}"
+                           for t in r.get("trials", []))
+        if per_row:
+            lo, hi = r.get("cap_range") or (None, None)
+            trials = span(lo or 0, hi, r.get("cap_resolution") or 1) + ": " + trials
+        notes = (r.get("notes") or "") if r["status"] == "ok" else _short(r.get("reason"))
+        loss = f"{r['loss']:.3f} @ {r.get('loss_step')}" if r.get("loss") is not None else "–"
+        lines.append(
+            f"| {r['system']} | {r['status']} | {_fmt(r.get('min_cap_gb'), 'g')} | {below} "
+            f"| {_fmt(r.get('step_s'), '.3f')} | {_fmt(r.get('step_mean_s'), '.3f')} | {_fmt(r.get('tokens_per_s'), ',.0f')} "
+            f"| {_gb(r.get('peak_device_gb'))} | {_gb(r.get('peak_device_reserved_gb'))} | {_gb(r.get('peak_host_gb'))} "
+            f"| {loss} | {trials} | {notes} |")
     return "\n".join(lines) + "\n"
 
 
@@ -354,7 +408,7 @@ def write_outputs(result: dict[str, Any], out_dir: Path, stem: str = "results") 
             paths["plot"] = str(png)
         md = markdown_table(result)
     else:
-        md = max_model_markdown(result)
+        md = max_model_markdown(result) if stem == "max_model" else min_cap_markdown(result)
     (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     (out_dir / f"{stem}.md").write_text(md)
     paths["json"] = str(out_dir / f"{stem}.json")
@@ -367,7 +421,9 @@ def merge_results(paths: list[Path], out_dir: Path) -> dict[str, Any]:
 
     Timelines and logs the rows name are copied along, so the merged folder stands alone.
     ``--max-model`` results (``max_model.json``) merge the same way into ``max_model.json``/``.md``,
-    each row keeping the search range it was found in; the two kinds do not mix.
+    each row keeping the search range it was found in, and only with their kind. ``--min-cap``
+    results (``min_cap.json``) merge into ``min_cap.json``/``.md``, or, beside a ``results.json``,
+    into one ``results.json``/``.md`` (each of their rows is the full row at its smallest cap).
     """
     import shutil
 
@@ -382,9 +438,10 @@ def merge_results(paths: list[Path], out_dir: Path) -> dict[str, Any]:
         if data["scenario"].get("name") != merged["scenario"].get("name"):
             raise ValueError(f"{path}: scenario {data['scenario'].get('name')!r} differs from "
                              f"{merged['scenario'].get('name')!r}; merge results of one scenario only")
-        kind = "max_model" if any("max_params" in r for r in data["rows"]) else "results"
-        if kinds and kind not in kinds:
-            raise ValueError(f"{path}: a {kind}.json among {kinds.pop()}.json files; merge one kind at a time")
+        kind = _result_kind(data["rows"])
+        if kinds and (kind == "max_model") != ("max_model" in kinds):
+            raise ValueError(f"{path}: a {kind}.json among {kinds.pop()}.json files; merge one kind at a time "
+                             f"(min_cap.json and results.json rows do merge)")
         kinds.add(kind)
         for entry in data["scenario"].get("systems", []):
             entries[entry["label"]] = entry
@@ -404,6 +461,14 @@ def merge_results(paths: list[Path], out_dir: Path) -> dict[str, Any]:
     result["rows"] = list(rows.values())
     result["scenario"] = {**merged["scenario"], "systems": list(entries.values())}
     result["merged_from"] = [str(p) for p in paths]
-    result["outputs"] = write_outputs(result, out_dir, stem=kinds.pop())
+    stem = "max_model" if "max_model" in kinds else "results" if "results" in kinds else "min_cap"
+    result["outputs"] = write_outputs(result, out_dir, stem=stem)
     result["out_dir"] = str(out_dir)
     return result
+
+
+def _result_kind(rows: list[dict[str, Any]]) -> str:
+    """``max_model``, ``min_cap`` or ``results``: which search (if any) wrote these rows."""
+    if any("max_params" in r for r in rows):
+        return "max_model"
+    return "min_cap" if rows and all("min_cap_gb" in r for r in rows) else "results"

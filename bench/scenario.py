@@ -28,6 +28,7 @@ YAML shape (every key but ``model`` and ``systems`` optional)::
       - {name: deepspeed-twinflow, label: deepspeed-twinflow-0.5, options: {ratio: 0.5}}
       - {name: deepspeed-zenflow, steps: 8, warmup: 1}
     max_model: {knob: layers, lo: 1, hi: 1024, steps: 2, warmup: 0}
+    min_cap: {lo: 0, hi: null, resolution: 1}   # --min-cap: caps in GB (hi null: uncapped)
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from xpu.errors import XpuError
 
 from strategies.training.checks import apply_overrides, check_model_section, load_yaml, model_dims, nonneg_int, positive_int
 
-__all__ = ["Scenario", "SystemEntry", "MaxModelConfig", "ScenarioError", "load_scenario", "resolve_scenario_path",
+__all__ = ["Scenario", "SystemEntry", "MaxModelConfig", "MinCapConfig", "ScenarioError", "load_scenario", "resolve_scenario_path",
            "KNOBS", "EXAMPLES_DIR"]
 
 #: Where named scenarios live (``xpu bench design-s3`` reads ``examples/bench/design-s3.yaml``).
@@ -105,6 +106,23 @@ class MaxModelConfig:
 
 
 @dataclass
+class MinCapConfig:
+    """How ``--min-cap`` searches (:mod:`bench.mincap`).
+
+    Attributes:
+        lo, hi: the device caps searched, in GB (10^9 B); ``hi`` None: the first trial runs
+            uncapped (the device's whole memory); ``lo`` 0: nothing trains in no memory, so
+            the bottom is never tried.
+        resolution: caps tried are ``lo + k * resolution`` (and ``hi``): the smallest cap is
+            found to within this many GB.
+    """
+
+    lo: float = 0.0
+    hi: float | None = None
+    resolution: float = 1.0
+
+
+@dataclass
 class Scenario:
     """Everything one ``xpu bench`` run holds fixed across systems (see the module docstring)."""
 
@@ -128,6 +146,7 @@ class Scenario:
     timeline: bool = True
     env: dict[str, str] = field(default_factory=dict)
     max_model: MaxModelConfig = field(default_factory=MaxModelConfig)
+    min_cap: MinCapConfig = field(default_factory=MinCapConfig)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -181,13 +200,8 @@ class Scenario:
         if not isinstance(data["systems"], list) or not data["systems"]:
             raise ScenarioError("'systems' must be a non-empty list of system names or {name:, options:} mappings")
         data["systems"] = [_entry(s) for s in data["systems"]]
-        mm = data.get("max_model") or {}
-        if not isinstance(mm, dict):
-            raise ScenarioError("'max_model' must be a mapping")
-        mm_valid = {f.name for f in fields(MaxModelConfig)}
-        if set(mm) - mm_valid:
-            raise ScenarioError(f"unknown max_model key(s) {sorted(set(mm) - mm_valid)}; valid: {sorted(mm_valid)}")
-        data["max_model"] = MaxModelConfig(**mm)
+        for key, section in (("max_model", MaxModelConfig), ("min_cap", MinCapConfig)):
+            data[key] = _search_section(key, section, data.get(key))
         if name and "name" not in data:
             data["name"] = name
         scenario = cls(**data)
@@ -241,6 +255,7 @@ class Scenario:
         _positive_int("max_model.resolution", mm.resolution)
         if mm.lo > mm.hi:
             raise ScenarioError(f"max_model.lo ({mm.lo}) must not exceed max_model.hi ({mm.hi})")
+        _check_min_cap(self.min_cap)
 
         systems = registered_systems()
         labels: set[str] = set()
@@ -318,6 +333,30 @@ def _positive_int(key: str, value: Any) -> None:
 
 def _nonneg_int(key: str, value: Any) -> None:
     nonneg_int(key, value, ScenarioError)
+
+
+def _search_section(key: str, cls: type, value: Any) -> Any:
+    """A search's settings (``max_model``, ``min_cap``) as ``cls``; unknown keys named with the valid ones."""
+    value = value or {}
+    if not isinstance(value, dict):
+        raise ScenarioError(f"'{key}' must be a mapping")
+    valid = {f.name for f in fields(cls)}
+    if set(value) - valid:
+        raise ScenarioError(f"unknown {key} key(s) {sorted(set(value) - valid)}; valid: {sorted(valid)}")
+    return cls(**value)
+
+
+def _check_min_cap(mc: MinCapConfig) -> None:
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    if not number(mc.resolution) or mc.resolution <= 0:
+        raise ScenarioError(f"min_cap.resolution (--cap-resolution) must be a positive number of GB, got {mc.resolution!r}")
+    if not number(mc.lo) or mc.lo < 0:
+        raise ScenarioError(f"min_cap.lo must be a number of GB >= 0, got {mc.lo!r}")
+    if mc.hi is not None and (not number(mc.hi) or mc.hi <= mc.lo):
+        raise ScenarioError(f"min_cap range {mc.lo}:{mc.hi} is empty or reversed; give LO:HI with 0 <= LO < HI GB "
+                            f"(or LO: for an uncapped top)")
 
 
 def _positive_or_none(key: str, value: Any) -> None:

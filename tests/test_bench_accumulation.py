@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.scenario import ScenarioError, load_scenario
+from bench.scenario import ScenarioError, SystemEntry, load_scenario
 from bench.systems.rank_pool import split_batch
 from bench.worker import run_spec
 
@@ -75,10 +75,30 @@ def test_accumulated_micro_batches_train_as_one_large_batch(cpu_backend):
     assert acc["losses"][-1] < acc["losses"][0]
 
 
-def test_fsdp2_offload_accumulates_like_the_reference(cpu_backend):
-    scenario = _scenario(["fsdp2-offload"], accumulation_steps=2)
-    row = _run(scenario, "fsdp2-offload")
+def _counting_forwards(cls, fn):
+    """``fn()`` and how many forward calls modules of ``cls`` began meanwhile (recomputes included: a
+    pre-hook, as checkpoint's recompute stops early, before a forward hook would run)."""
+    calls = []
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda m, args: calls.append(1) if isinstance(m, cls) else None)
+    try:
+        return fn(), len(calls)
+    finally:
+        hook.remove()
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_fsdp2_offload_accumulates_like_the_reference(cpu_backend, recompute):
+    """Also with option recompute (activation checkpointing per block, on before fully_shard): the
+    same losses, each block's forward run again in backward (counted by a global forward hook)."""
+    from strategies.models.gpt import GPTBlock
+
+    scenario = _scenario([{"name": "fsdp2-offload", "options": {"recompute": recompute}}], accumulation_steps=2)
+    row, calls = _counting_forwards(GPTBlock, lambda: _run(scenario, "fsdp2-offload"))
     assert row["losses"] == pytest.approx(_reference_losses(scenario), abs=2e-5)
+    forwards = scenario.model["layers"] * 2 * (scenario.warmup + scenario.steps)  # blocks x micro-batches x steps
+    assert calls == forwards * (2 if recompute else 1)
+    assert ("recompute per block (torch.utils.checkpoint, non-reentrant)" in row["notes"]) == recompute
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, "2", True])
@@ -129,10 +149,18 @@ def test_tiny_finetune_scenario_from_a_local_hf_folder(cpu_backend, tmp_path):
     folder = _make_tiny_qwen2(tmp_path / "qwen2")
     scenario = load_scenario("qwen2-finetune-tiny", {"model.path": str(folder), "steps": 1, "warmup": 1,
                                                      "loss_after": 2})
+    scenario.systems.append(SystemEntry("fsdp2-offload", "fsdp2-recompute", {"recompute": True}))
+    scenario.validate()
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP  # HF checkpoints a layer's forward, hooks outside
+
     rows = {label: _run(scenario, label) for label in ("torch", "memferry", "memferry-lora", "fsdp2-offload")}
-    # The same folder, the same data: full MemFerry and FSDP2 train as the torch reference does.
+    rows["fsdp2-recompute"], calls = _counting_forwards(Qwen2MLP, lambda: _run(scenario, "fsdp2-recompute"))
+    assert calls == 2 * 2 * 2 * 2  # layers x micro-batches x steps, each run again in backward
+    # The same folder, the same data: full MemFerry and FSDP2 (with HF's checkpointing too) train as torch does.
     assert rows["memferry"]["losses"] == pytest.approx(rows["torch"]["losses"], abs=2e-5)
     assert rows["fsdp2-offload"]["losses"] == pytest.approx(rows["torch"]["losses"], abs=2e-5)
+    assert rows["fsdp2-recompute"]["losses"] == pytest.approx(rows["torch"]["losses"], abs=2e-5)
+    assert "recompute per block (HF gradient checkpointing, non-reentrant)" in rows["fsdp2-recompute"]["notes"]
     assert rows["memferry"]["losses"][-1] < rows["memferry"]["losses"][0]
     assert rows["memferry-lora"]["losses"][0] == pytest.approx(rows["torch"]["losses"][0], abs=2e-5)
     assert rows["memferry-lora"]["losses"][-1] < rows["memferry-lora"]["losses"][0]

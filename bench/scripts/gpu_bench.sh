@@ -12,9 +12,9 @@
 #   --out DIR  where xpu bench writes (default /tmp/bench/<scenario name>); a later call on the
 #              same warm machine appends to it
 #   the rest   given to every `xpu bench` call: --set KEY=VALUE, --device-mem-gb N, --no-timeline,
-#              --max-model --knob-range LO:HI ... With --max-model all systems go in one call: the
-#              search's trial journal in DIR lets a re-run go on where a cut-off one stopped
-#              (copy the returned folder back into the checkout and carry it).
+#              --max-model --knob-range LO:HI ... With --max-model (or --min-cap) all systems go in
+#              one call: the search's trial journal in DIR lets a re-run go on where a cut-off one
+#              stopped (copy the returned folder back into the checkout and carry it).
 # Environment: SYSTEMS (as --systems), DEADLINE_S (570) and GPU_T0 (see gpu_env.sh).
 # Output: DIR (results.json/.md/.png, timelines/, logs/, bench-*.log), then a summary of the
 # rows, and DIR copied to $OUT/<basename of DIR>/ when $OUT is set (the device tool's folder).
@@ -25,6 +25,8 @@
 #   bash bench/scripts/gpu_bench.sh starved-16gb --systems memferry-host-optimizer --set model.layers=17 --out /tmp/alone-17
 #   bash bench/scripts/gpu_bench.sh starved-16gb --systems memferry-auto --max-model --knob-range 128:160 \
 #        --set max_model.resolution=32 --out bench/results/starved-16gb/max-model
+#   bash bench/scripts/gpu_bench.sh qwen2-1.5b-finetune --min-cap --systems fsdp2-offload,deepspeed-z3-offload \
+#        --cap-resolution 2 --set steps=1 --set warmup=0 --out /tmp/bench/q15-mincap
 # Run it from the checkout's root (relative paths are taken from there).
 set -uo pipefail
 
@@ -33,14 +35,14 @@ shift
 SYSTEMS=${SYSTEMS:-}
 DIR=""
 EXTRA=()
-MAX_MODEL=""
+SEARCH=""
 while [ $# -gt 0 ]; do
   case $1 in
     --systems) SYSTEMS=$2; shift 2 ;;
     --systems=*) SYSTEMS=${1#*=}; shift ;;
     --out) DIR=$2; shift 2 ;;
     --out=*) DIR=${1#*=}; shift ;;
-    --max-model) MAX_MODEL=1; EXTRA+=("$1"); shift ;;
+    --max-model|--min-cap) SEARCH=${1#--}; EXTRA+=("$1"); shift ;;
     *) EXTRA+=("$1"); shift ;;
   esac
 done
@@ -58,8 +60,8 @@ bench() {  # bench LOG_NAME [xpu bench args]: one call with what is left of the 
   within 100000 python3 -m xpu bench "$SCENARIO" --out "$DIR" --no-progress "$@" ${EXTRA[@]+"${EXTRA[@]}"} > "$log" 2>&1
   local r=$?; lap "xpu bench $* rc=$r (log $log)"; [ $r -ne 0 ] && rc=$r; tail -3 "$log"
 }
-if [ -n "$MAX_MODEL" ]; then
-  bench max-model ${SYSTEMS:+--systems "$SYSTEMS"}
+if [ -n "$SEARCH" ]; then
+  bench "$SEARCH" ${SYSTEMS:+--systems "$SYSTEMS"}
 elif [ -n "$SYSTEMS" ]; then
   for s in ${SYSTEMS//,/ }; do
     bench "$s" --systems "$s" --append
@@ -71,7 +73,7 @@ fi
 python3 - "$DIR" <<'PY'
 import json, os, sys
 d = sys.argv[1]
-for name in ("results.json", "results.partial.json", "max_model.json"):
+for name in ("results.json", "results.partial.json", "max_model.json", "min_cap.json"):
     path = os.path.join(d, name)
     if not os.path.exists(path):
         continue
@@ -81,6 +83,13 @@ for name in ("results.json", "results.partial.json", "max_model.json"):
             trials = " ".join(f'{t.get("value")}:{t.get("status")}' for t in r.get("trials") or [])
             print(f'{r["system"]:<28} {r["status"]:<7} largest {r.get("knob")}={r.get("max_value")} '
                   f'({r.get("max_params")} params) trials {trials} | {(r.get("reason") or "")[:200]}')
+            continue
+        if "min_cap_gb" in r:  # a min-cap row: the smallest cap, the one below that failed, the trials
+            below = r.get("failed_below") or {}
+            trials = " ".join(f'{t.get("device_mem_gb")}:{t.get("status")}' for t in r.get("trials") or [])
+            print(f'{r["system"]:<28} {r["status"]:<7} smallest cap {r.get("min_cap_gb")} GB (below '
+                  f'{below.get("device_mem_gb")}: {below.get("status")}) median {r.get("step_s")} peak '
+                  f'{r.get("peak_device_gb")} loss {r.get("loss")} trials {trials} | {(r.get("reason") or "")[:200]}')
             continue
         print(f'{r["system"]:<28} {r["status"]:<7} median {r.get("step_s")} mean {r.get("step_mean_s")} '
               f'peak {r.get("peak_device_gb")} loss {r.get("loss")} | {r.get("notes") or ""} {(r.get("reason") or "")[:200]}')

@@ -102,25 +102,26 @@ register_system("torch", "bench.systems.torch_ref:make",
                 accumulation=True,
                 description="plain PyTorch, everything on the device, fused AdamW (bf16 weights and states by default)")
 register_system("fsdp2-offload", "bench.systems.fsdp2:make",
-                options={"pin_memory": True, "fused": True, "reshard_after_forward": True, "ranks": 1},
+                options={"pin_memory": True, "fused": True, "reshard_after_forward": True, "recompute": False, "ranks": 1},
                 accumulation=True,
                 description="PyTorch FSDP2 fully_shard per block + root, CPUOffloadPolicy, bf16 compute, fp32 params")
 register_system("deepspeed-z2-offload", "bench.systems.deepspeed_offload:make_z2", requires=("deepspeed",),
-                options={"config": {}, "ranks": 1},
+                options={"config": {}, "recompute": False, "ranks": 1},
                 accumulation=True,
                 description="DeepSpeed ZeRO-2, optimizer offloaded to CPU (DeepSpeedCPUAdam)")
 register_system("deepspeed-z3-offload", "bench.systems.deepspeed_offload:make_z3", requires=("deepspeed",),
-                options={"config": {}, "ranks": 1},
+                options={"config": {}, "recompute": False, "ranks": 1},
                 accumulation=True,
                 description="DeepSpeed ZeRO-3, parameters and optimizer offloaded to CPU, model built under zero.Init")
 register_system("deepspeed-twinflow", "bench.systems.deepspeed_offload:make_twinflow", requires=("deepspeed",),
-                options={"ratio": 0.5, "config": {}, "ranks": 1},
+                options={"ratio": 0.5, "config": {}, "recompute": False, "ranks": 1},
                 accumulation=True,
                 description="DeepSpeed ZeRO-3 Twin-Flow: a `ratio` of optimizer states updated on CPU, the rest on device")
 register_system("deepspeed-zenflow", "bench.systems.deepspeed_offload:make_zenflow", requires=("deepspeed",),
                 approximate=True,
                 options={"topk_ratio": 0.1, "update_interval": 4, "select_strategy": "auto", "select_interval": "auto",
-                         "full_warm_up_rounds": 0, "overlap_step": True, "config": {}, "ranks": 1},
+                         "full_warm_up_rounds": 0, "overlap_step": True, "config": {}, "recompute": False,
+                         "ranks": 1},
                 period_option="update_interval",
                 accumulation=True,
                 description="DeepSpeed ZeRO-2 offload + ZenFlow (approximate: stale updates by design; read its loss)")

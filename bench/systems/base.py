@@ -22,7 +22,7 @@ import torch
 from strategies.models import CausalLM, build_model
 
 __all__ = ["SystemContext", "BenchSystem", "phase", "forward_backward", "module_step", "engine_step", "DTYPES",
-           "init_single_process_group", "micro_batches"]
+           "init_single_process_group", "micro_batches", "set_recompute"]
 
 #: scenario dtype names -> torch dtypes
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -126,6 +126,22 @@ class BenchSystem(abc.ABC):
 
     def close(self) -> None:
         """Release what the system holds (process groups, engines); called once at the end."""
+
+
+def set_recompute(model: CausalLM, on: bool) -> str:
+    """Turn per-block activation checkpointing on or off; return what the row's notes should say ("" when off).
+
+    One switch for every system (``torch``, FSDP2, DeepSpeed), through :attr:`CausalLM.recompute`:
+    an HF model gets its own ``gradient_checkpointing_enable`` (``use_reentrant=False``), our GPT
+    and Llama families a non-reentrant ``torch.utils.checkpoint`` around each block. Set it
+    before a library wraps the model (before ``fully_shard``, ``deepspeed.initialize``): the
+    order torch's FSDP2 tests and HF's Trainer use.
+    """
+    model.recompute = bool(on)
+    if not on:
+        return ""
+    how = "HF gradient checkpointing" if hasattr(model, "hf") else "torch.utils.checkpoint"
+    return f"recompute per block ({how}, non-reentrant)"
 
 
 @contextlib.contextmanager

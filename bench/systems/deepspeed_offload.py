@@ -15,7 +15,12 @@ The scenario's ``accumulation_steps`` N becomes ``gradient_accumulation_steps`` 
 micro-batches, each ``engine.backward(loss)`` and ``engine.step()``, the update on the N-th).
 The optimizer gets HF Trainer's parameter groups (no weight decay for biases and norm weights).
 The ``config`` option deep-merges further keys into the generated config (for experiments;
-rows record the final config).
+rows record the final config). Option ``recompute`` turns activation checkpointing on per block
+before ``deepspeed.initialize``, as HF's Trainer orders it (:func:`~bench.systems.base.set_recompute`:
+HF models through ``gradient_checkpointing_enable``, non-reentrant; torch's checkpoint per block
+of ours). Known limit: ZeRO-3 with non-reentrant checkpointing and *frozen* parameters (LoRA)
+fails its recompute check in DeepSpeed releases before the fix of deepspeedai/DeepSpeed#8148;
+full fine-tuning is unaffected.
 
 Every system takes option ``ranks`` (default 1: one process). With more, the engine runs
 data-parallel in ``ranks`` processes, one device each (:mod:`bench.systems.multirank`): each
@@ -36,7 +41,7 @@ from typing import Any
 
 import torch
 
-from .base import BenchSystem, SystemContext, engine_step
+from .base import BenchSystem, SystemContext, engine_step, set_recompute
 from .multirank import per_rank
 
 __all__ = ["DeepSpeedSystem", "ds_config", "make_z2", "make_z3", "make_twinflow", "make_zenflow"]
@@ -132,6 +137,7 @@ class DeepSpeedSystem(BenchSystem):
         else:
             model = ctx.build_model(device="cpu", dtype=torch.float32)
         model.train()
+        recompute = set_recompute(model, ctx.options.get("recompute", False))  # before the engine wraps it
         # Biases and norm weights without weight decay, as every other system (a group's
         # weight_decay overrides the config's optimizer.params).
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=ctx.adamw_params(model),
@@ -142,6 +148,8 @@ class DeepSpeedSystem(BenchSystem):
             self.notes += f", gradient_accumulation_steps={ctx.accumulation_steps}"
         if from_folder and self.config["zero_optimization"]["stage"] == 3:
             self.notes += ", model loaded on the host, partitioned by deepspeed.initialize"
+        if recompute:
+            self.notes += f", {recompute}"
         if kind == "twinflow":
             self.notes += f", offload_optimizer.ratio={self.config['zero_optimization']['offload_optimizer']['ratio']}"
         if kind == "zenflow":

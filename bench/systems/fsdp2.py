@@ -18,6 +18,10 @@ Options:
     fused: fused AdamW (its CPU kernel).
     reshard_after_forward: free gathered parameters after forward (FSDP2's default).
     ranks: data-parallel processes, one device each (1: this process alone).
+    recompute: activation checkpointing per block (:func:`~bench.systems.base.set_recompute`:
+        HF models through their own ``gradient_checkpointing_enable``, non-reentrant), switched
+        on before ``fully_shard`` as torch's FSDP2 tests compose the two; each block's
+        recompute then all-gathers its parameters again in backward.
 
 With ``accumulation_steps`` N > 1, a step runs N forward/backwards on ``loss / N``, then one
 AdamW step. Every backward reduce-scatters and FSDP2 adds each micro-batch's gradient shard into
@@ -30,7 +34,7 @@ import contextlib
 
 import torch
 
-from .base import BenchSystem, SystemContext, init_single_process_group, module_step
+from .base import BenchSystem, SystemContext, init_single_process_group, module_step, set_recompute
 from .multirank import per_rank
 
 __all__ = ["FSDP2OffloadSystem", "make"]
@@ -65,6 +69,7 @@ class FSDP2OffloadSystem(BenchSystem):
         # fp32 parameters built on the host: with CPU offload the shards stay there.
         self.model = ctx.build_model(device="cpu", dtype=torch.float32)
         self.model.train()
+        recompute = set_recompute(self.model, ctx.options["recompute"])  # before fully_shard wraps the blocks
         on_accelerator = not backend.caps.virtual_devices
         offload = CPUOffloadPolicy(pin_memory=bool(ctx.options["pin_memory"]) and on_accelerator)
         mp = MixedPrecisionPolicy(param_dtype=ctx.dtype, reduce_dtype=torch.float32)
@@ -79,6 +84,8 @@ class FSDP2OffloadSystem(BenchSystem):
                                            **ctx.adamw_kwargs())
         self._accumulation = ctx.accumulation_steps
         self.notes = f"param_dtype={str(ctx.dtype).removeprefix('torch.')}, reduce_dtype=fp32, pin_memory={offload.pin_memory}"
+        if recompute:
+            self.notes += f", {recompute}"
         if not self.tracks_device_memory:
             self.notes += "; cpu backend: device memory not tracked"
 

@@ -15,7 +15,7 @@ import contextlib
 
 import torch
 
-from .base import BenchSystem, SystemContext, forward_backward, module_step
+from .base import BenchSystem, SystemContext, forward_backward, module_step, set_recompute
 
 __all__ = ["TorchSystem", "make"]
 
@@ -31,7 +31,7 @@ class TorchSystem(BenchSystem):
         amp = precision == "amp" and ctx.dtype != torch.float32
         # Built straight on the device in its final dtype: no host copy, no fp32 transient.
         self.model = ctx.build_model(device=ctx.device, dtype=torch.float32 if amp else ctx.dtype)
-        self.model.recompute = bool(ctx.options["recompute"])
+        recompute = set_recompute(self.model, ctx.options["recompute"])
         self.model.train()
         self.optimizer = None
         if ctx.options["optimizer"]:
@@ -39,7 +39,7 @@ class TorchSystem(BenchSystem):
                                                **ctx.adamw_kwargs())
         self._accumulation = ctx.accumulation_steps
         self._autocast = (lambda: torch.autocast(ctx.backend.device_type, dtype=ctx.dtype)) if amp else contextlib.nullcontext
-        self.notes = f"precision={precision}" + (", recompute per block" if self.model.recompute else "") + (
+        self.notes = f"precision={precision}" + (f", {recompute}" if recompute else "") + (
             "" if self.optimizer else ", forward and backward only (no optimizer)")
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
