@@ -96,9 +96,9 @@ def test_memferry_notes_wait_for_the_last_step_s_host_updates(cpu_backend):
     kernel = system.engine.optimizer.kernel
     real = kernel.apply
 
-    def slow(s, coef):  # a host update that outlasts the device's step
+    def slow(s, coef, **kwargs):  # a host update that outlasts the device's step
         time.sleep(0.05)
-        return real(s, coef)
+        return real(s, coef, **kwargs)
 
     kernel.apply = slow
     try:
