@@ -35,6 +35,7 @@ from xpu.timing import event_seconds
 from .config import OFFLOAD_MIN_BYTES
 from .cost import loss_peak_estimate
 from .hf_models import head_shape, model_loss
+from .host_budget import update_bytes
 from .units import Unit
 
 __all__ = ["BlockProfile", "StepProfile", "profile_step", "host_adamw_rate", "host_adamw_rates", "device_adamw_rate"]
@@ -474,8 +475,6 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
         per_elem = 16 + 2 * dtype.itemsize
         dev_numel = max(1 << 16, min(numel_for_rates, backend.mem_info(index)[0] // (2 * per_elem)))
         dev_rate = device_adamw_rate(backend, index, dev_numel, dtype, repeats)
-    from .host_budget import update_bytes
-
     (host_rate, _), (copies_rate, copies_GBps) = host_adamw_rates(numel_for_rates, dtype, repeats, backend, host_kernel,
                                                                   index, (0.0, 1.0))
     input_bytes = sum(_nbytes(t) for t in _tensors((inputs, targets)))
