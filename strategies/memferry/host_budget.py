@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 from .config import UnitPlan
 
 if TYPE_CHECKING:
-    from .cost import Links
+    from .links import Links
     from .profiler import StepProfile
 
 __all__ = ["UpdateBytes", "update_bytes", "HostBudget", "host_budget", "link_bytes", "unit_terms", "rest_terms",
