@@ -76,6 +76,7 @@ def test_accumulation_matches_a_plain_reference(cpu_backend, system, tmp_path, m
         assert row["host_floor_ns_per_param"] == pytest.approx(nbytes / 10.0)
         assert row["host_over_floor"] == pytest.approx(row["host_ns_per_param"] / (nbytes / 10.0), rel=1e-2)
         assert f"host AdamW {row['host_ns_per_param']:.3f} ns/param" in row["notes"]
+        assert row["predicted_step_s"] is None  # a named plan: nothing predicted
 
 
 def test_accumulated_micro_batches_train_as_one_large_batch(cpu_backend):

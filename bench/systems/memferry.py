@@ -29,7 +29,8 @@ The row's notes end with the host optimizer's time per step by phase (millisecon
 averaged over every step run), which says whether the CPU or the device bounds a step, and its
 rate per parameter beside the rate the scheduler planned with (plan ``auto``) and the floor
 host memory sets; the row has those figures as fields too (:mod:`.host_rate`:
-``host_ns_per_param``, ``host_planned_ns_per_param``, ``host_over_floor``, ...).
+``host_ns_per_param``, ``host_planned_ns_per_param``, ``host_over_floor``, ...), with the
+scheduler's ``predicted_step_s`` beside the measured ``step_s``.
 """
 from __future__ import annotations
 
@@ -120,13 +121,15 @@ class MemFerrySystem(BenchSystem):
 
     @property
     def metrics(self) -> dict[str, Any]:
-        """The host optimizer's rate, the plan's and host memory's floor (:func:`.host_rate.host_metrics`)."""
+        """The scheduler's ``predicted_step_s`` (plan ``auto``; None otherwise), and the host
+        optimizer's rate, the plan's and host memory's floor (:func:`.host_rate.host_metrics`)."""
         if not self._steps:
             return {}
         self.engine.optimizer.wait_all()
         cfg = self.engine.cfg
-        return host_metrics(*self.engine.host_rate(), self._ctx.dtype, self._accumulation,
-                            cfg.clip_mode if cfg.max_grad_norm is not None else "", self._ctx.backend)
+        return {"predicted_step_s": self.engine.plan.predicted_step_s,
+                **host_metrics(*self.engine.host_rate(), self._ctx.dtype, self._accumulation,
+                               cfg.clip_mode if cfg.max_grad_norm is not None else "", self._ctx.backend)}
 
     def _clip_note(self) -> str:
         """With clipping: how many steps clipped, and how many speculative updates rolled back."""
