@@ -282,6 +282,7 @@ def run_spec(spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | 
             row["peak_device_gb"] = stats.peak_allocated / _GB if tracked else None
             row["peak_device_reserved_gb"] = stats.peak_reserved / _GB if tracked else None
             row["notes"] = getattr(system, "notes", "")
+            row.update(getattr(system, "metrics", None) or {})
             row["status"] = "ok"
             if spec.get("timeline_path") and scenario.timeline:
                 _profile_step(backend, dev, system, inputs, targets, spec, row)

@@ -56,7 +56,12 @@ def _reference_losses(scenario) -> list[float]:
 
 
 @pytest.mark.parametrize("system", ["torch", "memferry"])
-def test_accumulation_matches_a_plain_reference(cpu_backend, system):
+def test_accumulation_matches_a_plain_reference(cpu_backend, system, tmp_path, monkeypatch):
+    from strategies.memferry.host_budget import update_bytes
+    from xpu.probe import save_cached
+
+    monkeypatch.setenv("XPU_CACHE_DIR", str(tmp_path))
+    save_cached(cpu_backend, {"host": {"triad_GBps": 10.0}})  # a probe's host figure, for the row's floor
     options = {"plan": "prefetch"} if system == "memferry" else {}
     scenario = _scenario([{"name": system, "options": options}], accumulation_steps=3)
     row = _run(scenario, system)
@@ -65,6 +70,13 @@ def test_accumulation_matches_a_plain_reference(cpu_backend, system):
     assert row["accumulation_steps"] == 3
     # tokens per second count every micro-batch of the step
     assert row["tokens_per_s"] == pytest.approx(3 * 2 * 16 / row["step_s"], rel=1e-3)
+    if system == "memferry":  # the host optimizer's rate beside the floor host memory sets (fp32, 3 micro-batches)
+        nbytes = update_bytes(4, 3).timed
+        assert row["host_bytes_per_param"] == nbytes == 28 + 12 + (8 + 12)
+        assert row["host_floor_ns_per_param"] == pytest.approx(nbytes / 10.0)
+        assert row["host_over_floor"] == pytest.approx(row["host_ns_per_param"] / (nbytes / 10.0), rel=1e-2)
+        assert f"host AdamW {row['host_ns_per_param']:.3f} ns/param" in row["notes"]
+        assert row["predicted_step_s"] is None  # a named plan: nothing predicted
 
 
 def test_accumulated_micro_batches_train_as_one_large_batch(cpu_backend):

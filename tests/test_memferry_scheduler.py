@@ -10,7 +10,7 @@ import torch
 from strategies.memferry.config import Plan, UnitPlan
 from strategies.memferry.cost import H200_DHA_ROWS, Links, links_from_probe, predict
 from strategies.memferry.profiler import BlockProfile, StepProfile, profile_step
-from strategies.memferry.scheduler import brute_force, min_budget, schedule, unit_choices
+from strategies.memferry.scheduler import brute_force, min_budget, prune_offload, schedule, unit_choices
 from strategies.memferry.units import split_units
 
 GB = 1e9
@@ -103,13 +103,21 @@ def random_profile(rng: random.Random, n: int) -> StepProfile:
         numel = rng.randint(1, 8) * 10**6
         blocks.append(BlockProfile(numel, 2 * numel, rng.uniform(0.2, 3) * 1e-3, rng.uniform(0.4, 6) * 1e-3,
                                    rng.randint(1, 40) * 10**6, rng.randint(1, 5) * 10**5))
-    return StepProfile(blocks, rng.randint(1, 6) * 10**6, 0, rng.uniform(0.1, 2) * 1e-3, rng.uniform(0.1, 4) * 1e-3,
+    prof = StepProfile(blocks, rng.randint(1, 6) * 10**6, 0, rng.uniform(0.1, 2) * 1e-3, rng.uniform(0.1, 4) * 1e-3,
                        rng.randint(1, 30) * 10**6, 1000, 2, rng.choice([64, 512, 8192]),
                        rng.uniform(0.5, 4) * 1e-9, rng.uniform(0.5, 3) * 1e-11)
+    if rng.random() < 0.7:  # priced by the host-memory budget (host_budget.py), accumulated or clipped
+        prof.host_adamw_bytes_per_param = 28
+        prof.host_adamw_copies_s_per_param = prof.host_adamw_s_per_param * rng.uniform(1, 2)
+        prof.host_copies_GBps = rng.uniform(5, 60)
+        prof.accumulation_steps = rng.choice([1, 3])
+        prof.clipping = rng.choice([False, True])
+    return prof
 
 
 def random_links(rng: random.Random) -> Links:
-    return Links(rng.uniform(2, 60), rng.uniform(2, 60), rng.choice([None, rng.uniform(2, 60)]), H200_DHA_ROWS)
+    return Links(rng.uniform(2, 60), rng.uniform(2, 60), rng.choice([None, rng.uniform(2, 60)]), H200_DHA_ROWS,
+                 host_GBps=rng.choice([None, rng.uniform(5, 200)]))
 
 
 def _fix(prof: StepProfile) -> StepProfile:
@@ -223,7 +231,8 @@ def test_profiler_on_the_cpu_backend_with_a_tiny_gpt(cpu_backend):
 def test_dp_is_optimal_against_brute_force_four_blocks(seed):
     rng = random.Random(seed)
     prof, links = _fix(random_profile(rng, 4)), random_links(rng)
-    lo = min_budget(prof, links, unit_choices(allow_dha=False), depths=(1,))
+    # the choices brute_force and schedule consider (offload dropped where it never pays)
+    lo = min_budget(prof, links, prune_offload(unit_choices(allow_dha=False), prof, links), depths=(1,))
     for budget in (lo, lo * 1.2, lo * 3):
         best = brute_force(prof, links, budget, allow_dha=False, depths=(1,))
         assert best is not None

@@ -34,7 +34,7 @@ def register_command(name: str, module: str, help: str, *, order: int = 0) -> No
 
 
 register_command("info", "xpu.commands.info", "backend, devices, memory, capabilities and topology", order=20)
-register_command("probe", "xpu.commands.probe", "measure link bandwidths and DHA matmul; cache the result", order=19)
+register_command("probe", "xpu.commands.probe", "measure links, host memory and DHA matmul; cache the result", order=19)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,10 @@ runs at pageable speed); planners use these measured figures instead. Every figu
 median over repeats, timed with the backend's events on the stream that did the work.
 
 GB/s here means 10**9 bytes per second. ``d2d_GBps`` counts bytes read plus bytes written
-(a device copy touches memory twice); every other rate counts bytes moved once.
+(a device copy touches memory twice); every other link rate counts bytes moved once. The
+``host`` section (:func:`xpu.host_bandwidth.measure_host`) measures the host's own memory:
+copy and triad on all cores, and torch's fused AdamW, alone and beside full-rate copies in
+both directions (PCIe DMA and the CPU share that bandwidth).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from .backend import Backend
+from .host_bandwidth import measure_host
 from .timing import median_event_seconds
 
 __all__ = ["ProbeConfig", "run_probe", "cache_path", "load_cached", "save_cached", "machine_name"]
@@ -38,6 +42,7 @@ class ProbeConfig:
         matmul_ms: values of M for DHA matmul against copy-then-matmul.
         dtype: matmul dtype.
         device: the device measured (peer and concurrent figures use all devices).
+        host_nbytes: size of each of the host-memory section's four arrays (0: no section).
     """
 
     nbytes: int = 256 * 2**20
@@ -47,13 +52,15 @@ class ProbeConfig:
     matmul_ms: list[int] = field(default_factory=lambda: [64, 256, 1024, 4096])
     dtype: str = "bfloat16"
     device: int = 0
+    host_nbytes: int = 512 * 2**20
 
     @classmethod
     def for_backend(cls, backend: Backend, quick: bool = False) -> "ProbeConfig":
         """Sizes that fit the device: full size on an accelerator, small on the cpu reference
         or with ``quick`` (a smoke run)."""
         if quick or not backend.caps.async_copy:
-            return cls(nbytes=8 * 2**20, repeats=3, warmup=1, matmul_dim=256, matmul_ms=[16, 64, 256], dtype="float32")
+            return cls(nbytes=8 * 2**20, repeats=3, warmup=1, matmul_dim=256, matmul_ms=[16, 64, 256], dtype="float32",
+                       host_nbytes=8 * 2**20)
         return cls()
 
 
@@ -107,7 +114,8 @@ def run_probe(backend: Backend, cfg: ProbeConfig | None = None, progress: Callab
     ``duplex_GBps``, ``d2d_GBps``, ``peer_GBps`` (per ordered pair), ``h2d_concurrent_GBps``
     (all devices at once, when several), ``dha_read_GBps``, ``dha_write_GBps`` (when
     ``caps.dha``), ``matmul_TFLOPs``, ``dha_matmul`` (rows of M, DHA ms, copy-then-matmul ms),
-    plus ``machine``, ``backend``, ``date``, ``config``.
+    ``host`` (host memory: :func:`~xpu.host_bandwidth.measure_host`'s keys; absent when
+    ``cfg.host_nbytes`` is 0), plus ``machine``, ``backend``, ``date``, ``config``.
     """
     cfg = cfg or ProbeConfig.for_backend(backend)
     say = progress or (lambda _msg: None)
@@ -171,6 +179,8 @@ def run_probe(backend: Backend, cfg: ProbeConfig | None = None, progress: Callab
 
         say("matmul")
         out.update(_matmul_figures(b, cfg, timer, s))
+    if cfg.host_nbytes:
+        out["host"] = measure_host(b, cfg.host_nbytes, cfg.repeats, cfg.warmup, dev, say)
     arena.trim()
     return out
 

@@ -62,9 +62,10 @@ unset _xpu_key
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 XPU_BACKEND=cuda TORCH_EXTENSIONS_DIR=/tmp/ds_ext
 
-# The scheduler plans with measured link rates: probe once per machine (cached), the JSON into $1.
+# The scheduler plans with measured link and host-memory rates: probe once per machine (cached;
+# again when the cache predates the host section), the JSON into $1.
 probe_once() {
-  python3 -c "import sys, xpu; from xpu.probe import load_cached; sys.exit(load_cached(xpu.get_backend()) is None)" \
+  python3 -c "import sys, xpu; from xpu.probe import load_cached; c = load_cached(xpu.get_backend()); sys.exit(c is None or 'host' not in c)" \
     || python3 -m xpu probe --json > "$1/xpu-probe.json" 2>/dev/null
 }
 

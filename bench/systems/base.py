@@ -97,11 +97,17 @@ class BenchSystem(abc.ABC):
         tracks_device_memory: False when the backend's allocator statistics cannot see the
             system's device memory (the row's peak device memory is then left empty).
         notes: free-form remarks copied into the row (e.g. what an option changed).
+        metrics: named figures copied into the row as its own fields (read after the notes).
     """
 
     optimizer_on_host: bool = False
     tracks_device_memory: bool = True
     notes: str = ""
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """Row fields of this system's own (none by default)."""
+        return {}
 
     @abc.abstractmethod
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:

@@ -27,15 +27,20 @@ The scenario's ``accumulation_steps`` N goes to ``MemFerry(accumulation_steps=N)
 
 The row's notes end with the host optimizer's time per step by phase (milliseconds,
 averaged over every step run), which says whether the CPU or the device bounds a step, and its
-rate per parameter beside the rate the scheduler planned with (plan ``auto``).
+rate per parameter beside the rate the scheduler planned with (plan ``auto``) and the floor
+host memory sets; the row has those figures as fields too (:mod:`.host_rate`:
+``host_ns_per_param``, ``host_planned_ns_per_param``, ``host_over_floor``, ...), with the
+scheduler's ``predicted_step_s`` beside the measured ``step_s``.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
 from .base import BenchSystem, SystemContext, engine_step, phase
+from .host_rate import host_metrics, host_note
 
 from strategies.memferry import AdamW, MemFerry, Plan
 
@@ -112,10 +117,19 @@ class MemFerrySystem(BenchSystem):
         # would count a part of that step's host work as if it were all of it.
         self.engine.optimizer.wait_all()
         phases = ", ".join(f"{k} {v * 1e3 / self._steps:.1f}" for k, v in self.engine.optimizer.time_s.items())
-        measured, planned = self.engine.host_rate()
-        rate = "" if measured is None else f"; host AdamW {measured * 1e9:.3f} ns/param" + (
-            f" (planned {planned * 1e9:.3f})" if planned else "")
-        return f"{base}; host optimizer ms/step: {phases}{rate}{self._clip_note()}"
+        return f"{base}; host optimizer ms/step: {phases}{host_note(self.metrics)}{self._clip_note()}"
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """The scheduler's ``predicted_step_s`` (plan ``auto``; None otherwise), and the host
+        optimizer's rate, the plan's and host memory's floor (:func:`.host_rate.host_metrics`)."""
+        if not self._steps:
+            return {}
+        self.engine.optimizer.wait_all()
+        cfg = self.engine.cfg
+        return {"predicted_step_s": self.engine.plan.predicted_step_s,
+                **host_metrics(*self.engine.host_rate(), self._ctx.dtype, self._accumulation,
+                               cfg.clip_mode if cfg.max_grad_norm is not None else "", self._ctx.backend)}
 
     def _clip_note(self) -> str:
         """With clipping: how many steps clipped, and how many speculative updates rolled back."""

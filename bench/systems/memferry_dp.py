@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from .base import BenchSystem, SystemContext, phase
+from .host_rate import host_metrics, host_note
 from .rank_pool import DataParallelRows, RankChannel, RankPool, mean_loss, rank_env, peaks_text
 
 from strategies.memferry import AdamW, Plan
@@ -169,9 +170,11 @@ class MemFerryDPSystem(DataParallelRows, BenchSystem):
     def __init__(self, ctx: SystemContext) -> None:
         self.job, env = build_job(ctx)
         self.ranks = self.job.ranks
+        self._backend = ctx.backend  # for the cached probe's host figures (metrics)
         self._pool: RankPool | None = None
         self._peaks: list[int | None] = [None] * self.ranks
         self._host_times: dict[str, float] = {}
+        self._host_rate: tuple[float | None, float | None] = (None, None)
         self._steps = 0
         self._pool = RankPool(_NAME, "rank", self.ranks, _rank_main, args=(self.job,), env=env,
                               setup_timeout_s=_SETUP_TIMEOUT_S)
@@ -195,8 +198,17 @@ class MemFerryDPSystem(DataParallelRows, BenchSystem):
         text += peaks_text(self._peaks)
         if self._steps and self._host_times:
             phases = ", ".join(f"{k} {v * 1e3 / self._steps:.1f}" for k, v in self._host_times.items())
-            text += f"; rank 0 host optimizer ms/step: {phases}"
+            text += f"; rank 0 host optimizer ms/step: {phases}{host_note(self.metrics)}"
         return text
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """Rank 0's host optimizer rate, the plan's and host memory's floor (:func:`.host_rate.host_metrics`)."""
+        if not self._steps:
+            return {}
+        job = self.job
+        return host_metrics(*self._host_rate, job.dtype, job.accumulation_steps,
+                            job.optim.clip_mode if job.optim.max_grad_norm is not None else "", self._backend)
 
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -208,6 +220,7 @@ class MemFerryDPSystem(DataParallelRows, BenchSystem):
             replies = self._step_ranks(inputs, targets, self.job.micro_batch, self.job.accumulation_steps)
         self._steps += 1
         self._host_times = replies[0]["host_times"]
+        self._host_rate = replies[0]["host_rate"]
         return mean_loss(replies, self.ranks)
 
     def close(self) -> None:
@@ -268,7 +281,7 @@ def _rank_main(channel: RankChannel, job: DPJob) -> None:
             del loss, losses, idx, tgt, x, y
             backend.synchronize(rank)
             channel.reply("step", {"loss": value, "peak": backend.memory_stats(rank).peak_allocated,
-                                   "host_times": dict(engine.optimizer.time_s)})
+                                   "host_times": dict(engine.optimizer.time_s), "host_rate": engine.host_rate()})
     except BaseException as exc:
         channel.fail(exc)
     finally:

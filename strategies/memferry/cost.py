@@ -26,8 +26,9 @@ The step, as the executor runs it (``executor.py``), in steady state:
   backward mode) + backward + the device AdamW of a device-homed unit, ``y`` the copy of the
   next block. The last block keeps its forward copy when it is prefetched in both passes.
 * **gradients** of a host-homed unit land ``d = grad bytes / d2h`` after its backward; one
-  host worker runs AdamW (rate measured with the conversions) in landing order (blocks from
-  last to first, ``rest`` last), each unit ``h = numel * host rate``.
+  host worker runs AdamW in landing order (blocks from last to first, ``rest`` last), each
+  unit ``h`` = its host-memory bytes (28 per parameter in one pass, plus accumulation and
+  clipping's) at the bandwidth its own backward's copies leave (``host_budget.py``).
 * **next forward**: a host-homed unit's update must be done before the executor touches it:
   at its own pre-forward for DHA / resident units, when its prefetch is *issued* (the
   executor's ``opt.wait`` in ``_issue_load``, ``prefetch_depth`` blocks earlier, or at
@@ -37,9 +38,14 @@ The step, as the executor runs it (``executor.py``), in steady state:
 With ``C`` the compute-stream time of one step and ``H_k`` the host worker's finish time of
 unit ``k`` (from the step start), the steady-state period is the max-plus fixed point
 
-    step = max(C, max_k (H_k - F_before(release point of k)))
+    step = max(C, max_k (H_k - F_before(release point of k)), M)
 
-(a unit released at the forward's block ``p`` delays only what follows ``p``). This closed
+(a unit released at the forward's block ``p`` delays only what follows ``p``), where ``M``
+(``host memory``) is every host-memory byte of the step (the optimizer's, and each host-link
+byte weighted by what it costs host memory) over the host's bandwidth: the host worker and
+every PCIe transfer share one DRAM (``host_budget.py``). Under gradient accumulation the
+``n - 1`` micro-batches before the last add their forward and backward to ``C`` and to the
+host terms (no updates, no reloads of ``rest``). This closed
 form is what :func:`predict` evaluates, with the exact recurrence the scheduler's dynamic
 program uses (:func:`advance`, :func:`finish`), so the scheduler is optimal for this model.
 
@@ -67,101 +73,31 @@ blocks' worth (this one and the look-ahead) while backward passes. Saved tensors
 
 Not modelled: link contention between prefetch copies, DHA reads and gradient copies (the
 probe measures 92-98 GB/s duplex against 55 GB/s per direction); D2H queueing; a deeper
-prefetch's smoothing of uneven blocks (depth only costs slots here); gradient clipping
-(speculative by default, ``AdamW.clip_mode``: updates overlap backward as without it, but a
-step whose clip fires re-applies them after backward; ``"wait"`` makes every update wait).
+prefetch's smoothing of uneven blocks (depth only costs slots here); gradient clipping's
+timing (speculative by default, ``AdamW.clip_mode``: updates overlap backward as without it,
+but a step whose clip fires re-applies them after backward; ``"wait"`` makes every update
+wait; its bytes are counted); data parallelism's sharded host updates.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from .config import Plan, UnitPlan
+from .host_budget import host_budget, link_bytes, rest_terms, unit_terms
+from .links import H200_DHA_ROWS, Links, links_from_probe  # noqa: F401  (re-exported: the cost model's inputs)
 from .memory_terms import (LOSS_SLICE_SHARE, auto_loss_chunks, device_bytes_per_param, grads_persist,  # noqa: F401
                            loss_peak_estimate, rest_resident_bytes, transient_bytes)
 
 if TYPE_CHECKING:  # the profiler imports torch; the model itself needs only numbers
-    from xpu import Backend
-
     from .profiler import StepProfile
 
 __all__ = ["Links", "links_from_probe", "OptionCost", "option_cost", "Prediction", "predict", "State",
            "initial_state", "advance", "finish", "device_bytes_per_param", "H200_DHA_ROWS", "loss_peak_estimate",
            "auto_loss_chunks", "rest_resident_bytes", "transient_bytes", "grads_persist"]
 
-#: DHA matmul slow-down against copy-then-matmul, by M (rows), measured on the H200
-#: (docs/design.md §3: 8192x8192 bf16 weight; 2.66/2.49 ms at M=64, 5.3/2.5 at 256, 42/3.1 at 4096,
-#: 391/5.2 at 16384). Used only when no probe with ``dha_matmul`` rows is cached.
-H200_DHA_ROWS: tuple[tuple[int, float], ...] = ((64, 2.66 / 2.49), (256, 5.3 / 2.5), (4096, 42 / 3.1),
-                                                (16384, 391 / 5.2))
-
 _NEG = -math.inf
-
-
-@dataclass(frozen=True)
-class Links:
-    """Measured transfer rates the cost model uses.
-
-    Attributes:
-        h2d_GBps: pinned host→device copy rate (10**9 B/s).
-        d2h_GBps: pinned device→host copy rate.
-        dha_read_GBps: rate of kernels reading pinned host memory (None: no DHA).
-        dha_rows: ``(M, dha_ms / copy_then_matmul_ms)`` pairs, sorted by M.
-        source: where the figures came from (``"probe"``, ``"topology"``, ``"given"``).
-    """
-
-    h2d_GBps: float
-    d2h_GBps: float
-    dha_read_GBps: float | None = None
-    dha_rows: tuple[tuple[int, float], ...] = H200_DHA_ROWS
-    source: str = "given"
-
-    def dha_penalty(self, tokens: int) -> float:
-        """How many times slower a DHA matmul is than copy-then-matmul at ``tokens`` rows.
-
-        Linear in log M between the measured rows, clamped to the end rows, never below 1.
-        """
-        rows = sorted(self.dha_rows)
-        if not rows:
-            return 1.0
-        if tokens <= rows[0][0]:
-            return max(1.0, rows[0][1])
-        if tokens >= rows[-1][0]:
-            return max(1.0, rows[-1][1])
-        for (m0, r0), (m1, r1) in zip(rows, rows[1:]):
-            if m0 <= tokens <= m1:
-                w = (math.log(tokens) - math.log(m0)) / (math.log(m1) - math.log(m0))
-                return max(1.0, r0 + w * (r1 - r0))
-        return max(1.0, rows[-1][1])  # unreachable: the rows are sorted
-
-
-def links_from_probe(backend: "Backend", device: int | None = None, probe: dict[str, Any] | None = None) -> Links:
-    """:class:`Links` from ``probe`` (default: ``xpu.probe.load_cached(backend)``).
-
-    Without a cached probe, the topology's nominal host-link rate stands in for both copy
-    directions (and for DHA where ``caps.dha``), with the H200 DHA penalty table.
-
-    Raises:
-        ValueError: no probe and the topology has no host link for ``device``.
-    """
-    if probe is None:
-        from xpu.probe import load_cached
-
-        probe = load_cached(backend)
-    dha_ok = backend.caps.dha
-    if probe and probe.get("h2d_pinned_GBps"):
-        rows = tuple(sorted((int(r["M"]), float(r["dha_ms"]) / float(r["copy_then_matmul_ms"]))
-                            for r in probe.get("dha_matmul", []) if r.get("dha_ms") and r.get("copy_then_matmul_ms")))
-        return Links(float(probe["h2d_pinned_GBps"]), float(probe.get("d2h_pinned_GBps") or probe["h2d_pinned_GBps"]),
-                     float(probe["dha_read_GBps"]) if dha_ok and probe.get("dha_read_GBps") else None,
-                     rows or H200_DHA_ROWS, "probe")
-    index = backend.index_of(device)
-    link = backend.topology().host_link(index)
-    if link is None:
-        raise ValueError(f"no probe is cached for backend '{backend.name}' and its topology has no host link for "
-                         f"device {index}; run `xpu probe` first")
-    return Links(link.GBps, link.GBps, link.GBps if dha_ok else None, H200_DHA_ROWS, "topology")
 
 
 @dataclass(frozen=True)
@@ -171,7 +107,11 @@ class OptionCost:
     Times in seconds, sizes in bytes. ``a``: forward compute; ``r``: un-overlapped reload of
     a stale host-homed resident block; ``x``: forward copy (overlaps the previous block);
     ``b``: backward (recompute + backward + device AdamW); ``y``: backward copy (overlaps the
-    next-later block's backward); ``d``: gradient copy to the host; ``h``: host AdamW;
+    next-later block's backward); ``d``: gradient copy to the host; ``h``: host AdamW once
+    the last gradient landed; ``h_acc``: host work of earlier micro-batches; ``hm``: the
+    block's host-memory seconds per step (``host_budget``); ``b0``, ``y0``: ``b`` without the
+    device AdamW and ``y``, as an earlier micro-batch of an accumulated step runs them (0
+    without accumulation);
     ``persist``: device bytes held all step; ``act``: saved activations; ``trans``:
     backward transient; ``slot``: prefetch buffer size (0 if never prefetched).
     """
@@ -190,6 +130,10 @@ class OptionCost:
     host: bool
     prefetch_fwd: bool
     dha_fwd: bool
+    h_acc: float = 0.0
+    hm: float = 0.0
+    b0: float = 0.0
+    y0: float = 0.0
 
 
 #: Streamed host_linear against the bare link time of its weight (H200: 2.64 ms against 2.33 ms
@@ -254,8 +198,8 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
         b = _mode_time(unit.backward, blk.bwd_s, w, links, pen)
         if unit.recompute:  # recomputation reads weights the way backward does (its hook binds them)
             b += _mode_time(unit.backward, blk.fwd_s, w, links, pen)
-    if not host:
-        b += blk.numel * profile.device_adamw_s_per_param
+    u = 0.0 if host else blk.numel * profile.device_adamw_s_per_param
+    b += u
     # The executor keeps the last `depth` blocks' forward copies for backward when both passes prefetch.
     kept = unit.forward == unit.backward == "prefetch" and index >= n - prefetch_depth
     grad_bytes = blk.numel * profile.dtype_bytes
@@ -267,14 +211,18 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
     off_out = off_in = 0.0
     if unit.offload:  # saved activations out on the d2h stream during forward, back before backward
         off_out, off_in = blk.act_bytes / d2h, blk.act_bytes / h2d
+    y = (w / h2d if unit.backward == "prefetch" and not kept else 0.0) + off_in
+    d = grad_bytes / d2h if host else 0.0
+    h, h_acc, hm = unit_terms(profile, host_budget(profile, links), blk.numel, host,
+                              link_bytes(unit, w, grad_bytes, blk.act_bytes, kept, host), max(b, y, d))
     return OptionCost(
         a=max(a, off_out),
         r=w / h2d if resident and host else 0.0,
         x=w / h2d if unit.forward == "prefetch" else 0.0,
         b=b,
-        y=(w / h2d if unit.backward == "prefetch" and not kept else 0.0) + off_in,
-        d=grad_bytes / d2h if host else 0.0,
-        h=blk.numel * profile.host_adamw_s_per_param if host else 0.0,
+        y=y,
+        d=d,
+        h=h,
         persist=persist,
         # offload leaves the saved tensors below the swapper's threshold on the device
         act=blk.act_bytes_recompute if unit.recompute else blk.act_bytes_offload_kept if unit.offload else blk.act_bytes,
@@ -287,6 +235,10 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
         host=host,
         prefetch_fwd=unit.forward == "prefetch",
         dha_fwd=unit.forward == "dha",
+        h_acc=h_acc,
+        hm=hm,
+        b0=b - u if profile.accumulation_steps > 1 else 0.0,
+        y0=y if profile.accumulation_steps > 1 else 0.0,
     )
 
 
@@ -307,6 +259,8 @@ class State:
             (``pending[j]``: released at the (j+1)-th non-DHA block further down).
         mem: persistent + activation bytes; trans: largest backward transient; slot: largest
             prefetched block.
+        hm: host-memory seconds of the processed blocks; psi0: ``psi`` of an earlier
+            micro-batch under gradient accumulation (no device AdamW; 0 without).
     """
 
     phi: float
@@ -317,15 +271,18 @@ class State:
     mem: int
     trans: int
     slot: int
+    hm: float = 0.0
+    psi0: float = 0.0
 
     def key(self) -> tuple[float, ...]:
         """The components, for dominance checks."""
-        return (self.phi, self.psi, self.m, self.t, *self.pending, float(self.mem), float(self.trans), float(self.slot))
+        return (self.phi, self.psi, self.m, self.t, *self.pending, float(self.mem), float(self.trans), float(self.slot),
+                self.hm, self.psi0)
 
 
 def initial_state(prefetch_depth: int) -> State:
     """Nothing processed yet."""
-    return State(0.0, 0.0, _NEG, _NEG, (_NEG,) * prefetch_depth, 0, 0, 0)
+    return State(0.0, 0.0, _NEG, _NEG, (_NEG,) * prefetch_depth, 0, 0, 0, 0.0, 0.0)
 
 
 def advance(state: State, cur: OptionCost, nxt: OptionCost | None) -> State:
@@ -346,7 +303,8 @@ def advance(state: State, cur: OptionCost, nxt: OptionCost | None) -> State:
         else:
             t = max(t, phi + m)
     return State(phi, psi, m, t, tuple(pending), state.mem + cur.persist + cur.act, max(state.trans, cur.trans),
-                 max(state.slot, cur.slot))
+                 max(state.slot, cur.slot), state.hm + cur.hm,
+                 state.psi0 + (max(nxt.b0, cur.y0) if nxt is not None else cur.y0))
 
 
 @dataclass
@@ -357,8 +315,9 @@ class Prediction:
         step_s: steady-state step time.
         peak_bytes: peak device memory, margin included.
         compute_s: compute-stream time of one step (the bound when nothing waits).
-        host_optimizer_s: host AdamW work per step.
-        bound: ``"compute"`` or ``"host optimizer"`` (which term set the step time).
+        host_optimizer_s: host AdamW work per step (accumulation and backups included).
+        bound: ``"compute"``, ``"host optimizer"`` or ``"host memory"`` (which term set the
+            step time).
         parts: named components (seconds / bytes) for explanations.
     """
 
@@ -379,23 +338,28 @@ def finish(state: State, first: OptionCost, profile: "StepProfile", links: Links
     psi = state.psi + first.b
     t_rest = profile.rest_fwd_s + profile.rest_bwd_s
     u_rest = 0.0 if rest_host else profile.rest_numel * profile.device_adamw_s_per_param
-    compute = pre + state.phi + t_rest + psi + u_rest
+    # Accumulation: the micro-batches before the last run without updates or reloads of rest.
+    earlier = (max(1, profile.accumulation_steps) - 1) * (first.x + state.phi + t_rest + state.psi0 + first.b0)
+    compute = pre + state.phi + t_rest + psi + u_rest + earlier
     terms = {"compute": compute}
     if state.t > _NEG:
-        terms["host optimizer"] = t_rest + state.t
+        terms["host optimizer"] = earlier + t_rest + state.t
     begin = max(state.pending)
     if begin > _NEG:  # released at begin_forward: the whole forward waits
-        terms["host optimizer (first loads)"] = pre + state.phi + t_rest + begin
-    h_rest = profile.rest_numel * profile.host_adamw_s_per_param if rest_host else 0.0
+        terms["host optimizer (first loads)"] = earlier + pre + state.phi + t_rest + begin
+    budget = host_budget(profile, links)
+    h_rest, _, hm_rest = rest_terms(profile, budget, rest_host)
     if rest_host:
-        land = pre + state.phi + t_rest + psi + profile.rest_numel * profile.dtype_bytes / d2h
-        terms["host optimizer (rest)"] = max(land, pre + state.phi + t_rest + state.m) + h_rest
+        land = earlier + pre + state.phi + t_rest + psi + profile.rest_numel * profile.dtype_bytes / d2h
+        terms["host optimizer (rest)"] = max(land, earlier + pre + state.phi + t_rest + state.m) + h_rest
+    if budget is not None:  # every host byte of the step, copies included, through one bandwidth
+        terms["host memory"] = state.hm + hm_rest
     bound, step = max(terms.items(), key=lambda kv: kv[1])
     raw = (rest_resident_bytes(profile, rest_optimizer) + profile.input_bytes + state.mem
            + (prefetch_depth + 1) * state.slot + transient_bytes(profile, rest_optimizer, state.trans))
     return Prediction(step, int(raw * (1 + margin)), compute, 0.0, bound.split(" (")[0],
                       {**terms, "raw_peak_bytes": float(raw), "rest_s": t_rest, "forward_s": pre + state.phi,
-                       "backward_s": psi})
+                       "backward_s": psi, "earlier_micro_batches_s": earlier})
 
 
 def predict(plan: Plan, profile: "StepProfile", links: Links, margin: float = 0.10) -> Prediction:
@@ -412,8 +376,8 @@ def predict(plan: Plan, profile: "StepProfile", links: Links, margin: float = 0.
     for s in range(n - 1, -1, -1):
         state = advance(state, opts[s], opts[s + 1] if s + 1 < n else None)
     pred = finish(state, opts[0], profile, links, plan.rest_optimizer, plan.prefetch_depth, margin)
-    pred.host_optimizer_s = sum(o.h for o in opts) + (
-        profile.rest_numel * profile.host_adamw_s_per_param if plan.rest_optimizer == "host" else 0.0)
+    h_rest, acc_rest, _ = rest_terms(profile, host_budget(profile, links), plan.rest_optimizer == "host")
+    pred.host_optimizer_s = sum(o.h + o.h_acc for o in opts) + h_rest + acc_rest
     return pred
 
 

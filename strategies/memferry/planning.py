@@ -99,6 +99,8 @@ def _profile_and_schedule(model: nn.Module, sample: Any, device_budget: Any, opt
                                host_kernel=optim.host_kernel)
         profile.accumulation_steps = accumulation_steps  # what persists across micro-batches (cost.grads_persist)
         profile.clipping = optim.max_grad_norm is not None  # device gradients held until step() (likewise)
+        # speculative clipping's backups are host-memory bytes too (host_budget.update_bytes)
+        profile.clip_mode = optim.clip_mode
         budget = parse_bytes(device_budget) if device_budget is not None else backend.mem_info(index)[0]
         plan = schedule(profile, links_from_probe(backend, index), budget, n_blocks, allow_dha=backend.caps.dha,
                         margin=margin)

@@ -20,7 +20,6 @@ import contextlib
 import copy
 import json
 import statistics
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,14 +29,16 @@ import torch
 from torch import nn
 
 from xpu import Backend
+from xpu.host_bandwidth import CopyLoad
 from xpu.timing import event_seconds
 
 from .config import OFFLOAD_MIN_BYTES
 from .cost import loss_peak_estimate
 from .hf_models import head_shape, model_loss
+from .host_budget import update_bytes
 from .units import Unit
 
-__all__ = ["BlockProfile", "StepProfile", "profile_step", "host_adamw_rate", "device_adamw_rate"]
+__all__ = ["BlockProfile", "StepProfile", "profile_step", "host_adamw_rate", "host_adamw_rates", "device_adamw_rate"]
 
 
 @dataclass
@@ -80,7 +81,10 @@ class StepProfile:
         input_bytes: bytes of the step's inputs and targets on the device.
         dtype_bytes: bytes per element of the compute dtype.
         tokens: rows of the blocks' matmuls (batch x sequence), for the DHA penalty.
-        host_adamw_s_per_param: host AdamW seconds per parameter (conversions included).
+        host_adamw_s_per_param: host AdamW seconds per parameter (conversions included), with
+            no copies beside it where ``host_adamw_bytes_per_param`` is set; in profiles
+            written before that field, the rate under 35 % copy duty, which the cost model
+            then takes as the in-step rate.
         device_adamw_s_per_param: device AdamW seconds per parameter (gradient upcast and
             weight write-back included).
         backend: backend name; device: what was measured.
@@ -96,6 +100,16 @@ class StepProfile:
             ``plan_for``). The ``DeviceOptimizer`` then holds every device-homed unit's fp32
             gradient buffer from its backward to ``step()`` (the coefficient needs all of
             them), which a profile without clipping never sees (``cost.grads_persist``).
+        host_adamw_copies_s_per_param: the same update while host->device and device->host
+            copies run back to back beside it (0: not measured: virtual devices or no
+            asynchronous copies).
+        host_copies_GBps: what those copies moved meanwhile, both directions (0: none).
+        host_adamw_bytes_per_param: host-memory bytes the measured update moves per parameter
+            (``host_budget.update_bytes``: 28 in bf16 and in fp32); 0 in profiles written
+            before host memory was modelled.
+        clip_mode: a setting (``plan_for`` sets it): ``AdamW.clip_mode``, which matters with
+            ``clipping``: speculative clipping's backups and the gradient-norm read are
+            host-memory bytes too (``host_budget``).
     """
 
     blocks: list[BlockProfile]
@@ -117,6 +131,10 @@ class StepProfile:
     loss_chunks: int = 1
     accumulation_steps: int = 1
     clipping: bool = False
+    host_adamw_copies_s_per_param: float = 0.0
+    host_copies_GBps: float = 0.0
+    host_adamw_bytes_per_param: int = 0
+    clip_mode: str = "speculative"
 
     def to_json(self) -> str:
         """The profile as a JSON string."""
@@ -294,43 +312,6 @@ def _profile_rest(model: nn.Module, blocks: nn.ModuleList, rest: Unit, inputs: A
     return statistics.median(fwd), statistics.median(bwd), peak, notes
 
 
-class _DmaLoad:
-    """Host<->device copies in both directions, busy ``duty`` of the time, in a thread: the
-    memory traffic a training step's prefetches and gradient copies put beside the host
-    optimizer (both compete for host memory bandwidth)."""
-
-    def __init__(self, backend: Backend, device: int, duty: float, nbytes: int = 32 << 20) -> None:
-        self.backend, self.device, self.duty = backend, device, duty
-        arena = backend.host_arena
-        self.host = [arena.empty(nbytes, torch.uint8), arena.empty(nbytes, torch.uint8)]
-        self.dev = [backend.empty(nbytes, torch.uint8, device), backend.empty(nbytes, torch.uint8, device)]
-        self.streams = [backend.stream(device), backend.stream(device)]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="memferry-profile-dma", daemon=True)
-
-    def _run(self) -> None:
-        b = self.backend
-        with b.device_scope(self.device):
-            while not self._stop.is_set():
-                t0 = time.perf_counter()
-                b.copy(self.dev[0], self.host[0], stream=self.streams[0])  # host -> device
-                b.copy(self.host[1], self.dev[1], stream=self.streams[1])  # device -> host
-                for st in self.streams:
-                    st.synchronize()
-                busy = time.perf_counter() - t0
-                self._stop.wait(busy * (1.0 - self.duty) / self.duty)
-
-    def __enter__(self) -> "_DmaLoad":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-        for t in self.host:
-            self.backend.host_arena.release(t)
-
-
 def host_adamw_rate(numel: int = 4_000_000, dtype: torch.dtype = torch.bfloat16, repeats: int = 3,
                     backend: Backend | None = None, kernel: str = "auto", device: int | None = None,
                     dma_duty: float = 0.0) -> float:
@@ -343,6 +324,15 @@ def host_adamw_rate(numel: int = 4_000_000, dtype: torch.dtype = torch.bfloat16,
     gradient copies do: they share host memory bandwidth with the update (on the H200
     machine, full-duplex copies made the update 1.9x slower).
     """
+    return host_adamw_rates(numel, dtype, repeats, backend, kernel, device, (dma_duty,))[0][0]
+
+
+def host_adamw_rates(numel: int, dtype: torch.dtype, repeats: int, backend: Backend | None, kernel: str,
+                     device: int | None, duties: tuple[float, ...]) -> list[tuple[float, float]]:
+    """``(seconds per parameter, GB/s the copies moved meanwhile)`` of the host update (see
+    :func:`host_adamw_rate`) at each copy duty of ``duties``, on one set of buffers. A duty of 0,
+    or a backend whose copies are no link traffic (virtual devices are host memory; no
+    asynchronous copies), runs no copies and reports 0 GB/s."""
     from .config import AdamW
     from .host_kernel import make_host_kernel
     from .shadow import UnitShadow
@@ -359,23 +349,26 @@ def host_adamw_rate(numel: int = 4_000_000, dtype: torch.dtype = torch.bfloat16,
     stage.normal_()
     shadow = UnitShadow(None, work, master, m, v, stage, stage, None, [])
     k = make_host_kernel(kernel, AdamW(lr=1e-4, weight_decay=0.0, host_kernel=kernel), [shadow])
-    load: Any = contextlib.nullcontext()
-    # Virtual devices are host memory: their copies are no link traffic for the load to stand for.
-    if dma_duty > 0 and backend is not None and backend.caps.async_copy and not backend.caps.virtual_devices:
-        load = _DmaLoad(backend, backend.index_of(device), min(1.0, dma_duty))
-    times = []
+    copies_ok = backend is not None and backend.caps.async_copy and not backend.caps.virtual_devices
+    out = []
     try:
-        with load:
-            for i in range(repeats + 1):
-                t0 = time.perf_counter()
-                k.apply(shadow, 1.0)
-                if i:
-                    times.append(time.perf_counter() - t0)
+        for duty in duties:
+            load: Any = contextlib.nullcontext()
+            if duty > 0 and copies_ok:
+                load = CopyLoad(backend, backend.index_of(device), min(1.0, duty))
+            times = []
+            with load:
+                for i in range(repeats + 1):
+                    t0 = time.perf_counter()
+                    k.apply(shadow, 1.0)
+                    if i:
+                        times.append(time.perf_counter() - t0)
+            out.append((statistics.median(times) / numel, load.rate_GBps if isinstance(load, CopyLoad) else 0.0))
     finally:
         if backend is not None:
             for t in {id(t): t for t in (master, m, v, work, stage)}.values():
                 backend.host_arena.release(t)
-    return statistics.median(times) / numel
+    return out
 
 
 def device_adamw_rate(backend: Backend, device: int, numel: int = 4_000_000, dtype: torch.dtype = torch.bfloat16,
@@ -408,7 +401,7 @@ def device_adamw_rate(backend: Backend, device: int, numel: int = 4_000_000, dty
 def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: int | None, inputs: Any,
                  targets: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                  blocks: nn.ModuleList | None = None, repeats: int = 3, adamw_numel: int | None = None,
-                 reuse_identical: bool = True, host_kernel: str = "auto", dma_duty: float = 0.35) -> StepProfile:
+                 reuse_identical: bool = True, host_kernel: str = "auto") -> StepProfile:
     """Measure one step of ``model`` on ``backend`` (see the module docstring).
 
     Args:
@@ -425,11 +418,10 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
             the CPU's cache measures a rate training never sees: on the H200 machine a 4 M-element
             buffer predicted 0.17 s for work that took about 0.29 s inside real steps.
         reuse_identical: measure each distinct block (class and parameter shapes) once.
-        host_kernel: the host AdamW kernel training will use (``AdamW.host_kernel``).
-        dma_duty: fraction of the time host<->device copies run while the host AdamW rate is
-            measured (see :func:`host_adamw_rate`). 0.35: the gradient copies and prefetches
-            of a backward pass whose host-homed blocks are prefetched (about 2 x 2 bytes per
-            parameter per block backward time, on the H200 machine).
+        host_kernel: the host AdamW kernel training will use (``AdamW.host_kernel``); its
+            rate is measured alone and beside host<->device copies in both directions at
+            full rate (:func:`host_adamw_rates`): the cost model prices a plan's own copies
+            from the two (``host_budget``).
 
     Raises:
         ValueError: the model never reaches its first block, or a block's output has no
@@ -483,9 +475,12 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
         per_elem = 16 + 2 * dtype.itemsize
         dev_numel = max(1 << 16, min(numel_for_rates, backend.mem_info(index)[0] // (2 * per_elem)))
         dev_rate = device_adamw_rate(backend, index, dev_numel, dtype, repeats)
-    host_rate = host_adamw_rate(numel_for_rates, dtype, repeats, backend, host_kernel, index, dma_duty)
+    (host_rate, _), (copies_rate, copies_GBps) = host_adamw_rates(numel_for_rates, dtype, repeats, backend, host_kernel,
+                                                                  index, (0.0, 1.0))
     input_bytes = sum(_nbytes(t) for t in _tensors((inputs, targets)))
     name = backend.topology().devices[index].name if backend.topology().devices else backend.name
     return StepProfile(profiles, rest.numel, sum(_nbytes(p) for _, p in rest.params), rest_fwd, rest_bwd, int(loss_peak),
                        input_bytes, torch.empty((), dtype=dtype).element_size(), int(tokens), host_rate, dev_rate,
-                       backend.name, str(name), notes, vocab, hidden, chunks)
+                       backend.name, str(name), notes, vocab, hidden, chunks,
+                       host_adamw_copies_s_per_param=copies_rate if copies_GBps else 0.0, host_copies_GBps=copies_GBps,
+                       host_adamw_bytes_per_param=update_bytes(dtype.itemsize).kernel)

@@ -43,11 +43,12 @@ from xpu.units import format_bytes
 from .config import Plan, UnitPlan
 from .cost import (Links, OptionCost, Prediction, State, advance, describe_units, finish, initial_state, option_cost,
                    predict, rest_resident_bytes, transient_bytes)
+from .host_budget import host_budget, rest_terms
 
 if TYPE_CHECKING:
     from .profiler import StepProfile
 
-__all__ = ["NoPlanFitsError", "unit_choices", "schedule", "brute_force", "min_budget"]
+__all__ = ["NoPlanFitsError", "unit_choices", "schedule", "brute_force", "min_budget", "planned_host_rate"]
 
 _GB = 1e9
 
@@ -159,22 +160,23 @@ def _run_dp(profile: "StepProfile", links: Links, budget: float, choices: Sequen
     opts = _options(profile, links, choices, depth)
     usable = [[c for c, o in enumerate(row) if math.isfinite(o.a) and math.isfinite(o.b)] for row in opts]
     # Cheapest completions of blocks 0..s-1, for pruning: memory, forward and backward time.
-    min_mem, min_fwd, min_bwd = [0] * (n + 1), [0.0] * (n + 1), [0.0] * (n + 1)
+    min_mem, min_fwd, min_bwd, min_hm = [0] * (n + 1), [0.0] * (n + 1), [0.0] * (n + 1), [0.0] * (n + 1)
     for s in range(n):
         min_mem[s + 1] = min_mem[s] + min(opts[s][c].persist + opts[s][c].act for c in usable[s])
         min_fwd[s + 1] = min_fwd[s] + min(opts[s][c].a + opts[s][c].r for c in usable[s])
         min_bwd[s + 1] = min_bwd[s] + min(opts[s][c].b for c in usable[s])
+        min_hm[s + 1] = min_hm[s] + min(opts[s][c].hm for c in usable[s])
     rest_host = rest_optimizer == "host"
     t_rest = profile.rest_fwd_s + profile.rest_bwd_s
     pre_min = profile.rest_param_bytes / (links.h2d_GBps * 1e9) if rest_host else 0.0
     u_rest = 0.0 if rest_host else profile.rest_numel * profile.device_adamw_s_per_param
-    h_rest = profile.rest_numel * profile.host_adamw_s_per_param if rest_host else 0.0
+    h_rest, _, hm_rest = rest_terms(profile, host_budget(profile, links), rest_host)
 
     def lower_bound(st: State, s: int) -> float:
         """A step time no completion of this partial plan (blocks s..N-1 chosen) can beat."""
         phi_all = st.phi + min_fwd[s]
         lb = pre_min + phi_all + t_rest + st.psi + min_bwd[s] + u_rest
-        lb = max(lb, t_rest + st.t, t_rest + st.phi + max(st.pending))
+        lb = max(lb, t_rest + st.t, t_rest + st.phi + max(st.pending), st.hm + min_hm[s] + hm_rest)
         if rest_host:
             lb = max(lb, pre_min + phi_all + t_rest + st.m + h_rest)
         return lb
@@ -349,7 +351,7 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
     pred = predict(plan, profile, links, margin)  # the same numbers, with the host-work total filled in
     plan.predicted_step_s = pred.step_s
     plan.predicted_peak_bytes = int(pred.peak_bytes)
-    plan.host_s_per_param = profile.host_adamw_s_per_param
+    plan.host_s_per_param = planned_host_rate(plan, profile, links, pred)
     plan.profile = profile
     plan.notes = _explain(plan, pred, profile, links, float(budget_bytes), choices, margin) if explain else []
     if group > 1:
@@ -359,6 +361,26 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
         plan.notes.append(f"note: the search kept at most {max_labels} partial plans per block and choice; this plan "
                           f"is the best found, not proven optimal (raise max_labels)")
     return plan
+
+
+def planned_host_rate(plan: Plan, profile: "StepProfile", links: Links, pred: Prediction) -> float:
+    """Host seconds per host-updated parameter the prediction assumes (what
+    ``HostOptimizer.measured_s_per_param`` measures in steps: accumulation and backups
+    included); the profile's rate where no host budget applies or nothing is host-updated."""
+    numel = sum(b.numel for b, u in zip(profile.blocks, plan.units) if u.optimizer == "host")
+    numel += profile.rest_numel if plan.rest_optimizer == "host" else 0
+    if host_budget(profile, links) is None or not numel:
+        return profile.host_adamw_s_per_param
+    return pred.host_optimizer_s / numel
+
+
+def _host_line(pred: Prediction, profile: "StepProfile", links: Links) -> str:
+    """The host-memory budget's figures, for the plan's first note line."""
+    hb = host_budget(profile, links)
+    if hb is None:
+        return f"; host AdamW {profile.host_adamw_s_per_param * 1e9:.3f} ns/param as profiled (no host-memory model)"
+    return (f"; host memory {hb.bandwidth_GBps:.1f} GB/s, AdamW bytes weigh {hb.kernel_weight:.2f}, a link byte "
+            f"{hb.copy_weight:.2f} ({hb.source}): {pred.parts.get('host memory', 0.0) * 1e3:.1f} ms of it per step")
 
 
 def _loss_hint(profile: "StepProfile", need: int, margin: float) -> str:
@@ -381,7 +403,7 @@ def _explain(plan: Plan, pred: Prediction, profile: "StepProfile", links: Links,
              f"{pred.peak_bytes / _GB:.2f} GB of {budget / _GB:.2f} GB (margin {margin:.0%}); links h2d "
              f"{links.h2d_GBps:.1f} GB/s, d2h {links.d2h_GBps:.1f} GB/s ({links.source}); prefetch depth "
              f"{plan.prefetch_depth}, rest optimizer on the {plan.rest_optimizer}; loss peak "
-             f"{profile.loss_peak_bytes / _GB:.3f} GB at loss_chunks {profile.loss_chunks}"]
+             f"{profile.loss_peak_bytes / _GB:.3f} GB at loss_chunks {profile.loss_chunks}" + _host_line(pred, profile, links)]
     for i, u in enumerate(plan.units):
         o = option_cost(profile, links, i, u, plan.prefetch_depth)
         alt_line = ""

@@ -12,12 +12,23 @@ from ..registry import get_backend
 from ..units import parse_bytes
 
 
+def _size(text: str) -> int:
+    """A byte size for argparse (a bad one is a one-line usage error, exit 2)."""
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``xpu probe``."""
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
     parser.add_argument("--cached", action="store_true", help="print the cached result instead of measuring (error if none)")
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run, not figures to plan with")
-    parser.add_argument("--size", default=None, help="transfer size, e.g. 256MiB (default: 256MiB on an accelerator)")
+    parser.add_argument("--size", type=_size, default=None, help="transfer size, e.g. 256MiB (default: 256MiB on an accelerator)")
+    parser.add_argument("--host-size", type=_size, default=None,
+                        help="each host-memory array, e.g. 512MiB (default: 512MiB on an accelerator; 0: skip the host "
+                             "section)")
     parser.add_argument("--device", type=int, default=0, help="device to measure (default 0)")
     parser.add_argument("--matmul-m", default=None, help="comma list of M for the DHA matmul rows, e.g. 64,256,4096")
 
@@ -33,7 +44,9 @@ def run(args: argparse.Namespace) -> int:
         cfg = ProbeConfig.for_backend(backend, quick=args.quick)
         cfg.device = args.device
         if args.size:
-            cfg.nbytes = parse_bytes(args.size)
+            cfg.nbytes = args.size
+        if args.host_size is not None:
+            cfg.host_nbytes = args.host_size
         if args.matmul_m:
             cfg.matmul_ms = [int(m) for m in args.matmul_m.split(",")]
         console = Console(stderr=True)
@@ -65,3 +78,14 @@ def _print_table(result: dict) -> None:
         mm.add_row(str(row["M"]), f"{row['copy_then_matmul_ms']:.3f}", f"{row.get('dha_ms', float('nan')):.3f}",
                    f"{row.get('dha_over_copy', float('nan')):.2f}")
     console.print(mm)
+    host = result.get("host")
+    if host:
+        ht = Table(title=f"host memory, {host['threads']} threads, {host['array_bytes'] / 2**20:.0f} MiB arrays")
+        for col in ("figure", "alone", "beside h2d + d2h copies"):
+            ht.add_column(col, justify="right")
+        ht.add_row("triad (GB/s)", f"{host['triad_GBps']:.1f}", f"{host['triad_with_copies_GBps']:.1f}")
+        ht.add_row("copy, read + write (GB/s)", f"{host['copy_GBps']:.1f}", "")
+        ht.add_row("fused AdamW, fp32 (ns/param)", f"{host['adamw_ns_per_param']:.3f}",
+                   f"{host['adamw_with_copies_ns_per_param']:.3f}")
+        ht.add_row("the copies themselves (GB/s)", "", f"{host['copies_GBps']:.1f}")
+        console.print(ht)

@@ -1,0 +1,205 @@
+"""MemFerry's host-memory budget: the host optimizer and every host-link copy share one DRAM.
+
+A DMA byte is a host-memory byte: a prefetch reads host memory, a gradient copy or an
+activation offload writes it, a DHA kernel reads it. On the H200 machine a single-pass host
+AdamW took 0.24 ns per parameter alone and 0.33 while both copy directions ran at full rate
+(docs/design.md §3.3). This module turns bytes into host-memory seconds for the cost model:
+
+* **Update bytes** per host-updated parameter per step (:func:`update_bytes`): the AdamW pass
+  reads the gradient, reads and writes the fp32 master and both moments and writes the
+  compute-dtype copy (28 B in bf16, 28 B in fp32 where the master is the copy); under
+  ``accumulation_steps`` N > 1 the micro-batches are summed into an fp32 buffer on the host
+  (the first copied: 4 + g bytes, each later one added: 8 + g) and the pass reads that fp32
+  sum; speculative clipping writes the old master and moments to its backup in the update's
+  own sweep (12 B written; ``speculative_clip.py``), and any clipping reads the gradient once
+  more for its norm. A clipped step's re-application from the backups is not counted (it
+  happens only in steps whose norm exceeds the limit).
+* **Bandwidth** B: ``xpu probe``'s triad on all cores (``Links.host_GBps``), else what the
+  measured kernel itself moved alone. The kernel's bytes weigh ``kernel_weight`` =
+  (its time alone) x B / (its bytes): 1 for a kernel at triad speed. Accumulation, backups and
+  the norm are plain streaming passes and weigh 1.
+* **Copies** cost the host ``copy_weight`` (kappa) host-memory bytes per link byte: from the
+  profiler's timing of the kernel alone (s_a) and beside full-rate copies in both directions
+  (s_c, while they moved D bytes/s): ``kappa = B (1 - s_a / s_c) / D``; where the profile has
+  no such timing (virtual devices), from the probe's triad alone and beside copies; else 0.
+  Host-memory work of W bytes beside copies moving D bytes/s takes ``W / (B - kappa D)``, and
+  no more than ``(W + kappa C) / B`` when the C bytes of copies end before it does.
+
+The cost model uses it twice: each host update's time in the host worker's chain, beside
+the copies of its block's backward (:func:`unit_terms`), and one throughput bound for the
+whole step, ``(all update bytes + kappa x all link bytes) / B`` (the ``host memory`` term).
+Profiles written before the byte fields (``host_adamw_bytes_per_param`` 0) keep the old
+model: updates at their measured in-step rate, no host-memory term.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .config import UnitPlan
+
+if TYPE_CHECKING:
+    from .links import Links
+    from .profiler import StepProfile
+
+__all__ = ["UpdateBytes", "update_bytes", "HostBudget", "host_budget", "link_bytes", "unit_terms", "rest_terms",
+           "MIN_SHARE"]
+
+#: fp32 master, exp_avg and exp_avg_sq, each read and written by the update.
+STATE_BYTES = 24
+#: The fp32 accumulation buffer's element.
+ACC_BYTES = 4
+#: Speculative clipping's backup: the old fp32 master and moments written in the update's sweep.
+BACKUP_BYTES = 12
+#: The least share of the bandwidth host work keeps beside any copy load (a floor on the
+#: linear model: copies never stop the CPU outright).
+MIN_SHARE = 0.1
+
+
+@dataclass(frozen=True)
+class UpdateBytes:
+    """Host-memory bytes per host-updated parameter per step, by what moves them.
+
+    Attributes:
+        kernel: the AdamW pass (gradient read, master and moments read and written,
+            compute-dtype copy written).
+        accumulate_final: summing the last micro-batch, just before the pass (0 with one).
+        accumulate_earlier: summing the earlier micro-batches, while they run.
+        backup: speculative clipping's copy of master and moments (written in the update's sweep).
+        norm: clipping's read of the gradient for its norm.
+    """
+
+    kernel: int
+    accumulate_final: int = 0
+    accumulate_earlier: int = 0
+    backup: int = 0
+    norm: int = 0
+
+    @property
+    def final(self) -> int:
+        """What the host does for the parameter once its last gradient has landed."""
+        return self.kernel + self.accumulate_final + self.backup + self.norm
+
+    @property
+    def timed(self) -> int:
+        """What ``HostOptimizer.measured_s_per_param`` times (all but the norm's read)."""
+        return self.kernel + self.accumulate_final + self.accumulate_earlier + self.backup
+
+
+def update_bytes(dtype_bytes: int, accumulation_steps: int = 1, clip_mode: str = "") -> UpdateBytes:
+    """Host bytes per host-updated parameter per step for gradients of ``dtype_bytes`` bytes,
+    ``accumulation_steps`` micro-batches and ``clip_mode`` (empty: no clipping; see the module)."""
+    g, n = dtype_bytes, max(1, int(accumulation_steps))
+    grad_read = g if n == 1 else ACC_BYTES  # the pass reads the landed gradient, or the fp32 sum
+    kernel = STATE_BYTES + grad_read + (g if g != ACC_BYTES else 0)  # an fp32 master is the working copy
+    add = 2 * ACC_BYTES + g
+    return UpdateBytes(kernel, add if n > 1 else 0, (ACC_BYTES + g) + (n - 2) * add if n > 1 else 0,
+                       BACKUP_BYTES if clip_mode == "speculative" else 0, grad_read if clip_mode else 0)
+
+
+@dataclass(frozen=True)
+class HostBudget:
+    """Host memory's rate and what the kernel and the copies cost of it (see the module).
+
+    Attributes:
+        bandwidth_GBps: B, 10**9 bytes per second.
+        kernel_weight: host-memory bytes one byte of the AdamW kernel costs.
+        copy_weight: host-memory bytes one host-link byte costs (kappa).
+        source: where B and kappa came from, for explanations.
+    """
+
+    bandwidth_GBps: float
+    kernel_weight: float
+    copy_weight: float
+    source: str
+
+    def seconds(self, nbytes: float, copies_Bps: float = 0.0) -> float:
+        """Seconds of ``nbytes`` of host-memory work beside copies moving ``copies_Bps`` bytes/s."""
+        bw = self.bandwidth_GBps * 1e9
+        return nbytes / max(bw - self.copy_weight * copies_Bps, MIN_SHARE * bw)
+
+    def beside(self, nbytes: float, copy_bytes: float, copy_s: float) -> float:
+        """Seconds of ``nbytes`` of host-memory work started beside ``copy_bytes`` of copies that
+        take ``copy_s``: at the shared rate while they last, then alone. That is the lesser of
+        the shared-rate time and ``(nbytes + kappa x copy_bytes) / B`` (work outlasting the
+        copies pays for all of them once)."""
+        if nbytes <= 0:
+            return 0.0
+        if copy_bytes <= 0 or copy_s <= 0:
+            return self.seconds(nbytes)
+        return min(self.seconds(nbytes, copy_bytes / copy_s), self.seconds(nbytes + self.copy_weight * copy_bytes))
+
+    def work(self, numel: int, ub: UpdateBytes) -> tuple[float, float]:
+        """(after the last gradient lands, during earlier micro-batches) host-memory bytes of
+        updating ``numel`` parameters, the kernel's bytes weighted."""
+        final = numel * (self.kernel_weight * ub.kernel + ub.final - ub.kernel)
+        return final, float(numel * ub.accumulate_earlier)
+
+
+def host_budget(profile: "StepProfile", links: "Links") -> HostBudget | None:
+    """The budget of ``profile``'s host under ``links``; None for a profile without the byte
+    fields (the cost model then keeps its measured in-step rate)."""
+    s_a, k = profile.host_adamw_s_per_param, getattr(profile, "host_adamw_bytes_per_param", 0)
+    if not k or s_a <= 0:
+        return None
+    own = k / s_a
+    bw = links.host_GBps * 1e9 if links.host_GBps else own
+    source = "probe triad" if links.host_GBps else "host kernel alone"
+    s_c, d = profile.host_adamw_copies_s_per_param, profile.host_copies_GBps * 1e9
+    if s_c > 0 and d > 0:
+        kappa, source = bw * max(0.0, 1.0 - s_a / s_c) / d, source + ", copies' cost from the profiled kernel"
+    elif links.host_copy_weight is not None:
+        kappa, source = links.host_copy_weight, source + ", copies' cost from the probe's triad"
+    else:
+        kappa, source = 0.0, source + ", copies not measured"
+    return HostBudget(bw / 1e9, bw / own, kappa, source)
+
+
+def link_bytes(unit: UnitPlan, param_bytes: int, grad_bytes: int, act_bytes: int, kept: bool,
+               host: bool) -> tuple[int, int, int]:
+    """Host-link bytes of a block run as ``unit``: (forward, backward) per micro-batch and the
+    per-step reload of a stale host-homed resident block. A DHA pass reads the weight once
+    (cuBLAS's re-reads of a plain kernel over a DHA view are not counted); recomputation in a
+    DHA backward reads it again; ``kept``: backward reuses forward's copy."""
+    w = param_bytes
+    fwd = w if unit.forward in ("prefetch", "dha") else 0
+    if unit.backward == "dha":
+        bwd = w * (2 if unit.recompute else 1)
+    else:
+        bwd = w if unit.backward == "prefetch" and not kept else 0
+    bwd += grad_bytes if host else 0
+    if unit.offload:
+        fwd, bwd = fwd + act_bytes, bwd + act_bytes
+    return fwd, bwd, w if unit.forward == "resident" and host else 0
+
+
+def unit_terms(profile: "StepProfile", budget: HostBudget | None, numel: int, host: bool, links: tuple[int, int, int],
+               backward_s: float) -> tuple[float, float, float]:
+    """(host update in the worker's chain, host work of earlier micro-batches, host-memory
+    seconds of the step) of one block, all seconds; ``links`` from :func:`link_bytes`,
+    ``backward_s`` its backward slot. Its update runs beside its own backward's copies
+    (:meth:`HostBudget.beside`), a stand-in for those of the blocks whose backward it overlaps;
+    each earlier micro-batch's accumulation beside that micro-batch's."""
+    if budget is None:
+        return (numel * profile.host_adamw_s_per_param if host else 0.0), 0.0, 0.0
+    fwd, bwd, once = links
+    n = max(1, profile.accumulation_steps)
+    link = n * (fwd + bwd) + once
+    final = earlier = 0.0
+    if host:
+        clip = profile.clip_mode if getattr(profile, "clipping", False) else ""
+        final, earlier = budget.work(numel, update_bytes(profile.dtype_bytes, n, clip))
+    acc = (n - 1) * budget.beside(earlier / (n - 1), bwd, backward_s) if n > 1 else 0.0
+    return budget.beside(final, bwd, backward_s), acc, budget.seconds(final + earlier + budget.copy_weight * link)
+
+
+def rest_terms(profile: "StepProfile", budget: HostBudget | None, rest_host: bool) -> tuple[float, float, float]:
+    """:func:`unit_terms` of ``rest`` (embeddings, head): when host-homed, reloaded once per step
+    and its gradients sent home every micro-batch; its update runs after backward, beside no
+    copies of its own."""
+    if not rest_host:
+        return 0.0, 0.0, 0.0
+    if budget is None:
+        return profile.rest_numel * profile.host_adamw_s_per_param, 0.0, 0.0
+    links = (0, profile.rest_numel * profile.dtype_bytes, profile.rest_param_bytes)
+    return unit_terms(profile, budget, profile.rest_numel, True, links, 0.0)

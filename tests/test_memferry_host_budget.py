@@ -1,0 +1,129 @@
+"""MemFerry's host-memory budget (``host_budget.py``) with synthetic host figures, and the probe's
+``host`` section that feeds it (cpu backend; no figure measured here is asserted on)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from strategies.memferry.config import Plan
+from strategies.memferry.cost import Links, links_from_probe, option_cost, predict
+from strategies.memferry.host_budget import MIN_SHARE, host_budget, update_bytes
+from strategies.memferry.profiler import BlockProfile, StepProfile
+from strategies.memferry.scheduler import schedule
+
+N, REST, L = 10_000_000, 1_000_000, 4  # parameters per block, of rest; blocks
+
+
+def profile(host_GBps: float, copies_slowdown: float = 1.0, copies_GBps: float = 0.0, **over) -> StepProfile:
+    """4 bf16 blocks of 10 M parameters (1 ms forward, 2 ms backward, 200 MB of activations) on a
+    host whose AdamW alone runs at ``host_GBps`` (28 B per parameter) and ``copies_slowdown``
+    times slower beside copies moving ``copies_GBps``."""
+    rate = 28 / (host_GBps * 1e9)
+    blocks = [BlockProfile(N, 2 * N, 1e-3, 2e-3, 200_000_000, 2_000_000) for _ in range(L)]
+    prof = StepProfile(blocks, REST, 2 * REST, 0.2e-3, 0.4e-3, 10_000_000, 1000, 2, 4096, rate, 1e-11,
+                       host_adamw_copies_s_per_param=rate * copies_slowdown if copies_GBps else 0.0,
+                       host_copies_GBps=copies_GBps, host_adamw_bytes_per_param=28)
+    return dataclasses.replace(prof, **over)
+
+
+def links(host_GBps: float | None = None) -> Links:
+    return Links(50.0, 50.0, None, host_GBps=host_GBps)
+
+
+def test_update_bytes_count_what_the_host_optimizer_moves():
+    # bf16: gradient 2 + master and moments 24 + working copy 2; fp32: the master is the copy
+    assert update_bytes(2).timed == update_bytes(4).timed == 28 and update_bytes(2).final == 28
+    four = update_bytes(2, 4, "speculative")
+    assert four.kernel == 30  # the pass reads the fp32 sum
+    assert (four.accumulate_earlier, four.accumulate_final) == (6 + 2 * 10, 10)  # copy 2+4, then 2+4+4 each
+    assert (four.backup, four.norm) == (12, 4)  # written in the update's sweep; the norm reads the fp32 sum
+    assert four.timed == 10 * 4 + 26 + 12 and four.final == 30 + 10 + 12 + 4
+    assert update_bytes(2, 1, "wait").backup == 0 and update_bytes(2, 1, "wait").norm == 2
+
+
+def test_a_host_bound_step_takes_its_host_bytes_over_the_bandwidth_and_copies_slow_the_optimizer():
+    """Every block host-updated, prefetched and its activations offloaded: the optimizer's bytes and
+    the link bytes weighted by kappa, over B, exceed the compute chain (and the host worker's
+    chain), and the prediction is exactly that; the same plan with copies that cost the host
+    nothing predicts a faster optimizer."""
+    B = 2.0  # GB/s: scarce
+    plan = Plan.from_spec("prefetch+offload", L)  # rest host-homed too
+    # The kernel alone at 14 ns/param, twice that beside copies moving 1 GB/s: kappa = B (1 - 1/2) / 1
+    busy = profile(B, copies_slowdown=2.0, copies_GBps=1.0)
+    kappa = 1.0
+    assert host_budget(busy, links(B)).copy_weight == pytest.approx(kappa)
+    w = g = 2 * N  # weights and gradients of a block, bytes
+    act = busy.blocks[0].act_bytes
+    fwd, bwd = w + act, w + g + act  # per block: weights in, activations out; weights in, gradients out, activations in
+    link = L * fwd + L * bwd - w  # the last block keeps its forward copy for backward
+    link += 2 * REST + 2 * REST  # rest reloaded before the forward, its gradients home
+    optimizer = 28 * (L * N + REST)
+    pred = predict(plan, busy, links(B))
+    assert pred.bound == "host memory"
+    assert pred.step_s == pytest.approx((optimizer + kappa * link) / (B * 1e9), rel=1e-9)
+    assert pred.compute_s < pred.step_s  # the bytes exceed bandwidth x compute time
+    free = predict(plan, profile(B), links(B))  # copies not measured: they cost the host nothing
+    assert free.parts["host memory"] == pytest.approx(optimizer / (B * 1e9), rel=1e-9)
+    assert free.step_s < pred.step_s and free.host_optimizer_s < pred.host_optimizer_s
+    # A block's update runs beside its own backward's copies, at the rate left beside them while
+    # they last (here they end first: the update then pays for all of them once).
+    o = option_cost(busy, links(B), 1, plan.units[1])
+    slot, bw = max(o.b, o.y, o.d), B * 1e9
+    shared = max(bw - kappa * bwd / slot, MIN_SHARE * bw)  # here the copies alone would take all of B
+    assert o.h == pytest.approx(min(28 * N / shared, (28 * N + kappa * bwd) / bw), rel=1e-9)
+    assert o.h == pytest.approx((28 * N + kappa * bwd) / bw, rel=1e-9)
+    assert o.h > option_cost(profile(B), links(B), 1, plan.units[1]).h
+
+
+def test_accumulation_and_speculative_clipping_are_host_bytes_and_micro_batches_are_compute():
+    B = 2.0
+    plan = Plan.from_spec("prefetch", L)
+    one = predict(plan, profile(B), links(B))
+    four = predict(plan, profile(B, accumulation_steps=4, clipping=True), links(B))  # clip_mode speculative
+    extra = update_bytes(2, 4, "speculative")
+    # kappa 0: only the optimizer's own bytes, which grow from 28 to the accumulated, backed-up update's
+    assert four.parts["host memory"] == pytest.approx(
+        (L * N + REST) * (extra.timed + extra.norm) / (B * 1e9), rel=1e-9)
+    # three more micro-batches of forward and backward, without rest's reload
+    pre = 2 * REST / 50e9
+    assert four.compute_s == pytest.approx(one.compute_s + 3 * (one.compute_s - pre), rel=1e-9)
+
+
+def test_the_scheduler_moves_updates_to_the_device_when_host_memory_shrinks():
+    budget = 1.0e9
+    plans = {}
+    for B in (1000.0, 2.0):  # a fast host, then one 500x slower (its AdamW too)
+        prof = profile(B, copies_slowdown=1.5, copies_GBps=B / 4)
+        plans[B] = schedule(prof, links(B), budget, L, allow_dha=False, depths=(1,), explain=False, max_labels=None)
+    on_device = {B: sum(u.optimizer == "device" for u in p.units) for B, p in plans.items()}
+    assert on_device[1000.0] == 0 and on_device[2.0] > 0, on_device
+    # the fast host's plan is no good on the slow one: the slow host's own plan beats it there
+    slow = profile(2.0, copies_slowdown=1.5, copies_GBps=0.5)
+    assert plans[2.0].predicted_step_s < predict(plans[1000.0], slow, links(2.0)).step_s
+
+
+def test_the_probe_s_host_section_is_cached_and_read_into_links(cpu_backend, tmp_path, monkeypatch):
+    from xpu.host_bandwidth import measure_host
+    from xpu.probe import ProbeConfig, cache_path, load_cached, run_probe, save_cached
+
+    monkeypatch.setenv("XPU_CACHE_DIR", str(tmp_path))
+    cfg = ProbeConfig.for_backend(cpu_backend, quick=True)
+    assert cfg.host_nbytes == 8 * 2**20  # quick: small buffers
+    small = dataclasses.replace(cfg, nbytes=2**20, matmul_dim=64, matmul_ms=[16])
+    result = run_probe(cpu_backend, dataclasses.replace(small, host_nbytes=2**20))
+    host = result["host"]
+    assert set(host) == {"threads", "array_bytes", "copy_GBps", "triad_GBps", "adamw_ns_per_param",
+                         "triad_with_copies_GBps", "adamw_with_copies_ns_per_param", "copies_GBps"}
+    assert host["array_bytes"] == 2**20 and all(v > 0 for v in host.values())
+    save_cached(cpu_backend, result)
+    assert cache_path(cpu_backend).parent == tmp_path and load_cached(cpu_backend)["host"] == host
+    got = links_from_probe(cpu_backend, 0)
+    assert got.host_GBps == host["triad_GBps"]
+    assert got.host_copy_weight == pytest.approx(
+        max(0.0, (host["triad_GBps"] - host["triad_with_copies_GBps"]) / host["copies_GBps"]))
+    # no host section (a probe from before it, or --host-size 0): no host figures
+    assert links_from_probe(cpu_backend, 0, {"h2d_pinned_GBps": 9.0}).host_GBps is None
+    assert "host" not in run_probe(cpu_backend, dataclasses.replace(small, host_nbytes=0))
+    with pytest.raises(ValueError, match="nbytes >= 4"):
+        measure_host(cpu_backend, 0)
