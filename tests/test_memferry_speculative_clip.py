@@ -308,3 +308,16 @@ def test_bench_notes_count_clipped_steps_and_rollbacks(cpu_backend):
         assert re.search(r"clip speculative: 2 of 2 steps clipped, [12] rolled back", system.notes), system.notes
     finally:
         system.close()
+
+
+def test_speculation_in_small_pieces_equals_wait(cpu_backend, monkeypatch):
+    """Speculative updates cut into many pieces (the worker answers between them) give the same
+    bits, and the same counts, as whole ones."""
+    from strategies.memferry.host_kernel import SinglePassKernel
+
+    monkeypatch.setattr(SinglePassKernel, "piece", 1000)
+    clip = CLIPS["some"]
+    wait = run(cpu_backend, clip, "wait", "prefetch", "bf16")
+    spec = run(cpu_backend, clip, "speculative", "prefetch", "bf16")
+    assert_bit_equal(spec, wait)
+    assert_counts(spec["stats"], host_units(cpu_backend), wait, clip)

@@ -63,13 +63,14 @@ class HostKernel:
 
     name = "?"
 
-    def pieces(self, s: UnitShadow, coef: float, save: Triple | None = None,
-               source: Triple | None = None) -> Iterator[dict[str, float]]:
+    def pieces(self, s: UnitShadow, coef: float, save: Triple | None = None, source: Triple | None = None,
+               whole: bool = False) -> Iterator[dict[str, float]]:
         """One update of ``s`` with its gradient scaled by ``coef`` (global-norm clipping), a
         piece at a time (seconds per phase after each); ``s.step`` advances after the last.
 
         ``save``: also write the old master and moments there (speculative clipping's backup);
-        ``source``: take the old master and moments from there (a rollback).
+        ``source``: take the old master and moments from there (a rollback); ``whole``: in as
+        few pieces as the kernel can (nothing waits between them).
         """
         raise NotImplementedError
 
@@ -77,7 +78,7 @@ class HostKernel:
               source: Triple | None = None) -> dict[str, float]:
         """:meth:`pieces` all at once: the seconds per phase of the whole update."""
         total = dict.fromkeys(PHASES, 0.0)
-        for times in self.pieces(s, coef, save, source):
+        for times in self.pieces(s, coef, save, source, whole=True):
             for phase, seconds in times.items():
                 total[phase] += seconds
         return total
@@ -156,9 +157,9 @@ class TorchKernel(HostKernel):
         # One fp32 gradient chunk, reused: the worker updates one unit at a time.
         self._scratch = torch.empty(largest, dtype=torch.float32) if largest else None
 
-    def pieces(self, s: UnitShadow, coef: float, save: Triple | None = None,
-               source: Triple | None = None) -> Iterator[dict[str, float]]:
-        src = s.grad_source
+    def pieces(self, s: UnitShadow, coef: float, save: Triple | None = None, source: Triple | None = None,
+               whole: bool = False) -> Iterator[dict[str, float]]:
+        src = s.grad_source  # cache-sized chunks either way: the three passes need them
         low = src.dtype != torch.float32
         work = None if s.master_is_work else s.train_work
         state = (s.master, s.exp_avg, s.exp_avg_sq)
@@ -218,7 +219,8 @@ class SinglePassKernel(HostKernel):
     name = "single-pass"
 
     #: Elements per piece (:meth:`HostKernel.pieces`): about 2 ms at the H200 host's rate, the
-    #: longest the worker keeps the training thread waiting for a gradient norm.
+    #: longest the worker keeps the training thread waiting for a gradient norm. A whole update
+    #: is one call per weight-decay group: every call starts the loop's threads anew.
     piece = 1 << 23
 
     def __init__(self, cfg: AdamW, shadows: list[UnitShadow] = (), threads: int | None = None) -> None:
@@ -231,14 +233,14 @@ class SinglePassKernel(HostKernel):
                 if t is not None and t.dtype not in self._loops.dtypes:
                     raise UnavailableError(f"dtype {t.dtype} is not built here")
 
-    def pieces(self, s: UnitShadow, coef: float, save: Triple | None = None,
-               source: Triple | None = None) -> Iterator[dict[str, float]]:
+    def pieces(self, s: UnitShadow, coef: float, save: Triple | None = None, source: Triple | None = None,
+               whole: bool = False) -> Iterator[dict[str, float]]:
         step, lr = s.step + 1, self.lr  # fixed for the whole unit, whatever happens between pieces
         b1, b2 = (float(b) for b in self.cfg.betas)
         bc1, bc2 = 1.0 - b1 ** step, 1.0 - b2 ** step
         grad = s.grad_source
         work = None if s.master_is_work else s.train_work
-        ranges = decay_ranges(s.master.numel(), s.decay_end, self.piece)
+        ranges = decay_ranges(s.master.numel(), s.decay_end, None if whole else self.piece)
         if not ranges:  # nothing trainable: the step still counts
             s.step = step
             yield {}
