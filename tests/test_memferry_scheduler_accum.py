@@ -19,7 +19,7 @@ import torch
 
 from strategies.memferry import AdamW, MemFerry
 from strategies.memferry.config import Plan, UnitPlan
-from strategies.memferry.cost import grads_persist, links_from_probe, predict
+from strategies.memferry.cost import grads_persist, held_grad_bytes, links_from_probe, predict
 from strategies.memferry.hf_models import model_loss
 from strategies.memferry.profiler import StepProfile, profile_step
 from strategies.memferry.scheduler import min_budget, schedule
@@ -145,7 +145,7 @@ def test_the_smallest_budget_trains_n_micro_batches(cpu_backend, setup, n, rest)
 
 
 def test_clipping_holds_the_device_homed_gradients_and_the_prediction_counts_them(cpu_backend, setup):
-    """With clipping the device optimizer holds every device-homed fp32 gradient until ``step()``:
+    """With clipping the device optimizer holds every device-homed gradient until ``step()``:
     the measured peak grows past the prediction without clipping, and stays under the one with."""
     model, x, y, prof = setup
     links = links_from_probe(cpu_backend, 0)
@@ -165,7 +165,10 @@ def test_clipping_holds_the_device_homed_gradients_and_the_prediction_counts_the
         return got
 
     clipped = dataclasses.replace(prof, clipping=True)
-    assert grads_persist(clipped) and not grads_persist(prof)
+    # held as autograd made them (the compute dtype: fp32 here, 2 bytes in bf16); fp32 sums under data parallelism
+    assert held_grad_bytes(clipped) == prof.dtype_bytes == 4 and held_grad_bytes(prof) == 0
+    assert held_grad_bytes(dataclasses.replace(clipped, dtype_bytes=2)) == 2
+    assert grads_persist(dataclasses.replace(clipped, data_parallel=True)) and not grads_persist(clipped)
     assert predict(plan, prof, links, 0.0).peak_bytes < peak(1.0) <= predict(plan, clipped, links, 0.0).peak_bytes
     assert peak(None) <= predict(plan, prof, links, 0.0).peak_bytes
 

@@ -87,7 +87,7 @@ from typing import TYPE_CHECKING, Sequence
 from .config import Plan, UnitPlan
 from .host_budget import host_budget, link_bytes, rest_terms, unit_terms
 from .links import H200_DHA_ROWS, Links, links_from_probe  # noqa: F401  (re-exported: the cost model's inputs)
-from .memory_terms import (LOSS_SLICE_SHARE, auto_loss_chunks, device_bytes_per_param, grads_persist,  # noqa: F401
+from .memory_terms import (LOSS_SLICE_SHARE, auto_loss_chunks, device_bytes_per_param, grads_persist, held_grad_bytes,  # noqa: F401
                            loss_peak_estimate, rest_resident_bytes, transient_bytes)
 
 if TYPE_CHECKING:  # the profiler imports torch; the model itself needs only numbers
@@ -203,9 +203,9 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
     # The executor keeps the last `depth` blocks' forward copies for backward when both passes prefetch.
     kept = unit.forward == unit.backward == "prefetch" and index >= n - prefetch_depth
     grad_bytes = blk.numel * profile.dtype_bytes
-    held = grads_persist(profile)  # the fp32 gradient buffer: resident all step, or only in backward
+    held = grads_persist(profile)  # the fp32 gradient buffer: resident all step, or only in its update
     if not host:
-        persist = blk.numel * device_bytes_per_param(profile.dtype_bytes, with_grad=held)
+        persist = blk.numel * device_bytes_per_param(profile.dtype_bytes, held_grad_bytes(profile))
     else:
         persist = w if resident else 0
     off_out = off_in = 0.0

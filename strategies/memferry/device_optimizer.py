@@ -36,6 +36,9 @@ class DeviceOptimizer:
                         for s in shadows if s.home == "device" and s.master.numel()}
         self._pending: list[UnitShadow] = []
         self._sqnorms: list[torch.Tensor] = []
+        # With clipping and one micro-batch alone: units' gradients as autograd made them (the
+        # compute dtype, half the fp32 buffer's bytes in bf16), held until the coefficient is known.
+        self._held: dict[int, list[torch.Tensor]] = {}
         # Units summing micro-batches' gradients in their fp32 buffer (gradient accumulation),
         # with the reduction (data parallelism) their sum will take once complete.
         self._open: dict[int, tuple[UnitShadow, Callable[[torch.Tensor], None] | None]] = {}
@@ -50,6 +53,14 @@ class DeviceOptimizer:
         over ranks with ``reduce`` if given, and update the unit, or hold the update until the
         clip coefficient is known."""
         first = s.unit.index not in self._open
+        if first and final and reduce is None and self.cfg.max_grad_norm is not None:
+            held = [p.grad for _, p in s.unit.trainable]
+            for _, p in s.unit.trainable:
+                p.grad = None
+            self._held[s.unit.index] = held
+            self._sqnorms.append(torch.stack([squared_norm(g) for g in held]).sum())
+            self._pending.append(s)
+            return
         if first:
             self.backend.realloc_storage(s.grad)
         for view, (_, p) in zip(s.train_slices(s.grad), s.unit.trainable):
@@ -102,6 +113,12 @@ class DeviceOptimizer:
                     opt.state[p]["step"].fill_(float(s.step))
 
     def _update(self, s: UnitShadow, coef: float) -> None:
+        held = self._held.pop(s.unit.index, None)
+        if held is not None:  # upcast now, one unit at a time
+            self.backend.realloc_storage(s.grad)
+            for view, g in zip(s.train_slices(s.grad), held):
+                view.copy_(g)
+            del held
         if coef != 1.0:
             s.grad.mul_(coef)
         for a, b, opt in self._optims[s.unit.index]:

@@ -13,27 +13,42 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .profiler import StepProfile
 
-__all__ = ["device_bytes_per_param", "grads_persist", "loss_peak_estimate", "LOSS_SLICE_SHARE", "auto_loss_chunks",
+__all__ = ["device_bytes_per_param", "held_grad_bytes", "grads_persist", "loss_peak_estimate", "LOSS_SLICE_SHARE", "auto_loss_chunks",
            "rest_resident_bytes", "transient_bytes"]
 
 
-def device_bytes_per_param(dtype_bytes: int, with_grad: bool = False) -> int:
+def device_bytes_per_param(dtype_bytes: int, grad_bytes: int = 0) -> int:
     """Device bytes per parameter of a device-homed unit, as ``ShadowModel`` allocates them:
     compute-dtype weights, fp32 master (the same buffer in fp32) and two fp32 moments (14 B in
-    bf16, 12 B in fp32), plus the fp32 gradient buffer (4 B) ``with_grad``, which holds memory
-    only while the unit's update runs without accumulation, and from the step's first
-    micro-batch to the update with it (:func:`grads_persist`)."""
-    return dtype_bytes + (0 if dtype_bytes == 4 else 4) + 8 + (4 if with_grad else 0)
+    bf16, 12 B in fp32), plus ``grad_bytes`` of gradient held all step (:func:`held_grad_bytes`)."""
+    return dtype_bytes + (0 if dtype_bytes == 4 else 4) + 8 + grad_bytes
+
+
+def held_grad_bytes(profile: "StepProfile") -> int:
+    """Bytes per device-homed parameter of gradient the ``DeviceOptimizer`` holds across the step:
+
+    * 4 under gradient accumulation (``accumulation_steps > 1``): it sums micro-batches into the
+      fp32 buffer and frees it after the update (Qwen2-1.5B's device-homed tied head: 934 MB,
+      resident through every later micro-batch; counted as a transient, an 8 GB plan ran out
+      of memory); likewise with clipping under data parallelism (the fp32 sum is averaged);
+    * the compute dtype's with clipping alone: it holds the gradients autograd made until
+      ``step()`` knows the coefficient, and upcasts them one unit at a time to update;
+    * 0 otherwise: the fp32 buffer lives only while the unit's update runs.
+
+    Counted from the step's start: an upper bound, as they build up through backward."""
+    if getattr(profile, "accumulation_steps", 1) > 1:
+        return 4
+    if getattr(profile, "clipping", False):
+        return 4 if getattr(profile, "data_parallel", False) else profile.dtype_bytes
+    return 0
 
 
 def grads_persist(profile: "StepProfile") -> bool:
-    """Whether device-homed units' fp32 gradient buffers stay allocated all step: with
-    ``accumulation_steps > 1`` the ``DeviceOptimizer`` sums micro-batches into the buffer and
-    frees it after the update (Qwen2-1.5B's device-homed tied head: 934 MB, resident through
-    every later micro-batch; counted as a transient, an 8 GB plan ran out of memory); with
-    clipping it holds every buffer until ``step()`` knows the coefficient (counted from the
-    step's start: an upper bound, as they only build up through backward)."""
-    return getattr(profile, "accumulation_steps", 1) > 1 or getattr(profile, "clipping", False)
+    """Whether device-homed units' fp32 gradient buffers stay allocated all step (so their
+    update needs no fp32 transient): see :func:`held_grad_bytes`."""
+    if getattr(profile, "accumulation_steps", 1) > 1:
+        return True
+    return getattr(profile, "clipping", False) and getattr(profile, "data_parallel", False)
 
 
 def loss_peak_estimate(tokens: int, vocab: int, hidden: int, chunks: int = 1, dtype_bytes: int = 4) -> int:
@@ -73,10 +88,10 @@ def auto_loss_chunks(tokens: int, vocab: int, budget_bytes: int | float, share: 
 
 def rest_resident_bytes(profile: "StepProfile", rest_optimizer: str) -> int:
     """Device bytes ``rest`` (embeddings, head, final norm) holds all step: its compute-dtype
-    weights, plus the fp32 master and moments when it is device-homed, and then its fp32
-    gradient buffer too under gradient accumulation (:func:`grads_persist`; without it the
-    buffer is a transient: :func:`transient_bytes`)."""
-    per = (device_bytes_per_param(profile.dtype_bytes, with_grad=grads_persist(profile)) if rest_optimizer == "device"
+    weights, plus the fp32 master and moments when it is device-homed, and then the gradient
+    it holds across the step (:func:`held_grad_bytes`; otherwise the fp32 buffer is a
+    transient: :func:`transient_bytes`)."""
+    per = (device_bytes_per_param(profile.dtype_bytes, held_grad_bytes(profile)) if rest_optimizer == "device"
            else profile.dtype_bytes)
     return profile.rest_numel * per
 

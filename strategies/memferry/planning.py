@@ -65,13 +65,15 @@ def plan_for(model: nn.Module, sample: tuple[Any, Any] | None, device_budget: in
     backend = backend or xpu.get_backend()
     index = backend.index_of(device)
 
-    def plan_here() -> Plan:
-        return _profile_and_schedule(model, sample, device_budget, optim or AdamW(), loss_fn, blocks, index, backend,
-                                     memory_margin, compute_dtype, accumulation_steps)
-
     if process_group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         process_group = dist.group.WORLD
-    if process_group is None or dist.get_world_size(process_group) == 1:
+    alone = process_group is None or dist.get_world_size(process_group) == 1
+
+    def plan_here() -> Plan:
+        return _profile_and_schedule(model, sample, device_budget, optim or AdamW(), loss_fn, blocks, index, backend,
+                                     memory_margin, compute_dtype, accumulation_steps, data_parallel=not alone)
+
+    if alone:
         return plan_here()
     # Scheduled once, on the first rank; a failure there raises on every rank instead of hanging them.
     return decide_on_first_rank(plan_here, process_group, what="schedule MemFerry's plan", timeout=collective_timeout())
@@ -79,7 +81,7 @@ def plan_for(model: nn.Module, sample: tuple[Any, Any] | None, device_budget: in
 
 def _profile_and_schedule(model: nn.Module, sample: Any, device_budget: Any, optim: AdamW, loss_fn: Any, blocks: Any,
                           index: int, backend: Backend, margin: float, compute_dtype: torch.dtype | None,
-                          accumulation_steps: int = 1) -> Plan:
+                          accumulation_steps: int = 1, data_parallel: bool = False) -> Plan:
     """Profile one step here and pick the fastest plan the budget allows."""
     from xpu.units import parse_bytes
 
@@ -99,6 +101,7 @@ def _profile_and_schedule(model: nn.Module, sample: Any, device_budget: Any, opt
                                host_kernel=optim.host_kernel)
         profile.accumulation_steps = accumulation_steps  # what persists across micro-batches (cost.grads_persist)
         profile.clipping = optim.max_grad_norm is not None  # device gradients held until step() (likewise)
+        profile.data_parallel = data_parallel  # ... as fp32 sums, averaged over the ranks
         # speculative clipping's backups are host-memory bytes too (host_budget.update_bytes)
         profile.clip_mode = optim.clip_mode
         budget = parse_bytes(device_budget) if device_budget is not None else backend.mem_info(index)[0]

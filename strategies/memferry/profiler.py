@@ -97,9 +97,11 @@ class StepProfile:
             update (``cost.grads_persist``): 4 bytes per parameter held through every forward
             and backward, which a profile of one micro-batch never sees.
         clipping: whether the run clips gradients by their global norm (a setting, set by
-            ``plan_for``). The ``DeviceOptimizer`` then holds every device-homed unit's fp32
-            gradient buffer from its backward to ``step()`` (the coefficient needs all of
-            them), which a profile without clipping never sees (``cost.grads_persist``).
+            ``plan_for``). The ``DeviceOptimizer`` then holds every device-homed unit's
+            gradient from its backward to ``step()`` (the coefficient needs all of them), which
+            a profile without clipping never sees (``memory_terms.held_grad_bytes``).
+        data_parallel: whether the run is data parallel (a setting, set by ``plan_for``):
+            clipped device-homed gradients are then held as the fp32 sums the ranks average.
         host_adamw_copies_s_per_param: the same update while host->device and device->host
             copies run back to back beside it (0: not measured: virtual devices or no
             asynchronous copies).
@@ -135,6 +137,7 @@ class StepProfile:
     host_copies_GBps: float = 0.0
     host_adamw_bytes_per_param: int = 0
     clip_mode: str = "speculative"
+    data_parallel: bool = False
 
     def to_json(self) -> str:
         """The profile as a JSON string."""
