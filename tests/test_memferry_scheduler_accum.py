@@ -70,13 +70,14 @@ def with_accumulation(prof: StepProfile, n: int) -> StepProfile:
     return dataclasses.replace(prof, accumulation_steps=n)
 
 
-def measured_peak(backend, model, plan, n, x, y, cap=None) -> int:
+def measured_peak(backend, model, plan, n, x, y, cap=None, clip=None) -> int:
     """Peak device bytes of the second step of ``n`` micro-batches (the first allocates the
-    steady state), over what the device held before the engine existed; under ``cap`` if given."""
+    steady state), over what the device held before the engine existed; under ``cap`` if given,
+    clipping at ``clip`` if given."""
     gc.collect()
     before = backend.memory_stats(0).allocated
-    engine = MemFerry(copy.deepcopy(model), optim=AdamW(lr=1e-3), plan=plan, backend=backend, device_budget=cap,
-                      accumulation_steps=n)
+    engine = MemFerry(copy.deepcopy(model), optim=AdamW(lr=1e-3, max_grad_norm=clip), plan=plan, backend=backend,
+                      device_budget=cap, accumulation_steps=n)
     for _ in range(2):
         backend.synchronize(0)
         backend.reset_peak_memory(0)
@@ -152,17 +153,7 @@ def test_clipping_holds_the_device_homed_gradients_and_the_prediction_counts_the
     plan = plans()["device-all"]
 
     def peak(clip):
-        gc.collect()
-        before = cpu_backend.memory_stats(0).allocated
-        engine = MemFerry(copy.deepcopy(model), optim=AdamW(lr=1e-3, max_grad_norm=clip), plan=plan, backend=cpu_backend)
-        for _ in range(2):
-            cpu_backend.reset_peak_memory(0)
-            engine.backward(model_loss(engine, x, y, labels_model=engine.model))
-            engine.step()
-            cpu_backend.synchronize(0)
-        got = cpu_backend.memory_stats(0).peak_allocated - before
-        engine.close()
-        return got
+        return measured_peak(cpu_backend, model, plan, 1, x, y, clip=clip)
 
     clipped = dataclasses.replace(prof, clipping=True)
     # held as autograd made them (the compute dtype: fp32 here, 2 bytes in bf16); fp32 sums under data parallelism
