@@ -80,13 +80,16 @@ def test_the_library_error_is_still_a_value_error():
     assert NoPlanFitsError("m", minimum=5).minimum == 5
 
 
-def test_a_fixed_plan_over_budget_is_one_out_of_memory_line_in_kB():
-    """A given plan is not checked against the budget before step 0: it runs out of memory there
-    (exit status 3, the out-of-memory status), in one line with the budget as a size."""
-    proc = _xpu("train", TINY, "--set", "device_budget=400kB", "--no-progress")
-    assert proc.returncode == 3, proc.stderr[-3000:]
+def test_a_fixed_plan_over_budget_is_refused_before_training_naming_its_peak(tmp_path):
+    """A given plan is rehearsed under the budget (one step at learning rate 0, cap lifted) and
+    refused in one line, exit 2, with its measured peak and what would work; no checkpoint is written."""
+    proc = _xpu("train", TINY, "--set", "device_budget=2MB", "--set", f"checkpoint.dir={tmp_path / 'ck'}",
+                "--set", "checkpoint.every=1", "--no-progress")
+    assert proc.returncode == 2, proc.stderr[-3000:]
     line = _one_error_line(proc, "train")
-    assert "out of device memory after step 0 (device_budget 400.0 kB)" in line, line
+    assert re.search(r"the given plan peaks at [0-9.]+ [kMG]B in one step \(measured at learning rate 0 before "
+                     r"training\), over device_budget 2\.0 MB; use plan='auto'", line), line
+    assert not list((tmp_path / "ck").glob("step-*.pt"))
 
 
 def test_mpress_below_its_floor_exits_2_with_one_line_every_time():

@@ -9,6 +9,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from strategies.memferry import AdamW, MemFerry, Plan, UnitPlan
+from strategies.memferry.units import split_units
 from strategies.weight_decay import no_decay_names, param_groups
 
 
@@ -396,9 +397,13 @@ def test_budgets_below_the_minimum_and_too_little_host_memory_are_refused_before
     model = TinyGPT()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     resident = sum(p.numel() * 4 for p in model.parameters())  # fp32: every unit resident
-    with pytest.raises(ValueError, match=r"device_budget .* is below the .* this plan keeps on the device") as err:
+    with pytest.raises(ValueError, match=r"device_budget .* is below the .* this plan needs before any activation: "
+                                         r".* kept on the device between steps") as err:
         MemFerry(model, plan="resident4", loss_fn=lm_loss, backend=cpu_backend, device_budget=resident // 2)
-    assert "give at least" in str(err.value)
+    assert "give at least" in str(err.value) and err.value.minimum == resident
+    block = max(u.numel * 4 for u in split_units(TinyGPT()) if u.is_block)
+    with pytest.raises(ValueError, match=r" for its largest block loaded whole; give at least"):
+        MemFerry(model, plan="prefetch", loss_fn=lm_loss, backend=cpu_backend, device_budget=block)
     cpu_backend.host_arena.budget = 10_000  # far below the shadow model's buffers
     try:
         with pytest.raises(HostMemoryBudgetError, match="the shadow model needs .* of pinned host memory"):

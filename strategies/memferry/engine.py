@@ -41,6 +41,7 @@ from .executor import Executor, check_plan
 from .hf_models import model_loss, no_kv_cache
 from .host_optimizer import HostOptimizer
 from .planning import plan_for
+from .rehearsal import PlanOverBudgetError
 from .shadow import ShadowModel
 from .units import split_units
 
@@ -64,7 +65,7 @@ def _check_budget(units: list, plan: Plan, device_homes: set[int], device_budget
 
     budget = parse_bytes(device_budget)
     modes = {u.index: up for u, up in zip((u for u in units if u.is_block), plan.units)}
-    floor = 0
+    floor = largest = 0
     for u in units:
         if not u.params:
             continue
@@ -74,12 +75,15 @@ def _check_budget(units: list, plan: Plan, device_homes: set[int], device_budget
             floor += u.numel * elem + u.train_numel * (12 if elem != 4 else 8)
         elif not u.is_block or modes[u.index].forward == "resident":
             floor += u.numel * elem
-    if floor > budget:
-        raise ValueError(
-            f"device_budget {format_bytes(budget)} is below the {format_bytes(floor)} this plan keeps on the device "
-            f"between steps (resident weights and device-homed optimizer states; activations come on top): "
-            f"give at least {format_bytes(floor)}, or a plan with fewer resident / device-homed blocks, "
-            f"or plan='auto' to let the scheduler fit the budget")
+        else:  # loaded whole to run (its device buffer is also made once when the engine is built)
+            largest = max(largest, u.numel * elem)
+    if floor + largest > budget:
+        raise PlanOverBudgetError(
+            f"device_budget {format_bytes(budget)} is below the {format_bytes(floor + largest)} this plan needs before "
+            f"any activation: {format_bytes(floor)} kept on the device between steps (resident weights and "
+            f"device-homed optimizer states) and {format_bytes(largest)} for its largest block loaded whole; give at "
+            f"least that, a plan with fewer resident / device-homed blocks, or plan='auto' to let the scheduler fit "
+            f"the budget", minimum=floor + largest)
 
 
 class MemFerry:
@@ -136,10 +140,11 @@ class MemFerry:
         no_decay: qualified names of parameters trained without weight decay (None: biases and
             normalisation layers' parameters, as Hugging Face's Trainer groups them:
             :func:`strategies.weight_decay.no_decay_names`; an empty set: decay everything).
-        rehearse: with ``plan="auto"`` (one process), run one step on ``sample`` at learning rate
-            0 before training (``rehearsal.py``): weights stay exactly as they were, and a plan
-            whose real peak overshoots ``device_budget`` (the allocator's reserve, or what the
-            memory model misses) is made again with a larger margin instead of failing later.
+        rehearse: with a ``device_budget`` and a ``sample`` (one process), run one step on the
+            sample at learning rate 0 before training (``rehearsal.py``): weights stay exactly as
+            they were; a scheduled plan whose real peak overshoots the budget (the allocator's
+            reserve, or what the memory model misses) is made again with a larger margin, and a
+            given one is refused (``PlanOverBudgetError``), instead of failing in training.
 
     Frozen parameters (``requires_grad=False``, e.g. a LoRA model's base weights) are homed and
     moved with their units like the others but have no optimizer state (no master, moments or
@@ -208,7 +213,7 @@ class MemFerry:
             self.backend.set_memory_cap(self.device, previous_cap)
             raise
         del originals
-        if rehearse and sample is not None and plan.profile is not None and self.dp is None:
+        if rehearse and sample is not None and self.dp is None:
             from .rehearsal import fit_by_rehearsal, give_back
 
             try:

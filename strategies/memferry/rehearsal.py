@@ -12,8 +12,10 @@ from the same profile with a margin that covers what the prediction missed (no n
 up to :data:`ATTEMPTS` times. Lifting the cap means the overshoot is measured, never hit: an
 out-of-memory error in the middle of a step would leave its tensors to the autograd graph.
 
-Not under data parallelism (the ranks would have to re-plan together): there the plan is the
-one scheduled. Without a budget (the whole device) there is nothing to lift, and no rehearsal.
+A plan given rather than scheduled cannot be made again: one that peaks over the budget is
+refused (:class:`PlanOverBudgetError`, naming the peak) before training, not run out of memory in
+step 0. Not under data parallelism (the ranks would have to re-plan together): there the plan is
+the one scheduled. Without a budget (the whole device) there is nothing to lift, and no rehearsal.
 """
 from __future__ import annotations
 
@@ -30,10 +32,22 @@ from .compute_dtype import cast_parameters, restore_parameters
 from .planning import replan
 from .units import split_units
 
+from xpu.errors import XpuError
+
 if TYPE_CHECKING:
     from .engine import MemFerry
 
-__all__ = ["fit_by_rehearsal", "give_back", "ATTEMPTS", "MARGIN_STEP"]
+__all__ = ["fit_by_rehearsal", "give_back", "PlanOverBudgetError", "ATTEMPTS", "MARGIN_STEP"]
+
+
+class PlanOverBudgetError(XpuError, ValueError):
+    """A plan given to MemFerry (not scheduled) peaked over ``device_budget`` in its rehearsal
+    step; ``minimum`` is the peak (bytes). An :class:`~xpu.errors.XpuError`: the ``xpu``
+    command prints its one line and exits 2."""
+
+    def __init__(self, message: str, minimum: int | None = None) -> None:
+        super().__init__(message)
+        self.minimum = minimum
 
 _log = logging.getLogger("xpu.memferry")
 
@@ -49,6 +63,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
     is as if just built, for a plan whose rehearsal fitted; ``engine.plan.notes`` says what was tried.
 
     Raises:
+        PlanOverBudgetError: a given (not scheduled) plan peaked over the budget.
         torch.OutOfMemoryError: every attempt peaked over the budget (the message says by how much),
             or the rehearsal ran out of the device's whole memory.
         NoPlanFitsError: the scheduler found no plan for the larger margin.
@@ -75,6 +90,12 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
             engine.executor.plan = engine.plan
             _reset(engine)
             return
+        if engine.plan.profile is None:  # given, not scheduled: nothing to make again
+            raise PlanOverBudgetError(
+                f"the given plan peaks at {format_bytes(peak)} in one step (measured at learning rate 0 before "
+                f"training), over device_budget {format_bytes(budget)}; use plan='auto' (the scheduler fits the "
+                f"budget), a plan with +recompute or fewer resident blocks, or a device_budget of at least "
+                f"{format_bytes(peak)}", minimum=peak)
         tried.append(f"margin {margin:.0%} peaked at {format_bytes(peak)}")
         if len(tried) > ATTEMPTS or not predicted:
             raise torch.OutOfMemoryError(

@@ -50,13 +50,13 @@ def _build_memferry(model: nn.Module, config: TrainConfig, backend: Any, device:
     o, opts = config.optimizer, config.strategy.options
     cfg = AdamW(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=opts["max_grad_norm"])
     sample = None
-    if opts["plan"] == "auto":  # the scheduler profiles one batch of the run's shape (its values do not matter)
+    if opts["plan"] == "auto" or config.device_budget is not None:
+        # the scheduler profiles one batch of the run's shape (its values do not matter), and the
+        # engine rehearses a step on it under the budget (a given plan over it is refused)
         g = torch.Generator().manual_seed(config.seed)
         tokens = torch.randint(0, config.vocab() or 256, (config.batch, config.seq + 1), generator=g)
         sample = (tokens[:, :-1], tokens[:, 1:])
-        plan: Any = "auto"
-    else:
-        plan = Plan.from_spec(opts["plan"], len(model.blocks))
+    plan: Any = "auto" if opts["plan"] == "auto" else Plan.from_spec(opts["plan"], len(model.blocks))
     chunks = _loss_chunks(opts["loss_chunks"], model, config, backend, device)
     if chunks > 1:
         if not hasattr(model, "loss_chunks"):
