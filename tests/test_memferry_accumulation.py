@@ -79,6 +79,58 @@ def test_step_after_fewer_backwards_applies_accumulated(cpu_backend, clip):
         torch.testing.assert_close(state["model"][name], p, atol=1e-6, rtol=1e-6, msg=name)
 
 
+def _summing(accumulate):
+    """Resident and prefetched (recomputed) host-updated blocks summing on ``accumulate``, beside a
+    device-homed block and a host-summed one, for the bit-equality check."""
+    return Plan([UnitPlan("resident", "resident", accumulate=accumulate),
+                 UnitPlan("prefetch", "prefetch", recompute=True, accumulate=accumulate),
+                 UnitPlan("resident", "resident", optimizer="device"), UnitPlan("prefetch", "prefetch")])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_device_summing_is_bit_equal_to_host_summing(cpu_backend, dtype, clip):
+    """``UnitPlan(accumulate="device")`` against the same plan summing on the host: two steps of 3
+    micro-batches and one ended early after 2 (the flush path) leave every weight, master and
+    moment bit-equal; the summed units sent home one fp32 gradient per step instead of one per
+    micro-batch."""
+    torch.manual_seed(0)
+    model, data = TinyGPT(), batches(8)
+    steps = [data[0:3], data[3:6], data[6:8]]
+    cfg = AdamW(lr=3e-3, weight_decay=0.1, max_grad_norm=clip)
+    held, sent = {}, {}
+    for acc in ("host", "device"):
+        engine = MemFerry(copy.deepcopy(model), optim=cfg, plan=_summing(acc), backend=cpu_backend, loss_fn=lm_loss,
+                          accumulation_steps=3, compute_dtype=dtype)
+        for micro in steps:
+            for x, y in micro:
+                engine.backward(lm_loss(engine(x), engine._to_device(y)) / 3)
+            engine.step()
+        engine.synchronize()
+        held[acc] = [t.clone() for s in engine.shadow.shadows for t in (s.work, s.master, s.exp_avg, s.exp_avg_sq)]
+        sent[acc] = engine.executor.bytes_d2h
+        summed = sum(s.unit.train_numel for s in engine.shadow.shadows[:2])
+        assert {s.step for s in engine.shadow.shadows} == {3}
+        engine.close()
+    assert all(torch.equal(a, b) for a, b in zip(held["host"], held["device"]))
+    g = torch.finfo(dtype).bits // 8
+    assert sent["host"] - sent["device"] == summed * sum(len(m) * g - 4 for m in steps)
+
+
+def test_device_summing_needs_accumulation_and_a_host_unit(cpu_backend):
+    with pytest.raises(ValueError, match=r"^block 0: accumulate='device' .* accumulation_steps is 1: give "):
+        MemFerry(TinyGPT(), plan=_summing("device"), backend=cpu_backend)
+    with pytest.raises(ValueError, match="accumulate='device' is for host-updated units without DHA"):
+        UnitPlan("dha", "dha", accumulate="device")
+    with pytest.raises(ValueError, match="accumulate='device' is for host-updated units without DHA"):
+        UnitPlan("resident", "resident", optimizer="device", accumulate="device")
+    with pytest.raises(ValueError, match="DHA blocks cannot"):
+        Plan.from_spec("dha+devacc", 4)
+    plan = Plan.from_spec("device1+recompute+devacc", 3)
+    assert [u.accumulate for u in plan.units] == ["host", "device", "device"] and plan.units[1].recompute
+    assert "accumulate=device" in plan.describe().splitlines()[1]
+
+
 def test_second_micro_batch_forward_completes_with_clipping(cpu_backend):
     # Held (clipped) updates used to make the next micro-batch's forward wait forever.
     model, steps = _setup(2, 1)
@@ -165,8 +217,10 @@ def _dp_rank(rank, port, out_dir):
     xpu.reset_backend()
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.manual_seed(0)
+    plan = Plan.from_spec("device2+recompute", 4)
+    plan.units[3] = UnitPlan("prefetch", "prefetch", recompute=True, accumulate="device")  # one averaged fp32 sum a step
     engine = MemFerry(TinyGPT(), optim=AdamW(lr=3e-3, weight_decay=0.1, max_grad_norm=0.05),
-                      plan=Plan.from_spec("device2+recompute", 4), loss_fn=lm_loss, device=rank, accumulation_steps=2)
+                      plan=plan, loss_fn=lm_loss, device=rank, accumulation_steps=2)
     for x, y in batches(3):  # 4 samples a step: 2 per rank, 1 per micro-batch
         for m in range(2):
             i = 2 * rank + m

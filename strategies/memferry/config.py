@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 __all__ = ["AdamW", "UnitPlan", "Plan", "MODES", "OFFLOAD_MIN_BYTES", "CLIP_MODES"]
@@ -115,6 +115,14 @@ class UnitPlan:
         offload: copy the activations the unit saves for backward into pinned host memory
             during forward (on a side stream) and bring them back before its backward: the
             alternative to ``recompute`` when moving them costs less than recomputing them.
+        accumulate: where a host-updated unit sums the micro-batches of a step under gradient
+            accumulation (``MemFerry(accumulation_steps=N)``, N > 1). ``"host"``: every
+            micro-batch's gradient goes home and the host adds it into an fp32 sum (2 bytes per
+            parameter over the link and about 10 of host memory traffic each); ``"device"``: an
+            fp32 device buffer (4 bytes per parameter, held from the step's first micro-batch
+            to its last) sums them, and only the sum goes home, once (4 bytes per parameter):
+            bit-equal to ``"host"``. Not for device-homed units (they sum on the device
+            already) nor DHA ones (their weight gradients are written home by the device).
     """
 
     forward: Mode = "prefetch"
@@ -122,6 +130,7 @@ class UnitPlan:
     recompute: bool = False
     optimizer: Literal["host", "device"] = "host"
     offload: bool = False
+    accumulate: Literal["host", "device"] = "host"
 
     def __post_init__(self) -> None:
         for phase in (self.forward, self.backward):
@@ -135,6 +144,12 @@ class UnitPlan:
             raise ValueError("a unit either recomputes its activations or offloads them, not both")
         if self.optimizer == "device" and self.forward != "resident":
             raise ValueError("optimizer='device' keeps the unit's weights and states on the device: it needs a resident unit")
+        if self.accumulate not in ("host", "device"):
+            raise ValueError(f"accumulate must be 'host' or 'device', got {self.accumulate!r}")
+        if self.accumulate == "device" and (self.optimizer == "device" or "dha" in (self.forward, self.backward)):
+            raise ValueError("accumulate='device' is for host-updated units without DHA (a device-homed unit sums on "
+                             "the device already; a DHA unit's weight gradients are written straight home): "
+                             "leave accumulate='host'")
 
 
 @dataclass
@@ -177,11 +192,20 @@ class Plan:
         ``prefetch`` / ``prefetchN`` (prefetch depth 1 / N), ``dha``, ``residentN`` (first N
         blocks resident, the rest prefetched), ``deviceN`` (first N blocks and the embeddings
         and head homed on the device with a device optimizer, the rest prefetched and updated
-        on the host); any of them with ``+recompute`` or ``+offload`` (activations to host).
+        on the host); any of them with ``+recompute`` or ``+offload`` (activations to host), then
+        optionally ``+devacc``: every host-updated block sums accumulated micro-batches on the
+        device (``UnitPlan.accumulate``; not with ``dha``). ``plan="auto"`` decides that per block.
 
         Raises:
             ValueError: an unknown name, or N outside ``0..n_blocks``.
         """
+        if spec.endswith("+devacc"):
+            base = cls.from_spec(spec[: -len("+devacc")], n_blocks)
+            if any("dha" in (u.forward, u.backward) for u in base.units):
+                raise ValueError(f"plan {spec!r}: +devacc sums gradients on the device, which DHA blocks cannot "
+                                 f"(the device writes their weight gradients home); drop +devacc or use prefetch")
+            base.units = [replace(u, accumulate="device") if u.optimizer == "host" else u for u in base.units]
+            return base
         match = re.fullmatch(r"(prefetch|dha|resident|device)(\d*)(\+recompute|\+offload)?", spec)
         kind, count, extra = (match.group(1), match.group(2), match.group(3) or "") if match else ("", "", "")
         recompute, off = extra == "+recompute", extra == "+offload"
@@ -199,14 +223,15 @@ class Plan:
                        rest_optimizer="device")
         raise ValueError(
             f"unknown plan {spec!r} for {n_blocks} blocks; write prefetch[N], dha, residentN or deviceN "
-            f"(N from 0 to {n_blocks}), optionally with +recompute or +offload"
+            f"(N from 0 to {n_blocks}), optionally with +recompute or +offload, then +devacc"
         )
 
     def describe(self) -> str:
-        """One line per block, then notes."""
+        """One line per block (``accumulate=device`` where it sums micro-batches on the device), then notes."""
         lines = [f"{i:3d}: forward={u.forward:8s} backward={u.backward:8s} "
                  f"activations={'recompute' if u.recompute else 'offload' if u.offload else 'keep':9s} "
-                 f"optimizer={u.optimizer}" for i, u in enumerate(self.units)]
+                 f"optimizer={u.optimizer}" + (" accumulate=device" if u.accumulate == "device" else "")
+                 for i, u in enumerate(self.units)]
         if self.predicted_step_s is not None:
             lines.append(f"predicted step: {self.predicted_step_s * 1e3:.1f} ms")
         return "\n".join(lines + self.notes)

@@ -12,6 +12,7 @@ import torch
 
 from .adamw import decay_ranges, flat_adamw, squared_norm
 from .config import AdamW
+from .device_accumulation import add_grads
 from .shadow import UnitShadow
 
 __all__ = ["DeviceOptimizer"]
@@ -63,12 +64,7 @@ class DeviceOptimizer:
             return
         if first:
             self.backend.realloc_storage(s.grad)
-        for view, (_, p) in zip(s.train_slices(s.grad), s.unit.trainable):
-            if first:
-                view.copy_(p.grad)
-            else:
-                view.add_(p.grad)
-            p.grad = None
+        add_grads(s, s.grad, first)
         self._open[s.unit.index] = (s, reduce)
         if final:
             self._complete(s.unit.index)

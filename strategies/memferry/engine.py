@@ -133,7 +133,12 @@ class MemFerry:
         accumulation_steps: micro-batches per optimizer step. Each runs ``loss = engine(x, y)``
             and ``engine.backward(loss / N)``; then one ``engine.step()`` applies ONE AdamW
             update from the sum of their gradients (fp32 sums: a 4-byte-per-parameter buffer
-            per host-homed unit shard when N > 1), clipped on that sum's norm. Updates start
+            per host-homed unit shard when N > 1), clipped on that sum's norm. A host-updated
+            block sums on the host (each micro-batch's gradient goes home and is added there)
+            or, planned ``UnitPlan(accumulate="device")`` (``plan="auto"`` chooses it where the
+            budget allows), in a 4-byte-per-parameter fp32 device buffer held through the step,
+            sending only the sum home: bit-equal, with N - 1 fewer gradient copies and no host
+            additions. Updates start
             overlapped with the backward of the N-th micro-batch; a ``step()`` after fewer
             backwards applies what was accumulated then. Calls out of order raise
             :class:`~strategies.memferry.accumulation.AccumulationError`.
@@ -228,7 +233,7 @@ class MemFerry:
         masters), the host and device optimizers, the executor; counters start at zero."""
         setup = self._setup
         n_blocks = sum(u.is_block for u in units)
-        check_plan(plan, n_blocks, self.backend)  # before anything touches the model
+        check_plan(plan, n_blocks, self.backend, setup["accumulation_steps"])  # before anything touches the model
         device_homes = {u.index for u, up in zip(units, plan.units) if up.optimizer == "device"}
         if plan.rest_optimizer == "device":
             device_homes.add(units[-1].index)
@@ -246,7 +251,7 @@ class MemFerry:
         self.device_optimizer = DeviceOptimizer(self.cfg, self.shadow.shadows, self.backend)
         self.copier = self._copier(setup["multipath"])
         self.executor = Executor(self.backend, self.device, self.shadow, plan, self.optimizer, self.device_optimizer,
-                                 copier=self.copier)
+                                 copier=self.copier, accumulation_steps=setup["accumulation_steps"])
         self.plan = plan
         self._steps = 0
         #: steps whose clip coefficient was below 1 (clipping fired).

@@ -25,7 +25,9 @@ a DHA block (norms, biases) are read in place through the device view.
 
 Gradient accumulation: on a backward that is not the step's last micro-batch, gradients go
 home as always but the host optimizer only sums them (no update, so the host copy stays
-current and the next forward does not wait). Units with frozen parameters are released after
+current and the next forward does not wait); a unit planned ``accumulate="device"`` sums them
+in an fp32 device buffer instead and sends the sum home once, on the last micro-batch
+(``device_accumulation.py``). Units with frozen parameters are released after
 the next unit's backward hook (the input gradient through a frozen weight can follow the last
 trainable gradient); a unit with nothing to train never offloads a gradient.
 
@@ -45,6 +47,7 @@ from xpu import Backend
 
 from ..activation_swap import ActivationSwapper, SwapGroup
 from .config import OFFLOAD_MIN_BYTES, Plan, UnitPlan
+from .device_accumulation import DeviceSums, check_accumulate
 from .device_optimizer import DeviceOptimizer
 from .dha_linear import TransferCounter, host_linear
 from .host_optimizer import HostOptimizer
@@ -70,12 +73,13 @@ class Executor:
         copier: a :class:`scaleup.MultiPathCopier` to this device: weight loads go through it,
             split over the direct host link and relays through peer devices (ScaleUp-MemFerry);
             None: one copy on the host→device stream.
+        accumulation_steps: micro-batches per optimizer step (``UnitPlan.accumulate="device"`` needs > 1).
     """
 
     def __init__(self, backend: Backend, device: int, shadow: ShadowModel, plan: Plan, optimizer: HostOptimizer,
-                 device_optimizer: DeviceOptimizer, copier: Any = None) -> None:
+                 device_optimizer: DeviceOptimizer, copier: Any = None, accumulation_steps: int = 1) -> None:
         blocks = [s for s in shadow.shadows if s.unit.is_block]
-        check_plan(plan, len(blocks), backend)
+        check_plan(plan, len(blocks), backend, accumulation_steps)
         self.b, self.dev, self.shadow, self.plan, self.opt = backend, device, shadow, plan, optimizer
         self.copier = copier
         self.device_opt = device_optimizer
@@ -83,6 +87,8 @@ class Executor:
         self.rest = shadow.shadows[-1]
         self.unit_plans: dict[int, UnitPlan] = {s.unit.index: plan.units[i] for i, s in enumerate(blocks)}
         self.unit_plans[self.rest.unit.index] = UnitPlan("resident", "resident", optimizer=plan.rest_optimizer)
+        self.sums = DeviceSums(backend, device, [s for s in blocks if s.home == "host" and s.unit.trainable
+                                                 and self.unit_plans[s.unit.index].accumulate == "device"])
         self.h2d = backend.stream(device)
         self.d2h = backend.stream(device)
         self.phase = "idle"
@@ -223,8 +229,10 @@ class Executor:
         self._final = final
 
     def flush_updates(self) -> None:
-        """The step ends before its last micro-batch: the accumulated updates run now, so every
-        host-homed unit's copy will change (reload before use)."""
+        """The step ends before its last micro-batch: the accumulated updates run now (device sums
+        go home first), so every host-homed unit's copy will change (reload before use)."""
+        for index in self.sums.open_units():
+            self._send_sum(self.shadow.shadows[index])
         for s in self.shadow.shadows:
             if s.home == "host" and s.unit.trainable:
                 self._stale.add(s.unit.index)
@@ -384,21 +392,48 @@ class Executor:
             with self.b.device_scope(self.dev):
                 self.device_opt.grads_ready(s, reduce=dp.average if dp is not None else None, final=self._final)
             return
-        self.opt.wait_consumed(s.unit.index)  # the previous micro-batch's gradient is summed: its landing zone is free
-        if dp is None:
-            routed = self._routed.get(s.unit.index, set())  # already home: host_linear wrote them
-            pairs = [(p.grad, t) for (_, p), t in zip(s.unit.trainable, s.train_slices(s.grad_stage)) if id(p) not in routed]
-            sources, targets = [g for g, _ in pairs], [t for _, t in pairs]
-        else:
-            # Average the unit's trainable gradients over ranks on the device, then bring home
-            # only this rank's shard: the host optimizer updates that shard alone (frozen
-            # parameters have no gradient to reduce; a rank whose shard is all frozen brings none).
+        if s in self.sums:  # summed on the device: nothing goes home before the last micro-batch
             with self.b.device_scope(self.dev):
-                flat = self.b.empty(s.unit.train_numel, s.grad_stage.dtype, self.dev)
-                for view, (_, p) in zip(s.train_slices(flat), s.unit.trainable):
-                    view.copy_(p.grad)
-                dp.average(flat)
-            sources, targets = [flat[s.train_shard]], [s.grad_stage]
+                self.sums.add(s)
+            if self._final:
+                self._send_sum(s)
+        else:
+            self.opt.wait_consumed(s.unit.index)  # the previous micro-batch's gradient is summed: its landing zone is free
+            if dp is None:
+                routed = self._routed.get(s.unit.index, set())  # already home: host_linear wrote them
+                pairs = [(p.grad, t) for (_, p), t in zip(s.unit.trainable, s.train_slices(s.grad_stage))
+                         if id(p) not in routed]
+                sources, targets = [g for g, _ in pairs], [t for _, t in pairs]
+            else:
+                # Average the unit's trainable gradients over ranks on the device, then bring home
+                # only this rank's shard: the host optimizer updates that shard alone (frozen
+                # parameters have no gradient to reduce; a rank whose shard is all frozen brings none).
+                with self.b.device_scope(self.dev):
+                    flat = self.b.empty(s.unit.train_numel, s.grad_stage.dtype, self.dev)
+                    for view, (_, p) in zip(s.train_slices(flat), s.unit.trainable):
+                        view.copy_(p.grad)
+                    dp.average(flat)
+                sources, targets = [flat[s.train_shard]], [s.grad_stage]
+            self._send_home(s, sources, targets, self._final)
+            for _, p in s.unit.trainable:
+                p.grad = None
+        if self.unit_plans[s.unit.index].backward != "dha" and len(s.unit.trainable) == len(s.unit.params):
+            self._release(s)  # (a unit with frozen parameters is released by the next unit's backward hook)
+
+    def _send_sum(self, s: UnitShadow) -> None:
+        """Copy a device-summed unit's complete fp32 sum (averaged over ranks, once) into its
+        ``grad_acc`` and submit it as the step's gradient; the buffer is given back."""
+        self.opt.wait(s.unit.index)  # grad_acc is the previous update's input until that update is published
+        dp = self.shadow.dp
+        with self.b.device_scope(self.dev):
+            total = self.sums.total(s, dp.average if dp is not None else None)
+        self._send_home(s, [total], [s.grad_acc], final=True, summed=True)
+        self.sums.release(s, self.d2h)
+
+    def _send_home(self, s: UnitShadow, sources: list[torch.Tensor], targets: list[torch.Tensor], final: bool,
+                   summed: bool = False) -> None:
+        """Copy gradients ``sources`` into host ``targets`` on the device→host stream after the
+        compute stream's work so far, and submit the unit to the host optimizer."""
         computed = self.b.event()
         computed.record(self.compute)
         self.d2h.wait_event(computed)
@@ -409,13 +444,9 @@ class Executor:
             landed = self.b.event()
             landed.record(self.d2h)
         self.bytes_d2h += sum(t.numel() * t.element_size() for t in targets)
-        if self._final:
+        if final:
             self._stale.add(s.unit.index)  # its update is about to change the host copy
-        for _, p in s.unit.trainable:
-            p.grad = None
-        if self.unit_plans[s.unit.index].backward != "dha" and len(s.unit.trainable) == len(s.unit.params):
-            self._release(s)  # (a unit with frozen parameters is released by the next unit's backward hook)
-        self.opt.submit(s.unit.index, landed.synchronize, final=self._final, landed=landed.query)
+        self.opt.submit(s.unit.index, landed.synchronize, final=final, landed=landed.query, summed=summed)
 
 
 class _Gathered:
@@ -425,8 +456,9 @@ class _Gathered:
         self.work = work
 
 
-def check_plan(plan: Plan, n_blocks: int, backend: Backend) -> None:
-    """Raise ValueError, saying what to change, if ``plan`` cannot run on ``n_blocks`` here."""
+def check_plan(plan: Plan, n_blocks: int, backend: Backend, accumulation_steps: int = 1) -> None:
+    """Raise ValueError, saying what to change, if ``plan`` cannot run on ``n_blocks`` here with
+    ``accumulation_steps`` micro-batches per step."""
     if len(plan.units) != n_blocks:
         raise ValueError(f"the plan covers {len(plan.units)} blocks, the model has {n_blocks}")
     if plan.prefetch_depth < 1:
@@ -439,6 +471,7 @@ def check_plan(plan: Plan, n_blocks: int, backend: Backend) -> None:
             )
         if "dha" in (u.forward, u.backward) and not backend.caps.dha:
             raise ValueError(f"block {i} plans DHA, but backend '{backend.name}' has no Direct Host Access (caps.dha)")
+    check_accumulate(plan, accumulation_steps)
 
 
 class _Restore:

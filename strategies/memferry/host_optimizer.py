@@ -26,6 +26,8 @@ Gradient accumulation: a gradient submitted with ``final=False`` (an earlier mic
 the step) is only added into the unit's fp32 ``grad_acc``; the one submitted with
 ``final=True`` adds the last micro-batch and updates (or holds the update, with clipping)
 from the sum. :meth:`flush` turns what was accumulated into updates when the step ends early.
+A unit summed on the device (``UnitPlan.accumulate="device"``) is submitted once per step, with
+``summed=True``: its complete fp32 sum has landed in ``grad_acc`` and is not added again.
 """
 from __future__ import annotations
 
@@ -132,15 +134,19 @@ class HostOptimizer:
 
     # ------------------------------------------------------------------ producer side
     def submit(self, index: int, ready: Callable[[], None], final: bool = True,
-               landed: Callable[[], bool] | None = None) -> None:
+               landed: Callable[[], bool] | None = None, summed: bool = False) -> None:
         """Queue unit ``index``'s gradient; ``ready()`` blocks until it is in host memory.
 
         ``final``: the step's last micro-batch: update from it (plus what was accumulated);
         otherwise it is only added into the unit's fp32 accumulation buffer. ``landed()``: whether
         it is in host memory already, without blocking (an event's ``query``): the worker goes on
-        with speculative updates until it is (None: it waits on ``ready``).
+        with speculative updates until it is (None: it waits on ``ready``). ``summed``: the step's
+        complete fp32 sum lands in ``grad_acc`` (summed on the device): update from it as it is.
         """
         self._raise_if_failed()
+        if summed and (not final or self.shadows[index].grad_acc is None):
+            raise ValueError(f"unit {self.shadows[index].unit.name}: a summed gradient is the step's whole gradient "
+                             "(final=True) and lands in the accumulation buffer (accumulation_steps > 1)")
         if not final and self.shadows[index].grad_acc is None:
             raise RuntimeError(f"unit {self.shadows[index].unit.name} has no gradient accumulation buffer; "
                                "give MemFerry(accumulation_steps=N) to accumulate gradients over N backward() calls")
@@ -150,7 +156,7 @@ class HostOptimizer:
             self._open.discard(index)
         else:
             self._open.add(index)
-        self._tasks.put(("grad", index, (ready, final, landed)))
+        self._tasks.put(("grad", index, (ready, final, landed, summed)))
 
     def flush(self) -> None:
         """The step ends before its last micro-batch: update every unit from what it accumulated."""
@@ -258,7 +264,7 @@ class HostOptimizer:
                 return
         if self.cfg.host_threads is not None:
             torch.set_num_threads(self.cfg.host_threads)  # this thread's OpenMP team
-        # Tasks are (kind, argument, callback): ("grad", unit index, (ready, final, landed)),
+        # Tasks are (kind, argument, callback): ("grad", unit index, (ready, final, landed, summed)),
         # ("flush", None, None), ("norm" | "stats" | "settle" | "reset", None, reply), ("finish", clip
         # coefficient, None), ("lr", rate, None), ("stop", None, None).
         while True:
@@ -267,11 +273,11 @@ class HostOptimizer:
                 if kind == "stop":
                     return
                 if kind == "grad":
-                    ready, final, _ = callback
+                    ready, final, _, summed = callback
                     t0 = time.perf_counter()
                     ready()
                     self.time_s["wait"] += time.perf_counter() - t0
-                    self._receive(arg, final)
+                    self._receive(arg, final, summed)
                 elif kind == "flush":
                     for i, n in enumerate(self._received):
                         if n:
@@ -319,10 +325,13 @@ class HostOptimizer:
             task, self._head = self._head, None
             return task
 
-    def _receive(self, index: int, final: bool) -> None:
-        """A landed gradient: sum it into ``grad_acc`` unless it is a step's only one; update if final."""
+    def _receive(self, index: int, final: bool, summed: bool = False) -> None:
+        """A landed gradient: sum it into ``grad_acc`` unless it is a step's only one or the whole
+        sum already (``summed``); update if final."""
         s = self.shadows[index]
-        if final and not self._received[index]:
+        if summed:
+            s.accumulated = True  # grad_acc holds the step's sum, made on the device
+        elif final and not self._received[index]:
             s.accumulated = False  # one micro-batch: update straight from the landing zone
         else:
             t0 = time.perf_counter()
