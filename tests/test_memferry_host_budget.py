@@ -40,6 +40,9 @@ def test_update_bytes_count_what_the_host_optimizer_moves():
     assert (four.backup, four.norm) == (12, 4)  # written in the update's sweep; the norm reads the fp32 sum
     assert four.timed == 10 * 4 + 26 + 12 and four.final == 30 + 10 + 12 + 4
     assert update_bytes(2, 1, "wait").backup == 0 and update_bytes(2, 1, "wait").norm == 2
+    # summed on the device: the host only reads the fp32 sum in its pass
+    dev = update_bytes(2, 4, "speculative", device_sum=True)
+    assert (dev.kernel, dev.accumulate_earlier, dev.accumulate_final, dev.timed) == (30, 0, 0, 30 + 12)
 
 
 def test_a_host_bound_step_takes_its_host_bytes_over_the_bandwidth_and_copies_slow_the_optimizer():
@@ -88,6 +91,15 @@ def test_accumulation_and_speculative_clipping_are_host_bytes_and_micro_batches_
     # three more micro-batches of forward and backward, without rest's reload
     pre = 2 * REST / 50e9
     assert four.compute_s == pytest.approx(one.compute_s + 3 * (one.compute_s - pre), rel=1e-9)
+    # Blocks summing on the device: per parameter the host reads one fp32 sum (30 B in its pass,
+    # not 10 N + 26) and 4 link bytes come home once instead of 2 per micro-batch (kappa 1 here).
+    busy = profile(B, copies_slowdown=2.0, copies_GBps=1.0, accumulation_steps=4)
+    summed = Plan([dataclasses.replace(u, accumulate="device") for u in plan.units])
+    on_host, on_device = predict(plan, busy, links(B)), predict(summed, busy, links(B))
+    saved = L * N * ((10 * 4 + 26 - 30) + 1.0 * (4 * 2 - 4))
+    assert on_host.parts["host memory"] - on_device.parts["host memory"] == pytest.approx(saved / (B * 1e9), rel=1e-9)
+    o_host, o_dev = (option_cost(busy, links(B), 1, p.units[1]) for p in (plan, summed))
+    assert o_dev.d == pytest.approx(2 * o_host.d) and o_dev.persist - o_host.persist == 4 * N and o_dev.h_acc == 0
 
 
 def test_the_scheduler_moves_updates_to_the_device_when_host_memory_shrinks():

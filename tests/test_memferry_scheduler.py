@@ -131,12 +131,16 @@ def test_dp_is_optimal_against_brute_force(seed):
     n = 2 if seed % 2 else 3
     prof, links = _fix(random_profile(rng, n)), random_links(rng)
     lo = min_budget(prof, links, depths=(1, 2))
+    summed = []
     for budget in (lo, lo * 1.3, lo * 2, lo * 10):
         best = brute_force(prof, links, budget, depths=(1, 2))
         plan = schedule(prof, links, budget, n, depths=(1, 2), explain=False, max_labels=None)
         assert best is not None
         assert plan.predicted_step_s == pytest.approx(best[0], rel=1e-9), (seed, budget)
         assert predict(plan, prof, links).peak_bytes <= budget
+        summed.append(any(u.accumulate == "device" for u in plan.units))
+    # Accumulating profiles (seeds 3 and 4) offer summing on the device, and some budget takes it.
+    assert any(summed) == (prof.accumulation_steps > 1), (seed, summed)
 
 
 def test_more_budget_never_predicts_a_slower_step():
@@ -177,6 +181,8 @@ def test_unit_choices_are_valid_plans():
     assert UnitPlan("prefetch", "prefetch", offload=True) in choices
     assert not any(u.offload and u.recompute for u in choices)
     assert all(u.forward != "dha" and u.backward != "dha" for u in unit_choices(allow_dha=False))
+    summing = [u for u in unit_choices(device_sum=True) if u.accumulate == "device"]
+    assert len(summing) == 6 and all(u.optimizer == "host" and "dha" not in (u.forward, u.backward) for u in summing)
 
 
 def test_dha_penalty_interpolates_the_probe_rows():

@@ -145,6 +145,31 @@ def test_the_smallest_budget_trains_n_micro_batches(cpu_backend, setup, n, rest)
         assert min_budget(prof, links, rest_optimizers=rest, margin=0.0) < got
 
 
+def test_device_sums_are_within_the_predicted_peak_and_chosen_where_the_budget_allows(cpu_backend, setup):
+    """Blocks summing 4 micro-batches on the device (``accumulate="device"``) hold 4 bytes per
+    block parameter more than summing on the host, measured, within the predicted peak; on a
+    host slow enough to bound the step, the scheduler sums some block on the device under that
+    plan's predicted peak (not under the host-summing plan's) and predicts a shorter step than
+    the same plan summing on the host."""
+    model, x, y, prof = setup
+    links = links_from_probe(cpu_backend, 0)
+    acc = with_accumulation(prof, 4)
+    summed = Plan.uniform(2, UnitPlan("prefetch", "prefetch", recompute=True, accumulate="device"))
+    got = measured_peak(cpu_backend, model, summed, 4, x, y)
+    pred = predict(summed, acc, links, 0.0).peak_bytes
+    assert pred * (1 - OVER) <= got <= pred
+    assert got - measured_peak(cpu_backend, model, plans()["host"], 4, x, y) == 4 * sum(b.numel for b in prof.blocks)
+    slow = dataclasses.replace(acc, host_adamw_s_per_param=acc.host_adamw_s_per_param * 1000)
+    on_host = lambda plan: dataclasses.replace(plan, units=[dataclasses.replace(u, accumulate="host") for u in plan.units])
+    for budget, sums in ((predict(plans()["host"], slow, links, 0.0).peak_bytes, False),
+                         (predict(summed, slow, links, 0.0).peak_bytes, True)):
+        plan = schedule(slow, links, budget, allow_dha=False, margin=0.0, explain=False)
+        assert any(u.accumulate == "device" for u in plan.units) == sums, plan.describe()
+        if sums:
+            assert plan.predicted_step_s < predict(on_host(plan), slow, links, 0.0).step_s
+            assert "accumulate=device" in plan.describe()
+
+
 def test_clipping_holds_the_device_homed_gradients_and_the_prediction_counts_them(cpu_backend, setup):
     """With clipping the device optimizer holds every device-homed gradient until ``step()``:
     the measured peak grows past the prediction without clipping, and stays under the one with."""

@@ -28,7 +28,11 @@ The step, as the executor runs it (``executor.py``), in steady state:
 * **gradients** of a host-homed unit land ``d = grad bytes / d2h`` after its backward; one
   host worker runs AdamW in landing order (blocks from last to first, ``rest`` last), each
   unit ``h`` = its host-memory bytes (28 per parameter in one pass, plus accumulation and
-  clipping's) at the bandwidth its own backward's copies leave (``host_budget.py``).
+  clipping's) at the bandwidth its own backward's copies leave (``host_budget.py``). Under
+  gradient accumulation a block planned ``accumulate="device"`` adds each micro-batch into an
+  fp32 device sum instead (``DEVICE_ADD_SHARE`` of its device AdamW time, in ``b``) and sends
+  only the sum home, 4 bytes per parameter, on the last: ``d`` doubles in bf16, and the host
+  neither receives nor adds the earlier micro-batches.
 * **next forward**: a host-homed unit's update must be done before the executor touches it:
   at its own pre-forward for DHA / resident units, when its prefetch is *issued* (the
   executor's ``opt.wait`` in ``_issue_load``, ``prefetch_depth`` blocks earlier, or at
@@ -60,7 +64,8 @@ gradients (held until backward's end), and a device-homed ``rest``'s update
 (``memory_margin``: the only reserve; none is added on top; it also covers CUDA's rounding
 and its cap on reserved bytes, docs/design.md §3.5). With gradient accumulation a
 device-homed unit's fp32 gradient buffer is resident all step, not its update's transient
-(:func:`grads_persist`). The loss peak is measured by the profiler on the model as it will
+(:func:`grads_persist`), and so is the fp32 sum of a host-updated block planned
+``accumulate="device"`` (:func:`~.memory_terms.device_sum_bytes`). The loss peak is measured by the profiler on the model as it will
 run, ``loss_chunks`` included, for our ``CausalLM`` (gpt, llama), ``HFCausalLM`` and Hugging
 Face models computing their own loss alike; where it cannot be measured it is
 :func:`loss_peak_estimate` of the head's shape. The head's weights are ``rest``'s, resident.
@@ -87,13 +92,13 @@ from typing import TYPE_CHECKING, Sequence
 from .config import Plan, UnitPlan
 from .host_budget import host_budget, link_bytes, rest_terms, unit_terms
 from .links import H200_DHA_ROWS, Links, links_from_probe  # noqa: F401  (re-exported: the cost model's inputs)
-from .memory_terms import (LOSS_SLICE_SHARE, auto_loss_chunks, device_bytes_per_param, grads_persist, held_grad_bytes,  # noqa: F401
-                           loss_peak_estimate, rest_resident_bytes, transient_bytes)
+from .memory_terms import (LOSS_SLICE_SHARE, auto_loss_chunks, device_bytes_per_param, device_sum_bytes,  # noqa: F401
+                           grads_persist, held_grad_bytes, loss_peak_estimate, rest_resident_bytes, transient_bytes)
 
 if TYPE_CHECKING:  # the profiler imports torch; the model itself needs only numbers
     from .profiler import StepProfile
 
-__all__ = ["Links", "links_from_probe", "OptionCost", "option_cost", "Prediction", "predict", "State",
+__all__ = ["Links", "links_from_probe", "OptionCost", "option_cost", "Prediction", "predict", "predict_options", "State",
            "initial_state", "advance", "finish", "device_bytes_per_param", "H200_DHA_ROWS", "loss_peak_estimate",
            "auto_loss_chunks", "rest_resident_bytes", "transient_bytes", "grads_persist"]
 
@@ -139,6 +144,9 @@ class OptionCost:
 #: Streamed host_linear against the bare link time of its weight (H200: 2.64 ms against 2.33 ms
 #: for 128 MiB at M=4096, bench/scripts/diag_dha_linear.py).
 STREAM_OVERHEAD = 1.15
+#: A device add of a 16-bit gradient into an fp32 sum moves 10 B per parameter, a quarter of the
+#: ~40 B the device AdamW (upcast, update, write-back) moves: its time, from the profiled rate.
+DEVICE_ADD_SHARE = 0.25
 #: Share of the shorter of (compute, link) that host_linear's backward adds to the longer one.
 #: Fitted on the H200 (8192x8192 bf16 weight, ring gradient write): backward 3.1 / 3.4 / 8.5 ms
 #: measured at M = 1024 / 4096 / 16384, 3.0 / 3.5 / 7.4 ms modelled (diag_dha_linear.py,
@@ -199,7 +207,12 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
         if unit.recompute:  # recomputation reads weights the way backward does (its hook binds them)
             b += _mode_time(unit.backward, blk.fwd_s, w, links, pen)
     u = 0.0 if host else blk.numel * profile.device_adamw_s_per_param
-    b += u
+    # Summing micro-batches on the device (accumulate="device"): an fp32 add per micro-batch, and
+    # the sum goes home once, 4 B per parameter; a plan the executor refuses never wins.
+    summed = host and unit.accumulate == "device"
+    if summed and (profile.accumulation_steps < 2 or "dha" in (unit.forward, unit.backward)):
+        a = math.inf
+    b += u + (blk.numel * profile.device_adamw_s_per_param * DEVICE_ADD_SHARE if summed else 0.0)
     # The executor keeps the last `depth` blocks' forward copies for backward when both passes prefetch.
     kept = unit.forward == unit.backward == "prefetch" and index >= n - prefetch_depth
     grad_bytes = blk.numel * profile.dtype_bytes
@@ -207,14 +220,14 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
     if not host:
         persist = blk.numel * device_bytes_per_param(profile.dtype_bytes, held_grad_bytes(profile))
     else:
-        persist = w if resident else 0
+        persist = (w if resident else 0) + (device_sum_bytes(blk.numel) if summed else 0)
     off_out = off_in = 0.0
     if unit.offload:  # saved activations out on the d2h stream during forward, back before backward
         off_out, off_in = blk.act_bytes / d2h, blk.act_bytes / h2d
     y = (w / h2d if unit.backward == "prefetch" and not kept else 0.0) + off_in
-    d = grad_bytes / d2h if host else 0.0
+    d = (device_sum_bytes(blk.numel) if summed else grad_bytes) / d2h if host else 0.0
     h, h_acc, hm = unit_terms(profile, host_budget(profile, links), blk.numel, host,
-                              link_bytes(unit, w, grad_bytes, blk.act_bytes, kept, host), max(b, y, d))
+                              link_bytes(unit, w, grad_bytes, blk.act_bytes, kept, host), max(b, y, d), summed)
     return OptionCost(
         a=max(a, off_out),
         r=w / h2d if resident and host else 0.0,
@@ -362,6 +375,17 @@ def finish(state: State, first: OptionCost, profile: "StepProfile", links: Links
                        "backward_s": psi, "earlier_micro_batches_s": earlier})
 
 
+def predict_options(opts: Sequence[OptionCost], profile: "StepProfile", links: Links, rest_optimizer: str,
+                    prefetch_depth: int, margin: float) -> Prediction:
+    """:func:`predict` from the blocks' terms (``host_optimizer_s`` left 0): the recurrence from
+    the last block down, then :func:`finish`."""
+    n = len(opts)
+    state = initial_state(prefetch_depth)
+    for s in range(n - 1, -1, -1):
+        state = advance(state, opts[s], opts[s + 1] if s + 1 < n else None)
+    return finish(state, opts[0], profile, links, rest_optimizer, prefetch_depth, margin)
+
+
 def predict(plan: Plan, profile: "StepProfile", links: Links, margin: float = 0.10) -> Prediction:
     """Predicted step time and peak device memory of ``plan`` (see the module docstring).
 
@@ -372,10 +396,7 @@ def predict(plan: Plan, profile: "StepProfile", links: Links, margin: float = 0.
     if len(plan.units) != n:
         raise ValueError(f"the plan covers {len(plan.units)} blocks, the profile {n}")
     opts = [option_cost(profile, links, i, u, plan.prefetch_depth) for i, u in enumerate(plan.units)]
-    state = initial_state(plan.prefetch_depth)
-    for s in range(n - 1, -1, -1):
-        state = advance(state, opts[s], opts[s + 1] if s + 1 < n else None)
-    pred = finish(state, opts[0], profile, links, plan.rest_optimizer, plan.prefetch_depth, margin)
+    pred = predict_options(opts, profile, links, plan.rest_optimizer, plan.prefetch_depth, margin)
     h_rest, acc_rest, _ = rest_terms(profile, host_budget(profile, links), plan.rest_optimizer == "host")
     pred.host_optimizer_s = sum(o.h + o.h_acc for o in opts) + h_rest + acc_rest
     return pred
@@ -384,5 +405,5 @@ def predict(plan: Plan, profile: "StepProfile", links: Links, margin: float = 0.
 def describe_units(units: Sequence[UnitPlan]) -> str:
     """A short name for a list of unit plans (for notes)."""
     return ", ".join(f"{u.forward}/{u.backward}{'+r' if u.recompute else ''}{'+o' if u.offload else ''}"
-                     f"{'@dev' if u.optimizer == 'device' else ''}"
+                     f"{'@dev' if u.optimizer == 'device' else ''}{'+devacc' if u.accumulate == 'device' else ''}"
                      for u in units)

@@ -10,7 +10,9 @@ AdamW took 0.24 ns per parameter alone and 0.33 while both copy directions ran a
   compute-dtype copy (28 B in bf16, 28 B in fp32 where the master is the copy); under
   ``accumulation_steps`` N > 1 the micro-batches are summed into an fp32 buffer on the host
   (the first copied: 4 + g bytes, each later one added: 8 + g) and the pass reads that fp32
-  sum; speculative clipping writes the old master and moments to its backup in the update's
+  sum (a unit planned ``accumulate="device"`` sums on the device instead: the host only
+  receives the fp32 sum, 4 B per parameter over the link once a step, and the pass reads it);
+  speculative clipping writes the old master and moments to its backup in the update's
   own sweep (12 B written; ``speculative_clip.py``), and any clipping reads the gradient once
   more for its norm. A clipped step's re-application from the backups is not counted (it
   happens only in steps whose norm exceeds the limit).
@@ -86,14 +88,17 @@ class UpdateBytes:
         return self.kernel + self.accumulate_final + self.accumulate_earlier + self.backup
 
 
-def update_bytes(dtype_bytes: int, accumulation_steps: int = 1, clip_mode: str = "") -> UpdateBytes:
+def update_bytes(dtype_bytes: int, accumulation_steps: int = 1, clip_mode: str = "",
+                 device_sum: bool = False) -> UpdateBytes:
     """Host bytes per host-updated parameter per step for gradients of ``dtype_bytes`` bytes,
-    ``accumulation_steps`` micro-batches and ``clip_mode`` (empty: no clipping; see the module)."""
+    ``accumulation_steps`` micro-batches and ``clip_mode`` (empty: no clipping; see the module);
+    ``device_sum``: the micro-batches are summed on the device (the host sums nothing)."""
     g, n = dtype_bytes, max(1, int(accumulation_steps))
     grad_read = g if n == 1 else ACC_BYTES  # the pass reads the landed gradient, or the fp32 sum
     kernel = STATE_BYTES + grad_read + (g if g != ACC_BYTES else 0)  # an fp32 master is the working copy
     add = 2 * ACC_BYTES + g
-    return UpdateBytes(kernel, add if n > 1 else 0, (ACC_BYTES + g) + (n - 2) * add if n > 1 else 0,
+    host_sum = n > 1 and not device_sum
+    return UpdateBytes(kernel, add if host_sum else 0, (ACC_BYTES + g) + (n - 2) * add if host_sum else 0,
                        BACKUP_BYTES if clip_mode == "speculative" else 0, grad_read if clip_mode else 0)
 
 
@@ -160,37 +165,43 @@ def link_bytes(unit: UnitPlan, param_bytes: int, grad_bytes: int, act_bytes: int
     """Host-link bytes of a block run as ``unit``: (forward, backward) per micro-batch and the
     per-step reload of a stale host-homed resident block. A DHA pass reads the weight once
     (cuBLAS's re-reads of a plain kernel over a DHA view are not counted); recomputation in a
-    DHA backward reads it again; ``kept``: backward reuses forward's copy."""
+    DHA backward reads it again; ``kept``: backward reuses forward's copy. A unit summing on the
+    device (``accumulate="device"``) sends no gradient per micro-batch (its fp32 sum goes once a
+    step: :func:`unit_terms`)."""
     w = param_bytes
     fwd = w if unit.forward in ("prefetch", "dha") else 0
     if unit.backward == "dha":
         bwd = w * (2 if unit.recompute else 1)
     else:
         bwd = w if unit.backward == "prefetch" and not kept else 0
-    bwd += grad_bytes if host else 0
+    bwd += grad_bytes if host and unit.accumulate != "device" else 0
     if unit.offload:
         fwd, bwd = fwd + act_bytes, bwd + act_bytes
     return fwd, bwd, w if unit.forward == "resident" and host else 0
 
 
 def unit_terms(profile: "StepProfile", budget: HostBudget | None, numel: int, host: bool, links: tuple[int, int, int],
-               backward_s: float) -> tuple[float, float, float]:
+               backward_s: float, device_sum: bool = False) -> tuple[float, float, float]:
     """(host update in the worker's chain, host work of earlier micro-batches, host-memory
     seconds of the step) of one block, all seconds; ``links`` from :func:`link_bytes`,
     ``backward_s`` its backward slot. Its update runs beside its own backward's copies
     (:meth:`HostBudget.beside`), a stand-in for those of the blocks whose backward it overlaps;
-    each earlier micro-batch's accumulation beside that micro-batch's."""
+    each earlier micro-batch's accumulation beside that micro-batch's. ``device_sum``: the
+    block sums its micro-batches on the device and its fp32 sum crosses the link once, with
+    the last micro-batch's copies."""
     if budget is None:
         return (numel * profile.host_adamw_s_per_param if host else 0.0), 0.0, 0.0
     fwd, bwd, once = links
     n = max(1, profile.accumulation_steps)
-    link = n * (fwd + bwd) + once
+    summed = ACC_BYTES * numel if host and device_sum else 0
+    link = n * (fwd + bwd) + once + summed
     final = earlier = 0.0
     if host:
         clip = profile.clip_mode if getattr(profile, "clipping", False) else ""
-        final, earlier = budget.work(numel, update_bytes(profile.dtype_bytes, n, clip))
+        final, earlier = budget.work(numel, update_bytes(profile.dtype_bytes, n, clip, device_sum))
     acc = (n - 1) * budget.beside(earlier / (n - 1), bwd, backward_s) if n > 1 else 0.0
-    return budget.beside(final, bwd, backward_s), acc, budget.seconds(final + earlier + budget.copy_weight * link)
+    return (budget.beside(final, bwd + summed, backward_s), acc,
+            budget.seconds(final + earlier + budget.copy_weight * link))
 
 
 def rest_terms(profile: "StepProfile", budget: HostBudget | None, rest_host: bool) -> tuple[float, float, float]:

@@ -2,7 +2,8 @@
 
 Bytes per parameter of a device-homed unit, what ``rest`` (embeddings, head, final norm) holds
 all step, the transient on top of it (the loss, a block's backward beside ``rest``'s gradients,
-a device-homed ``rest``'s update), the loss's shape-based estimate and the automatic choice of
+a device-homed ``rest``'s update), the fp32 sum of a block summing its micro-batches on the
+device (:func:`device_sum_bytes`), the loss's shape-based estimate and the automatic choice of
 ``loss_chunks``. :mod:`strategies.memferry.cost` combines them into a plan's peak.
 """
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .profiler import StepProfile
 
-__all__ = ["device_bytes_per_param", "held_grad_bytes", "grads_persist", "loss_peak_estimate", "LOSS_SLICE_SHARE", "auto_loss_chunks",
+__all__ = ["device_bytes_per_param", "held_grad_bytes", "grads_persist", "device_sum_bytes", "loss_peak_estimate",
+           "LOSS_SLICE_SHARE", "auto_loss_chunks",
            "rest_resident_bytes", "transient_bytes"]
 
 
@@ -49,6 +51,14 @@ def grads_persist(profile: "StepProfile") -> bool:
     if getattr(profile, "accumulation_steps", 1) > 1:
         return True
     return getattr(profile, "clipping", False) and getattr(profile, "data_parallel", False)
+
+
+def device_sum_bytes(numel: int) -> int:
+    """Device bytes of a host-updated block planned ``accumulate="device"``: its fp32 sum of the
+    micro-batches' gradients, allocated at the step's first micro-batch and freed once copied
+    home in its last, so held through every later forward and backward (counted all step, as
+    :func:`grads_persist` counts a device-homed unit's buffer)."""
+    return 4 * numel
 
 
 def loss_peak_estimate(tokens: int, vocab: int, hidden: int, chunks: int = 1, dtype_bytes: int = 4) -> int:

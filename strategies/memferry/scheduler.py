@@ -26,7 +26,9 @@ buckets, so the budget check is the cost model's own.
 Per block the choices are every :class:`UnitPlan` the executor accepts: resident (host- or
 device-homed) or prefetch / DHA per pass, each with or without recompute (a different
 backward mode needs recompute); DHA only where ``allow_dha`` (and the links have a DHA
-rate).
+rate). Under gradient accumulation (``profile.accumulation_steps > 1``) every host-updated
+choice without DHA comes twice more: summing its micro-batches on the host or on the device
+(``UnitPlan.accumulate``: device memory for fewer link and host-memory bytes).
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ import itertools
 import math
 
 import numpy as np
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from xpu.errors import XpuError
@@ -42,7 +44,7 @@ from xpu.units import format_bytes
 
 from .config import Plan, UnitPlan
 from .cost import (Links, OptionCost, Prediction, State, advance, describe_units, finish, initial_state, option_cost,
-                   predict, rest_resident_bytes, transient_bytes)
+                   predict, predict_options, rest_resident_bytes, transient_bytes)
 from .host_budget import host_budget, rest_terms
 
 if TYPE_CHECKING:
@@ -69,8 +71,10 @@ GROUP_ABOVE = 24
 LONG_MODEL_LABELS = 300
 
 
-def unit_choices(allow_dha: bool = True, allow_device_optimizer: bool = True) -> list[UnitPlan]:
-    """Every per-block plan the executor runs (``check_plan``'s rules)."""
+def unit_choices(allow_dha: bool = True, allow_device_optimizer: bool = True,
+                 device_sum: bool = False) -> list[UnitPlan]:
+    """Every per-block plan the executor runs (``check_plan``'s rules); ``device_sum``: with the
+    ``accumulate="device"`` variants of host-updated ones without DHA (gradient accumulation)."""
     modes = ["prefetch", "dha"] if allow_dha else ["prefetch"]
     # activations: kept, recomputed, or offloaded to host
     acts = ((False, False), (True, False), (False, True))
@@ -82,6 +86,8 @@ def unit_choices(allow_dha: bool = True, allow_device_optimizer: bool = True) ->
             if f != b and not r:
                 continue  # without recompute backward reads what forward saved: same mode
             out.append(UnitPlan(f, b, r, offload=o))
+    if device_sum:
+        out += [replace(u, accumulate="device") for u in out if u.optimizer == "host" and "dha" not in (u.forward, u.backward)]
     return out
 
 
@@ -317,7 +323,8 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
         raise ValueError(f"the profile has {n} blocks, the model {n_blocks}")
     allow_dha = allow_dha and bool(links.dha_read_GBps)
     rest_optimizers = [r for r in rest_optimizers if allow_device_optimizer or r == "host"]
-    choices = prune_offload(unit_choices(allow_dha, allow_device_optimizer), profile, links)
+    choices = prune_offload(unit_choices(allow_dha, allow_device_optimizer, profile.accumulation_steps > 1), profile,
+                            links)
     depths = list(depths)
     rest_optimizers = list(rest_optimizers)
     group = group_blocks if group_blocks is not None else max(1, math.ceil(n / GROUP_ABOVE))
@@ -433,15 +440,17 @@ def brute_force(profile: "StepProfile", links: Links, budget_bytes: float, allow
     """The best plan by trying every one (tests only: exponential in the block count)."""
     n = len(profile.blocks)
     allow_dha = allow_dha and bool(links.dha_read_GBps)
-    choices = prune_offload(unit_choices(allow_dha, allow_device_optimizer), profile, links)
+    choices = prune_offload(unit_choices(allow_dha, allow_device_optimizer, profile.accumulation_steps > 1), profile,
+                            links)
     best: tuple[float, Plan] | None = None
     for depth in depths:
+        opts = _options(profile, links, choices, depth)  # predict()'s terms, computed once per block and choice
         for rest_optimizer in rest_optimizers:
             if rest_optimizer == "device" and not allow_device_optimizer:
                 continue
-            for combo in itertools.product(choices, repeat=n):
-                plan = Plan(list(combo), depth, rest_optimizer)
-                p = predict(plan, profile, links, margin)
+            for combo in itertools.product(range(len(choices)), repeat=n):
+                p = predict_options([opts[i][c] for i, c in enumerate(combo)], profile, links, rest_optimizer, depth,
+                                    margin)
                 if p.peak_bytes <= budget_bytes and (best is None or p.step_s < best[0]):
-                    best = (p.step_s, plan)
+                    best = (p.step_s, Plan([choices[c] for c in combo], depth, rest_optimizer))
     return best
