@@ -62,7 +62,7 @@ def test_accumulation_matches_a_plain_reference(cpu_backend, system, tmp_path, m
 
     monkeypatch.setenv("XPU_CACHE_DIR", str(tmp_path))
     save_cached(cpu_backend, {"host": {"triad_GBps": 10.0}})  # a probe's host figure, for the row's floor
-    options = {"plan": "prefetch"} if system == "memferry" else {}
+    options = {"plan": "prefetch+devacc"} if system == "memferry" else {}  # blocks sum on the device, rest on the host
     scenario = _scenario([{"name": system, "options": options}], accumulation_steps=3)
     row = _run(scenario, system)
     ref = _reference_losses(scenario)
@@ -71,8 +71,14 @@ def test_accumulation_matches_a_plain_reference(cpu_backend, system, tmp_path, m
     # tokens per second count every micro-batch of the step
     assert row["tokens_per_s"] == pytest.approx(3 * 2 * 16 / row["step_s"], rel=1e-3)
     if system == "memferry":  # the host optimizer's rate beside the floor host memory sets (fp32, 3 micro-batches)
-        nbytes = update_bytes(4, 3).timed
-        assert row["host_bytes_per_param"] == nbytes == 28 + 12 + (8 + 12)
+        from strategies.models import build_model
+
+        model = build_model("gpt", dtype=torch.float32, **scenario.model_dims())
+        share = sum(p.numel() for p in model.blocks.parameters()) / sum(p.numel() for p in model.parameters())
+        assert update_bytes(4, 3).timed == 28 + 12 + (8 + 12) and update_bytes(4, 3, device_sum=True).timed == 28
+        nbytes = round((1 - share) * update_bytes(4, 3).timed + share * 28, 1)  # the blocks' host reads one fp32 sum
+        assert row["host_bytes_per_param"] == nbytes
+        assert "2 of 2 blocks sum micro-batches on the device" in row["notes"]
         assert row["host_floor_ns_per_param"] == pytest.approx(nbytes / 10.0)
         assert row["host_over_floor"] == pytest.approx(row["host_ns_per_param"] / (nbytes / 10.0), rel=1e-2)
         assert f"host AdamW {row['host_ns_per_param']:.3f} ns/param" in row["notes"]

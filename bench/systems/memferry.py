@@ -97,9 +97,12 @@ class MemFerrySystem(BenchSystem):
         self._losses: list[torch.Tensor] = []
         self._export_note = ""
         self._first_batch: tuple[torch.Tensor, torch.Tensor] | None = None
+        summing = sum(u.accumulate == "device" for u in self.engine.plan.units)
         if spec == "auto":
             predicted = self.engine.plan.predicted_step_s
             self._plan_note += f" (predicted {predicted:.3f} s)" if predicted is not None else ""
+        if summing:
+            self._plan_note += f", {summing} of {len(self.engine.plan.units)} blocks sum micro-batches on the device"
             print(f"memferry plan chosen by the scheduler:\n{self.engine.plan.describe()}", flush=True)
         if self._optimizer_alone:
             self._plan_note = f"host AdamW alone over every unit, host kernel {self.engine.optimizer.kernel.name}"
@@ -127,9 +130,12 @@ class MemFerrySystem(BenchSystem):
             return {}
         self.engine.optimizer.wait_all()
         cfg = self.engine.cfg
+        host = [s for s in self.engine.shadow.shadows if s.home == "host"]
+        summed = sum(s.master.numel() for s in host if s in self.engine.executor.sums)
         return {"predicted_step_s": self.engine.plan.predicted_step_s,
                 **host_metrics(*self.engine.host_rate(), self._ctx.dtype, self._accumulation,
-                               cfg.clip_mode if cfg.max_grad_norm is not None else "", self._ctx.backend)}
+                               cfg.clip_mode if cfg.max_grad_norm is not None else "", self._ctx.backend,
+                               summed / max(1, sum(s.master.numel() for s in host)))}
 
     def _clip_note(self) -> str:
         """With clipping: how many steps clipped, and how many speculative updates rolled back."""
