@@ -85,6 +85,14 @@ class DeviceSums:
         self._open.discard(s.unit.index)
 
 
+    def discard(self, stream: Any) -> None:
+        """Give back every partial sum (the engine closes mid-step)."""
+        for index in self.open_units():
+            self.b.keep_alive(self._flat[index], stream)
+            self.b.free_storage(self._flat[index])
+        self._open.clear()
+
+
 def check_accumulate(plan: Plan, accumulation_steps: int) -> None:
     """Raise ValueError if ``plan`` sums micro-batches on the device without accumulation."""
     for i, u in enumerate(plan.units):

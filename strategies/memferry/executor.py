@@ -193,6 +193,7 @@ class Executor:
         self._last_swap_group = None
         self._loaded.clear()
         self._frozen_in_backward = []
+        self.sums.discard(self.compute)
 
     # ------------------------------------------------------------------ step boundaries
     @property
