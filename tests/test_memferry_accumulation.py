@@ -87,7 +87,7 @@ def _summing(accumulate):
                  UnitPlan("resident", "resident", optimizer="device"), UnitPlan("prefetch", "prefetch")])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("clip", [None, 0.05])
 def test_device_summing_is_bit_equal_to_host_summing(cpu_backend, dtype, clip):
     """``UnitPlan(accumulate="device")`` against the same plan summing on the host: two steps of 3

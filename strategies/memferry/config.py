@@ -160,7 +160,8 @@ class Plan:
         units: one :class:`UnitPlan` per block, in forward order.
         prefetch_depth: how many prefetch units may be in flight ahead of compute.
         rest_optimizer: where the ``rest`` unit (embeddings, final norm, head: always
-            resident) is updated, ``"host"`` or ``"device"``.
+            resident) is updated, ``"host"`` or ``"device"``; under gradient accumulation it
+            sums its micro-batches there too.
         predicted_step_s: the scheduler's prediction, when it made the plan.
         host_s_per_param: the host AdamW rate (seconds per parameter) that prediction assumed,
             as profiled; the engine compares it with the rate its steps measure.
