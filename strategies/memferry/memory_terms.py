@@ -15,8 +15,7 @@ if TYPE_CHECKING:
     from .profiler import StepProfile
 
 __all__ = ["device_bytes_per_param", "held_grad_bytes", "grads_persist", "device_sum_bytes", "loss_peak_estimate",
-           "LOSS_SLICE_SHARE", "auto_loss_chunks",
-           "rest_resident_bytes", "transient_bytes"]
+           "LOSS_SLICE_SHARE", "auto_loss_chunks", "rest_resident_bytes", "transient_bytes"]
 
 
 def device_bytes_per_param(dtype_bytes: int, grad_bytes: int = 0) -> int:
