@@ -97,13 +97,13 @@ class MemFerrySystem(BenchSystem):
         self._losses: list[torch.Tensor] = []
         self._export_note = ""
         self._first_batch: tuple[torch.Tensor, torch.Tensor] | None = None
-        summing = sum(u.accumulate == "device" for u in self.engine.plan.units)
         if spec == "auto":
             predicted = self.engine.plan.predicted_step_s
             self._plan_note += f" (predicted {predicted:.3f} s)" if predicted is not None else ""
+            print(f"memferry plan chosen by the scheduler:\n{self.engine.plan.describe()}", flush=True)
+        summing = sum(u.accumulate == "device" for u in self.engine.plan.units)
         if summing:
             self._plan_note += f", {summing} of {len(self.engine.plan.units)} blocks sum micro-batches on the device"
-            print(f"memferry plan chosen by the scheduler:\n{self.engine.plan.describe()}", flush=True)
         if self._optimizer_alone:
             self._plan_note = f"host AdamW alone over every unit, host kernel {self.engine.optimizer.kernel.name}"
             for shadow in self.engine.shadow.shadows:
