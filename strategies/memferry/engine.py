@@ -138,9 +138,8 @@ class MemFerry:
             or, planned ``UnitPlan(accumulate="device")`` (``plan="auto"`` chooses it where the
             budget allows), in a 4-byte-per-parameter fp32 device buffer held through the step,
             sending only the sum home: bit-equal, with N - 1 fewer gradient copies and no host
-            additions. Updates start
-            overlapped with the backward of the N-th micro-batch; a ``step()`` after fewer
-            backwards applies what was accumulated then. Calls out of order raise
+            additions. Updates start overlapped with the backward of the N-th micro-batch; a
+            ``step()`` after fewer backwards applies what was accumulated then. Calls out of order raise
             :class:`~strategies.memferry.accumulation.AccumulationError`.
         no_decay: qualified names of parameters trained without weight decay (None: biases and
             normalisation layers' parameters, as Hugging Face's Trainer groups them:
