@@ -84,7 +84,6 @@ class DeviceSums:
         self.b.free_storage(flat)
         self._open.discard(s.unit.index)
 
-
     def discard(self, stream: Any) -> None:
         """Give back every partial sum (the engine closes mid-step)."""
         for index in self.open_units():
