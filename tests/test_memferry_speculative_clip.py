@@ -37,9 +37,11 @@ def _model():
     return TinyGPT()
 
 
-def run(backend, clip, mode, plan="prefetch", dtype="fp32", accumulation=1, backup=None, lr_between=None):
+def run(backend, clip, mode, plan="prefetch", dtype="fp32", accumulation=1, backup=None, lr_between=None,
+        kernel="auto"):
     """Train STEPS steps; returns losses, norms, every shadow buffer, the state dicts and clip stats."""
-    cfg = AdamW(lr=3e-3, weight_decay=0.1, max_grad_norm=clip, clip_mode=mode, clip_backup_bytes=backup)
+    cfg = AdamW(lr=3e-3, weight_decay=0.1, max_grad_norm=clip, clip_mode=mode, clip_backup_bytes=backup,
+                host_kernel=kernel)
     engine = MemFerry(_model(), optim=cfg, plan=PLANS[plan](), backend=backend, loss_fn=lm_loss,
                       compute_dtype=DTYPES[dtype], accumulation_steps=accumulation)
     losses, norms = [], []
@@ -319,5 +321,14 @@ def test_speculation_in_small_pieces_equals_wait(cpu_backend, monkeypatch):
     clip = CLIPS["some"]
     wait = run(cpu_backend, clip, "wait", "prefetch", "bf16")
     spec = run(cpu_backend, clip, "speculative", "prefetch", "bf16")
+    assert_bit_equal(spec, wait)
+    assert_counts(spec["stats"], host_units(cpu_backend), wait, clip)
+
+
+def test_speculation_with_torch_s_kernel_equals_wait(cpu_backend):
+    """The three-pass torch kernel takes its backups and rollbacks by copies, chunk by chunk: the same bits."""
+    clip = CLIPS["some"]
+    wait = run(cpu_backend, clip, "wait", "prefetch", "bf16", kernel="torch")
+    spec = run(cpu_backend, clip, "speculative", "prefetch", "bf16", kernel="torch")
     assert_bit_equal(spec, wait)
     assert_counts(spec["stats"], host_units(cpu_backend), wait, clip)

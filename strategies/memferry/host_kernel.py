@@ -170,8 +170,10 @@ class TorchKernel(HostKernel):
         for k, ((a, b), opt) in enumerate(zip(bounds, self._optims[id(s)])):
             times = {"upcast": 0.0, "adamw": 0.0, "writeback": 0.0, "backup": 0.0}
             t0 = time.perf_counter()
-            for mine, other in zip(state, save or source or ()):
-                (other[a:b].copy_(mine[a:b]) if save is not None else mine[a:b].copy_(other[a:b]))
+            for mine, other in zip(state, save or ()):
+                other[a:b].copy_(mine[a:b])
+            for mine, other in zip(state, source or ()):
+                mine[a:b].copy_(other[a:b])
             times["backup"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             if low:

@@ -37,11 +37,9 @@ def held_grad_bytes(profile: "StepProfile") -> int:
     * 0 otherwise: the fp32 buffer lives only while the unit's update runs.
 
     Counted from the step's start: an upper bound, as they build up through backward."""
-    if getattr(profile, "accumulation_steps", 1) > 1:
+    if grads_persist(profile):
         return 4
-    if getattr(profile, "clipping", False):
-        return 4 if getattr(profile, "data_parallel", False) else profile.dtype_bytes
-    return 0
+    return profile.dtype_bytes if getattr(profile, "clipping", False) else 0
 
 
 def grads_persist(profile: "StepProfile") -> bool:
