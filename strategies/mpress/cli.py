@@ -156,6 +156,7 @@ def _run_rank(config: Any, args: argparse.Namespace) -> int:
 
     from strategies.mpress.launcher import run_rank
     from strategies.mpress.planner import InfeasibleBudgetError, PlanOverBudgetError
+    from xpu.dist import leave_rank
     from xpu.units import format_bytes
 
     rank = int(os.environ.get("RANK", "0"))
@@ -176,7 +177,7 @@ def _run_rank(config: Any, args: argparse.Namespace) -> int:
             with open(status, "w") as fh:
                 fh.write("2")
         # Started by hand under torchrun, the exit status says it; by the launcher, the file.
-        _exit_now(2 if status is None else 0)
+        leave_rank(2 if status is None else 0)
     except Exception as exc:
         oom = _out_of_memory(exc, torch.OutOfMemoryError)
         if oom is None:
@@ -186,19 +187,6 @@ def _run_rank(config: Any, args: argparse.Namespace) -> int:
               f"--budget-gb, more micro-batches or more stages", file=sys.stderr)
         return 3
     return 0
-
-
-def _exit_now(code: int) -> None:
-    """Leave this rank's process with ``code`` at once, its output flushed.
-
-    Not through interpreter shutdown: with the process group gone, a torch thread (the
-    rendezvous store's, gloo's) can still be alive there, and destroying it aborts the process
-    ("terminate called without an active exception", SIGABRT) after the one-line error, about
-    one run in five; torchrun then reports a failed rank over the message.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _out_of_memory(exc: BaseException, oom_type: type) -> BaseException | None:

@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from strategies.training import RunInfo, StepReport, TrainCallback, load_config, train
+    from xpu.dist import leave_rank
 
     config = load_config(args.config, _overrides(args))
     # Log lines go to stderr with --json so stdout stays one parseable object.
@@ -138,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         display.close()
     if result.info.world > 1 and os.environ.get("RANK", "0") != "0":
-        return 0  # data-parallel under torchrun: rank 0 alone reports (train() kept the others' callbacks silent)
+        leave_rank(0)  # data-parallel under torchrun: rank 0 alone reports (train() kept the others' callbacks silent)
     n = len(result.losses)
     head = result.losses[: max(1, min(10, n // 10 or 1))]
     tail = result.losses[-max(1, min(10, n // 10 or 1)):]
@@ -149,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
                   + (f"; checkpoint {result.checkpoints[-1]}" if result.checkpoints else ""))
     if args.json:
         print(json.dumps(result.to_dict(), default=str))
+    if result.info.world > 1:
+        leave_rank(0)  # a torchrun rank, its group closed: past interpreter shutdown's thread teardown
     return 0
 
 
