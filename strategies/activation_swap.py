@@ -232,8 +232,9 @@ class ActivationSwapper:
         self.backend.copy(dst, src if src.shape == dst.shape else src.view(dst.shape), stream=out_stream)
         done = self.backend.event()
         done.record(out_stream)
-        # The source is freed when autograd drops it; its memory must not be reused before the copy ends.
-        self.backend.keep_alive(t, out_stream)
+        # What the copy reads is freed when autograd drops it (or, for a permuted tensor's contiguous
+        # copy, as soon as this hook returns); its memory must not be reused before the copy ends.
+        self.backend.keep_alive(src, out_stream)
         self.stats.bytes[where] += nbytes
         handle = _Slot(t, _Resource(dst, release, done), where)
         group.slots.append(weakref.ref(handle))
