@@ -224,11 +224,13 @@ class ActivationSwapper:
         out_stream, _ = self._streams()
         compute = self.backend.current_stream(self.device)
         dst, release, where = self._destination(group.destination, t)
-        # The producer kernel is queued on the compute stream: order the copy after it.
+        # A permuted tensor is made contiguous by a kernel on the compute stream first.
+        src = t.detach() if t.is_contiguous() else t.detach().contiguous()
+        # The producer kernels (t's, then the contiguous copy's) are queued on the compute
+        # stream: order the side-stream copy after them.
         ready = self.backend.event()
         ready.record(compute)
         out_stream.wait_event(ready)
-        src = t.detach() if t.is_contiguous() else t.detach().contiguous()
         self.backend.copy(dst, src if src.shape == dst.shape else src.view(dst.shape), stream=out_stream)
         done = self.backend.event()
         done.record(out_stream)
