@@ -4,12 +4,14 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from strategies.memferry.config import Plan, UnitPlan
 from strategies.memferry.cost import H200_DHA_ROWS, Links, links_from_probe, predict
 from strategies.memferry.profiler import BlockProfile, StepProfile, profile_step
+from strategies.memferry.pareto import pareto_front
 from strategies.memferry.scheduler import brute_force, min_budget, prune_offload, schedule, unit_choices
 from strategies.memferry.units import split_units
 
@@ -464,3 +466,27 @@ def test_the_host_optimizer_thread_binds_the_engine_s_device_first(cpu_backend, 
     engine.train_step(tok[:, :-1], tok[:, 1:])
     engine.close()
     assert ("memferry-host-adamw", 1) in bound
+
+
+def _front_by_definition(rows, cap):
+    """Rows in lexicographic order, each kept unless an earlier kept row is at most it everywhere."""
+    keys = np.where(np.isneginf(rows), -1e300, rows)
+    kept: list[int] = []
+    for i in np.lexsort(keys.T[::-1]):
+        if not any(np.all(keys[j] <= keys[i]) for j in kept):
+            kept.append(int(i))
+    return (kept[:cap], True) if cap is not None and len(kept) > cap else (kept, False)
+
+
+def test_pareto_front_keeps_exactly_the_rows_no_earlier_row_dominates():
+    """Ties, "none yet" (-inf) entries, constant columns, chunks past the first, and the cap."""
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        n, d = int(rng.integers(1, 700)), int(rng.integers(1, 6))
+        rows = rng.integers(0, 6, size=(n, d)).astype(float)
+        rows[rng.random((n, d)) < 0.1] = -np.inf
+        rows[:, 0] = 3.0 if trial % 4 == 0 else rows[:, 0]  # a column that decides nothing
+        cap = int(rng.integers(1, 50)) if trial % 3 == 0 else None
+        got, cut = pareto_front(rows, cap)
+        want, want_cut = _front_by_definition(rows, cap)
+        assert list(got) == want and cut == want_cut, trial

@@ -89,6 +89,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
+
 from .config import Plan, UnitPlan
 from .host_budget import host_budget, link_bytes, rest_terms, unit_terms
 from .links import H200_DHA_ROWS, Links, links_from_probe  # noqa: F401  (re-exported: the cost model's inputs)
@@ -99,7 +101,7 @@ if TYPE_CHECKING:  # the profiler imports torch; the model itself needs only num
     from .profiler import StepProfile
 
 __all__ = ["Links", "links_from_probe", "OptionCost", "option_cost", "Prediction", "predict", "predict_options", "State",
-           "initial_state", "advance", "finish", "device_bytes_per_param", "H200_DHA_ROWS", "loss_peak_estimate",
+           "initial_state", "advance", "advance_rows", "finish", "device_bytes_per_param", "H200_DHA_ROWS", "loss_peak_estimate",
            "auto_loss_chunks", "rest_resident_bytes", "transient_bytes", "grads_persist"]
 
 _NEG = -math.inf
@@ -292,6 +294,13 @@ class State:
         return (self.phi, self.psi, self.m, self.t, *self.pending, float(self.mem), float(self.trans), float(self.slot),
                 self.hm, self.psi0)
 
+    @classmethod
+    def from_key(cls, key: Sequence[float], prefetch_depth: int) -> "State":
+        """The state whose :meth:`key` is ``key`` (a row of :func:`advance_rows`)."""
+        k = 4 + prefetch_depth
+        return cls(float(key[0]), float(key[1]), float(key[2]), float(key[3]), tuple(float(x) for x in key[4:k]),
+                   int(key[k]), int(key[k + 1]), int(key[k + 2]), float(key[k + 3]), float(key[k + 4]))
+
 
 def initial_state(prefetch_depth: int) -> State:
     """Nothing processed yet."""
@@ -301,23 +310,37 @@ def initial_state(prefetch_depth: int) -> State:
 def advance(state: State, cur: OptionCost, nxt: OptionCost | None) -> State:
     """Add block ``s`` (``cur``) below the processed blocks ``s+1..N-1`` (``nxt`` is block s+1's
     terms, None when ``s`` is the last block)."""
-    phi = state.phi + max(cur.a + cur.r, nxt.x if nxt is not None else 0.0)
+    return State.from_key(advance_rows(np.array([state.key()]), cur, nxt)[0], len(state.pending))
+
+
+def advance_rows(rows: np.ndarray, cur: OptionCost, nxt: OptionCost | None) -> np.ndarray:
+    """:func:`advance` on many states at once, one :meth:`State.key` per row (the scheduler's
+    partial plans); float64 arithmetic in the same order, so the result is the same to the bit."""
+    depth = rows.shape[1] - 9
+    k = 4 + depth  # where mem, trans, slot, hm, psi0 start
+    out = np.empty_like(rows)
+    phi = rows[:, 0] + max(cur.a + cur.r, nxt.x if nxt is not None else 0.0)
     # psi gains block s+1's slot: its backward, or the copy of block s it overlaps.
-    psi = state.psi + (max(nxt.b, cur.y) if nxt is not None else cur.y)  # last block: copy not overlapped
-    m, t, pending = state.m, state.t, list(state.pending)
+    psi = rows[:, 1] + (max(nxt.b, cur.y) if nxt is not None else cur.y)  # last block: copy not overlapped
+    m, t, pending = rows[:, 2], rows[:, 3], rows[:, 4:k]
     if not cur.dha_fwd:  # this block's pre-forward issues the loads of the next `depth` non-DHA blocks
-        if pending[0] > _NEG:
-            t = max(t, phi + pending[0])
-        pending = pending[1:] + [_NEG]
+        t = np.maximum(t, phi + pending[:, 0])  # a -inf pending (none) leaves t as it was
+        pending = np.concatenate([pending[:, 1:], np.full((len(rows), 1), _NEG)], axis=1)
+    else:
+        pending = pending.copy()
     if cur.host:
-        m = max(m, psi + cur.b + cur.d) + cur.h
+        m = np.maximum(m, psi + cur.b + cur.d) + cur.h
         if cur.prefetch_fwd:
-            pending[-1] = max(pending[-1], m)
+            pending[:, -1] = np.maximum(pending[:, -1], m)
         else:
-            t = max(t, phi + m)
-    return State(phi, psi, m, t, tuple(pending), state.mem + cur.persist + cur.act, max(state.trans, cur.trans),
-                 max(state.slot, cur.slot), state.hm + cur.hm,
-                 state.psi0 + (max(nxt.b0, cur.y0) if nxt is not None else cur.y0))
+            t = np.maximum(t, phi + m)
+    out[:, 0], out[:, 1], out[:, 2], out[:, 3], out[:, 4:k] = phi, psi, m, t, pending
+    out[:, k] = rows[:, k] + (cur.persist + cur.act)  # whole bytes, exact in float64 below 2**53
+    out[:, k + 1] = np.maximum(rows[:, k + 1], cur.trans)
+    out[:, k + 2] = np.maximum(rows[:, k + 2], cur.slot)
+    out[:, k + 3] = rows[:, k + 3] + cur.hm
+    out[:, k + 4] = rows[:, k + 4] + (max(nxt.b0, cur.y0) if nxt is not None else cur.y0)
+    return out
 
 
 @dataclass

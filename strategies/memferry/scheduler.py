@@ -36,16 +36,17 @@ import itertools
 import math
 
 import numpy as np
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from xpu.errors import XpuError
 from xpu.units import format_bytes
 
 from .config import Plan, UnitPlan
-from .cost import (Links, OptionCost, Prediction, State, advance, describe_units, finish, initial_state, option_cost,
+from .cost import (Links, OptionCost, Prediction, State, advance_rows, describe_units, finish, initial_state, option_cost,
                    predict, predict_options, rest_resident_bytes, transient_bytes)
 from .host_budget import host_budget, rest_terms
+from .pareto import pareto_front
 
 if TYPE_CHECKING:
     from .profiler import StepProfile
@@ -101,52 +102,19 @@ def prune_offload(choices: Sequence[UnitPlan], profile: "StepProfile", links: Li
     return [c for c in choices if not c.offload]
 
 
-@dataclass
-class _Label:
-    state: State
-    choice: int
-    parent: "_Label | None"
-
-
-def _pareto(labels: list[_Label], cap: int | None) -> tuple[list[_Label], bool]:
-    """Labels whose state no other label's state is component-wise at most (ties: keep one).
-
-    Returns the kept labels and whether ``cap`` forced dropping non-dominated ones (then the
-    result is no longer guaranteed optimal).
-    """
-    if len(labels) <= 1:
-        return labels, False
-    keys = np.array([lab.state.key() for lab in labels])
-    keys[np.isneginf(keys)] = -1e300  # -inf marks "none yet"; keep comparisons finite
-    # Lexicographic order: a label that dominates another (and differs) sorts before it.
-    order = np.lexsort(keys.T[::-1])
-    keys = keys[order]
-    # In that order a label is dropped when any earlier one is at most it in every component:
-    # an earlier dropped one is itself dominated by a kept one, which then dominates this one
-    # too (transitivity), so "any earlier" is "any kept earlier". Checked a chunk at a time.
-    kept = np.zeros(len(keys), dtype=bool)
-    chunk = 256
-    for c0 in range(0, len(keys), chunk):
-        x = keys[c0:c0 + chunk]
-        prior = keys[:c0][kept[:c0]]
-        dropped = np.zeros(len(x), dtype=bool)
-        if len(prior):
-            dropped |= np.all(prior[:, None, :] <= x[None, :, :], axis=2).any(axis=0)
-        within = np.all(x[:, None, :] <= x[None, :, :], axis=2)  # within[i, j]: x_i at most x_j everywhere
-        dropped |= np.triu(within, k=1).any(axis=0)
-        kept[c0:c0 + chunk] = ~dropped
-    kept_idx = [int(i) for i in order[kept]]
-    out = [labels[i] for i in kept_idx]
-    if cap is not None and len(out) > cap:
-        return out[:cap], True  # the smallest component sums first: a heuristic past the cap
-    return out, False
-
-
 def _peak(profile: "StepProfile", rest_optimizer: str, depth: int, mem: int, trans: int, slot: int, margin: float) -> int:
+    """The predicted peak of a plan whose blocks add up to ``mem``, ``trans`` and ``slot``."""
+    return int(_peaks(profile, rest_optimizer, depth, np.array([mem]), np.array([trans]), np.array([slot]), margin)[0])
+
+
+def _peaks(profile: "StepProfile", rest_optimizer: str, depth: int, mem: np.ndarray, trans: np.ndarray,
+           slot: np.ndarray, margin: float) -> np.ndarray:
+    """:func:`_peak` of many partial plans (float64 of whole bytes: exact below 2**53)."""
     # The same expression as cost.finish, so pruning and the final check agree to the byte.
-    raw = (rest_resident_bytes(profile, rest_optimizer) + profile.input_bytes + mem + (depth + 1) * slot
-           + transient_bytes(profile, rest_optimizer, trans))
-    return int(raw * (1 + margin))
+    uniq, inv = np.unique(trans, return_inverse=True)  # few distinct values: one per block option
+    transient = np.array([transient_bytes(profile, rest_optimizer, int(t)) for t in uniq], dtype=np.float64)[inv]
+    raw = rest_resident_bytes(profile, rest_optimizer) + profile.input_bytes + mem + (depth + 1) * slot + transient
+    return np.floor(raw * (1 + margin))
 
 
 def _options(profile: "StepProfile", links: Links, choices: Sequence[UnitPlan], depth: int) -> list[list[OptionCost]]:
@@ -178,58 +146,68 @@ def _run_dp(profile: "StepProfile", links: Links, budget: float, choices: Sequen
     u_rest = 0.0 if rest_host else profile.rest_numel * profile.device_adamw_s_per_param
     h_rest, _, hm_rest = rest_terms(profile, host_budget(profile, links), rest_host)
 
-    def lower_bound(st: State, s: int) -> float:
-        """A step time no completion of this partial plan (blocks s..N-1 chosen) can beat."""
-        phi_all = st.phi + min_fwd[s]
-        lb = pre_min + phi_all + t_rest + st.psi + min_bwd[s] + u_rest
-        lb = max(lb, t_rest + st.t, t_rest + st.phi + max(st.pending), st.hm + min_hm[s] + hm_rest)
+    def lower_bound(st: np.ndarray, s: int) -> np.ndarray:
+        """Step times no completion of these partial plans (state rows; blocks s..N-1 chosen) can beat."""
+        phi, psi, m, t = st[:, 0], st[:, 1], st[:, 2], st[:, 3]
+        phi_all = phi + min_fwd[s]
+        lb = pre_min + phi_all + t_rest + psi + min_bwd[s] + u_rest
+        lb = np.maximum(lb, np.maximum(t_rest + t, t_rest + phi + st[:, 4:4 + depth].max(axis=1)))
+        lb = np.maximum(lb, st[:, 4 + depth + 3] + min_hm[s] + hm_rest)
         if rest_host:
-            lb = max(lb, pre_min + phi_all + t_rest + st.m + h_rest)
+            lb = np.maximum(lb, pre_min + phi_all + t_rest + m + h_rest)
         return lb
 
-    layer: dict[int, list[_Label]] = {}
+    k = 4 + depth  # the State.key columns of mem, trans, slot, hm
+    # Partial plans by the choice of their top block: state rows, and each row's parent (the
+    # choice and row of the block above it); one such layer per block, kept for the way back.
+    layers: list[dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]] = []
+    layer = {-1: (np.array([initial_state(depth).key()]), np.array([-1]), np.array([-1]))}
     capped = False
     for s in range(n - 1, -1, -1):
-        nxt_layer: dict[int, list[_Label]] = {}
-        parents = list(layer.items()) if layer else [(None, [None])]
+        grown: dict[int, list[tuple[np.ndarray, int, np.ndarray]]] = {}
         free = (s + 1) % group == 0 or s == n - 1  # the top block of its group chooses
-        for prev_choice, labs in parents:
-            nxt_opt = opts[s + 1][prev_choice] if prev_choice is not None else None
-            if free or prev_choice is None:
+        for prev_choice, (rows, _, _) in layer.items():
+            nxt_opt = opts[s + 1][prev_choice] if prev_choice >= 0 else None
+            if free or prev_choice < 0:
                 candidates = usable[s]
             else:  # inside a group: the choice of the block above, where this block can take it
                 candidates = [prev_choice] if prev_choice in usable[s] else []
             for c in candidates:
-                cur = opts[s][c]
-                for lab in labs:
-                    st = advance(lab.state if lab else initial_state(depth), cur, nxt_opt)
-                    # Memory only grows: drop what cannot fit even with the cheapest completion.
-                    if _peak(profile, rest_optimizer, depth, st.mem + min_mem[s], st.trans, st.slot, margin) > budget:
-                        continue
-                    if lower_bound(st, s) >= upper:  # cannot beat a plan already in hand
-                        continue
-                    nxt_layer.setdefault(c, []).append(_Label(st, c, lab))
+                st = advance_rows(rows, opts[s][c], nxt_opt)
+                # Memory only grows: drop what cannot fit even with the cheapest completion,
+                # and what cannot beat a plan already in hand.
+                ok = _peaks(profile, rest_optimizer, depth, st[:, k] + min_mem[s], st[:, k + 1], st[:, k + 2],
+                            margin) <= budget
+                ok &= lower_bound(st, s) < upper
+                if ok.any():
+                    idx = np.flatnonzero(ok)
+                    grown.setdefault(c, []).append((st[idx], prev_choice, idx))
         layer = {}
-        for c, labs in nxt_layer.items():
-            layer[c], cut = _pareto(labs, cap)
+        for c, parts in grown.items():
+            rows = np.concatenate([p[0] for p in parts])
+            keep, cut = pareto_front(rows, cap)
+            parent = np.concatenate([np.full(len(p[2]), p[1]) for p in parts])
+            layer[c] = (rows[keep], parent[keep], np.concatenate([p[2] for p in parts])[keep])
             capped |= cut
+        layers.append(layer)
         if not layer:
             return None
-    best: tuple[Prediction, _Label] | None = None
-    for c, labs in layer.items():
-        for lab in labs:
-            pred = finish(lab.state, opts[0][c], profile, links, rest_optimizer, depth, margin)
+    best: tuple[Prediction, int, int] | None = None
+    for c, (rows, _, _) in layer.items():
+        for j, row in enumerate(rows):
+            pred = finish(State.from_key(row, depth), opts[0][c], profile, links, rest_optimizer, depth, margin)
             if pred.peak_bytes > budget or pred.step_s >= upper:
                 continue
             if best is None or pred.step_s < best[0].step_s:
-                best = (pred, lab)
+                best = (pred, c, j)
     if best is None:
         return None
-    picks, lab = [], best[1]
-    while lab is not None:
-        picks.append(lab.choice)
-        lab = lab.parent
-    return best[0], picks, capped  # forward order: the DP went from the last block down
+    picks, (_, c, j) = [], best
+    for layer in reversed(layers):  # block 0 first: the DP went from the last block down
+        picks.append(c)
+        _, parent, index = layer[c]
+        c, j = int(parent[j]), int(index[j])
+    return best[0], picks, capped
 
 
 def _incumbent(profile: "StepProfile", links: Links, budget: float, choices: Sequence[UnitPlan],
@@ -307,8 +285,8 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
             :data:`LONG_MODEL_LABELS`); when it cuts, a note says the plan is not proven optimal.
         group_blocks: consecutive blocks that take one choice. None: 1 up to
             :data:`GROUP_ABOVE` blocks, else enough to leave about that many decisions (the
-            search's work grows faster than the block count: 24 blocks took about a minute
-            on the H200 host's CPU, 128 free blocks would take hours); a note says so.
+            search's work grows faster than the block count: 24 blocks take up to 20 s on a
+            2-core machine, 128 free blocks would take hours); a note says so.
 
     Returns:
         A :class:`Plan` with ``predicted_step_s`` and ``notes`` filled.

@@ -1,0 +1,75 @@
+"""The scheduler's dominance pruning: which partial plans no other one beats in every component.
+
+A partial plan is a row of :meth:`~strategies.memferry.cost.State.key` (times and bytes, each
+non-decreasing as blocks are added, the prediction non-decreasing in each), so a row that is
+component-wise at least another row can never complete into a better plan and is dropped.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["pareto_front"]
+
+#: Rows compared against each other at once (memory: CHUNK x kept booleans per column).
+CHUNK = 256
+#: Kept rows every chunk meets first (see :func:`pareto_front`).
+SCOUTS = 128
+
+
+def pareto_front(rows: np.ndarray, cap: int | None) -> tuple[np.ndarray, bool]:
+    """Indices of the rows no other row is component-wise at most (ties: the first kept).
+
+    Args:
+        rows: one partial plan's state key per row (``-inf`` allowed: "none yet").
+        cap: most rows kept (None: all); past it, the rows with the smallest components first.
+
+    Returns:
+        The kept rows' indices, in lexicographic order of their rows, and whether ``cap``
+        dropped non-dominated ones (then the search is no longer proven optimal).
+    """
+    if len(rows) <= 1:
+        return np.arange(len(rows)), False
+    keys = np.where(np.isneginf(rows), -1e300, rows)  # finite, so comparisons stay plain
+    # Columns equal in every row decide nothing: compare the others only.
+    keys = keys[:, (keys != keys[0]).any(axis=0)]
+    if keys.shape[1] == 0:  # every row the same: one stands for all
+        return np.arange(1), False
+    # Lexicographic order (stable): a row that dominates another (and differs) sorts before it.
+    order = np.lexsort(keys.T[::-1])
+    keys = keys[order]
+    # In that order a row is dropped when any earlier one is at most it in every component: an
+    # earlier dropped one is itself dominated by a kept one, which then dominates this one too
+    # (transitivity), so "any earlier" is "any kept earlier". Checked a chunk at a time, one
+    # column at a time (no rows x chunk x columns array).
+    kept = np.zeros(len(keys), dtype=bool)
+    for c0 in range(0, len(keys), CHUNK):
+        x = keys[c0:c0 + CHUNK]
+        alive = np.ones(len(x), dtype=bool)
+        prior = keys[:c0][kept[:c0]]
+        if len(prior):
+            # Most dominated rows fall to one of the last rows kept (near them in the order):
+            # a cheap first pass, then the whole kept set for the rows still standing.
+            alive &= ~_dominated(prior[-SCOUTS:], x).any(axis=0)
+            idx = np.flatnonzero(alive)
+            if len(prior) > SCOUTS and len(idx):
+                alive[idx[_dominated(prior[:-SCOUTS], x[idx]).any(axis=0)]] = False
+        # Within the chunk only rows still standing need dominating others: a dropped one is at
+        # least a kept row, which then is at most whatever the dropped one was at most.
+        idx = np.flatnonzero(alive)
+        y = x[idx]
+        alive[idx[np.triu(_dominated(y, y), k=1).any(axis=0)]] = False
+        kept[c0:c0 + CHUNK] = alive
+    out = order[kept]
+    if cap is not None and len(out) > cap:
+        return out[:cap], True
+    return out, False
+
+
+def _dominated(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``[i, j]``: row ``a[i]`` is at most row ``b[j]`` in every column."""
+    at_most = a[:, None, 0] <= b[None, :, 0]
+    for col in range(1, a.shape[1]):
+        if not at_most.any():
+            break
+        at_most &= a[:, None, col] <= b[None, :, col]
+    return at_most
