@@ -303,18 +303,24 @@ class Executor:
             s.bind(s.dha_views)
             return
         self._issue_load(s)  # no-op when a prefetch (or a current resident copy) is there already
-        ready = self._loaded[index]
+        self._wait_loaded(self._loaded[index])
+        s.bind(s.device_views)
+
+    def _wait_loaded(self, ready: Any) -> None:
+        """Order the compute stream after a unit's load."""
         if isinstance(ready, Transfer):
             ready.wait(self.compute)  # a multi-path transfer: the stream waits for its last chunk
         elif isinstance(ready, _Gathered):
             ready.work.wait()  # the current (compute) stream waits for the ranks' all-gather
         else:
             self.compute.wait_event(ready)
-        s.bind(s.device_views)
 
     def _release(self, s: UnitShadow) -> None:
         if self.unit_plans[s.unit.index].forward == "resident" or s.unit.index not in self._loaded:
             return
+        # A load that was never used (a block of a frozen prefix, which backward does not reach)
+        # may still be writing: the compute stream, whose pool gets the memory back, waits for it.
+        self._wait_loaded(self._loaded[s.unit.index])
         self.b.keep_alive(s.device_flat, self.compute)
         self.b.free_storage(s.device_flat)
         del self._loaded[s.unit.index]
