@@ -36,7 +36,8 @@ def test_a_step_with_a_frozen_prefix_keeps_the_stream_contract(cpu_backend):
     device sums, a device-updated unit. Block 0 and the embeddings are frozen, so backward never
     reaches block 0: its load, prefetched by block 1's backward, is never used, and the executor
     used to free it while the copy could still be writing (on CUDA the allocator could hand that
-    memory to the next kernel)."""
+    memory to the next kernel). Then a forward cut short, and close: the host buffers go back to
+    the arena only once no copy reads them (close did not wait)."""
     torch.manual_seed(0)
     model = TinyGPT(d=128)  # 128 x 512 fp32 MLP weights: above DHA_LINEAR_MIN_BYTES
     for p in (model.emb.weight, model.pos, *model.blocks[0].parameters()):
@@ -53,7 +54,9 @@ def test_a_step_with_a_frozen_prefix_keeps_the_stream_contract(cpu_backend):
             engine.backward(lm_loss(engine(x), engine._to_device(y)) / len(data))
         engine.step()
         state = engine.state_dict()["model"]
+        cut_short = engine(data[0][0])  # a step cut short: its loads may still read host buffers at close
         engine.close()
+        del cut_short
     assert check.breaches == []
     for name, p in _accumulated_reference(model, data, cfg).items():
         torch.testing.assert_close(state[name], p.detach(), atol=2e-6, rtol=2e-6, msg=name)

@@ -185,7 +185,10 @@ class Executor:
     def close(self) -> None:
         """Remove hooks and routings (the model keeps its parameters as they are bound), and drop
         what a step cut short may still hold: its saved activations hold hooks that hold this
-        executor, a cycle through autograd's graph that the garbage collector cannot see."""
+        executor, a cycle through autograd's graph that the garbage collector cannot see. Copies
+        still in flight (a step cut short) are waited for first: the host buffers they read or
+        write go back to the arena next, which may hand them out again or unpin them."""
+        self.b.synchronize(self.dev)
         for h in self._handles:
             h.remove()
         self._handles.clear()
