@@ -246,6 +246,10 @@ class Executor:
         for s in self.shadow.shadows:
             if self._pending_grads.get(s.unit.index):
                 routed = self._routed.get(s.unit.index, set())
+                if routed:
+                    # Its backward may have been skipped: the host optimizer may still be reading
+                    # the last micro-batch's gradient from the landing zone zeroed below.
+                    self.opt.wait_consumed(s.unit.index)
                 for (_, p), host_grad in zip(s.unit.trainable, s.train_slices(s.grad_stage)):
                     if id(p) in routed:
                         if id(p) not in self._routed_done:
