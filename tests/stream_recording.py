@@ -331,7 +331,8 @@ class StreamCheck:
         store = self._stores.get(key)
         if store is None:
             storage = t.untyped_storage()
-            store = self._stores[key] = _Store(StorageWeakRef(storage), storage.nbytes(), alloc or self.current_stream())
+            alloc = alloc or self.current_stream()
+            store = self._stores[key] = _Store(StorageWeakRef(storage), storage.nbytes(), alloc)
         return store
 
     def _access(self, stream: _Stream, pos: int, t: torch.Tensor, write: bool, fresh: bool = False) -> None:
