@@ -185,9 +185,8 @@ class Executor:
     def close(self) -> None:
         """Remove hooks and routings (the model keeps its parameters as they are bound), and drop
         what a step cut short may still hold: its saved activations hold hooks that hold this
-        executor, a cycle through autograd's graph that the garbage collector cannot see. Copies
-        still in flight (a step cut short) are waited for first: the host buffers they read or
-        write go back to the arena next, which may hand them out again or unpin them."""
+        executor, a cycle through autograd's graph that the garbage collector cannot see. Copies in
+        flight are waited for first: their host buffers go back to the arena next (reused, unpinned)."""
         self.b.synchronize(self.dev)
         for h in self._handles:
             h.remove()
@@ -246,9 +245,7 @@ class Executor:
         for s in self.shadow.shadows:
             if self._pending_grads.get(s.unit.index):
                 routed = self._routed.get(s.unit.index, set())
-                if routed:
-                    # Its backward may have been skipped: the host optimizer may still be reading
-                    # the last micro-batch's gradient from the landing zone zeroed below.
+                if routed:  # a skipped backward: the optimizer may still read the last micro-batch's grad there
                     self.opt.wait_consumed(s.unit.index)
                 for (_, p), host_grad in zip(s.unit.trainable, s.train_slices(s.grad_stage)):
                     if id(p) in routed:
@@ -325,8 +322,7 @@ class Executor:
     def _release(self, s: UnitShadow) -> None:
         if self.unit_plans[s.unit.index].forward == "resident" or s.unit.index not in self._loaded:
             return
-        # A load that was never used (a block of a frozen prefix, which backward does not reach)
-        # may still be writing: the compute stream, whose pool gets the memory back, waits for it.
+        # A load never used (a frozen prefix's block: backward skips it) may still be writing.
         self._wait_loaded(self._loaded[s.unit.index])
         self.b.keep_alive(s.device_flat, self.compute)
         self.b.free_storage(s.device_flat)
