@@ -164,6 +164,13 @@ class MultiPathCopier:
         self.host_pool = StagingPool.on_host(b.host_arena, self.chunk_bytes, host_slots)
         for pool in self.pools.values():
             pool.reserve()  # allocate now: a first-use allocation inside a transfer would look like a stall
+        # The staging buffers come from each peer's current-stream pool, where kernels queued
+        # before may still use that memory: the route streams start after them (see _coordinate).
+        self._reserved: list[Any] = []
+        for peer in self.pools:
+            with b.device_scope(peer):
+                self._reserved.append(b.event())
+                self._reserved[-1].record(b.current_stream(peer))
         self._streams: dict[str, tuple[list[Any], list[Any | None]]] = {}
         self._run_lock = threading.Lock()
         self._closed = False
@@ -274,7 +281,8 @@ class MultiPathCopier:
             streams, aux = self._streams_for(r)
             runner = _RouteRunner(r, window, streams, aux)
             for s in streams + [a for a in aux if a is not None]:
-                s.wait_event(fence)
+                for event in [fence] + self._reserved:
+                    s.wait_event(event)
             runner.thread = threading.Thread(target=self._work, args=(runner, reports), name=f"scaleup-{r.name}", daemon=True)
             runner.thread.start()
             runners[r.name] = runner

@@ -63,3 +63,45 @@ def test_plans_train_like_mixed_precision_adamw_on_the_device(gpu_backend, name)
         assert counter.d2h_bytes > 0 and counter.dha_write_bytes == 0
     if name in ("offload", "dha-streamed"):
         assert swapped["bytes"].get("host", 0) > 0 and swapped["swapped_in"] == swapped["bytes"]["host"]
+
+
+def test_a_frozen_prefix_block_is_not_freed_under_its_prefetch(gpu_backend):
+    """Backward never reaches a frozen prefix's block, yet block 1's backward prefetches it; at
+    the end of backward the executor frees that load. Here the copy stream is held back just
+    before that load (a sleep kernel), so the copy is still queued when the memory is freed: the
+    compute stream must wait for it first, or a tensor the allocator places there next is
+    overwritten by the late copy (as before the fix)."""
+    b = gpu_backend
+    if b.device(0).type != "cuda":
+        pytest.skip("the copy stream is held back with torch.cuda._sleep")
+    torch.manual_seed(0)
+    model = build_model("gpt", dtype=torch.bfloat16, **DIMS)
+    model.tok_emb.requires_grad_(False)
+    model.blocks[0].requires_grad_(False)
+    engine = MemFerry(model, optim=AdamW(lr=1e-3), plan=Plan.uniform(4, UnitPlan("prefetch", "prefetch")),
+                      backend=b, device=0)
+    ex, where = engine.executor, []
+    issue = ex._issue_load
+
+    def held_back(s):
+        if ex.phase == "backward" and s is ex.blocks[0]:
+            with b.use_stream(ex.h2d):
+                torch.cuda._sleep(1 << 28)  # ~0.15 s at 2 GHz
+            issue(s)
+            where.append(s.device_flat.data_ptr())
+        else:
+            issue(s)
+
+    ex._issue_load = held_back
+    tok = torch.randint(0, DIMS["vocab"], (BATCH, DIMS["seq"] + 1), generator=torch.Generator().manual_seed(1))
+    x, y = b.to_device(tok[:, :-1].contiguous(), 0), b.to_device(tok[:, 1:].contiguous(), 0)
+    engine.backward(engine._loss(x, y))
+    assert len(where) == 1 and ex.blocks[0].device_flat.untyped_storage().nbytes() == 0  # loaded, then freed
+    numel, placed = ex.blocks[0].device_flat.numel(), []
+    while len(placed) < 16 and (not placed or placed[-1].data_ptr() != where[0]):
+        placed.append(torch.full((numel,), 7.0, dtype=torch.bfloat16, device=b.device(0)))
+    if placed[-1].data_ptr() != where[0]:
+        pytest.skip("the allocator placed no new tensor where the frozen block's load was")
+    b.synchronize(0)
+    assert bool((placed[-1] == 7.0).all()), "the late host->device copy overwrote memory freed under it"
+    engine.close()

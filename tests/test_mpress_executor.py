@@ -10,6 +10,7 @@ from strategies.mpress.ipc import RegionAllocator, export_buffer, import_buffer,
 from strategies.mpress.memory_profile import BlockProfile, StageProfile
 from strategies.mpress.planner import InfeasibleBudgetError, format_plan, plan_offload
 from strategies.mpress.stages import lm_loss, partition_blocks
+from tests.stream_recording import StreamCheck
 
 DIMS = dict(layers=3, hidden=32, heads=2, vocab=64, seq=32)
 
@@ -69,7 +70,9 @@ def test_each_decision_moves_bytes_where_it_says_and_gradients_match(cpu_backend
     try:
         region = import_buffer(b, handle)
         before1 = b.memory_stats(1).allocated
-        ex_peer, held_peer = _run(b, {0: "peer:1", 1: "peer:1", 2: "host"}, {1: region})
+        with StreamCheck(b) as check:  # swap copies ordered and kept alive as a device needs
+            ex_peer, held_peer = _run(check, {0: "peer:1", 1: "peer:1", 2: "host"}, {1: region})
+        assert check.breaches == []
         assert ex_peer.stats.bytes["peer:1"] > 0, "peer swap was not taken"
         assert ex_peer.stats.bytes["host"] > 0 and ex_peer.stats.fallbacks == 0
         assert ex_peer.region_peak(1) >= ex_peer.stats.bytes["peer:1"]

@@ -12,6 +12,7 @@ import torch
 
 from scaleup import (BackendLink, FailingLink, MultiPathCopier, StalledLink, ThrottledLink, TransferError,
                      discover_routes)
+from tests.stream_recording import StreamCheck
 
 KB = 1024
 
@@ -250,3 +251,18 @@ def test_route_threads_bind_the_target_device_first(cpu_backend, monkeypatch):
     names = {name for name, index in bound if index == 1}
     assert {f"scaleup-{r.name}" for r in copier.routes} <= names, bound
     copier.close()
+
+
+def test_relayed_chunks_keep_the_stream_contract(cpu_backend):
+    """A relay's staging buffers come from the peer's pool, whose earlier kernels may still use
+    that memory: the route's copies start after them (they did not wait for the peer), and every
+    copy is ordered as a device would need (``tests/stream_recording.py``)."""
+    with StreamCheck(cpu_backend) as check:
+        relay = [r for r in discover_routes(check.topology(), 0, backend=check) if r.via is not None][:1]
+        copier = MultiPathCopier(check, 0, routes=relay, chunk_bytes=KB, probe=None)
+        src = [check.host_arena.empty(5000), torch.randint(0, 256, (3000,), dtype=torch.uint8)]
+        src[0].fill_(7)
+        out = copier.h2d(src).synchronize()
+        copier.close()
+    assert check.breaches == []
+    assert all(_bytes_equal(a, b) for a, b in zip(out, src))

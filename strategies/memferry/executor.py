@@ -185,7 +185,9 @@ class Executor:
     def close(self) -> None:
         """Remove hooks and routings (the model keeps its parameters as they are bound), and drop
         what a step cut short may still hold: its saved activations hold hooks that hold this
-        executor, a cycle through autograd's graph that the garbage collector cannot see."""
+        executor, a cycle through autograd's graph that the garbage collector cannot see. Copies in
+        flight are waited for first: their host buffers go back to the arena next (reused, unpinned)."""
+        self.b.synchronize(self.dev)
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -243,6 +245,8 @@ class Executor:
         for s in self.shadow.shadows:
             if self._pending_grads.get(s.unit.index):
                 routed = self._routed.get(s.unit.index, set())
+                if routed:  # a skipped backward: the optimizer may still read the last micro-batch's grad there
+                    self.opt.wait_consumed(s.unit.index)
                 for (_, p), host_grad in zip(s.unit.trainable, s.train_slices(s.grad_stage)):
                     if id(p) in routed:
                         if id(p) not in self._routed_done:
@@ -303,18 +307,23 @@ class Executor:
             s.bind(s.dha_views)
             return
         self._issue_load(s)  # no-op when a prefetch (or a current resident copy) is there already
-        ready = self._loaded[index]
+        self._wait_loaded(self._loaded[index])
+        s.bind(s.device_views)
+
+    def _wait_loaded(self, ready: Any) -> None:
+        """Order the compute stream after a unit's load."""
         if isinstance(ready, Transfer):
             ready.wait(self.compute)  # a multi-path transfer: the stream waits for its last chunk
         elif isinstance(ready, _Gathered):
             ready.work.wait()  # the current (compute) stream waits for the ranks' all-gather
         else:
             self.compute.wait_event(ready)
-        s.bind(s.device_views)
 
     def _release(self, s: UnitShadow) -> None:
         if self.unit_plans[s.unit.index].forward == "resident" or s.unit.index not in self._loaded:
             return
+        # A load never used (a frozen prefix's block: backward skips it) may still be writing.
+        self._wait_loaded(self._loaded[s.unit.index])
         self.b.keep_alive(s.device_flat, self.compute)
         self.b.free_storage(s.device_flat)
         del self._loaded[s.unit.index]
