@@ -37,12 +37,13 @@ def test_update_bytes_count_what_the_host_optimizer_moves():
     four = update_bytes(2, 4, "speculative")
     assert four.kernel == 30  # the pass reads the fp32 sum
     assert (four.accumulate_earlier, four.accumulate_final) == (6 + 2 * 10, 10)  # copy 2+4, then 2+4+4 each
-    assert (four.backup, four.norm) == (12, 4)  # written in the update's sweep; the norm reads the fp32 sum
-    assert four.timed == 10 * 4 + 26 + 12 and four.final == 30 + 10 + 12 + 4
+    assert (four.backup, four.norm) == (0, 4)  # bf16: updated into its spare; the norm reads the fp32 sum
+    assert four.timed == 10 * 4 + 26 and four.final == 30 + 10 + 4
+    assert update_bytes(4, 1, "speculative").backup == 12  # fp32: backed up in the update's sweep
     assert update_bytes(2, 1, "wait").backup == 0 and update_bytes(2, 1, "wait").norm == 2
     # summed on the device: the host only reads the fp32 sum in its pass
     dev = update_bytes(2, 4, "speculative", device_sum=True)
-    assert (dev.kernel, dev.accumulate_earlier, dev.accumulate_final, dev.timed) == (30, 0, 0, 30 + 12)
+    assert (dev.kernel, dev.accumulate_earlier, dev.accumulate_final, dev.timed) == (30, 0, 0, 30)
 
 
 def test_a_host_bound_step_takes_its_host_bytes_over_the_bandwidth_and_copies_slow_the_optimizer():

@@ -332,3 +332,38 @@ def test_speculation_with_torch_s_kernel_equals_wait(cpu_backend):
     spec = run(cpu_backend, clip, "speculative", "prefetch", "bf16", kernel="torch")
     assert_bit_equal(spec, wait)
     assert_counts(spec["stats"], host_units(cpu_backend), wait, clip)
+
+
+def test_bf16_units_update_into_their_spares_and_go_home_at_close(cpu_backend):
+    """16-bit compute: a speculative update writes the new master and moments into the unit's spare
+    (no backup copy: ``save`` is never passed), a rollback reads the untouched old ones, and close
+    puts every unit's state back in the buffers it came with, values kept."""
+    cfg = AdamW(lr=3e-3, weight_decay=0.1, max_grad_norm=CLIPS["some"], clip_mode="speculative")
+    engine = MemFerry(_model(), optim=cfg, plan=PLANS["prefetch"](), backend=cpu_backend, loss_fn=lm_loss,
+                      compute_dtype=torch.bfloat16)
+    kernel = engine.optimizer.kernel
+    if kernel.binds_state:
+        pytest.skip(f"the {kernel.name} host kernel keeps its own references: units are backed up instead")
+    calls, pieces = [], kernel.pieces
+
+    def recorded(s, coef, save=None, source=None, whole=False):
+        calls.append((save is not None, source is not None))
+        return pieces(s, coef, save=save, source=source, whole=whole)
+
+    kernel.pieces = recorded
+    host = [s for s in engine.shadow.shadows if s.home == "host"]
+    own = {id(s): (s.master, s.exp_avg, s.exp_avg_sq) for s in host}
+    for x, y in batches(STEPS):
+        engine.backward(lm_loss(engine(x), engine._to_device(y)))
+        engine.optimizer.settle()
+        engine.step()
+    stats = engine.clip_stats()
+    assert stats["speculated_units"] and stats["rolled_back_units"], stats  # committed and rolled back both
+    assert not any(save for save, _ in calls) and any(source for _, source in calls)
+    moved = [s for s in host if s.master.data_ptr() != own[id(s)][0].data_ptr()]
+    assert moved  # some units' state lives in their spares now
+    final = {id(s): [t.clone() for t in (s.master, s.exp_avg, s.exp_avg_sq)] for s in host}
+    engine.close()
+    for s in host:
+        for now, mine, want in zip((s.master, s.exp_avg, s.exp_avg_sq), own[id(s)], final[id(s)]):
+            assert now.data_ptr() == mine.data_ptr() and torch.equal(now, want)

@@ -12,9 +12,10 @@ AdamW took 0.24 ns per parameter alone and 0.33 while both copy directions ran a
   (the first copied: 4 + g bytes, each later one added: 8 + g) and the pass reads that fp32
   sum (a unit planned ``accumulate="device"`` sums on the device instead: the host only
   receives the fp32 sum, 4 B per parameter over the link once a step, and the pass reads it);
-  speculative clipping writes the old master and moments to its backup in the update's
-  own sweep (12 B written; ``speculative_clip.py``), and any clipping reads the gradient once
-  more for its norm. A clipped step's re-application from the backups is not counted (it
+  speculative clipping updates a 16-bit-compute unit into a spare master and moments (no bytes
+  more) but writes an fp32-compute unit's old master and moments to a backup in the update's own
+  sweep (12 B written; ``speculative_clip.py``), and any clipping reads the gradient once more
+  for its norm. A clipped step's re-application from the backups is not counted (it
   happens only in steps whose norm exceeds the limit).
 * **Bandwidth** B: ``xpu probe``'s triad on all cores (``Links.host_GBps``), else what the
   measured kernel itself moved alone. The kernel's bytes weigh ``kernel_weight`` =
@@ -51,7 +52,8 @@ __all__ = ["UpdateBytes", "update_bytes", "HostBudget", "host_budget", "link_byt
 STATE_BYTES = 24
 #: The fp32 accumulation buffer's element.
 ACC_BYTES = 4
-#: Speculative clipping's backup: the old fp32 master and moments written in the update's sweep.
+#: Speculative clipping's backup: the old fp32 master and moments written in the update's sweep
+#: (fp32 compute only: a 16-bit-compute unit updates into its spare instead).
 BACKUP_BYTES = 12
 #: The least share of the bandwidth host work keeps beside any copy load (a floor on the
 #: linear model: copies never stop the CPU outright).
@@ -99,7 +101,8 @@ def update_bytes(dtype_bytes: int, accumulation_steps: int = 1, clip_mode: str =
     add = 2 * ACC_BYTES + g
     host_sum = n > 1 and not device_sum
     return UpdateBytes(kernel, add if host_sum else 0, (ACC_BYTES + g) + (n - 2) * add if host_sum else 0,
-                       BACKUP_BYTES if clip_mode == "speculative" else 0, grad_read if clip_mode else 0)
+                       BACKUP_BYTES if clip_mode == "speculative" and g == ACC_BYTES else 0,
+                       grad_read if clip_mode else 0)
 
 
 @dataclass(frozen=True)

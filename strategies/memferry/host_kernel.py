@@ -62,6 +62,10 @@ class HostKernel:
     """
 
     name = "?"
+    #: Whether the kernel keeps its own references to each unit's master and moments (so a
+    #: unit's state must stay in the buffers it had at construction: no twin for speculative
+    #: clipping, ``speculative_clip.py``).
+    binds_state = False
 
     def pieces(self, s: UnitShadow, coef: float, save: Triple | None = None, source: Triple | None = None,
                whole: bool = False) -> Iterator[dict[str, float]]:
@@ -140,6 +144,7 @@ class TorchKernel(HostKernel):
     """
 
     name = "torch"
+    binds_state = True  # a torch optimizer per chunk, over views of the unit's buffers
 
     def __init__(self, cfg: AdamW, shadows: list[UnitShadow], chunk: int | None = None) -> None:
         chunk = default_chunk() if chunk is None else chunk

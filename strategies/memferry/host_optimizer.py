@@ -10,10 +10,11 @@ Global-norm clipping needs every gradient before the coefficient is known. With
 ``max_grad_norm`` set, the worker measures each unit's gradient as it lands, and
 :meth:`finish_step` supplies the coefficient (from :meth:`grad_sqnorm` and the device units'
 norms). ``clip_mode="wait"`` holds every update until then: exact, less overlap.
-``clip_mode="speculative"`` updates with coefficient 1 while backward goes on, backing the
-unit's master and moments up in the same sweep (``speculative_clip.py``); :meth:`finish_step`
-then commits (coefficient 1, same learning rate) or re-applies from the backup: exact too,
-bit-equal to ``"wait"``. Either way a unit's update is published (:meth:`wait` returns, its
+``clip_mode="speculative"`` updates with coefficient 1 while backward goes on, into a spare
+master and moments that then become the unit's state (16-bit compute; fp32 compute backs them up
+in the same sweep instead: ``speculative_clip.py``); :meth:`finish_step` then commits
+(coefficient 1, same learning rate) or re-applies from the old values: exact too, bit-equal to
+``"wait"``. Either way a unit's update is published (:meth:`wait` returns, its
 landing zone is freed) only at the finish, units in order of their index (the next forward's).
 
 The norm must not wait for updates: a landed gradient's norm is taken at once (one read of the
@@ -61,6 +62,8 @@ class _Held:
     pieces: Iterator[dict[str, float]] | None = None
     #: no backup room was left for it
     no_room: bool = False
+    #: where its old master and moments wait while the step is unresolved (speculative_clip.py)
+    old: Any = None
 
 
 class HostOptimizer:
@@ -107,7 +110,8 @@ class HostOptimizer:
         self._running: _Held | None = None
         self._head: tuple | None = None
         self._expect: int | None = None
-        self._backups = Backups(backup if backup is not None else torch.empty(0)) if cfg.speculative else None
+        self._backups = (Backups(backup if backup is not None else torch.empty(0), twins=not self.kernel.binds_state)
+                         if cfg.speculative else None)
         self._lr = cfg.lr  # worker side: the rate the kernel applies now
         #: speculative clipping, totals so far (worker side; read them with :meth:`clip_counts`):
         #: ``steps`` finished with clipping on, ``rollback_steps`` among them that re-applied
@@ -247,8 +251,10 @@ class HostOptimizer:
         return sum(self.time_s[phase] for phase in PHASES) / self.updated_numel
 
     def close(self) -> None:
-        """Stop the worker after the queued work."""
+        """Stop the worker after the queued work; every unit's state back in its own buffers."""
         self._finalizer()
+        if self._backups is not None:
+            self._backups.restore(self.shadows)
 
     # ------------------------------------------------------------------ worker side
     def _raise_if_failed(self) -> None:
@@ -372,7 +378,8 @@ class HostOptimizer:
                 held.no_room = True
                 self.clip_stats["held_units"] += 1
                 return
-            held.lr, held.pieces = self._lr, self.kernel.pieces(s, 1.0, save=room)
+            held.old, where = self._backups.begin(s, room)
+            held.lr, held.pieces = self._lr, self.kernel.pieces(s, 1.0, **where)
             self._running = held
             self.clip_stats["speculated_units"] += 1
         held = self._running
@@ -406,15 +413,15 @@ class HostOptimizer:
                 self._update(held.index, coef)
             elif coef == 1.0 and held.lr == self._lr:
                 self._publish(held.index)
-            else:  # restore and re-apply in one sweep, from the backup
+            else:  # re-apply in one sweep, from the old values
                 s.step -= 1
                 self.kernel.sync_step(s)
                 rolled += 1
-                self._update(held.index, coef, source=self._backups.slot(s))
+                self._update(held.index, coef, source=held.old)
+            if held.old is not None:
+                self._backups.release(s, held.old)
         self._expect = len(self._order)
         self._order, self._sqnorm = [], 0.0
-        if self._backups is not None:
-            self._backups.reset()
         self.clip_stats["steps"] += 1
         self.clip_stats["rollback_steps"] += int(rolled > 0)
         self.clip_stats["rolled_back_units"] += rolled
