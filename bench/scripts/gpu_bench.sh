@@ -14,10 +14,11 @@
 #   the rest   given to every `xpu bench` call: --set KEY=VALUE, --device-mem-gb N, --no-timeline,
 #              --max-model --knob-range LO:HI ... With --max-model (or --min-cap) all systems go in
 #              one call: the search's trial journal in DIR lets a re-run go on where a cut-off one
-#              stopped (copy the returned folder back into the checkout and carry it).
+#              stopped (unpack the returned DIR.tar.gz into the checkout and carry it).
 # Environment: SYSTEMS (as --systems), DEADLINE_S (570) and GPU_T0 (see gpu_env.sh).
 # Output: DIR (results.json/.md/.png, timelines/, logs/, bench-*.log), then a summary of the
-# rows, and DIR copied to $OUT/<basename of DIR>/ when $OUT is set (the device tool's folder).
+# rows, and DIR packed into $OUT/<basename of DIR>.tar.gz when $OUT is set (the device tool's
+# folder; one file, as the tool brings back at most 8 a call).
 #
 # Examples (carry [".whl"] for the DeepSpeed rows):
 #   bash bench/scripts/gpu_bench.sh design-s3 --systems torch,fsdp2-offload,deepspeed-z2-offload
@@ -96,7 +97,7 @@ for name in ("results.json", "results.partial.json", "max_model.json", "min_cap.
 PY
 
 if [ -n "${OUT:-}" ]; then
-  mkdir -p "$OUT/$(basename "$DIR")"
-  cp -r "$DIR"/. "$OUT/$(basename "$DIR")/"
+  # One file per scenario: the device tool brings back at most 8 files a call (tar xzf it here).
+  tar czf "$OUT/$(basename "$DIR").tar.gz" -C "$(dirname "$DIR")" "$(basename "$DIR")"
 fi
 exit $rc
