@@ -44,6 +44,9 @@ def _assert_same(res, want, atol, rtol, relative: dict | None = None, loss_rtol:
         assert set(r["grads"]) == set(w["grads"]) and r["grads"]
         for n, g in w["grads"].items():  # the last step's gradients: after a step of SGD, so the weights too
             got, g = r["grads"][n].cpu(), g.cpu()
+            if (got.shape, got.dtype) != (g.shape, g.dtype):  # as assert_close checks before values
+                off_by.append(f"stage {r['rank']} {n}: {tuple(got.shape)} {got.dtype}, want {tuple(g.shape)} {g.dtype}")
+                continue
             off = (got - g).norm().item() / max(g.norm().item(), 1e-30)
             if n in (relative or {}):
                 if off > relative[n]:
