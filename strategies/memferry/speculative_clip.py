@@ -92,7 +92,7 @@ class Backups:
         """Put each twin unit's state back in the buffers it came with (copying where it now
         lives in the arena), so that the shadow releases what it allocated."""
         for s in shadows:
-            own = self._own.get(s.unit.index) if s.unit is not None else None
+            own = self._own.get(s.unit.index)
             if own is None or own[0].data_ptr() == s.master.data_ptr():
                 continue
             for mine, now in zip(own, (s.master, s.exp_avg, s.exp_avg_sq)):
