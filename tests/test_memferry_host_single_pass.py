@@ -205,3 +205,45 @@ def test_squared_norm_in_pieces_equals_the_whole_sum():
     assert squared_norm(t, chunk=2000).item() == whole.item()  # one piece: the same expression
     assert squared_norm(t, chunk=64).item() == pytest.approx(whole.item(), rel=1e-14)
     assert squared_norm(t, chunk=64).dtype == torch.float64
+
+
+@pytest.mark.parametrize("work_dtype", [torch.bfloat16, torch.float32, None])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_save_and_from_forms_equal_the_in_place_update_bit_for_bit(work_dtype, threads):
+    """The loop's three forms (in place; also saving the old state; reading the old state from a
+    backup and writing the new one out of place, the speculative-clipping forms) give the same
+    bits, on slices that start off any vector or cache-line boundary and cross the loop's tiles
+    (its out-of-place stores are non-temporal and go out a tile at a time)."""
+    loops = host_loops.host_loops()
+    n, off = 70007, 3  # two threads' parts of ~35 k elements: each crosses many 512-element tiles
+    gen = torch.Generator().manual_seed(11)
+    base = [torch.randn(n + off, generator=gen) for _ in range(2)] + [torch.rand(n + off, generator=gen)]
+    grad = torch.randn(n, generator=gen).to(torch.bfloat16)
+    kw = dict(grad_scale=0.5, decay=1 - 1e-3 * 0.1, beta1=0.9, beta2=0.99, bias_correction2_sqrt=0.3, eps=1e-8,
+              step_size=1e-3, threads=threads)
+
+    def run(form: str):
+        p, m, v = (t.clone()[off:] for t in base)  # storage offset 3: no 16-byte alignment
+        old = tuple(t.clone() for t in (p, m, v))
+        work = None if work_dtype is None else torch.full((n + off,), 7.0, dtype=work_dtype)[off:]
+        if form == "in place":
+            loops.adamw(p, grad, m, v, work, **kw)
+            return (p, m, v), work, None
+        if form == "save":
+            saved = tuple(torch.full((n + off,), -1.0)[off:] for _ in range(3))
+            loops.adamw(p, grad, m, v, work, save=saved, **kw)
+            return (p, m, v), work, (saved, old)
+        spares = tuple(torch.full((n + off,), -1.0)[off:] for _ in range(3))  # new state into spares
+        loops.adamw(*(spares[0], grad, spares[1], spares[2]), work, source=(p, m, v), **kw)
+        assert all(torch.equal(a, b) for a, b in zip((p, m, v), old))  # the source is only read
+        return spares, work, None
+
+    (want, want_work, _), (saved_state, saved_work, (saved, old)), (spare_state, spare_work, _) = (
+        run("in place"), run("save"), run("from"))
+    assert not torch.equal(want[0], base[0][off:])  # the update changed the master
+    for got in (saved_state, spare_state):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(saved, old))  # the backup holds the old state exactly
+    if work_dtype is not None:
+        assert torch.equal(want_work, want[0].to(work_dtype))
+        assert torch.equal(saved_work, want_work) and torch.equal(spare_work, want_work)

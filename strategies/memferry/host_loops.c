@@ -48,59 +48,102 @@ typedef struct {
     float *sp, *sm, *sv; /* the backup: written ("save") or read ("from"); unused in place */
 } adamw_args;
 
-/* IN(a): where the old master / moment element is read: in place, or from the backup. SAVE:
- * what is done with the old values (nothing, or written to the backup). Separate loops, so
- * every pointer stays restrict (the in-place loop reads and writes the same arrays). */
-#define IN_PLACE(arr, bak) arr
-#define IN_BACKUP(arr, bak) bak
-#define NO_SAVE
-#define SAVE_OLD sp[i] = p0; sm[i] = m0; sv[i] = v0;
+/* Stores no loop reads back (the backup a "save" writes, the new state a "from" writes, the
+ * working copy the device loads next) go out with non-temporal stores where the target has
+ * them: a plain store to a line not in cache first reads it (read-for-ownership), 12 bytes more
+ * per parameter for an out-of-place master and moments. The fence makes them visible before the
+ * thread that wrote them ends (pthread_join then orders them for the caller). */
+#if defined(__SSE2__)
+#include <emmintrin.h>
+static inline void stream_out(void *dst, const void *src, int64_t nbytes) {
+    char *d = (char *)dst;
+    const char *s = (const char *)src;
+    int64_t head = (int64_t)((16 - ((uintptr_t)d & 15)) & 15);
+    if (head > nbytes) head = nbytes;
+    memcpy(d, s, (size_t)head);
+    d += head, s += head, nbytes -= head;
+    for (; nbytes >= 16; nbytes -= 16, d += 16, s += 16)
+        _mm_stream_si128((__m128i *)d, _mm_loadu_si128((const __m128i *)s));
+    memcpy(d, s, (size_t)nbytes);
+}
+static inline void stream_fence(void) { _mm_sfence(); }
+#else
+static inline void stream_out(void *dst, const void *src, int64_t nbytes) { memcpy(dst, src, (size_t)nbytes); }
+static inline void stream_fence(void) {}
+#endif
 
-#define ADAMW_LOOP(NAME, GT, LD, BODY_STORE, IN, SAVE)                                        \
+/* Elements per tile: a tile's new values (or old ones, for a save) are computed into buffers
+ * that stay in the first-level cache, then streamed out. */
+#define TILE 512
+
+/* FORM 0 updates in place; 1 also saves the old master and moments to the backup; 2 reads the
+ * old values from the backup and writes the new ones to the master and moments (a rollback's
+ * re-application, or an update into a spare). HAS_W: the working copy (type WT) is written.
+ * GCC ivdep: no element depends on another, so the loop vectorises without the run-time alias
+ * checks GCC would otherwise give up on for this many arrays (it had, in forms 1 and 2). */
+#define ADAMW_LOOP(NAME, GT, LD, WT, ST, HAS_W, FORM)                                         \
     static void NAME(void *ctx, int64_t a, int64_t b) {                                       \
         const adamw_args *x = (const adamw_args *)ctx;                                        \
         float *restrict p = x->p, *restrict m = x->m, *restrict v = x->v;                     \
-        float *restrict sp = x->sp, *restrict sm = x->sm, *restrict sv = x->sv;               \
         const GT *restrict g = (const GT *)x->g;                                              \
         const float gs = x->gscale, dc = x->decay, b2 = x->b2, o = x->omb2;                   \
         const float s2 = x->bc2s, eps = x->eps, ns = x->neg_step, w1 = x->lerp_w;             \
         const int small = fabsf(w1) < 0.5f;                                                   \
         const float lc = small ? w1 : w1 - 1.0f;                                              \
-        (void)sp; (void)sm; (void)sv;                                                         \
-        for (int64_t i = a; i < b; i++) {                                                     \
-            const float gi = LD(g[i]) * gs;                                                   \
-            const float p0 = IN(p, sp)[i], m0 = IN(m, sm)[i], v0 = IN(v, sv)[i];               \
-            SAVE                                                                              \
-            const float pi0 = p0 * dc;                                                        \
-            const float mi = fmaf(lc, gi - m0, small ? m0 : gi);                              \
-            float vi = v0 * b2;                                                               \
-            vi = fmaf(o * gi, gi, vi);                                                        \
-            const float d = sqrtf(vi) / s2 + eps;                                             \
-            const float pi = pi0 + (ns * mi) / d;                                             \
-            p[i] = pi;                                                                        \
-            m[i] = mi;                                                                        \
-            v[i] = vi;                                                                        \
-            BODY_STORE                                                                        \
+        float tp[TILE], tm[TILE], tv[TILE];                                                   \
+        WT tw[TILE];                                                                          \
+        for (int64_t t = a; t < b; t += TILE) {                                               \
+            const int64_t n = b - t < TILE ? b - t : TILE;                                    \
+            const float *rp = (FORM == 2 ? x->sp : p) + t, *rm = (FORM == 2 ? x->sm : m) + t; \
+            const float *rv = (FORM == 2 ? x->sv : v) + t;                                    \
+            float *wp = FORM == 2 ? tp : p + t, *wm = FORM == 2 ? tm : m + t;                 \
+            float *wv = FORM == 2 ? tv : v + t;                                               \
+            const GT *gt = g + t;                                                             \
+            _Pragma("GCC ivdep") for (int64_t j = 0; j < n; j++) {                            \
+                const float gi = LD(gt[j]) * gs;                                              \
+                const float p0 = rp[j], m0 = rm[j], v0 = rv[j];                               \
+                if (FORM == 1) {                                                              \
+                    tp[j] = p0;                                                               \
+                    tm[j] = m0;                                                               \
+                    tv[j] = v0;                                                               \
+                }                                                                             \
+                const float pi0 = p0 * dc;                                                    \
+                const float mi = fmaf(lc, gi - m0, small ? m0 : gi);                          \
+                float vi = v0 * b2;                                                           \
+                vi = fmaf(o * gi, gi, vi);                                                    \
+                const float d = sqrtf(vi) / s2 + eps;                                         \
+                const float pi = pi0 + (ns * mi) / d;                                         \
+                wp[j] = pi;                                                                   \
+                wm[j] = mi;                                                                   \
+                wv[j] = vi;                                                                   \
+                if (HAS_W) tw[j] = ST(pi);                                                    \
+            }                                                                                 \
+            if (FORM) {                                                                       \
+                float *dp = FORM == 1 ? x->sp : p, *dm = FORM == 1 ? x->sm : m;               \
+                float *dv = FORM == 1 ? x->sv : v;                                            \
+                stream_out(dp + t, tp, n * 4);                                                \
+                stream_out(dm + t, tm, n * 4);                                                \
+                stream_out(dv + t, tv, n * 4);                                                \
+            }                                                                                 \
+            if (HAS_W) stream_out((WT *)x->w + t, tw, n * (int64_t)sizeof(WT));               \
         }                                                                                     \
+        stream_fence();                                                                       \
     }
 
-#define NO_STORE
-#define STORE(WT, ST) ((WT *restrict)x->w)[i] = ST(pi);
-
 /* Per gradient dtype: every working-copy dtype, in each of the three forms (0 in place, 1 save, 2 from). */
-#define ADAMW_FORMS(NAME, GT, LD, BODY_STORE)                                                 \
-    ADAMW_LOOP(NAME##_0, GT, LD, BODY_STORE, IN_PLACE, NO_SAVE)                               \
-    ADAMW_LOOP(NAME##_1, GT, LD, BODY_STORE, IN_PLACE, SAVE_OLD)                              \
-    ADAMW_LOOP(NAME##_2, GT, LD, BODY_STORE, IN_BACKUP, NO_SAVE)
+#define ADAMW_FORMS(NAME, GT, LD, WT, ST, HAS_W)                                              \
+    ADAMW_LOOP(NAME##_0, GT, LD, WT, ST, HAS_W, 0)                                            \
+    ADAMW_LOOP(NAME##_1, GT, LD, WT, ST, HAS_W, 1)                                            \
+    ADAMW_LOOP(NAME##_2, GT, LD, WT, ST, HAS_W, 2)
 
 #define ADAMW_FOR_GRAD(SUFFIX, GT, LD)                                                        \
-    ADAMW_FORMS(adamw_##SUFFIX##_none, GT, LD, NO_STORE)                                      \
-    ADAMW_FORMS(adamw_##SUFFIX##_f32, GT, LD, STORE(float, st_f32))                           \
-    ADAMW_FORMS(adamw_##SUFFIX##_bf16, GT, LD, STORE(uint16_t, st_bf16))                      \
+    ADAMW_FORMS(adamw_##SUFFIX##_none, GT, LD, float, st_f32, 0)                              \
+    ADAMW_FORMS(adamw_##SUFFIX##_f32, GT, LD, float, st_f32, 1)                               \
+    ADAMW_FORMS(adamw_##SUFFIX##_bf16, GT, LD, uint16_t, st_bf16, 1)                          \
     ADAMW_F16_WORK(SUFFIX, GT, LD)
 
 #ifndef XPU_NO_F16
-#define ADAMW_F16_WORK(SUFFIX, GT, LD) ADAMW_FORMS(adamw_##SUFFIX##_f16, GT, LD, STORE(_Float16, st_f16))
+#define ADAMW_F16_WORK(SUFFIX, GT, LD) ADAMW_FORMS(adamw_##SUFFIX##_f16, GT, LD, _Float16, st_f16, 1)
 ADAMW_FOR_GRAD(f32, float, ld_f32)
 ADAMW_FOR_GRAD(bf16, uint16_t, ld_bf16)
 ADAMW_FOR_GRAD(f16, _Float16, ld_f16)
