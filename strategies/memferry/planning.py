@@ -113,9 +113,11 @@ def _profile_and_schedule(model: nn.Module, sample: Any, device_budget: Any, opt
     return plan
 
 
-def replan(plan: Plan, budget_bytes: int, backend: Backend, device: int, margin: float) -> Plan:
-    """``plan`` made again by the scheduler, from the profile it was made from, under
-    ``budget_bytes`` with ``margin`` (no new profiling).
+def replan(plan: Plan, budget_bytes: int, backend: Backend, device: int, margin: float, *,
+           profile: Any = None) -> Plan:
+    """``plan`` made again by the scheduler, from the profile it was made from (or ``profile``,
+    e.g. one calibrated on the rehearsal step), under ``budget_bytes`` with ``margin`` (no new
+    profiling).
 
     Raises:
         ValueError: ``plan`` was not made by the scheduler (it keeps no profile).
@@ -126,7 +128,7 @@ def replan(plan: Plan, budget_bytes: int, backend: Backend, device: int, margin:
 
     if plan.profile is None:
         raise ValueError("only a plan the scheduler made (plan='auto' or plan_for) can be made again under another budget")
-    again = schedule(plan.profile, links_from_probe(backend, device), budget_bytes, len(plan.units),
+    again = schedule(profile or plan.profile, links_from_probe(backend, device), budget_bytes, len(plan.units),
                      allow_dha=backend.caps.dha, margin=margin)
     _log.info("MemFerry plan made again under %d bytes, margin %.0f%%:\n%s", budget_bytes, margin * 100, again.describe())
     return again

@@ -12,6 +12,10 @@ from the same profile with a margin that covers what the prediction missed (no n
 up to :data:`ATTEMPTS` times. Lifting the cap means the overshoot is measured, never hit: an
 out-of-memory error in the middle of a step would leave its tensors to the autograd graph.
 
+The same step's host updates are timed: where they ran more than 10 % off the rate the plan
+assumed, the scheduler plans again from the profile calibrated to it (``host_calibration.py``),
+and a different plan is built and rehearsed in its turn (real devices only).
+
 A plan given rather than scheduled cannot be made again: one that peaks over the budget is
 refused (:class:`PlanOverBudgetError`, naming the peak) before training, not run out of memory in
 step 0. Not under data parallelism (the ranks would have to re-plan together): there the plan is
@@ -29,6 +33,8 @@ import torch
 from xpu.units import format_bytes, parse_bytes
 
 from .compute_dtype import cast_parameters, restore_parameters
+from .host_calibration import TOLERANCE, applies, calibrated, planned_rate_for, same_layout
+from .links import links_from_probe
 from .planning import replan
 from .units import split_units
 
@@ -59,7 +65,8 @@ MARGIN_STEP = 0.05
 
 def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
     """Rehearse ``engine``'s plan on ``sample``; re-plan with a margin that covers the measured
-    overshoot while its peak is over the budget (see the module docstring). On return the engine
+    overshoot while its peak is over the budget, and once from a profile calibrated to the
+    step's host rate where that was off (see the module docstring). On return the engine
     is as if just built, for a plan whose rehearsal fitted; ``engine.plan.notes`` says what was tried.
 
     Raises:
@@ -74,6 +81,8 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
     budget = parse_bytes(setup["device_budget"])
     margin = setup["memory_margin"]
     tried: list[str] = []
+    calibration: list[str] = []  # what the host-rate check found (host_calibration.py)
+    calibrated = engine.plan.profile is None or not applies(engine.backend)  # a given plan has no profile
     backend, device = engine.backend, engine.device
     while True:
         backend.set_memory_cap(device, None)  # measure the overshoot rather than run into it
@@ -83,10 +92,18 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
             backend.set_memory_cap(device, budget)
         predicted = engine.plan.predicted_peak_bytes or 0
         if peak <= budget:
+            if not calibrated:
+                calibrated = True
+                again = _host_rate_checked(engine, budget, margin, calibration)
+                if again is not None and not same_layout(again, engine.plan):
+                    _rebuild(engine, again)  # its memory is rehearsed again; its host rate is not
+                    continue
+                if again is not None:
+                    engine.plan = again
             note = (f"rehearsal: one step at learning rate 0 peaked at {format_bytes(peak)}, budget "
                     f"{format_bytes(budget)}, predicted {format_bytes(predicted)}"
                     + (f" (after {'; '.join(tried)})" if tried else ""))
-            engine.plan = dataclasses.replace(engine.plan, notes=[*engine.plan.notes, note])  # the caller's plan stays as given
+            engine.plan = dataclasses.replace(engine.plan, notes=[*engine.plan.notes, *calibration, note])  # the caller's plan stays as given
             engine.executor.plan = engine.plan
             _reset(engine)
             return
@@ -108,6 +125,31 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                      "with memory margin %.0f%%", format_bytes(peak), format_bytes(budget), margin * 100)
         plan = replan(engine.plan, budget, backend, device, margin)
         _rebuild(engine, plan)
+
+
+def _host_rate_checked(engine: "MemFerry", budget: int, margin: float, found: list[str]) -> Any:
+    """The plan made again from a profile calibrated to the rehearsal step's host rate, where
+    that rate was off the plan's by more than ``host_calibration.TOLERANCE``; None where it was
+    within it, or where nothing was measured. What it found is appended to ``found``."""
+    plan = engine.plan
+    measured = engine.optimizer.measured_s_per_param()
+    links = links_from_probe(engine.backend, engine.device)
+    planned = planned_rate_for(plan, links, margin, min(engine.micro.steps, 2))
+    if not measured or not planned:
+        return None
+    ratio = measured / planned
+    said = (f"host rate: the rehearsal step's host updates ran at {measured * 1e9:.3f} ns/param, {ratio:.2f}x "
+            f"the {planned * 1e9:.3f} the plan assumed")
+    if 1 / TOLERANCE <= ratio <= TOLERANCE:
+        found.append(said + " (within the tolerance: plan kept)")
+        return None
+    again = replan(plan, budget, engine.backend, engine.device, margin, profile=calibrated(plan.profile, ratio))
+    before, after = plan.predicted_step_s or 0.0, again.predicted_step_s or 0.0
+    found.append(f"{said}; planned again with the profile's host timings scaled by {ratio:.2f}: predicted step "
+                 f"{before * 1e3:.1f} -> {after * 1e3:.1f} ms, "
+                 + ("same plan" if same_layout(again, plan) else "a different plan"))
+    _log.info("MemFerry: %s", found[-1])
+    return again
 
 
 def _rehearse(engine: "MemFerry", sample: tuple[Any, Any]) -> int:

@@ -1,0 +1,70 @@
+"""The plan's host rate, checked on the rehearsal step and the plan made again where it was off.
+
+The scheduler prices a host update from the profiler's timing of the kernel alone and beside
+back-to-back copies (``host_budget.py``). Inside real steps the same kernel ran 1.05-1.5x slower
+on the H200 machine (bench/results/2026-12-03-h200-session12/: the training thread, every
+block's copies and the device's gradient writes share the host with it, in a mix the
+profile's two timings do not reproduce), so a host-bound plan's predicted step was up to 30 %
+short, and the scheduler chose between plans on that optimistic figure.
+
+The rehearsal step (``rehearsal.py``) runs the plan's host updates for real. This module
+compares their measured rate with the rate the plan assumed for that step; where the two
+differ by more than :data:`TOLERANCE`, the profile's host timings are scaled by the measured
+ratio (the kernel's weight in host memory scales with it; what a copy byte costs stays) and
+the scheduler plans again from the calibrated profile, without profiling again. The plan's
+notes keep the uncalibrated prediction beside the new one. Calibration happens once per
+engine: the second plan's rate is not checked again. Not on virtual devices (the cpu
+backend): there the "device" computes on the same cores as the host updates, and a step's
+rate says nothing a profile could keep.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from .config import Plan
+
+if TYPE_CHECKING:
+    from xpu import Backend
+
+    from .links import Links
+    from .profiler import StepProfile
+
+__all__ = ["TOLERANCE", "applies", "planned_rate_for", "calibrated", "same_layout"]
+
+#: Measured over planned host rate beyond which the plan is made again (either way).
+TOLERANCE = 1.10
+
+
+def applies(backend: "Backend") -> bool:
+    """Whether a rehearsal on ``backend`` checks the host rate (real devices only: see the module)."""
+    return not backend.caps.virtual_devices
+
+
+def planned_rate_for(plan: Plan, links: "Links", margin: float, micro_batches: int) -> float | None:
+    """Host seconds per host-updated parameter ``plan``'s prediction assumes for a step of
+    ``micro_batches`` micro-batches (the rehearsal runs at most two of a step's); None for a
+    plan the scheduler did not make."""
+    from .cost import predict
+    from .scheduler import planned_host_rate
+
+    profile = plan.profile
+    if profile is None:
+        return None
+    if micro_batches == max(1, profile.accumulation_steps):
+        return plan.host_s_per_param
+    shorter = dataclasses.replace(profile, accumulation_steps=micro_batches)
+    return planned_host_rate(plan, shorter, links, predict(plan, shorter, links, margin))
+
+
+def calibrated(profile: "StepProfile", ratio: float) -> "StepProfile":
+    """``profile`` with its host kernel's timings (alone and beside copies) ``ratio`` times as long."""
+    note = f"host AdamW timings scaled by {ratio:.2f} to the rehearsal step's measured rate"
+    return dataclasses.replace(profile, host_adamw_s_per_param=profile.host_adamw_s_per_param * ratio,
+                               host_adamw_copies_s_per_param=profile.host_adamw_copies_s_per_param * ratio,
+                               notes=[*profile.notes, note])
+
+
+def same_layout(a: Plan, b: Plan) -> bool:
+    """Whether the two plans build the same engine (units, prefetch depth, rest's optimizer)."""
+    return (a.units, a.prefetch_depth, a.rest_optimizer) == (b.units, b.prefetch_depth, b.rest_optimizer)
