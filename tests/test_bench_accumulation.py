@@ -82,7 +82,7 @@ def test_accumulation_matches_a_plain_reference(cpu_backend, system, tmp_path, m
         assert row["host_floor_ns_per_param"] == pytest.approx(nbytes / 10.0)
         assert row["host_over_floor"] == pytest.approx(row["host_ns_per_param"] / (nbytes / 10.0), rel=1e-2)
         assert f"host AdamW {row['host_ns_per_param']:.3f} ns/param" in row["notes"]
-        assert row["predicted_step_s"] is None  # a named plan: nothing predicted
+        assert row["predicted_step_s"] is None and row["predicted_peak_gb"] is None  # a named plan: nothing predicted
 
 
 def test_accumulated_micro_batches_train_as_one_large_batch(cpu_backend):
@@ -228,3 +228,5 @@ def test_memferry_lora_plan_auto_under_a_cap(cpu_backend, tmp_path):
         "systems": [{"name": "memferry", "options": {"plan": "auto", "loss_chunks": 2, "lora": {"r": 4}}}]})
     row = _run(scenario, "memferry")
     assert row["losses"][-1] < row["losses"][0] and row["peak_device_gb"] <= 0.02
+    # the plan's predicted peak (margin included) fits the cap and bounds what the steps measured
+    assert row["peak_device_gb"] <= row["predicted_peak_gb"] <= 0.02
