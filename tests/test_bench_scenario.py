@@ -29,6 +29,10 @@ def test_named_scenarios_load():
     assert short.effective(short.entry("torch"))["total_steps"] == 9  # extra untimed steps to reach loss_after
     assert s.entry("deepspeed-twinflow-0.2").options["ratio"] == 0.2
     assert load_scenario("tiny").dtype == "fp32"
+    acc = load_scenario("design-s3-accum8")  # the global batch of 64 x 1024, MemFerry alone capped
+    assert (acc.batch, acc.accumulation_steps, acc.model_dims()) == (8, 8, s.model_dims())
+    assert [e.label for e in acc.systems] == ["torch", "fsdp2-offload", "deepspeed-z2-offload", "memferry-auto"]
+    assert [acc.effective(e)["device_mem_gb"] for e in acc.systems] == [None, None, None, 17.7]
 
 
 def test_overrides_and_selection():
