@@ -1,7 +1,8 @@
 """The rehearsal step's host-rate check (``host_calibration.py``): where the step's host updates
-ran far off the rate the plan assumed, the scheduler plans again from the profile calibrated to
-the measured rate, and a plan of another layout is built and rehearsed in its turn; within the
-tolerance the plan stays as it was.
+ran far off the rate the plan assumed, the plan is priced again on the profile calibrated to the
+measured rate; where that moves its step (the host bounds it) the scheduler searches again, and a
+faster plan of another layout is built and rehearsed in its turn; within the tolerance the plan
+stays as it was.
 
 The cpu backend's virtual devices skip the check (``host_calibration.applies``); these tests
 turn it on and set the measured rate, so nothing depends on this machine's timing."""
@@ -12,7 +13,8 @@ import pytest
 import strategies.memferry.rehearsal as rehearsal
 from strategies.memferry import AdamW, MemFerry
 from strategies.memferry.config import Plan
-from strategies.memferry.host_calibration import TOLERANCE, same_layout
+from strategies.memferry.cost import links_from_probe, predict
+from strategies.memferry.host_calibration import TOLERANCE, calibrated, repriced, same_layout
 from strategies.memferry.host_optimizer import HostOptimizer
 from strategies.memferry.planning import plan_for
 from tests.test_memferry_rehearsal import true_min_budget  # noqa: F401  (a fixture)
@@ -36,21 +38,60 @@ def host_plan(cpu_backend, true_min_budget):  # noqa: F811
 
 def test_a_host_rate_far_off_the_plan_is_calibrated_and_planned_again(cpu_backend, monkeypatch, host_plan):
     plan, budget = host_plan
-    _measuring(monkeypatch, 3 * plan.host_s_per_param)
+    _measuring(monkeypatch, 50 * plan.host_s_per_param)  # 50x: the host bounds any plan with host updates
     x, y = batch()
     engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=(x, y), device_budget=budget,
                       backend=cpu_backend, memory_margin=0.0)
     said = [n for n in engine.plan.notes if n.startswith("host rate:")]
-    assert len(said) == 1 and "3.00x" in said[0] and "scaled by 3.00" in said[0], engine.plan.notes
-    assert engine.plan.profile.host_adamw_s_per_param == pytest.approx(3 * plan.profile.host_adamw_s_per_param)
+    assert len(said) == 1 and "50.00x" in said[0] and "scaled by 50.00" in said[0], engine.plan.notes
+    assert "searched again" in said[0]
+    assert engine.plan.profile.host_adamw_s_per_param == pytest.approx(50 * plan.profile.host_adamw_s_per_param)
     assert plan.profile.host_adamw_s_per_param != engine.plan.profile.host_adamw_s_per_param  # the caller's kept
-    assert engine.plan.host_s_per_param > 1.5 * plan.host_s_per_param  # the new prediction prices the slower host
-    assert engine.plan.predicted_step_s >= plan.predicted_step_s
-    assert ("same plan" in said[0]) == same_layout(engine.plan, plan)
+    assert engine.plan.host_s_per_param > 5 * plan.host_s_per_param  # the new prediction prices the slower host
+    assert engine.plan.predicted_step_s > plan.predicted_step_s
     assert sum(n.startswith("rehearsal:") for n in engine.plan.notes) == 1
     assert engine.optimizer.updated_numel == 0  # the rehearsal's counts are gone, as if just built
     assert float(engine.train_step(x, y)) > 0
     engine.close()
+
+
+def test_a_plan_the_host_does_not_bound_is_repriced_not_searched(cpu_backend, monkeypatch, host_plan):
+    plan, budget = host_plan
+    _measuring(monkeypatch, 2 * plan.host_s_per_param)
+    real = rehearsal.repriced
+
+    def compute_bound(p, profile, links, margin):  # as if the device bounded the step: it does not move
+        out = real(p, profile, links, margin)
+        out.predicted_step_s = p.predicted_step_s
+        return out
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("searched again for a plan whose step the host does not bound")
+
+    monkeypatch.setattr(rehearsal, "repriced", compute_bound)
+    monkeypatch.setattr(rehearsal, "replan", no_search)
+    engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=batch(), device_budget=budget,
+                      backend=cpu_backend, memory_margin=0.0)
+    said = [n for n in engine.plan.notes if n.startswith("host rate:")]
+    assert len(said) == 1 and "not searched again" in said[0], engine.plan.notes
+    assert same_layout(engine.plan, plan)
+    assert engine.plan.profile.host_adamw_s_per_param == pytest.approx(2 * plan.profile.host_adamw_s_per_param)
+    assert engine.plan.host_s_per_param > plan.host_s_per_param
+    engine.close()
+
+
+def test_repricing_keeps_the_layout_and_predicts_on_the_new_profile(host_plan, cpu_backend):
+    plan, _ = host_plan
+    links = links_from_probe(cpu_backend, 0)
+    slow = calibrated(plan.profile, 4.0)
+    again = repriced(plan, slow, links, 0.0)
+    pred = predict(plan, slow, links, 0.0)
+    assert same_layout(again, plan) and again.profile is slow and again is not plan
+    assert (again.predicted_step_s, again.predicted_peak_bytes) == (pred.step_s, int(pred.peak_bytes))
+    assert again.predicted_peak_bytes == plan.predicted_peak_bytes  # the host rate moves no device byte
+    assert again.host_s_per_param > plan.host_s_per_param and plan.profile.host_adamw_s_per_param < \
+        slow.host_adamw_s_per_param
+    assert slow.notes[-1].startswith("host AdamW timings scaled by 4.00")
 
 
 def test_a_host_rate_within_the_tolerance_keeps_the_plan(cpu_backend, monkeypatch, host_plan):
@@ -67,10 +108,11 @@ def test_a_host_rate_within_the_tolerance_keeps_the_plan(cpu_backend, monkeypatc
 
 def test_a_calibrated_plan_of_another_layout_is_built_and_rehearsed(cpu_backend, monkeypatch, host_plan):
     plan, budget = host_plan
-    _measuring(monkeypatch, 3 * plan.host_s_per_param)
+    _measuring(monkeypatch, 50 * plan.host_s_per_param)
     other = Plan.from_spec("prefetch+recompute", len(plan.units))
     assert not same_layout(other, plan)
-    other.profile, other.predicted_step_s, other.predicted_peak_bytes = plan.profile, 1.0, plan.predicted_peak_bytes
+    # predicted far faster than the old layout at the calibrated rate: worth building
+    other.profile, other.predicted_step_s, other.predicted_peak_bytes = plan.profile, 1e-9, plan.predicted_peak_bytes
     calls = []
     real = rehearsal.replan
 
@@ -85,7 +127,7 @@ def test_a_calibrated_plan_of_another_layout_is_built_and_rehearsed(cpu_backend,
     assert len(calls) == 1  # calibrated once: the second plan's rehearsal checks memory only
     assert same_layout(engine.plan, other) and engine.executor.plan is engine.plan
     notes = engine.plan.notes
-    assert any("a different plan" in n for n in notes) and sum(n.startswith("rehearsal:") for n in notes) == 1
+    assert any("a faster plan" in n for n in notes) and sum(n.startswith("rehearsal:") for n in notes) == 1
     assert all(u.forward == "prefetch" for u in engine.executor.plan.units)
     assert float(engine.train_step(x, y)) > 0
     engine.close()

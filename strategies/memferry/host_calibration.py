@@ -10,9 +10,13 @@ short, and the scheduler chose between plans on that optimistic figure.
 The rehearsal step (``rehearsal.py``) runs the plan's host updates for real. This module
 compares their measured rate with the rate the plan assumed for that step; where the two
 differ by more than :data:`TOLERANCE`, the profile's host timings are scaled by the measured
-ratio (the kernel's weight in host memory scales with it; what a copy byte costs stays) and
-the scheduler plans again from the calibrated profile, without profiling again. The plan's
-notes keep the uncalibrated prediction beside the new one. Calibration happens once per
+ratio (the kernel's weight in host memory scales with it; what a copy byte costs stays) and the
+plan is priced again on the calibrated profile (:func:`repriced`). Only where that moves its
+predicted step by more than :data:`SEARCH_AGAIN` (the host bounds it) does the scheduler search
+again, without profiling again; its plan replaces the old one only when predicted faster by more
+than :data:`SEARCH_AGAIN` (on the H200 a search of 24 blocks takes tens of seconds, and a new
+plan means building the engine again). The plan's notes keep the uncalibrated prediction beside
+the new one. Calibration happens once per
 engine: the second plan's rate is not checked again. Not on virtual devices (the cpu
 backend): there the "device" computes on the same cores as the host updates, and a step's
 rate says nothing a profile could keep.
@@ -30,10 +34,12 @@ if TYPE_CHECKING:
     from .links import Links
     from .profiler import StepProfile
 
-__all__ = ["TOLERANCE", "applies", "planned_rate_for", "calibrated", "same_layout"]
+__all__ = ["TOLERANCE", "SEARCH_AGAIN", "applies", "planned_rate_for", "calibrated", "repriced", "same_layout"]
 
-#: Measured over planned host rate beyond which the plan is made again (either way).
+#: Measured over planned host rate beyond which the plan is priced again (either way).
 TOLERANCE = 1.10
+#: Relative change of a predicted step worth a new search, and a new plan's least gain over the old.
+SEARCH_AGAIN = 0.02
 
 
 def applies(backend: "Backend") -> bool:
@@ -63,6 +69,19 @@ def calibrated(profile: "StepProfile", ratio: float) -> "StepProfile":
     return dataclasses.replace(profile, host_adamw_s_per_param=profile.host_adamw_s_per_param * ratio,
                                host_adamw_copies_s_per_param=profile.host_adamw_copies_s_per_param * ratio,
                                notes=[*profile.notes, note])
+
+
+def repriced(plan: Plan, profile: "StepProfile", links: "Links", margin: float) -> Plan:
+    """``plan``'s layout priced on ``profile`` (a calibrated one): a new :class:`Plan` with its
+    predicted step, peak and host rate, and ``profile``; the notes stay."""
+    from .cost import predict
+    from .scheduler import planned_host_rate
+
+    pred = predict(plan, profile, links, margin)
+    return dataclasses.replace(plan, units=list(plan.units), predicted_step_s=pred.step_s,
+                               predicted_peak_bytes=int(pred.peak_bytes),
+                               host_s_per_param=planned_host_rate(plan, profile, links, pred), profile=profile,
+                               notes=list(plan.notes))
 
 
 def same_layout(a: Plan, b: Plan) -> bool:

@@ -13,8 +13,9 @@ up to :data:`ATTEMPTS` times. Lifting the cap means the overshoot is measured, n
 out-of-memory error in the middle of a step would leave its tensors to the autograd graph.
 
 The same step's host updates are timed: where they ran more than 10 % off the rate the plan
-assumed, the scheduler plans again from the profile calibrated to it (``host_calibration.py``),
-and a different plan is built and rehearsed in its turn (real devices only).
+assumed, the plan is priced again on the profile calibrated to it, the scheduler searches again
+where the host bounds the plan (``host_calibration.py``), and a faster plan is built and
+rehearsed in its turn (real devices only).
 
 A plan given rather than scheduled cannot be made again: one that peaks over the budget is
 refused (:class:`PlanOverBudgetError`, naming the peak) before training, not run out of memory in
@@ -33,7 +34,7 @@ import torch
 from xpu.units import format_bytes, parse_bytes
 
 from .compute_dtype import cast_parameters, restore_parameters
-from .host_calibration import TOLERANCE, applies, calibrated, planned_rate_for, same_layout
+from .host_calibration import SEARCH_AGAIN, TOLERANCE, applies, calibrated, planned_rate_for, repriced, same_layout
 from .links import links_from_probe
 from .planning import replan
 from .units import split_units
@@ -128,9 +129,10 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
 
 
 def _host_rate_checked(engine: "MemFerry", budget: int, margin: float, found: list[str]) -> Any:
-    """The plan made again from a profile calibrated to the rehearsal step's host rate, where
-    that rate was off the plan's by more than ``host_calibration.TOLERANCE``; None where it was
-    within it, or where nothing was measured. What it found is appended to ``found``."""
+    """The plan priced again (and, where the host bounds it, searched again) on a profile
+    calibrated to the rehearsal step's host rate, where that rate was off the plan's by more than
+    ``host_calibration.TOLERANCE``; None where it was within it, or where nothing was measured.
+    What it found is appended to ``found``."""
     plan = engine.plan
     measured = engine.optimizer.measured_s_per_param()
     links = links_from_probe(engine.backend, engine.device)
@@ -143,11 +145,16 @@ def _host_rate_checked(engine: "MemFerry", budget: int, margin: float, found: li
     if 1 / TOLERANCE <= ratio <= TOLERANCE:
         found.append(said + " (within the tolerance: plan kept)")
         return None
-    again = replan(plan, budget, engine.backend, engine.device, margin, profile=calibrated(plan.profile, ratio))
-    before, after = plan.predicted_step_s or 0.0, again.predicted_step_s or 0.0
-    found.append(f"{said}; planned again with the profile's host timings scaled by {ratio:.2f}: predicted step "
-                 f"{before * 1e3:.1f} -> {after * 1e3:.1f} ms, "
-                 + ("same plan" if same_layout(again, plan) else "a different plan"))
+    profile = calibrated(plan.profile, ratio)
+    kept = repriced(plan, profile, links, margin)
+    before, now = plan.predicted_step_s or 0.0, kept.predicted_step_s or 0.0
+    again, how = kept, "the host does not bound it: same plan, not searched again"
+    if abs(now - before) > SEARCH_AGAIN * before:
+        searched = replan(plan, budget, engine.backend, engine.device, margin, profile=profile)
+        better = (searched.predicted_step_s or now) < now * (1 - SEARCH_AGAIN)
+        again, how = (searched, "searched again: a faster plan") if better else (kept, "searched again: same plan kept")
+    found.append(f"{said}; the profile's host timings scaled by {ratio:.2f}: predicted step {before * 1e3:.1f} -> "
+                 f"{(again.predicted_step_s or 0.0) * 1e3:.1f} ms ({how})")
     _log.info("MemFerry: %s", found[-1])
     return again
 
