@@ -16,10 +16,9 @@ predicted step by more than :data:`SEARCH_AGAIN` (the host bounds it) does the s
 again, without profiling again; its plan replaces the old one only when predicted faster by more
 than :data:`SEARCH_AGAIN` (on the H200 a search of 24 blocks takes tens of seconds, and a new
 plan means building the engine again). The plan's notes keep the uncalibrated prediction beside
-the new one. Calibration happens once per
-engine: the second plan's rate is not checked again. Not on virtual devices (the cpu
-backend): there the "device" computes on the same cores as the host updates, and a step's
-rate says nothing a profile could keep.
+the new one. Calibration happens once per engine: a second plan's rate is not checked again.
+Not on virtual devices (the cpu backend): there the "device" computes on the same cores as the
+host updates, and a step's rate says nothing a profile could keep.
 """
 from __future__ import annotations
 

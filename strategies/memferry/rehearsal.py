@@ -83,7 +83,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
     margin = setup["memory_margin"]
     tried: list[str] = []
     calibration: list[str] = []  # what the host-rate check found (host_calibration.py)
-    calibrated = engine.plan.profile is None or not applies(engine.backend)  # a given plan has no profile
+    rate_checked = engine.plan.profile is None or not applies(engine.backend)  # a given plan has no profile
     backend, device = engine.backend, engine.device
     while True:
         backend.set_memory_cap(device, None)  # measure the overshoot rather than run into it
@@ -93,8 +93,8 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
             backend.set_memory_cap(device, budget)
         predicted = engine.plan.predicted_peak_bytes or 0
         if peak <= budget:
-            if not calibrated:
-                calibrated = True
+            if not rate_checked:
+                rate_checked = True
                 again = _host_rate_checked(engine, budget, margin, calibration)
                 if again is not None and not same_layout(again, engine.plan):
                     _rebuild(engine, again)  # its memory is rehearsed again; its host rate is not
