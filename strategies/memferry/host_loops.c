@@ -15,7 +15,9 @@
  * sweep: "save" writes the old master and moments to a backup as it reads them (40 bytes per
  * bf16 parameter instead of a 24-byte copy then the 28-byte update), and "from" reads the old
  * values from that backup instead of from the master and moments (a rollback: restore and
- * re-apply in 28 bytes instead of 24 + 28). */
+ * re-apply in 28 bytes instead of 24 + 28; or an update into a spare, which leaves the old state
+ * as it was). fp16 gradients or working copies run scalar where GCC has no vector type for
+ * _Float16 (GCC 12 on x86-64); bf16 and fp32 vectorise in every form. */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
