@@ -50,16 +50,13 @@ def planned_rate_for(plan: Plan, links: "Links", margin: float, micro_batches: i
     """Host seconds per host-updated parameter ``plan``'s prediction assumes for a step of
     ``micro_batches`` micro-batches (the rehearsal runs at most two of a step's); None for a
     plan the scheduler did not make."""
-    from .cost import predict
-    from .scheduler import planned_host_rate
-
     profile = plan.profile
     if profile is None:
         return None
     if micro_batches == max(1, profile.accumulation_steps):
         return plan.host_s_per_param
     shorter = dataclasses.replace(profile, accumulation_steps=micro_batches)
-    return planned_host_rate(plan, shorter, links, predict(plan, shorter, links, margin))
+    return repriced(plan, shorter, links, margin).host_s_per_param
 
 
 def calibrated(profile: "StepProfile", ratio: float) -> "StepProfile":
@@ -72,15 +69,13 @@ def calibrated(profile: "StepProfile", ratio: float) -> "StepProfile":
 
 def repriced(plan: Plan, profile: "StepProfile", links: "Links", margin: float) -> Plan:
     """``plan``'s layout priced on ``profile`` (a calibrated one): a new :class:`Plan` with its
-    predicted step, peak and host rate, and ``profile``; the notes stay."""
-    from .cost import predict
-    from .scheduler import planned_host_rate
+    predicted step, peak and host rate (as the scheduler prices its plans), and ``profile``; the
+    notes stay."""
+    from .scheduler import price
 
-    pred = predict(plan, profile, links, margin)
-    return dataclasses.replace(plan, units=list(plan.units), predicted_step_s=pred.step_s,
-                               predicted_peak_bytes=int(pred.peak_bytes),
-                               host_s_per_param=planned_host_rate(plan, profile, links, pred), profile=profile,
-                               notes=list(plan.notes))
+    again = dataclasses.replace(plan, units=list(plan.units), notes=list(plan.notes))
+    price(again, profile, links, margin)
+    return again
 
 
 def same_layout(a: Plan, b: Plan) -> bool:

@@ -51,7 +51,7 @@ from .pareto import pareto_front
 if TYPE_CHECKING:
     from .profiler import StepProfile
 
-__all__ = ["NoPlanFitsError", "unit_choices", "schedule", "brute_force", "min_budget", "planned_host_rate"]
+__all__ = ["NoPlanFitsError", "unit_choices", "schedule", "brute_force", "min_budget", "price", "planned_host_rate"]
 
 _GB = 1e9
 
@@ -333,11 +333,7 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
                               f"{format_bytes(need)} ({need} bytes, {margin:.0%} fragmentation margin included); "
                               f"raise device_budget to at least that{_loss_hint(profile, need, margin)}", minimum=need)
     plan = best[1]
-    pred = predict(plan, profile, links, margin)  # the same numbers, with the host-work total filled in
-    plan.predicted_step_s = pred.step_s
-    plan.predicted_peak_bytes = int(pred.peak_bytes)
-    plan.host_s_per_param = planned_host_rate(plan, profile, links, pred)
-    plan.profile = profile
+    pred = price(plan, profile, links, margin)  # the same numbers, with the host-work total filled in
     plan.notes = _explain(plan, pred, profile, links, float(budget_bytes), choices, margin) if explain else []
     if group > 1:
         plan.notes.append(f"note: blocks were decided in groups of {group} consecutive blocks ({n} blocks); "
@@ -346,6 +342,17 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
         plan.notes.append(f"note: the search kept at most {max_labels} partial plans per block and choice; this plan "
                           f"is the best found, not proven optimal (raise max_labels)")
     return plan
+
+
+def price(plan: Plan, profile: "StepProfile", links: Links, margin: float) -> Prediction:
+    """Fill in ``plan``'s predicted step, peak and host rate from ``profile`` (which it keeps, to
+    be made again from it); returns the prediction."""
+    pred = predict(plan, profile, links, margin)
+    plan.predicted_step_s = pred.step_s
+    plan.predicted_peak_bytes = int(pred.peak_bytes)
+    plan.host_s_per_param = planned_host_rate(plan, profile, links, pred)
+    plan.profile = profile
+    return pred
 
 
 def planned_host_rate(plan: Plan, profile: "StepProfile", links: Links, pred: Prediction) -> float:
