@@ -101,6 +101,8 @@ class MemFerrySystem(BenchSystem):
             predicted = self.engine.plan.predicted_step_s
             self._plan_note += f" (predicted {predicted:.3f} s)" if predicted is not None else ""
             print(f"memferry plan chosen by the scheduler:\n{self.engine.plan.describe()}", flush=True)
+            if self.engine.plan.profile is not None:  # to replay the search elsewhere (StepProfile.from_json)
+                print(f"memferry profile: {self.engine.plan.profile.to_json(indent=None)}", flush=True)
         summing = sum(u.accumulate == "device" for u in self.engine.plan.units)
         if summing:
             self._plan_note += f", {summing} of {len(self.engine.plan.units)} blocks sum micro-batches on the device"

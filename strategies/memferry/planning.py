@@ -13,6 +13,7 @@ every rank homes the same units alike.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable
 
 import torch
@@ -97,8 +98,10 @@ def _profile_and_schedule(model: nn.Module, sample: Any, device_budget: Any, opt
         if sample is None:
             raise ValueError("plan='auto' profiles one step first: pass sample=(inputs, targets) of one batch")
         inputs, targets = sample
+        started = time.perf_counter()
         profile = profile_step(model, units, backend, index, inputs, targets, loss_fn=loss_fn, blocks=blocks,
                                host_kernel=optim.host_kernel)
+        profiled = time.perf_counter()
         profile.accumulation_steps = accumulation_steps  # what persists across micro-batches (cost.grads_persist)
         profile.clipping = optim.max_grad_norm is not None  # device gradients held until step() (likewise)
         profile.data_parallel = data_parallel  # ... as fp32 sums, averaged over the ranks
@@ -107,6 +110,9 @@ def _profile_and_schedule(model: nn.Module, sample: Any, device_budget: Any, opt
         budget = parse_bytes(device_budget) if device_budget is not None else backend.mem_info(index)[0]
         plan = schedule(profile, links_from_probe(backend, index), budget, n_blocks, allow_dha=backend.caps.dha,
                         margin=margin)
+        # Setup is most of a short run's time: say where it went.
+        plan.notes.append(f"setup: profiled one step in {profiled - started:.1f} s, searched plans in "
+                          f"{time.perf_counter() - profiled:.1f} s")
     finally:
         restore_parameters(model, originals)
     _log.info("MemFerry plan for %s:\n%s", type(model).__name__, plan.describe())

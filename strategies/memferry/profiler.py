@@ -139,9 +139,9 @@ class StepProfile:
     clip_mode: str = "speculative"
     data_parallel: bool = False
 
-    def to_json(self) -> str:
-        """The profile as a JSON string."""
-        return json.dumps(asdict(self), indent=1)
+    def to_json(self, indent: int | None = 1) -> str:
+        """The profile as a JSON string (``indent=None``: on one line)."""
+        return json.dumps(asdict(self), indent=indent)
 
     @classmethod
     def from_json(cls, text: str) -> "StepProfile":

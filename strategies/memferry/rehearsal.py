@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -85,6 +86,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
     calibration: list[str] = []  # what the host-rate check found (host_calibration.py)
     rate_checked = engine.plan.profile is None or not applies(engine.backend)  # a given plan has no profile
     backend, device = engine.backend, engine.device
+    started = time.perf_counter()
     while True:
         backend.set_memory_cap(device, None)  # measure the overshoot rather than run into it
         try:
@@ -103,7 +105,8 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                     engine.plan = again
             note = (f"rehearsal: one step at learning rate 0 peaked at {format_bytes(peak)}, budget "
                     f"{format_bytes(budget)}, predicted {format_bytes(predicted)}"
-                    + (f" (after {'; '.join(tried)})" if tried else ""))
+                    + (f" (after {'; '.join(tried)})" if tried else "")
+                    + f"; rehearsing took {time.perf_counter() - started:.1f} s")
             engine.plan = dataclasses.replace(engine.plan, notes=[*engine.plan.notes, *calibration, note])  # the caller's plan stays as given
             engine.executor.plan = engine.plan
             _reset(engine)
