@@ -311,6 +311,7 @@ def test_plan_for_plans_apart_from_the_engine_and_leaves_the_model_as_it_came(cp
     ref_losses, _ = reference_self_loss(model, data, cfg)
     plan = plan_for(model, data[0], "64MB", optim=cfg, backend=cpu_backend, compute_dtype=torch.bfloat16)
     assert isinstance(plan, Plan) and plan.predicted_step_s is not None and len(plan.units) == 2
+    assert [n for n in plan.notes if n.startswith("setup: profiled one step in ")]  # where setup time went
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     plan = plan_for(model, data[0], "64MB", optim=cfg, backend=cpu_backend)
     engine = MemFerry(model, optim=cfg, plan=plan, device_budget="64MB", backend=cpu_backend)

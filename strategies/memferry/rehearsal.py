@@ -87,6 +87,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
     rate_checked = engine.plan.profile is None or not applies(engine.backend)  # a given plan has no profile
     backend, device = engine.backend, engine.device
     started = time.perf_counter()
+    setup_notes = [n for n in engine.plan.notes if n.startswith("setup:")]  # a plan made again has its own notes
     while True:
         backend.set_memory_cap(device, None)  # measure the overshoot rather than run into it
         try:
@@ -107,7 +108,8 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                     f"{format_bytes(budget)}, predicted {format_bytes(predicted)}"
                     + (f" (after {'; '.join(tried)})" if tried else "")
                     + f"; rehearsing took {time.perf_counter() - started:.1f} s")
-            engine.plan = dataclasses.replace(engine.plan, notes=[*engine.plan.notes, *calibration, note])  # the caller's plan stays as given
+            kept = [n for n in setup_notes if n not in engine.plan.notes]
+            engine.plan = dataclasses.replace(engine.plan, notes=[*engine.plan.notes, *kept, *calibration, note])  # the caller's plan stays as given
             engine.executor.plan = engine.plan
             _reset(engine)
             return
