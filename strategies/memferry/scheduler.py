@@ -68,9 +68,10 @@ class NoPlanFitsError(XpuError, ValueError):
 #: decided in groups of consecutive blocks, about this many groups (see ``schedule``).
 GROUP_ABOVE = 24
 #: Label cap up to ``GROUP_ABOVE`` blocks. On the docs/design.md §3 profile (24 blocks, host-memory
-#: model, margin 5 %; 2-core machine) 1000 labels predicted what 4000 did (163.7 against 164.0 ms
-#: under 17.7 GB, 292.1 under 8 GB; 1364.5 and 1590.1 with 8 micro-batches) in 8-31 s against
-#: 26-272 s: the Pareto pruning's work grows about as the square of the labels kept.
+#: model, margin 5 %; 2-core machine) 1000 labels found plans predicted as fast as 4000 did (under
+#: 17.7 GB 163.7 ms against 164 ms; under 8 GB 292.1 ms both; with 8 micro-batches 1364.5 against
+#: 1364 ms and 1590.1 ms both) in 8-31 s against 24-272 s: the Pareto pruning's work grows about
+#: as the square of the labels kept.
 LABELS = 1000
 #: Label cap past ``GROUP_ABOVE`` blocks. On the docs/design.md §3 profile (24 blocks) 300 labels
 #: predicted within 0.6 % of 4000 in a third of the time; 96 blocks in groups of 4 took 23 s.
