@@ -37,7 +37,8 @@ from .compute_dtype import cast_parameters, check_compute_dtype, restore_paramet
 from .config import AdamW, Plan, UnitPlan
 from .data_parallel import DataParallel
 from .device_optimizer import DeviceOptimizer
-from .executor import Executor, check_plan
+from .executor import Executor
+from .plan_check import check_plan
 from .hf_models import model_loss, no_kv_cache
 from .host_optimizer import HostOptimizer
 from .planning import plan_for

@@ -47,13 +47,14 @@ from xpu import Backend
 
 from ..activation_swap import ActivationSwapper, SwapGroup
 from .config import OFFLOAD_MIN_BYTES, Plan, UnitPlan
-from .device_accumulation import DeviceSums, check_accumulate
+from .device_accumulation import DeviceSums
 from .device_optimizer import DeviceOptimizer
 from .dha_linear import TransferCounter, host_linear
 from .host_optimizer import HostOptimizer
+from .plan_check import check_plan
 from .shadow import ShadowModel, UnitShadow
 
-__all__ = ["Executor", "check_plan", "DHA_LINEAR_MIN_BYTES"]
+__all__ = ["Executor", "DHA_LINEAR_MIN_BYTES"]
 
 #: Linear weights smaller than this stay on the plain path in DHA blocks (read in place): the
 #: streamed op's fixed costs (events, a copy per chunk) outweigh moving a few kilobytes.
@@ -464,24 +465,6 @@ class _Gathered:
 
     def __init__(self, work: Any) -> None:
         self.work = work
-
-
-def check_plan(plan: Plan, n_blocks: int, backend: Backend, accumulation_steps: int = 1) -> None:
-    """Raise ValueError, saying what to change, if ``plan`` cannot run on ``n_blocks`` here with
-    ``accumulation_steps`` micro-batches per step."""
-    if len(plan.units) != n_blocks:
-        raise ValueError(f"the plan covers {len(plan.units)} blocks, the model has {n_blocks}")
-    if plan.prefetch_depth < 1:
-        raise ValueError(f"prefetch_depth must be at least 1, got {plan.prefetch_depth}")
-    for i, u in enumerate(plan.units):
-        if not u.recompute and u.forward != u.backward:
-            raise ValueError(
-                f"block {i}: without recompute, backward reads the weights forward saved, so backward must use "
-                f"forward's mode ({u.forward!r}); set recompute=True to choose a different backward mode"
-            )
-        if "dha" in (u.forward, u.backward) and not backend.caps.dha:
-            raise ValueError(f"block {i} plans DHA, but backend '{backend.name}' has no Direct Host Access (caps.dha)")
-    check_accumulate(plan, accumulation_steps)
 
 
 class _Restore:
