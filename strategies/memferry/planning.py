@@ -28,7 +28,10 @@ from .compute_dtype import cast_parameters, check_compute_dtype, restore_paramet
 from .config import AdamW, Plan
 from .units import split_units
 
-__all__ = ["plan_for", "replan"]
+__all__ = ["plan_for", "replan", "SETUP_NOTE"]
+
+#: How the plan's note on setup time begins (the rehearsal carries it to a plan made again).
+SETUP_NOTE = "setup:"
 
 _log = logging.getLogger("xpu.memferry")
 
@@ -111,7 +114,7 @@ def _profile_and_schedule(model: nn.Module, sample: Any, device_budget: Any, opt
         plan = schedule(profile, links_from_probe(backend, index), budget, n_blocks, allow_dha=backend.caps.dha,
                         margin=margin)
         # Setup is most of a short run's time: say where it went.
-        plan.notes.append(f"setup: profiled one step in {profiled - started:.1f} s, searched plans in "
+        plan.notes.append(f"{SETUP_NOTE} profiled one step in {profiled - started:.1f} s, searched plans in "
                           f"{time.perf_counter() - profiled:.1f} s")
     finally:
         restore_parameters(model, originals)

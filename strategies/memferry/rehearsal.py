@@ -37,7 +37,7 @@ from xpu.units import format_bytes, parse_bytes
 from .compute_dtype import cast_parameters, restore_parameters
 from .host_calibration import SEARCH_AGAIN, TOLERANCE, applies, calibrated, planned_rate_for, repriced, same_layout
 from .links import links_from_probe
-from .planning import replan
+from .planning import SETUP_NOTE, replan
 from .units import split_units
 
 from xpu.errors import XpuError
@@ -87,7 +87,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
     rate_checked = engine.plan.profile is None or not applies(engine.backend)  # a given plan has no profile
     backend, device = engine.backend, engine.device
     started = time.perf_counter()
-    setup_notes = [n for n in engine.plan.notes if n.startswith("setup:")]  # a plan made again has its own notes
+    setup_notes = [n for n in engine.plan.notes if n.startswith(SETUP_NOTE)]  # a plan made again has its own notes
     while True:
         backend.set_memory_cap(device, None)  # measure the overshoot rather than run into it
         try:
