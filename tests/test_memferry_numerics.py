@@ -108,6 +108,10 @@ PLANS = {
     "offload": lambda n: Plan([UnitPlan("resident", "resident", offload=True, optimizer="device"),
                                UnitPlan("prefetch", "prefetch", offload=True), UnitPlan("dha", "dha", offload=True),
                                UnitPlan("prefetch", "prefetch")]),
+    "selective": lambda n: Plan([UnitPlan("resident", "resident", recompute=True, selective=True, optimizer="device"),
+                                 UnitPlan("resident", "resident", recompute=True, selective=True),
+                                 UnitPlan("prefetch", "prefetch", recompute=True, selective=True),
+                                 UnitPlan("prefetch", "prefetch", recompute=True, selective=True)], rest_optimizer="device"),
     "mixed": lambda n: Plan([UnitPlan("resident", "resident"), UnitPlan("dha", "prefetch", recompute=True),
                              UnitPlan("prefetch", "dha", recompute=True), UnitPlan("prefetch", "prefetch", recompute=True)]),
 }

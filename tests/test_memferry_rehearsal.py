@@ -78,6 +78,9 @@ def test_rehearsing_leaves_training_exactly_as_without_it(cpu_backend):
                           sample=(x, y), device_budget=int(plan.predicted_peak_bytes * 1.5), backend=cpu_backend,
                           accumulation_steps=2, rehearse=rehearse)
         assert any(n.startswith("rehearsal:") for n in engine.plan.notes) == rehearse
+        # held to its prediction after the rehearsal (its peak is below it here), else to the budget
+        held = cpu_backend.memory_cap(0)
+        assert held == (plan.predicted_peak_bytes if rehearse else int(plan.predicted_peak_bytes * 1.5))
         for _ in range(3):
             for _ in range(2):
                 engine.backward(model_loss(engine, x, y, labels_model=engine.model) / 2)

@@ -1,6 +1,8 @@
 """MemFerry's profiler, cost model and scheduler (cpu backend; H200 figures for cross-checks)."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import random
 
@@ -12,7 +14,7 @@ from strategies.memferry.config import Plan, UnitPlan
 from strategies.memferry.cost import H200_DHA_ROWS, Links, links_from_probe, predict
 from strategies.memferry.profiler import BlockProfile, StepProfile, profile_step
 from strategies.memferry.pareto import pareto_front
-from strategies.memferry.scheduler import brute_force, min_budget, prune_offload, schedule, unit_choices
+from strategies.memferry.scheduler import brute_force, min_budget, prune_choices, schedule, unit_choices
 from strategies.memferry.units import split_units
 
 GB = 1e9
@@ -114,6 +116,10 @@ def random_profile(rng: random.Random, n: int) -> StepProfile:
         prof.host_copies_GBps = rng.uniform(5, 60)
         prof.accumulation_steps = rng.choice([1, 3])
         prof.clipping = rng.choice([False, True])
+    # Selective recompute's figures from a generator of their own, so the draws above stay the seeds' own.
+    sel = random.Random(sum(b.numel for b in blocks))
+    prof.blocks = [dataclasses.replace(b, act_bytes_selective=b.act_bytes_recompute + int(b.act_bytes * sel.uniform(0.2, 0.8)),
+                                       bwd_selective_s=b.bwd_s + b.fwd_s * sel.uniform(0.05, 0.5)) for b in blocks]
     return prof
 
 
@@ -133,7 +139,7 @@ def test_dp_is_optimal_against_brute_force(seed):
     n = 2 if seed % 2 else 3
     prof, links = _fix(random_profile(rng, n)), random_links(rng)
     lo = min_budget(prof, links, depths=(1, 2))
-    summed = []
+    summed, selective = [], []
     for budget in (lo, lo * 1.3, lo * 2, lo * 10):
         best = brute_force(prof, links, budget, depths=(1, 2))
         plan = schedule(prof, links, budget, n, depths=(1, 2), explain=False, max_labels=None)
@@ -141,8 +147,11 @@ def test_dp_is_optimal_against_brute_force(seed):
         assert plan.predicted_step_s == pytest.approx(best[0], rel=1e-9), (seed, budget)
         assert predict(plan, prof, links).peak_bytes <= budget
         summed.append(any(u.accumulate == "device" for u in plan.units))
+        selective.append(any(u.selective for u in plan.units))
     # Accumulating profiles (seeds 3 and 4) offer summing on the device, and some budget takes it.
     assert any(summed) == (prof.accumulation_steps > 1), (seed, summed)
+    # Selective recompute is taken where it pays: between two budgets on seeds 1, 3 and 4.
+    assert any(selective) == (seed in (1, 3, 4)), (seed, selective)
 
 
 def test_more_budget_never_predicts_a_slower_step():
@@ -178,13 +187,15 @@ def test_infeasible_budget_names_the_minimum():
 
 def test_unit_choices_are_valid_plans():
     choices = unit_choices()
-    assert len(choices) == len(set(choices)) == 14
+    assert len(choices) == len(set(choices)) == 17  # 14, and selective recompute: 2 resident, 1 prefetched
     assert UnitPlan("dha", "prefetch", True) in choices and UnitPlan("dha", "prefetch", False) not in choices
     assert UnitPlan("prefetch", "prefetch", offload=True) in choices
+    assert UnitPlan("prefetch", "prefetch", True, selective=True) in choices
+    assert not any(u.selective and "dha" in (u.forward, u.backward) for u in choices)
     assert not any(u.offload and u.recompute for u in choices)
     assert all(u.forward != "dha" and u.backward != "dha" for u in unit_choices(allow_dha=False))
     summing = [u for u in unit_choices(device_sum=True) if u.accumulate == "device"]
-    assert len(summing) == 6 and all(u.optimizer == "host" and "dha" not in (u.forward, u.backward) for u in summing)
+    assert len(summing) == 8 and all(u.optimizer == "host" and "dha" not in (u.forward, u.backward) for u in summing)
 
 
 def test_dha_penalty_interpolates_the_probe_rows():
@@ -223,6 +234,8 @@ def test_profiler_on_the_cpu_backend_with_a_tiny_gpt(cpu_backend):
     for b in prof.blocks:
         assert b.fwd_s > 0 and b.bwd_s > 0 and b.numel > 0 and b.param_bytes == 4 * b.numel
         assert b.act_bytes > b.act_bytes_recompute > 0
+        # selective recompute keeps the inputs and the matmuls' and attention's outputs: in between
+        assert b.act_bytes > b.act_bytes_selective > b.act_bytes_recompute and b.bwd_selective_s >= b.bwd_s
     assert prof.rest_fwd_s > 0 and prof.rest_bwd_s > 0 and prof.loss_peak_bytes > 0
     assert prof.rest_numel == units[-1].numel and prof.tokens == 64 and prof.dtype_bytes == 4
     assert prof.host_adamw_s_per_param > 0 and prof.device_adamw_s_per_param > 0
@@ -240,7 +253,7 @@ def test_dp_is_optimal_against_brute_force_four_blocks(seed):
     rng = random.Random(seed)
     prof, links = _fix(random_profile(rng, 4)), random_links(rng)
     # the choices brute_force and schedule consider (offload dropped where it never pays)
-    lo = min_budget(prof, links, prune_offload(unit_choices(allow_dha=False), prof, links), depths=(1,))
+    lo = min_budget(prof, links, prune_choices(unit_choices(allow_dha=False), prof, links), depths=(1,))
     for budget in (lo, lo * 1.2, lo * 3):
         best = brute_force(prof, links, budget, allow_dha=False, depths=(1,))
         assert best is not None

@@ -108,6 +108,11 @@ class UnitPlan:
         forward: weight source in forward (see :data:`MODES`).
         backward: weight source in backward (and recomputation).
         recompute: drop the unit's activations after forward and recompute them in backward.
+        selective: with ``recompute``, keep the outputs of the matrix multiplications and
+            attention kernels (the expensive ops) and recompute only the cheap ops between them
+            (norms, activations, residual adds): torch's selective activation checkpointing
+            (:data:`~.selective.SAVED_OPS`). It costs a fraction of a forward in backward for
+            about two thirds of the activations kept (both profiled per block).
         optimizer: ``"host"``: fp32 master and moments in host memory, updated by the CPU as
             gradients land; ``"device"``: they live on the device and the device updates the
             unit (needs a resident unit: 14 bytes per parameter of device memory for bf16
@@ -131,6 +136,14 @@ class UnitPlan:
     optimizer: Literal["host", "device"] = "host"
     offload: bool = False
     accumulate: Literal["host", "device"] = "host"
+    selective: bool = False
+
+    @property
+    def activations(self) -> str:
+        """What happens to the unit's saved activations: ``keep``, ``recompute``, ``selective`` or ``offload``."""
+        if self.recompute:
+            return "selective" if self.selective else "recompute"
+        return "offload" if self.offload else "keep"
 
     def __post_init__(self) -> None:
         for phase in (self.forward, self.backward):
@@ -142,6 +155,11 @@ class UnitPlan:
             raise ValueError(f"optimizer must be 'host' or 'device', got {self.optimizer!r}")
         if self.offload and self.recompute:
             raise ValueError("a unit either recomputes its activations or offloads them, not both")
+        if self.selective and not self.recompute:
+            raise ValueError("selective=True chooses what recompute keeps: set recompute=True too")
+        if self.selective and "dha" in (self.forward, self.backward):
+            raise ValueError("selective recompute is for resident and prefetched units (a DHA unit's linears run as "
+                             "host_linear, whose outputs the policy cannot keep): use recompute=True without selective")
         if self.optimizer == "device" and self.forward != "resident":
             raise ValueError("optimizer='device' keeps the unit's weights and states on the device: it needs a resident unit")
         if self.accumulate not in ("host", "device"):
@@ -193,7 +211,8 @@ class Plan:
         ``prefetch`` / ``prefetchN`` (prefetch depth 1 / N), ``dha``, ``residentN`` (first N
         blocks resident, the rest prefetched), ``deviceN`` (first N blocks and the embeddings
         and head homed on the device with a device optimizer, the rest prefetched and updated
-        on the host); any of them with ``+recompute`` or ``+offload`` (activations to host), then
+        on the host); any of them with ``+recompute``, ``+selective`` (recompute keeping the
+        matmuls' outputs; not with ``dha``) or ``+offload`` (activations to host), then
         optionally ``+devacc``: every host-updated block sums accumulated micro-batches on the
         device (``UnitPlan.accumulate``; not with ``dha``). ``plan="auto"`` decides that per block.
 
@@ -207,30 +226,32 @@ class Plan:
                                  f"(the device writes their weight gradients home); drop +devacc or use prefetch")
             base.units = [replace(u, accumulate="device") if u.optimizer == "host" else u for u in base.units]
             return base
-        match = re.fullmatch(r"(prefetch|dha|resident|device)(\d*)(\+recompute|\+offload)?", spec)
+        match = re.fullmatch(r"(prefetch|dha|resident|device)(\d*)(\+recompute|\+selective|\+offload)?", spec)
         kind, count, extra = (match.group(1), match.group(2), match.group(3) or "") if match else ("", "", "")
-        recompute, off = extra == "+recompute", extra == "+offload"
-        prefetch = UnitPlan("prefetch", "prefetch", recompute, offload=off)
+        sel = extra == "+selective"
+        recompute, off = extra == "+recompute" or sel, extra == "+offload"
+        prefetch = UnitPlan("prefetch", "prefetch", recompute, offload=off, selective=sel)
         if kind == "prefetch" and int(count or 1) >= 1:
             return cls([prefetch] * n_blocks, prefetch_depth=int(count or 1))
-        if kind == "dha" and not count:
+        if kind == "dha" and not count and not sel:
             return cls([UnitPlan("dha", "dha", recompute, offload=off)] * n_blocks)
         if kind in ("resident", "device") and count and int(count) <= n_blocks:
             n = int(count)
             if kind == "resident":
-                return cls([UnitPlan("resident", "resident", recompute, offload=off)] * n + [prefetch] * (n_blocks - n))
-            return cls([UnitPlan("resident", "resident", recompute, optimizer="device", offload=off)] * n
+                return cls([UnitPlan("resident", "resident", recompute, offload=off, selective=sel)] * n
+                           + [prefetch] * (n_blocks - n))
+            return cls([UnitPlan("resident", "resident", recompute, optimizer="device", offload=off, selective=sel)] * n
                        + [prefetch] * (n_blocks - n),
                        rest_optimizer="device")
         raise ValueError(
             f"unknown plan {spec!r} for {n_blocks} blocks; write prefetch[N], dha, residentN or deviceN "
-            f"(N from 0 to {n_blocks}), optionally with +recompute or +offload, then +devacc"
+            f"(N from 0 to {n_blocks}), optionally with +recompute, +selective (not with dha) or +offload, then +devacc"
         )
 
     def describe(self) -> str:
         """One line per block (``accumulate=device`` where it sums micro-batches on the device), then notes."""
         lines = [f"{i:3d}: forward={u.forward:8s} backward={u.backward:8s} "
-                 f"activations={'recompute' if u.recompute else 'offload' if u.offload else 'keep':9s} "
+                 f"activations={u.activations:9s} "
                  f"optimizer={u.optimizer}" + (" accumulate=device" if u.accumulate == "device" else "")
                  for i, u in enumerate(self.units)]
         if self.predicted_step_s is not None:

@@ -56,7 +56,8 @@ program uses (:func:`advance`, :func:`finish`), so the scheduler is optimal for 
 Peak memory (bytes): resident ``rest`` (compute-dtype weights; + fp32 master and 2 moments
 when device-homed) + per block (device-homed: the same 18 B/param in bf16; host-homed
 resident: its weights) + saved activations of every block (only the block input with
-recompute) + prefetch slots ``(depth + 1) * largest prefetched block`` + the largest of the
+recompute; with selective recompute also the matmuls' and attention's outputs, and backward
+takes its profiled ``bwd_selective_s``) + prefetch slots ``(depth + 1) * largest prefetched block`` + the largest of the
 loss peak (logits in fp32 and their gradient: what OOMed the capped device12 run), one
 block's backward transient (its recomputed activations + its gradients) beside ``rest``'s
 gradients (held until backward's end), and a device-homed ``rest``'s update
@@ -98,7 +99,7 @@ from .memory_terms import (LOSS_SLICE_SHARE, auto_loss_chunks, device_bytes_per_
                            grads_persist, held_grad_bytes, loss_peak_estimate, rest_resident_bytes, transient_bytes)
 
 if TYPE_CHECKING:  # the profiler imports torch; the model itself needs only numbers
-    from .profiler import StepProfile
+    from .profiler import BlockProfile, StepProfile
 
 __all__ = ["Links", "links_from_probe", "OptionCost", "option_cost", "Prediction", "predict", "predict_options", "State",
            "initial_state", "advance", "advance_rows", "finish", "device_bytes_per_param", "H200_DHA_ROWS", "loss_peak_estimate",
@@ -189,6 +190,13 @@ def _host_linear_time(base: float, nbytes: int, links: Links, tokens: int, backw
     return max(base, link) + RING_SERIAL * min(base, link)
 
 
+def _kept_bytes(blk: "BlockProfile", unit: UnitPlan) -> int:
+    """Device bytes the block's forward leaves for its backward under ``unit``."""
+    if unit.recompute:
+        return blk.act_bytes_selective if unit.selective else blk.act_bytes_recompute
+    return blk.act_bytes_offload_kept if unit.offload else blk.act_bytes
+
+
 def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan, prefetch_depth: int = 1) -> OptionCost:
     """The cost-model terms of block ``index`` run as ``unit`` (see :class:`OptionCost`)."""
     blk = profile.blocks[index]
@@ -205,8 +213,11 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
             b += a
     else:
         a = _mode_time(unit.forward, blk.fwd_s, w, links, pen)
-        b = _mode_time(unit.backward, blk.bwd_s, w, links, pen)
-        if unit.recompute:  # recomputation reads weights the way backward does (its hook binds them)
+        if unit.selective:  # the cheap ops recomputed inside backward (profiled together); unmeasured: never chosen
+            b = blk.bwd_selective_s if blk.act_bytes_selective else math.inf
+        else:
+            b = _mode_time(unit.backward, blk.bwd_s, w, links, pen)
+        if unit.recompute and not unit.selective:  # recomputation reads weights the way backward does (its hook binds them)
             b += _mode_time(unit.backward, blk.fwd_s, w, links, pen)
     u = 0.0 if host else blk.numel * profile.device_adamw_s_per_param
     # Summing micro-batches on the device (accumulate="device"): an fp32 add per micro-batch, and
@@ -240,9 +251,10 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
         h=h,
         persist=persist,
         # offload leaves the saved tensors below the swapper's threshold on the device
-        act=blk.act_bytes_recompute if unit.recompute else blk.act_bytes_offload_kept if unit.offload else blk.act_bytes,
-        # recompute: the block's activations rebuilt in backward; offload: this block's and the
-        # next one's (look-ahead) back on the device
+        act=_kept_bytes(blk, unit),
+        # recompute: the block's activations rebuilt in backward (selective: what it kept is
+        # counted again, an over-count of at most its kept outputs); offload: this block's and
+        # the next one's (look-ahead) back on the device
         trans=(blk.act_bytes if unit.recompute else 2 * blk.act_bytes if unit.offload else 0) + grad_bytes
         + (0 if host or held else blk.numel * 4)
         + (_ring_bytes(profile.tokens) if unit.forward == "dha" else 0),
@@ -427,6 +439,6 @@ def predict(plan: Plan, profile: "StepProfile", links: Links, margin: float = 0.
 
 def describe_units(units: Sequence[UnitPlan]) -> str:
     """A short name for a list of unit plans (for notes)."""
-    return ", ".join(f"{u.forward}/{u.backward}{'+r' if u.recompute else ''}{'+o' if u.offload else ''}"
+    return ", ".join(f"{u.forward}/{u.backward}{'+s' if u.selective else '+r' if u.recompute else ''}{'+o' if u.offload else ''}"
                      f"{'@dev' if u.optimizer == 'device' else ''}{'+devacc' if u.accumulate == 'device' else ''}"
                      for u in units)

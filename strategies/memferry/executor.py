@@ -46,6 +46,7 @@ from scaleup.handles import Transfer
 from xpu import Backend
 
 from ..activation_swap import ActivationSwapper, SwapGroup
+from ..selective_recompute import selective_checkpoint
 from .config import OFFLOAD_MIN_BYTES, Plan, UnitPlan
 from .device_accumulation import DeviceSums
 from .device_optimizer import DeviceOptimizer
@@ -125,7 +126,9 @@ class Executor:
             self._handles.append(module.register_forward_hook(functools.partial(self._post_forward, s)))
             if s.home == "host" and self.unit_plans[s.unit.index].forward == "dha":
                 self._route_linears(s)
-            if self.unit_plans[s.unit.index].recompute:
+            if self.unit_plans[s.unit.index].selective:
+                module.forward = functools.partial(selective_checkpoint, module.forward)
+            elif self.unit_plans[s.unit.index].recompute:
                 module.forward = functools.partial(_checkpointed, module.forward)
             elif self.unit_plans[s.unit.index].offload:
                 module.forward = functools.partial(self._offloaded, s, module.forward)

@@ -9,8 +9,9 @@ with the same class and parameter shapes are measured once and the figures reuse
 What is measured, per block: forward and backward time (backend timing events, median of
 ``repeats`` after a warm-up), activation bytes kept for backward (saved-tensor hooks,
 counting each storage once and leaving parameters out; with recompute only the block's
-inputs stay), parameter count and bytes. For ``rest``: forward + loss and backward time
-and the peak memory the loss takes (logits in fp32 and their gradient), from
+inputs stay; with selective recompute the inputs and the matmuls' and attention's outputs,
+and backward's time with the cheap ops recomputed), parameter count and bytes. For
+``rest``: forward + loss and backward time and the peak memory the loss takes (logits in fp32 and their gradient), from
 ``backend.memory_stats``. And the AdamW rates, seconds per parameter, of the same fused
 ``torch.optim.AdamW`` the host and device optimizers run, with their dtype conversions.
 """
@@ -32,6 +33,7 @@ from xpu import Backend
 from xpu.host_bandwidth import CopyLoad
 from xpu.timing import event_seconds
 
+from ..selective_recompute import kept_output_bytes, selective_checkpoint
 from .config import OFFLOAD_MIN_BYTES
 from .cost import loss_peak_estimate
 from .hf_models import head_shape, model_loss
@@ -54,6 +56,11 @@ class BlockProfile:
         act_bytes_recompute: bytes kept with recompute (the block's inputs).
         act_bytes_offload_kept: bytes activation offload leaves on the device (saved tensors
             below :data:`~.config.OFFLOAD_MIN_BYTES`); 0 in profiles written before it was measured.
+        act_bytes_selective: bytes kept with selective recompute (the inputs and the outputs of
+            the matmuls and attention kernels, :mod:`strategies.selective_recompute`); 0 where
+            not measured (older profiles), which leaves selective recompute out of the plans.
+        bwd_selective_s: backward time with selective recompute (the recomputed ops included;
+            never below ``bwd_s``).
     """
 
     numel: int
@@ -63,6 +70,8 @@ class BlockProfile:
     act_bytes: int
     act_bytes_recompute: int
     act_bytes_offload_kept: int = 0
+    act_bytes_selective: int = 0
+    bwd_selective_s: float = 0.0
 
 
 @dataclass
@@ -269,8 +278,18 @@ def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend
             fwd.append(f)
             bwd.append(b)
     recompute_bytes = sum(_nbytes(t) for t in _tensors((x_args, x_kwargs)))
-    result = BlockProfile(numel, param_bytes, statistics.median(fwd), statistics.median(bwd), act_bytes, recompute_bytes,
-                          sum(small.values()))
+    selective_bytes = recompute_bytes + kept_output_bytes(run_forward)
+    bwd_sel = []
+    for i in range(repeats + 1):  # backward of a selectively checkpointed forward: the recompute in it
+        for p in blk.parameters():
+            p.grad = None
+        outs = [t for t in _tensors(selective_checkpoint(run_forward)) if t.requires_grad]
+        b = _timed(backend, device, lambda: torch.autograd.backward(outs, grads))
+        if i:
+            bwd_sel.append(b)
+    bwd_s = statistics.median(bwd)
+    result = BlockProfile(numel, param_bytes, statistics.median(fwd), bwd_s, act_bytes, recompute_bytes,
+                          sum(small.values()), selective_bytes, max(bwd_s, statistics.median(bwd_sel)))
     with torch.no_grad():
         nxt = _map_tensors(out, lambda t: t.detach())
     return result, nxt

@@ -17,6 +17,10 @@ assumed, the plan is priced again on the profile calibrated to it, the scheduler
 where the host bounds the plan (``host_calibration.py``), and a faster plan is built and
 rehearsed in its turn (real devices only).
 
+A plan that fits is then held to its prediction: the allocator's cap comes down from the budget
+to the predicted peak (or the rehearsal's, where that was higher; :func:`hold_to_plan`), so the
+reserved bytes of every later step stay within what the plan said it would take.
+
 A plan given rather than scheduled cannot be made again: one that peaks over the budget is
 refused (:class:`PlanOverBudgetError`, naming the peak) before training, not run out of memory in
 step 0. Not under data parallelism (the ranks would have to re-plan together): there the plan is
@@ -45,7 +49,7 @@ from xpu.errors import XpuError
 if TYPE_CHECKING:
     from .engine import MemFerry
 
-__all__ = ["fit_by_rehearsal", "give_back", "PlanOverBudgetError", "ATTEMPTS", "MARGIN_STEP"]
+__all__ = ["fit_by_rehearsal", "give_back", "hold_to_plan", "PlanOverBudgetError", "ATTEMPTS", "MARGIN_STEP"]
 
 
 class PlanOverBudgetError(XpuError, ValueError):
@@ -104,9 +108,11 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                     continue
                 if again is not None:
                     engine.plan = again
+            held = hold_to_plan(engine, budget, predicted, peak)
             note = (f"rehearsal: one step at learning rate 0 peaked at {format_bytes(peak)}, budget "
                     f"{format_bytes(budget)}, predicted {format_bytes(predicted)}"
                     + (f" (after {'; '.join(tried)})" if tried else "")
+                    + f"; the allocator is held to {format_bytes(held)}"
                     + f"; rehearsing took {time.perf_counter() - started:.1f} s")
             kept = [n for n in setup_notes if n not in engine.plan.notes]
             engine.plan = dataclasses.replace(engine.plan, notes=[*engine.plan.notes, *kept, *calibration, note])  # the caller's plan stays as given
@@ -162,6 +168,21 @@ def _host_rate_checked(engine: "MemFerry", budget: int, margin: float, found: li
                  f"{(again.predicted_step_s or 0.0) * 1e3:.1f} ms ({how})")
     _log.info("MemFerry: %s", found[-1])
     return again
+
+
+def hold_to_plan(engine: "MemFerry", budget: int, predicted: int, peak: int) -> int:
+    """Cap the device's allocator at the plan's predicted peak, or at the rehearsal's peak where
+    that was higher (never above ``budget``), and return the cap.
+
+    A caching allocator keeps freed blocks reserved until it meets its cap: left at the
+    budget, a plan predicted at 7.94 GB of an 8 GB budget reserved 7.99 GB in its steps
+    (7.40 GB allocated). Held to its own prediction, the engine's reserved peak stays within
+    what it said it would take, and the budget's rest is the caller's; the allocator frees its
+    cache before it would go over. The rehearsal's peak (reserved, uncapped) shows the step
+    needs no more than the cap."""
+    held = min(budget, max(predicted, peak)) if predicted else budget
+    engine.backend.set_memory_cap(engine.device, held)
+    return held
 
 
 def _rehearse(engine: "MemFerry", sample: tuple[Any, Any]) -> int:

@@ -24,8 +24,9 @@ enumerates ``rest_optimizer`` and ``prefetch_depth``. Memory is kept exactly, no
 buckets, so the budget check is the cost model's own.
 
 Per block the choices are every :class:`UnitPlan` the executor accepts: resident (host- or
-device-homed) or prefetch / DHA per pass, each with or without recompute (a different
-backward mode needs recompute); DHA only where ``allow_dha`` (and the links have a DHA
+device-homed) or prefetch / DHA per pass, each keeping, recomputing or offloading its
+activations, or recomputing them selectively (without DHA; a different backward mode needs
+recompute); DHA only where ``allow_dha`` (and the links have a DHA
 rate). Under gradient accumulation (``profile.accumulation_steps > 1``) every host-updated
 choice without DHA comes twice more: summing its micro-batches on the host or on the device
 (``UnitPlan.accumulate``: device memory for fewer link and host-memory bytes).
@@ -83,29 +84,31 @@ def unit_choices(allow_dha: bool = True, allow_device_optimizer: bool = True,
     """Every per-block plan the executor runs (``check_plan``'s rules); ``device_sum``: with the
     ``accumulate="device"`` variants of host-updated ones without DHA (gradient accumulation)."""
     modes = ["prefetch", "dha"] if allow_dha else ["prefetch"]
-    # activations: kept, recomputed, or offloaded to host
-    acts = ((False, False), (True, False), (False, True))
-    out = [UnitPlan("resident", "resident", r, "host", o) for r, o in acts]
+    # activations: kept, recomputed, offloaded to host, or recomputed selectively (not with DHA)
+    acts = ((False, False, False), (True, False, False), (False, True, False), (True, False, True))
+    out = [UnitPlan("resident", "resident", r, "host", o, selective=s) for r, o, s in acts]
     if allow_device_optimizer:
-        out += [UnitPlan("resident", "resident", r, "device", o) for r, o in acts]
+        out += [UnitPlan("resident", "resident", r, "device", o, selective=s) for r, o, s in acts]
     for f, b in itertools.product(modes, modes):
-        for r, o in acts:
-            if f != b and not r:
+        for r, o, s in acts:
+            if (f != b and not r) or (s and "dha" in (f, b)):
                 continue  # without recompute backward reads what forward saved: same mode
-            out.append(UnitPlan(f, b, r, offload=o))
+            out.append(UnitPlan(f, b, r, offload=o, selective=s))
     if device_sum:
         out += [replace(u, accumulate="device") for u in out if u.optimizer == "host" and "dha" not in (u.forward, u.backward)]
     return out
 
 
-def prune_offload(choices: Sequence[UnitPlan], profile: "StepProfile", links: Links) -> list[UnitPlan]:
-    """``choices`` without the activation-offload ones when, for every block, moving the
-    activations out and back takes longer than recomputing them (they would only ever buy
-    the block input's bytes over recompute, at a loss of time, and they multiply the DP's labels)."""
+def prune_choices(choices: Sequence[UnitPlan], profile: "StepProfile", links: Links) -> list[UnitPlan]:
+    """``choices`` without those that can never win on this profile, since each multiplies the
+    DP's labels: activation offload when, for every block, moving the activations out and back
+    takes longer than recomputing them (it would only ever buy the block input's bytes over
+    recompute, at a loss of time); selective recompute where the profile has no figures for it
+    (written before it was measured)."""
     rate = min(links.h2d_GBps, links.d2h_GBps) * 1e9
-    if any(b.act_bytes / rate < b.fwd_s for b in profile.blocks):
-        return list(choices)
-    return [c for c in choices if not c.offload]
+    offload = any(b.act_bytes / rate < b.fwd_s for b in profile.blocks)
+    selective = all(b.act_bytes_selective for b in profile.blocks)
+    return [c for c in choices if (offload or not c.offload) and (selective or not c.selective)]
 
 
 def _peak(profile: "StepProfile", rest_optimizer: str, depth: int, mem: int, trans: int, slot: int, margin: float) -> int:
@@ -307,7 +310,7 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
         raise ValueError(f"the profile has {n} blocks, the model {n_blocks}")
     allow_dha = allow_dha and bool(links.dha_read_GBps)
     rest_optimizers = [r for r in rest_optimizers if allow_device_optimizer or r == "host"]
-    choices = prune_offload(unit_choices(allow_dha, allow_device_optimizer, profile.accumulation_steps > 1), profile,
+    choices = prune_choices(unit_choices(allow_dha, allow_device_optimizer, profile.accumulation_steps > 1), profile,
                             links)
     depths = list(depths)
     rest_optimizers = list(rest_optimizers)
@@ -431,7 +434,7 @@ def brute_force(profile: "StepProfile", links: Links, budget_bytes: float, allow
     """The best plan by trying every one (tests only: exponential in the block count)."""
     n = len(profile.blocks)
     allow_dha = allow_dha and bool(links.dha_read_GBps)
-    choices = prune_offload(unit_choices(allow_dha, allow_device_optimizer, profile.accumulation_steps > 1), profile,
+    choices = prune_choices(unit_choices(allow_dha, allow_device_optimizer, profile.accumulation_steps > 1), profile,
                             links)
     best: tuple[float, Plan] | None = None
     for depth in depths:
