@@ -103,9 +103,12 @@ class MemFerrySystem(BenchSystem):
             print(f"memferry plan chosen by the scheduler:\n{self.engine.plan.describe()}", flush=True)
             if self.engine.plan.profile is not None:  # to replay the search elsewhere (StepProfile.from_json)
                 print(f"memferry profile: {self.engine.plan.profile.to_json(indent=None)}", flush=True)
-        summing = sum(u.accumulate == "device" for u in self.engine.plan.units)
+        units = self.engine.plan.units
+        acts = [u.activations for u in units]
+        self._plan_note += ", activations: " + ", ".join(f"{acts.count(a)} {a}" for a in sorted(set(acts)))
+        summing = sum(u.accumulate == "device" for u in units)
         if summing:
-            self._plan_note += f", {summing} of {len(self.engine.plan.units)} blocks sum micro-batches on the device"
+            self._plan_note += f", {summing} of {len(units)} blocks sum micro-batches on the device"
         if self._optimizer_alone:
             self._plan_note = f"host AdamW alone over every unit, host kernel {self.engine.optimizer.kernel.name}"
             for shadow in self.engine.shadow.shadows:
