@@ -4,6 +4,7 @@ every activation and recomputing them all."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -110,3 +111,24 @@ def test_gradients_equal_a_plain_forward_on_the_gpu_in_bf16(family):
     assert kept_output_bytes(lambda: block(x)) < 0.8 * sum(  # fewer bytes than a plain forward saves
         t.untyped_storage().nbytes() for t in _saved(block, x))
 
+
+
+def test_the_scheduler_drops_selective_recompute_where_it_is_no_faster_than_recomputing_all():
+    from strategies.memferry.cost import Links
+    from strategies.memferry.profiler import BlockProfile, StepProfile
+    from strategies.memferry.scheduler import prune_choices, unit_choices
+
+    def profile(bwd_selective_s: float) -> StepProfile:
+        # fwd 1 ms, bwd 2 ms: recomputing everything costs 4 ms forward and backward
+        block = BlockProfile(10**6, 2 * 10**6, 1e-3, 2e-3, 10**8, 10**6, 0, 4 * 10**7, bwd_selective_s, 1.2e-3)
+        return StepProfile([block] * 3, 10**6, 2 * 10**6, 1e-3, 1e-3, 10**7, 1000, 2, 1024, 1e-9, 1e-11)
+
+    links = Links(50, 50, None, ())
+    choices = unit_choices(allow_dha=False)
+    # the H200's Qwen2 layer: a selective backward slower than forward + backward again
+    assert not any(c.selective for c in prune_choices(choices, profile(3.0e-3), links))
+    kept = [c for c in prune_choices(choices, profile(2.4e-3), links) if c.selective]
+    assert len(kept) == 3  # resident (host or device optimizer) and prefetched
+    older = dataclasses.replace(profile(2.4e-3))  # written before selective was measured
+    older.blocks = [dataclasses.replace(b, act_bytes_selective=0) for b in older.blocks]
+    assert not any(c.selective for c in prune_choices(choices, older, links))

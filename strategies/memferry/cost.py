@@ -56,8 +56,8 @@ program uses (:func:`advance`, :func:`finish`), so the scheduler is optimal for 
 Peak memory (bytes): resident ``rest`` (compute-dtype weights; + fp32 master and 2 moments
 when device-homed) + per block (device-homed: the same 18 B/param in bf16; host-homed
 resident: its weights) + saved activations of every block (only the block input with
-recompute; with selective recompute also the matmuls' and attention's outputs, and backward
-takes its profiled ``bwd_selective_s``) + prefetch slots ``(depth + 1) * largest prefetched block`` + the largest of the
+recompute; with selective recompute also the matmuls' and attention's outputs, and forward and
+backward take their profiled ``fwd_selective_s`` and ``bwd_selective_s``) + prefetch slots ``(depth + 1) * largest prefetched block`` + the largest of the
 loss peak (logits in fp32 and their gradient: what OOMed the capped device12 run), one
 block's backward transient (its recomputed activations + its gradients) beside ``rest``'s
 gradients (held until backward's end), and a device-homed ``rest``'s update
@@ -212,7 +212,8 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
         if unit.recompute:
             b += a
     else:
-        a = _mode_time(unit.forward, blk.fwd_s, w, links, pen)
+        # selective: its dispatch mode slows forward too (profiles without that figure: fwd_s)
+        a = _mode_time(unit.forward, (blk.fwd_selective_s or blk.fwd_s) if unit.selective else blk.fwd_s, w, links, pen)
         if unit.selective:  # the cheap ops recomputed inside backward (profiled together); unmeasured: never chosen
             b = blk.bwd_selective_s if blk.act_bytes_selective else math.inf
         else:

@@ -61,6 +61,9 @@ class BlockProfile:
             not measured (older profiles), which leaves selective recompute out of the plans.
         bwd_selective_s: backward time with selective recompute (the recomputed ops included;
             never below ``bwd_s``).
+        fwd_selective_s: forward time under selective recompute (its dispatch mode sees every
+            op, which costs time in eager mode; never below ``fwd_s``); 0 in profiles written
+            before it was measured (then ``fwd_s``).
     """
 
     numel: int
@@ -72,6 +75,7 @@ class BlockProfile:
     act_bytes_offload_kept: int = 0
     act_bytes_selective: int = 0
     bwd_selective_s: float = 0.0
+    fwd_selective_s: float = 0.0
 
 
 @dataclass
@@ -279,17 +283,20 @@ def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend
             bwd.append(b)
     recompute_bytes = sum(_nbytes(t) for t in _tensors((x_args, x_kwargs)))
     selective_bytes = recompute_bytes + kept_output_bytes(run_forward)
-    bwd_sel = []
-    for i in range(repeats + 1):  # backward of a selectively checkpointed forward: the recompute in it
+    fwd_sel, bwd_sel = [], []
+    for i in range(repeats + 1):  # a selectively checkpointed forward, and its backward with the recompute in it
         for p in blk.parameters():
             p.grad = None
-        outs = [t for t in _tensors(selective_checkpoint(run_forward)) if t.requires_grad]
+        holder.clear()
+        f = _timed(backend, device, lambda: holder.append(selective_checkpoint(run_forward)))
+        outs = [t for t in _tensors(holder[0]) if t.requires_grad]
         b = _timed(backend, device, lambda: torch.autograd.backward(outs, grads))
         if i:
+            fwd_sel.append(f)
             bwd_sel.append(b)
-    bwd_s = statistics.median(bwd)
-    result = BlockProfile(numel, param_bytes, statistics.median(fwd), bwd_s, act_bytes, recompute_bytes,
-                          sum(small.values()), selective_bytes, max(bwd_s, statistics.median(bwd_sel)))
+    fwd_s, bwd_s = statistics.median(fwd), statistics.median(bwd)
+    result = BlockProfile(numel, param_bytes, fwd_s, bwd_s, act_bytes, recompute_bytes, sum(small.values()),
+                          selective_bytes, max(bwd_s, statistics.median(bwd_sel)), max(fwd_s, statistics.median(fwd_sel)))
     with torch.no_grad():
         nxt = _map_tensors(out, lambda t: t.detach())
     return result, nxt
