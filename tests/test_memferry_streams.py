@@ -148,3 +148,28 @@ def test_a_skipped_dha_block_waits_for_its_landing_zone_before_zeroing_it(cpu_ba
         unread = kind == "submit" or (unread and kind != "free")
     for name, p in ref.named_parameters():
         torch.testing.assert_close(state[name], p.detach(), atol=2e-6, rtol=2e-6, msg=name)
+
+
+def test_the_compute_stream_waits_on_each_load_once(cpu_backend, monkeypatch):
+    """A load is waited on when its unit is used; releasing it afterwards adds no second wait
+    (only a load never used, as a frozen prefix's, is waited on at its release)."""
+    from strategies.memferry.executor import Executor
+
+    waited = []
+    real = Executor._wait_loaded
+
+    def recording(self, ready):
+        if ready is not None:
+            waited.append(ready)
+        real(self, ready)
+
+    monkeypatch.setattr(Executor, "_wait_loaded", recording)
+    torch.manual_seed(0)
+    engine = MemFerry(TinyGPT(), optim=AdamW(lr=1e-3), plan="prefetch", backend=cpu_backend, loss_fn=lm_loss)
+    for x, y in _data(2, rows=64):
+        engine.train_step(x, y)
+    engine.close()
+    # per step: forward loads 4 blocks, backward reloads the 3 not kept, and the rest unit (resident,
+    # updated on the host) comes back once
+    assert len(waited) == 2 * 8
+    assert len({id(r) for r in waited}) == len(waited)

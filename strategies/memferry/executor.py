@@ -94,7 +94,8 @@ class Executor:
         self.h2d = backend.stream(device)
         self.d2h = backend.stream(device)
         self.phase = "idle"
-        self._loaded: dict[int, Any] = {}  # unit index -> event marking its device copy complete
+        # unit index -> event marking its device copy complete (None once the compute stream waited on it)
+        self._loaded: dict[int, Any] = {}
         self._stale: set[int] = set()  # host-homed units whose host copy will change (an update is queued)
         self._pending_grads: dict[int, int] = {}
         self._param_unit: dict[int, tuple[UnitShadow, int]] = {}
@@ -312,10 +313,13 @@ class Executor:
             return
         self._issue_load(s)  # no-op when a prefetch (or a current resident copy) is there already
         self._wait_loaded(self._loaded[index])
+        self._loaded[index] = None  # the compute stream is past it: a later use or release need not wait
         s.bind(s.device_views)
 
     def _wait_loaded(self, ready: Any) -> None:
-        """Order the compute stream after a unit's load."""
+        """Order the compute stream after a unit's load (None: it is already)."""
+        if ready is None:
+            return
         if isinstance(ready, Transfer):
             ready.wait(self.compute)  # a multi-path transfer: the stream waits for its last chunk
         elif isinstance(ready, _Gathered):
@@ -326,7 +330,8 @@ class Executor:
     def _release(self, s: UnitShadow) -> None:
         if self.unit_plans[s.unit.index].forward == "resident" or s.unit.index not in self._loaded:
             return
-        # A load never used (a frozen prefix's block: backward skips it) may still be writing.
+        # A load never used (a frozen prefix's block: backward skips it) may still be writing;
+        # one that was used has had the compute stream wait on it already.
         self._wait_loaded(self._loaded[s.unit.index])
         self.b.keep_alive(s.device_flat, self.compute)
         self.b.free_storage(s.device_flat)
