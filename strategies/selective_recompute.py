@@ -3,11 +3,13 @@
 Full recomputation keeps only a block's inputs and runs its whole forward again in backward
 (a third more compute for a transformer block). Selective recomputation (torch's selective
 activation checkpointing) keeps the outputs of the matrix multiplications and attention
-kernels and recomputes only what lies between them: norms, activations, residual adds,
-rotary embeddings. Those are memory-bound and cheap, so backward costs a few percent more
-while about two thirds of the activations stay (a GPT block keeps its projections' and
-attention's outputs but not its norms' and GELU's). The planner chooses per block between
-keeping, this, full recomputation and offload, from the profiled bytes and times of each.
+kernels and recomputes only what lies between them: norms, activation functions, residual
+adds, rotary embeddings. A GPT block keeps about 62 % of its activations that way, a Llama or
+Qwen2 layer about 30 % (SwiGLU and RMSNorm are all cheap ops). Those ops are memory-bound and
+cheap on the device, but in eager mode the policy runs as a dispatch mode that Python sees
+every op through, in forward and in the recompute: on the H200 a Qwen2 layer's backward took
+8.3 ms under it against 6.9 ms for a whole forward and backward again. So the profiler times
+it per block, and the planner takes it only where it pays.
 
     out = checkpoint(block, x, use_reentrant=False, context_fn=selective_contexts)
 """

@@ -110,9 +110,10 @@ class UnitPlan:
         recompute: drop the unit's activations after forward and recompute them in backward.
         selective: with ``recompute``, keep the outputs of the matrix multiplications and
             attention kernels (the expensive ops) and recompute only the cheap ops between them
-            (norms, activations, residual adds): torch's selective activation checkpointing
-            (:data:`~.selective.SAVED_OPS`). It costs a fraction of a forward in backward for
-            about two thirds of the activations kept (both profiled per block).
+            (norms, activation functions, residual adds): torch's selective activation
+            checkpointing (:mod:`strategies.selective_recompute`). More bytes kept than full
+            recompute, and less compute, but eager mode's per-op dispatch cost can outweigh
+            that (bytes and times profiled per block).
         optimizer: ``"host"``: fp32 master and moments in host memory, updated by the CPU as
             gradients land; ``"device"``: they live on the device and the device updates the
             unit (needs a resident unit: 14 bytes per parameter of device memory for bf16

@@ -57,10 +57,11 @@ Peak memory (bytes): resident ``rest`` (compute-dtype weights; + fp32 master and
 when device-homed) + per block (device-homed: the same 18 B/param in bf16; host-homed
 resident: its weights) + saved activations of every block (only the block input with
 recompute; with selective recompute also the matmuls' and attention's outputs, and forward and
-backward take their profiled ``fwd_selective_s`` and ``bwd_selective_s``) + prefetch slots ``(depth + 1) * largest prefetched block`` + the largest of the
-loss peak (logits in fp32 and their gradient: what OOMed the capped device12 run), one
-block's backward transient (its recomputed activations + its gradients) beside ``rest``'s
-gradients (held until backward's end), and a device-homed ``rest``'s update
+backward take their profiled ``fwd_selective_s`` and ``bwd_selective_s``) + prefetch slots
+``(depth + 1) * largest prefetched block`` + the largest of the loss peak (logits in fp32 and
+their gradient: what OOMed the capped device12 run), one block's backward transient (its
+recomputed activations + its gradients) beside ``rest``'s gradients (held until backward's
+end), and a device-homed ``rest``'s update
 (:func:`transient_bytes`), all times ``1 + margin`` for allocator fragmentation
 (``memory_margin``: the only reserve; none is added on top; it also covers CUDA's rounding
 and its cap on reserved bytes, docs/design.md §3.5). With gradient accumulation a
@@ -218,7 +219,7 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
             b = blk.bwd_selective_s if blk.act_bytes_selective else math.inf
         else:
             b = _mode_time(unit.backward, blk.bwd_s, w, links, pen)
-        if unit.recompute and not unit.selective:  # recomputation reads weights the way backward does (its hook binds them)
+        if unit.recompute and not unit.selective:  # it reads weights the way backward does (its hook binds them)
             b += _mode_time(unit.backward, blk.fwd_s, w, links, pen)
     u = 0.0 if host else blk.numel * profile.device_adamw_s_per_param
     # Summing micro-batches on the device (accumulate="device"): an fp32 add per micro-batch, and
@@ -440,6 +441,7 @@ def predict(plan: Plan, profile: "StepProfile", links: Links, margin: float = 0.
 
 def describe_units(units: Sequence[UnitPlan]) -> str:
     """A short name for a list of unit plans (for notes)."""
-    return ", ".join(f"{u.forward}/{u.backward}{'+s' if u.selective else '+r' if u.recompute else ''}{'+o' if u.offload else ''}"
+    acts = {"keep": "", "recompute": "+r", "selective": "+s", "offload": "+o"}
+    return ", ".join(f"{u.forward}/{u.backward}{acts[u.activations]}"
                      f"{'@dev' if u.optimizer == 'device' else ''}{'+devacc' if u.accumulate == 'device' else ''}"
                      for u in units)

@@ -10,9 +10,9 @@ What is measured, per block: forward and backward time (backend timing events, m
 ``repeats`` after a warm-up), activation bytes kept for backward (saved-tensor hooks,
 counting each storage once and leaving parameters out; with recompute only the block's
 inputs stay; with selective recompute the inputs and the matmuls' and attention's outputs,
-and backward's time with the cheap ops recomputed), parameter count and bytes. For
-``rest``: forward + loss and backward time and the peak memory the loss takes (logits in fp32 and their gradient), from
-``backend.memory_stats``. And the AdamW rates, seconds per parameter, of the same fused
+and forward's and backward's times under it), parameter count and bytes. For ``rest``:
+forward + loss and backward time and the peak memory the loss takes (logits in fp32 and
+their gradient), from ``backend.memory_stats``. And the AdamW rates, seconds per parameter, of the same fused
 ``torch.optim.AdamW`` the host and device optimizers run, with their dtype conversions.
 """
 from __future__ import annotations
