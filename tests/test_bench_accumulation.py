@@ -75,8 +75,9 @@ def test_accumulation_matches_a_plain_reference(cpu_backend, system, tmp_path, m
 
         model = build_model("gpt", dtype=torch.float32, **scenario.model_dims())
         share = sum(p.numel() for p in model.blocks.parameters()) / sum(p.numel() for p in model.parameters())
-        assert update_bytes(4, 3).timed == 28 + 12 + (8 + 12) and update_bytes(4, 3, device_sum=True).timed == 28
-        nbytes = round((1 - share) * update_bytes(4, 3).timed + share * 28, 1)  # the blocks' host reads one fp32 sum
+        # rest sums on the host, its first two micro-batches in one pass (4 + 4 + 4), the third alone (4 + 4 + 4)
+        assert update_bytes(4, 3, paired=True).timed == 28 + 12 + 12 and update_bytes(4, 3, device_sum=True).timed == 28
+        nbytes = round((1 - share) * update_bytes(4, 3, paired=True).timed + share * 28, 1)  # blocks: one fp32 sum read
         assert row["host_bytes_per_param"] == nbytes
         assert "2 of 2 blocks sum micro-batches on the device" in row["notes"]
         assert row["host_floor_ns_per_param"] == pytest.approx(nbytes / 10.0)

@@ -44,6 +44,13 @@ def test_update_bytes_count_what_the_host_optimizer_moves():
     # summed on the device: the host only reads the fp32 sum in its pass
     dev = update_bytes(2, 4, "speculative", device_sum=True)
     assert (dev.kernel, dev.accumulate_earlier, dev.accumulate_final, dev.timed) == (30, 0, 0, 30)
+    # summed two at a time: the first pair 2+2+4, each later one 4+2+2+4, an odd last 2+4+4
+    assert (update_bytes(2, 4, paired=True).accumulate_earlier, update_bytes(2, 4, paired=True).accumulate_final) == (8, 12)
+    assert (update_bytes(2, 2, paired=True).accumulate_earlier, update_bytes(2, 2, paired=True).accumulate_final) == (0, 8)
+    assert (update_bytes(2, 3, paired=True).accumulate_earlier, update_bytes(2, 3, paired=True).accumulate_final) == (8, 10)
+    eight = update_bytes(2, 8, paired=True)
+    assert eight.accumulate_earlier + eight.accumulate_final == 44  # against 76 one by one
+    assert update_bytes(2, 8, device_sum=True, paired=True).timed == 30  # nothing summed on the host
 
 
 def test_a_host_bound_step_takes_its_host_bytes_over_the_bandwidth_and_copies_slow_the_optimizer():
@@ -85,7 +92,7 @@ def test_accumulation_and_speculative_clipping_are_host_bytes_and_micro_batches_
     plan = Plan.from_spec("prefetch", L)
     one = predict(plan, profile(B), links(B))
     four = predict(plan, profile(B, accumulation_steps=4, clipping=True), links(B))  # clip_mode speculative
-    extra = update_bytes(2, 4, "speculative")
+    extra = update_bytes(2, 4, "speculative", paired=True)  # the host sums micro-batches two at a time
     # kappa 0: only the optimizer's own bytes, which grow from 28 to the accumulated, backed-up update's
     assert four.parts["host memory"] == pytest.approx(
         (L * N + REST) * (extra.timed + extra.norm) / (B * 1e9), rel=1e-9)
@@ -93,11 +100,12 @@ def test_accumulation_and_speculative_clipping_are_host_bytes_and_micro_batches_
     pre = 2 * REST / 50e9
     assert four.compute_s == pytest.approx(one.compute_s + 3 * (one.compute_s - pre), rel=1e-9)
     # Blocks summing on the device: per parameter the host reads one fp32 sum (30 B in its pass,
-    # not 10 N + 26) and 4 link bytes come home once instead of 2 per micro-batch (kappa 1 here).
+    # not the 50 of summing 4 in pairs) and 4 link bytes come home once instead of 2 per
+    # micro-batch (kappa 1 here).
     busy = profile(B, copies_slowdown=2.0, copies_GBps=1.0, accumulation_steps=4)
     summed = Plan([dataclasses.replace(u, accumulate="device") for u in plan.units])
     on_host, on_device = predict(plan, busy, links(B)), predict(summed, busy, links(B))
-    saved = L * N * ((10 * 4 + 26 - 30) + 1.0 * (4 * 2 - 4))
+    saved = L * N * ((update_bytes(2, 4, paired=True).timed - 30) + 1.0 * (4 * 2 - 4))
     assert on_host.parts["host memory"] - on_device.parts["host memory"] == pytest.approx(saved / (B * 1e9), rel=1e-9)
     o_host, o_dev = (option_cost(busy, links(B), 1, p.units[1]) for p in (plan, summed))
     assert o_dev.d == pytest.approx(2 * o_host.d) and o_dev.persist - o_host.persist == 4 * N and o_dev.h_acc == 0

@@ -92,9 +92,9 @@ class _Logged:
         self._log.append(("submit", index))
         return self._inner.submit(index, *args, **kwargs)
 
-    def wait_consumed(self, index):
+    def wait_consumed(self, index, zone=0):
         """Wait, then log."""
-        self._inner.wait_consumed(index)
+        self._inner.wait_consumed(index, zone)
         self._log.append(("free", index))
 
 

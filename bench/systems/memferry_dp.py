@@ -208,7 +208,8 @@ class MemFerryDPSystem(DataParallelRows, BenchSystem):
             return {}
         job = self.job
         return host_metrics(*self._host_rate, job.dtype, job.accumulation_steps,
-                            job.optim.clip_mode if job.optim.max_grad_norm is not None else "", self._backend)
+                            job.optim.clip_mode if job.optim.max_grad_norm is not None else "", self._backend,
+                            paired=False)  # ranks sum their shards one micro-batch at a time
 
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

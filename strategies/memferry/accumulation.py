@@ -7,7 +7,9 @@ backwards than declared) before anything changes.
 """
 from __future__ import annotations
 
-__all__ = ["AccumulationError", "MicroBatches", "check_accumulation_steps"]
+from typing import Any
+
+__all__ = ["AccumulationError", "MicroBatches", "check_accumulation_steps", "paired_units"]
 
 
 class AccumulationError(RuntimeError):
@@ -72,3 +74,18 @@ class MicroBatches:
     def stepped(self) -> None:
         """The step's updates are issued: the next micro-batch starts a new step."""
         self.backwards = 0
+
+
+def paired_units(units: list[Any], plan: Any, accumulation_steps: int, data_parallel: bool) -> frozenset[int]:
+    """Indices of the units whose micro-batches land in two host zones and are summed two at a
+    time (``HostKernel.accumulate_pair``: 12 bytes of host memory per parameter for two, against
+    20 one by one): trainable, updated on the host and summing there (``accumulate="host"``),
+    without DHA (a DHA block's linears write their gradients into one fixed zone); none with
+    one micro-batch or under data parallelism (its shards land through another path)."""
+    if accumulation_steps < 2 or data_parallel:
+        return frozenset()
+    paired = {u.index for u, up in zip(units, plan.units) if u.trainable and up.optimizer == "host"
+              and up.accumulate == "host" and "dha" not in (up.forward, up.backward)}
+    if plan.rest_optimizer == "host" and units[-1].trainable:
+        paired.add(units[-1].index)
+    return frozenset(paired)

@@ -31,7 +31,7 @@ from xpu import Backend, in_host_memory
 
 from ..weight_decay import no_decay_names
 
-from .accumulation import AccumulationError, MicroBatches, check_accumulation_steps
+from .accumulation import AccumulationError, MicroBatches, check_accumulation_steps, paired_units
 from .backward_gate import gate_outputs, queue_at_backward_end
 from .compute_dtype import cast_parameters, check_compute_dtype, restore_parameters
 from .config import AdamW, Plan, UnitPlan
@@ -243,6 +243,7 @@ class MemFerry:
         with self.backend.device_scope(self.device):
             self.shadow = ShadowModel(units, self.backend, self.device, device_homes, self.dp, originals=originals,
                                       accumulate=setup["accumulation_steps"] > 1,
+                                      paired=paired_units(units, plan, setup["accumulation_steps"], self.dp is not None),
                                       backup_budget=self.cfg.backup_budget() if self.cfg.speculative else 0)
         read_in_place = frozenset(u.index for u, up in zip(units, plan.units) if "dha" in (up.forward, up.backward))
         self.optimizer = HostOptimizer(self.cfg, self.shadow.shadows, self.dp,

@@ -97,6 +97,7 @@ class Executor:
         # unit index -> event marking its device copy complete (None once the compute stream waited on it)
         self._loaded: dict[int, Any] = {}
         self._stale: set[int] = set()  # host-homed units whose host copy will change (an update is queued)
+        self._zone: dict[int, int] = {}  # paired units: the landing zone (0, 1) of their next micro-batch
         self._pending_grads: dict[int, int] = {}
         self._param_unit: dict[int, tuple[UnitShadow, int]] = {}
         self._handles: list[Any] = []
@@ -241,6 +242,7 @@ class Executor:
         go home first), so every host-homed unit's copy will change (reload before use)."""
         for index in self.sums.open_units():
             self._send_sum(self.shadow.shadows[index])
+        self._zone.clear()  # the next step's first micro-batch lands in the first zone
         for s in self.shadow.shadows:
             if s.home == "host" and s.unit.trainable:
                 self._stale.add(s.unit.index)
@@ -417,10 +419,15 @@ class Executor:
             if self._final:
                 self._send_sum(s)
         else:
-            self.opt.wait_consumed(s.unit.index)  # the previous micro-batch's gradient is summed: its landing zone is free
+            # Micro-batches of a paired unit alternate between its two zones (summed two at a time).
+            zone = self._zone.get(s.unit.index, 0) if s.grad_stage2 is not None else 0
+            self.opt.wait_consumed(s.unit.index, zone)  # what landed there before is summed: the zone is free
+            if s.grad_stage2 is not None:
+                self._zone[s.unit.index] = 0 if self._final else 1 - zone
             if dp is None:
                 routed = self._routed.get(s.unit.index, set())  # already home: host_linear wrote them
-                pairs = [(p.grad, t) for (_, p), t in zip(s.unit.trainable, s.train_slices(s.grad_stage))
+                stage = s.grad_stage2 if zone else s.grad_stage
+                pairs = [(p.grad, t) for (_, p), t in zip(s.unit.trainable, s.train_slices(stage))
                          if id(p) not in routed]
                 sources, targets = [g for g, _ in pairs], [t for _, t in pairs]
             else:
@@ -433,7 +440,7 @@ class Executor:
                         view.copy_(p.grad)
                     dp.average(flat)
                 sources, targets = [flat[s.train_shard]], [s.grad_stage]
-            self._send_home(s, sources, targets, self._final)
+            self._send_home(s, sources, targets, self._final, zone=zone)
             for _, p in s.unit.trainable:
                 p.grad = None
         if self.unit_plans[s.unit.index].backward != "dha" and len(s.unit.trainable) == len(s.unit.params):
@@ -450,7 +457,7 @@ class Executor:
         self.sums.release(s, self.d2h)
 
     def _send_home(self, s: UnitShadow, sources: list[torch.Tensor], targets: list[torch.Tensor], final: bool,
-                   summed: bool = False) -> None:
+                   summed: bool = False, zone: int = 0) -> None:
         """Copy gradients ``sources`` into host ``targets`` on the device→host stream after the
         compute stream's work so far, and submit the unit to the host optimizer."""
         computed = self.b.event()
@@ -465,7 +472,7 @@ class Executor:
         self.bytes_d2h += sum(t.numel() * t.element_size() for t in targets)
         if final:
             self._stale.add(s.unit.index)  # its update is about to change the host copy
-        self.opt.submit(s.unit.index, landed.synchronize, final=final, landed=landed.query, summed=summed)
+        self.opt.submit(s.unit.index, landed.synchronize, final=final, landed=landed.query, summed=summed, zone=zone)
 
 
 class _Gathered:

@@ -336,6 +336,44 @@ int xpu_accumulate(int gkind, float *acc, const void *g, int64_t n, int threads)
     return 0;
 }
 
+typedef struct {
+    float *acc;
+    const void *g0;
+    const void *g1;
+    int init;
+} acc2_args;
+
+/* Two micro-batches in one pass, in the order two passes of acc += g would add them (bit-equal):
+   acc = g0 + g1 (init) or acc = (acc + g0) + g1. */
+#define ACC2(name, T, LD)                                                                   \
+    static void name(void *ctx, int64_t a, int64_t b) {                                     \
+        const acc2_args *x = (const acc2_args *)ctx;                                        \
+        float *restrict acc = x->acc;                                                       \
+        const T *restrict g0 = (const T *)x->g0;                                            \
+        const T *restrict g1 = (const T *)x->g1;                                            \
+        if (x->init) {                                                                      \
+            for (int64_t i = a; i < b; i++) { float s = LD(g0[i]); s += LD(g1[i]); acc[i] = s; } \
+        } else {                                                                            \
+            for (int64_t i = a; i < b; i++) { float s = acc[i]; s += LD(g0[i]); s += LD(g1[i]); acc[i] = s; } \
+        }                                                                                   \
+    }
+ACC2(acc2_bf16, uint16_t, ld_bf16)
+#ifndef XPU_NO_F16
+ACC2(acc2_f16, _Float16, ld_f16)
+#endif
+
+/* acc (+)= g0 + g1 over n elements (see ACC2), g0 and g1 16-bit of one kind. Returns 0, or -1 for an unbuilt kind. */
+int xpu_accumulate2(int gkind, float *acc, const void *g0, const void *g1, int64_t n, int threads, int init) {
+    acc2_args x = {acc, g0, g1, init};
+    range_fn fn = gkind == 1 ? acc2_bf16 : NULL;
+#ifndef XPU_NO_F16
+    if (gkind == 2) fn = acc2_f16;
+#endif
+    if (!fn) return -1;
+    parallel(fn, &x, n, threads);
+    return 0;
+}
+
 /* The fp16 kinds this build has (1) or lacks (0): a compiler without _Float16 builds without them. */
 int xpu_has_f16(void) {
 #ifndef XPU_NO_F16

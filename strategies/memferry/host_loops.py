@@ -111,6 +111,8 @@ class HostLoops:
         lib.xpu_sqnorm.restype = c_int
         lib.xpu_accumulate.argtypes = [c_int, p, p, i64, c_int]
         lib.xpu_accumulate.restype = c_int
+        lib.xpu_accumulate2.argtypes = [c_int, p, p, p, i64, c_int, c_int]
+        lib.xpu_accumulate2.restype = c_int
         lib.xpu_has_f16.restype = c_int
         self._lib, self.path = lib, path
         self.dtypes = (torch.float32, torch.bfloat16) + ((torch.float16,) if lib.xpu_has_f16() else ())
@@ -173,6 +175,18 @@ class HostLoops:
                                     int(threads)) != 0:
             raise ValueError(f"no accumulation loop for {grad.dtype}")
 
+
+    def accumulate_pair(self, acc: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor, threads: int,
+                        init: bool) -> None:
+        """``acc = g0 + g1`` (``init``) or ``acc = (acc + g0) + g1`` in one pass: fp32 ``acc``, two
+        16-bit gradients of one dtype, added in the order two :meth:`accumulate` calls would."""
+        self._check({"acc": acc, "g0": g0, "g1": g1}, acc.numel())
+        if acc.dtype != torch.float32 or g0.dtype != g1.dtype or g0.dtype == torch.float32:
+            raise ValueError(f"accumulate_pair sums two 16-bit gradients of one dtype into fp32, got {g0.dtype} and "
+                             f"{g1.dtype} into {acc.dtype}")
+        if self._lib.xpu_accumulate2(self._kind(g0, "grad"), acc.data_ptr(), g0.data_ptr(), g1.data_ptr(), acc.numel(),
+                                     int(threads), int(init)) != 0:
+            raise ValueError(f"no accumulation loop for {g0.dtype}")
 
     def sqnorm(self, grad: torch.Tensor, threads: int) -> float:
         """The sum of ``grad``'s squares in fp64: in fixed 65536-element blocks added in order, so

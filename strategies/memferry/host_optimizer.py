@@ -97,9 +97,11 @@ class HostOptimizer:
         # zone (grad_stage) has been read, so the next micro-batch's gradient may land there.
         self._done = [threading.Event() for _ in shadows]
         self._consumed = [threading.Event() for _ in shadows]
-        for ev in self._done + self._consumed:
+        self._consumed1 = [threading.Event() for _ in shadows]  # the second zone (grad_stage2) of paired units
+        for ev in self._done + self._consumed + self._consumed1:
             ev.set()
         self._received = [0] * len(shadows)  # worker side: micro-batches summed into grad_acc this step
+        self._pending: set[int] = set()  # worker side: paired units whose first zone waits for its pair
         self._open: set[int] = set()  # training side: units with accumulated gradients and no update queued
         self._tasks: queue.Queue = queue.Queue()
         # Clipping, worker side: this step's units in landing order; those waiting to be
@@ -138,7 +140,7 @@ class HostOptimizer:
 
     # ------------------------------------------------------------------ producer side
     def submit(self, index: int, ready: Callable[[], None], final: bool = True,
-               landed: Callable[[], bool] | None = None, summed: bool = False) -> None:
+               landed: Callable[[], bool] | None = None, summed: bool = False, zone: int = 0) -> None:
         """Queue unit ``index``'s gradient; ``ready()`` blocks until it is in host memory.
 
         ``final``: the step's last micro-batch: update from it (plus what was accumulated);
@@ -146,6 +148,8 @@ class HostOptimizer:
         it is in host memory already, without blocking (an event's ``query``): the worker goes on
         with speculative updates until it is (None: it waits on ``ready``). ``summed``: the step's
         complete fp32 sum lands in ``grad_acc`` (summed on the device): update from it as it is.
+        ``zone``: where it landed, ``grad_stage`` (0) or a paired unit's ``grad_stage2`` (1): a
+        gradient in zone 0 waits for the one in zone 1 and both are summed in one pass.
         """
         self._raise_if_failed()
         if summed and (not final or self.shadows[index].grad_acc is None):
@@ -154,13 +158,13 @@ class HostOptimizer:
         if not final and self.shadows[index].grad_acc is None:
             raise RuntimeError(f"unit {self.shadows[index].unit.name} has no gradient accumulation buffer; "
                                "give MemFerry(accumulation_steps=N) to accumulate gradients over N backward() calls")
-        self._consumed[index].clear()
+        (self._consumed1 if zone else self._consumed)[index].clear()
         if final:
             self._done[index].clear()
             self._open.discard(index)
         else:
             self._open.add(index)
-        self._tasks.put(("grad", index, (ready, final, landed, summed)))
+        self._tasks.put(("grad", index, (ready, final, landed, summed, zone)))
 
     def flush(self) -> None:
         """The step ends before its last micro-batch: update every unit from what it accumulated."""
@@ -170,9 +174,10 @@ class HostOptimizer:
         self._open.clear()
         self._tasks.put(("flush", None, None))
 
-    def wait_consumed(self, index: int) -> None:
-        """Block until unit ``index``'s landed gradient has been read (its landing zone is free)."""
-        while not self._consumed[index].wait(timeout=0.5):
+    def wait_consumed(self, index: int, zone: int = 0) -> None:
+        """Block until the gradient in unit ``index``'s landing ``zone`` has been read (it is free)."""
+        event = (self._consumed1 if zone else self._consumed)[index]
+        while not event.wait(timeout=0.5):
             self._raise_if_failed()
         self._raise_if_failed()
 
@@ -270,7 +275,7 @@ class HostOptimizer:
                 return
         if self.cfg.host_threads is not None:
             torch.set_num_threads(self.cfg.host_threads)  # this thread's OpenMP team
-        # Tasks are (kind, argument, callback): ("grad", unit index, (ready, final, landed, summed)),
+        # Tasks are (kind, argument, callback): ("grad", unit index, (ready, final, landed, summed, zone)),
         # ("flush", None, None), ("norm" | "stats" | "settle" | "reset", None, reply), ("finish", clip
         # coefficient, None), ("lr", rate, None), ("stop", None, None).
         while True:
@@ -279,12 +284,14 @@ class HostOptimizer:
                 if kind == "stop":
                     return
                 if kind == "grad":
-                    ready, final, _, summed = callback
+                    ready, final, _, summed, zone = callback
                     t0 = time.perf_counter()
                     ready()
                     self.time_s["wait"] += time.perf_counter() - t0
-                    self._receive(arg, final, summed)
+                    self._receive(arg, final, summed, zone)
                 elif kind == "flush":
+                    for i in sorted(self._pending):  # a first zone whose pair never came
+                        self._sum_landed(i, 0)
                     for i, n in enumerate(self._received):
                         if n:
                             self._finalize(i)
@@ -331,27 +338,49 @@ class HostOptimizer:
             task, self._head = self._head, None
             return task
 
-    def _receive(self, index: int, final: bool, summed: bool = False) -> None:
+    def _receive(self, index: int, final: bool, summed: bool = False, zone: int = 0) -> None:
         """A landed gradient: sum it into ``grad_acc`` unless it is a step's only one or the whole
-        sum already (``summed``); update if final."""
+        sum already (``summed``); a paired unit's first zone waits for the second, and the two are
+        summed in one pass; update if final."""
         s = self.shadows[index]
         if summed:
             s.accumulated = True  # grad_acc holds the step's sum, made on the device
-        elif final and not self._received[index]:
+        elif final and not self._received[index] and index not in self._pending:
             s.accumulated = False  # one micro-batch: update straight from the landing zone
+        elif zone == 0 and not final and s.grad_stage2 is not None:
+            if index in self._pending:
+                raise RuntimeError(f"unit {s.unit.name}: two gradients landed in its first zone without a pair")
+            self._pending.add(index)  # summed with the next micro-batch's (zone 1); the zone stays taken
+            return
         else:
-            t0 = time.perf_counter()
-            if self._received[index]:
-                self.kernel.accumulate(s.grad_acc, s.grad_stage)  # one pass, no fp32 temporary
-            else:
-                s.grad_acc.copy_(s.grad_stage)
-            s.accumulated = True
-            self._received[index] += 1
-            self.time_s["upcast"] += time.perf_counter() - t0
+            self._sum_landed(index, zone)
         if s.accumulated:
             self._consumed[index].set()  # the sum holds it: the next micro-batch may land
         if final:
             self._finalize(index)
+
+    def _sum_landed(self, index: int, zone: int) -> None:
+        """Sum the gradient in ``zone`` (with the first zone's, when zone 1) into ``grad_acc``."""
+        s = self.shadows[index]
+        t0 = time.perf_counter()
+        first = not self._received[index]
+        if zone == 1:
+            if index not in self._pending:
+                raise RuntimeError(f"unit {s.unit.name}: a gradient landed in its second zone with none in the first")
+            self._pending.discard(index)
+            self.kernel.accumulate_pair(s.grad_acc, s.grad_stage, s.grad_stage2, init=first)  # one pass for two
+            self._received[index] += 2
+            self._consumed1[index].set()
+        else:
+            self._pending.discard(index)
+            if first:
+                s.grad_acc.copy_(s.grad_stage)
+            else:
+                self.kernel.accumulate(s.grad_acc, s.grad_stage)  # one pass, no fp32 temporary
+            self._received[index] += 1
+        s.accumulated = True
+        self._consumed[index].set()
+        self.time_s["upcast"] += time.perf_counter() - t0
 
     def _finalize(self, index: int) -> None:
         """The step's gradient of unit ``index`` is complete: update now, or hold it for the clip
@@ -429,7 +458,7 @@ class HostOptimizer:
     def _fail(self, exc: BaseException) -> None:
         """Keep ``exc`` for the training thread (``_raise_if_failed``) and release every waiter."""
         self._error = exc
-        for ev in self._done + self._consumed:
+        for ev in self._done + self._consumed + self._consumed1:
             ev.set()
 
     def _update(self, index: int, coef: float, source: Any = None) -> None:
@@ -448,6 +477,7 @@ class HostOptimizer:
         s = self.shadows[index]
         s.accumulated = False
         self._consumed[index].set()
+        self._consumed1[index].set()
         if self.dp is not None and index in self.whole_on_host:
             t0 = time.perf_counter()
             self.dp.gather(s.work)  # read whole in place by DHA: every rank's copy whole again

@@ -1,0 +1,100 @@
+"""Micro-batches summed two at a time on the host (``accumulation.paired_units``): a paired unit's
+gradients land in two zones in turn and one pass adds both to the fp32 sum, in the order two
+passes would. Bit-equal to summing them one by one, for even and odd micro-batch counts and for
+a step cut short; the pass, the eligibility and the host bytes checked on their own."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import strategies.memferry.engine as engine_module
+from strategies.memferry import AdamW, MemFerry, Plan, UnitPlan
+from strategies.memferry.accumulation import paired_units
+from strategies.memferry.host_kernel import SinglePassKernel, TorchKernel
+from strategies.memferry.shadow import host_bytes_needed
+from strategies.memferry.units import split_units
+from tests.test_memferry_numerics import TinyGPT, batches, lm_loss
+
+
+@pytest.mark.parametrize("kernel", [lambda: SinglePassKernel(AdamW(), [], threads=2), lambda: TorchKernel(AdamW(), [])])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("init", [True, False])
+def test_a_pair_in_one_pass_equals_two_passes(kernel, dtype, init):
+    k = kernel()
+    torch.manual_seed(0)
+    n = 2**16 + 5  # several threads' parts and a tail
+    # magnitudes far apart, so adding g0 + g1 first would round differently from (acc + g0) + g1
+    g0, g1 = (torch.randn(n) * 10).to(dtype), (torch.randn(n) * 1e-3).to(dtype)
+    start = torch.randn(n) * 100
+    paired, one_by_one = start.clone(), start.clone()
+    k.accumulate_pair(paired, g0, g1, init)
+    if init:
+        one_by_one.copy_(g0)
+    else:
+        k.accumulate(one_by_one, g0)
+    k.accumulate(one_by_one, g1)
+    assert torch.equal(paired, one_by_one)
+
+
+PLAN = Plan([UnitPlan("prefetch", "prefetch"), UnitPlan("resident", "resident", optimizer="device"),
+             UnitPlan("resident", "resident"), UnitPlan("prefetch", "prefetch", accumulate="device")])
+
+
+def _train(cpu_backend, monkeypatch, paired: bool, micro: list[int], n: int, clip: float | None) -> dict:
+    """Steps of ``micro[i]`` micro-batches each (fewer than ``n``: the step is cut short), bf16 compute."""
+    if not paired:
+        monkeypatch.setattr(engine_module, "paired_units", lambda *a, **k: frozenset())
+    torch.manual_seed(0)
+    model = TinyGPT()
+    data = iter(batches(sum(micro), seed=2))
+    engine = MemFerry(copy.deepcopy(model), optim=AdamW(lr=1e-2, weight_decay=0.1, max_grad_norm=clip), plan=PLAN,
+                      backend=cpu_backend, loss_fn=lm_loss, accumulation_steps=n, compute_dtype=torch.bfloat16)
+    zones = [s.unit.index for s in engine.shadow.shadows if s.grad_stage2 is not None]
+    # paired: the host-updated blocks summing on the host (0, 2) and the rest unit; not the
+    # device-updated block 1 nor block 3, which sums on the device
+    assert zones == ([0, 2, 4] if paired else [])
+    pairs = []
+    kernel = engine.optimizer.kernel
+    real = kernel.accumulate_pair
+    kernel.accumulate_pair = lambda *a, **k: (pairs.append(1), real(*a, **k))
+    for count in micro:
+        for _ in range(count):
+            x, y = next(data)
+            engine.backward(lm_loss(engine(x), engine._to_device(y)) / n)
+        engine.step()
+    state = engine.state_dict()
+    engine.close()
+    # every two micro-batches of a step made one pass per paired unit
+    assert len(pairs) == (len(zones) * sum(c // 2 for c in micro))
+    monkeypatch.undo()
+    return state
+
+
+@pytest.mark.parametrize("n,micro", [(4, [4, 4]), (3, [3, 3]), (4, [3, 1, 4]), (2, [2, 2, 2])])
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_paired_sums_train_bit_equal_to_one_by_one(cpu_backend, monkeypatch, n, micro, clip):
+    """Even and odd counts, steps cut short after 3 and after 1 micro-batch (the first zone's
+    gradient waits for a pair that never comes), with and without (speculative) clipping."""
+    a = _train(cpu_backend, monkeypatch, True, micro, n, clip)
+    b = _train(cpu_backend, monkeypatch, False, micro, n, clip)
+    for name, t in a["model"].items():
+        assert torch.equal(t, b["model"][name]), name
+    for name, st in a["optimizer"].items():
+        assert all(torch.equal(st[key], b["optimizer"][name][key]) for key in ("master", "exp_avg", "exp_avg_sq")), name
+
+
+def test_which_units_are_paired_and_what_their_zone_costs():
+    units = split_units(TinyGPT())
+    plan = Plan([UnitPlan("prefetch", "prefetch"), UnitPlan("dha", "dha"),
+                 UnitPlan("resident", "resident", optimizer="device"), UnitPlan("prefetch", "prefetch", accumulate="device")],
+                rest_optimizer="device")
+    # only block 0: block 1 is DHA, block 2 device-updated, block 3 sums on the device, rest device-updated
+    assert paired_units(units, plan, 4, data_parallel=False) == {0}
+    assert paired_units(units, plan, 1, data_parallel=False) == frozenset()
+    assert paired_units(units, plan, 4, data_parallel=True) == frozenset()
+    homes = {2, 4}
+    extra = host_bytes_needed(units, homes, accumulate=True, paired=frozenset({0})) - host_bytes_needed(
+        units, homes, accumulate=True)
+    assert extra == units[0].train_numel * 4  # a second fp32 landing zone (the model is fp32)
