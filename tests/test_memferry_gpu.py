@@ -109,3 +109,34 @@ def test_a_frozen_prefix_block_is_not_freed_under_its_prefetch(gpu_backend):
     b.synchronize(0)
     assert bool((placed[-1] == 7.0).all()), "the late host->device copy overwrote memory freed under it"
     engine.close()
+
+
+@pytest.mark.parametrize("micro", [4, 3])
+def test_paired_host_sums_equal_one_by_one_on_the_device(gpu_backend, monkeypatch, micro):
+    """Micro-batches summed two at a time on the host (two landing zones written by the copy
+    stream in turn) train bit-equal to summing them one by one: a zone overwritten before its
+    pair was summed would show here."""
+    import strategies.memferry.engine as engine_module
+
+    b = gpu_backend
+    tok = torch.randint(0, DIMS["vocab"], (micro * BATCH, DIMS["seq"] + 1), generator=torch.Generator().manual_seed(3))
+    batches = [(b.to_device(t[:, :-1].contiguous(), 0), b.to_device(t[:, 1:].contiguous(), 0)) for t in tok.split(BATCH)]
+    plan = Plan([UnitPlan("prefetch", "prefetch"), UnitPlan("resident", "resident"),
+                 UnitPlan("prefetch", "prefetch", recompute=True), UnitPlan("resident", "resident", optimizer="device")])
+    states = []
+    for paired in (True, False):
+        if not paired:
+            monkeypatch.setattr(engine_module, "paired_units", lambda *a, **k: frozenset())
+        torch.manual_seed(0)
+        model = build_model("gpt", dtype=torch.bfloat16, **DIMS)
+        engine = MemFerry(model, optim=AdamW(lr=1e-3, weight_decay=0.1), plan=plan, backend=b, device=0,
+                          accumulation_steps=micro)
+        assert sum(s.grad_stage2 is not None for s in engine.shadow.shadows) == (4 if paired else 0)
+        for _ in range(3):
+            for x, y in batches:
+                engine.backward(engine._loss(x, y) / micro)
+            engine.step()
+        states.append(engine.state_dict()["optimizer"])
+        engine.close()
+    for name, st in states[0].items():
+        assert all(torch.equal(st[k], states[1][name][k]) for k in ("master", "exp_avg", "exp_avg_sq")), name
