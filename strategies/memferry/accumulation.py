@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["AccumulationError", "MicroBatches", "check_accumulation_steps", "paired_units"]
+__all__ = ["AccumulationError", "MicroBatches", "check_accumulation_steps", "paired_units", "sums_in_pairs"]
 
 
 class AccumulationError(RuntimeError):
@@ -76,16 +76,22 @@ class MicroBatches:
         self.backwards = 0
 
 
+def sums_in_pairs(unit: Any, data_parallel: bool) -> bool:
+    """Whether a block run as ``unit`` (a ``UnitPlan``) has the host sum its micro-batches two at
+    a time (``HostKernel.accumulate_pair``: 12 bytes of host memory per parameter for two,
+    against 20 one by one): updated on the host and summing there (``accumulate="host"``),
+    without DHA (a DHA block's linears write their gradients into one fixed zone), not under
+    data parallelism (its shards land through another path)."""
+    return (unit.optimizer == "host" and unit.accumulate == "host" and "dha" not in (unit.forward, unit.backward)
+            and not data_parallel)
+
+
 def paired_units(units: list[Any], plan: Any, accumulation_steps: int, data_parallel: bool) -> frozenset[int]:
-    """Indices of the units whose micro-batches land in two host zones and are summed two at a
-    time (``HostKernel.accumulate_pair``: 12 bytes of host memory per parameter for two, against
-    20 one by one): trainable, updated on the host and summing there (``accumulate="host"``),
-    without DHA (a DHA block's linears write their gradients into one fixed zone); none with
-    one micro-batch or under data parallelism (its shards land through another path)."""
+    """Indices of the trainable units that sum in pairs (:func:`sums_in_pairs`; the ``rest`` unit
+    when updated on the host); none with one micro-batch."""
     if accumulation_steps < 2 or data_parallel:
         return frozenset()
-    paired = {u.index for u, up in zip(units, plan.units) if u.trainable and up.optimizer == "host"
-              and up.accumulate == "host" and "dha" not in (up.forward, up.backward)}
+    paired = {u.index for u, up in zip(units, plan.units) if u.trainable and sums_in_pairs(up, data_parallel)}
     if plan.rest_optimizer == "host" and units[-1].trainable:
         paired.add(units[-1].index)
     return frozenset(paired)

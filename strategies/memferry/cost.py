@@ -93,6 +93,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from .accumulation import sums_in_pairs
 from .config import Plan, UnitPlan
 from .host_budget import host_budget, link_bytes, rest_terms, unit_terms
 from .links import H200_DHA_ROWS, Links, links_from_probe  # noqa: F401  (re-exported: the cost model's inputs)
@@ -241,10 +242,9 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
         off_out, off_in = blk.act_bytes / d2h, blk.act_bytes / h2d
     y = (w / h2d if unit.backward == "prefetch" and not kept else 0.0) + off_in
     d = (device_sum_bytes(blk.numel) if summed else grad_bytes) / d2h if host else 0.0
-    # summed on the host two micro-batches at a time (accumulation.paired_units' rule)
-    paired = not summed and "dha" not in (unit.forward, unit.backward) and not profile.data_parallel
     h, h_acc, hm = unit_terms(profile, host_budget(profile, links), blk.numel, host,
-                              link_bytes(unit, w, grad_bytes, blk.act_bytes, kept, host), max(b, y, d), summed, paired)
+                              link_bytes(unit, w, grad_bytes, blk.act_bytes, kept, host), max(b, y, d), summed,
+                              sums_in_pairs(unit, profile.data_parallel))
     return OptionCost(
         a=max(a, off_out),
         r=w / h2d if resident and host else 0.0,

@@ -12,16 +12,15 @@ counting each storage once and leaving parameters out; with recompute only the b
 inputs stay; with selective recompute the inputs and the matmuls' and attention's outputs,
 and forward's and backward's times under it), parameter count and bytes. For ``rest``:
 forward + loss and backward time and the peak memory the loss takes (logits in fp32 and
-their gradient), from ``backend.memory_stats``. And the AdamW rates, seconds per parameter, of the same fused
-``torch.optim.AdamW`` the host and device optimizers run, with their dtype conversions.
+their gradient), from ``backend.memory_stats``. And the AdamW rates, seconds per parameter, of
+the same kernels the host and device optimizers run, with their dtype conversions
+(``adamw_rates.py``).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -30,10 +29,10 @@ import torch
 from torch import nn
 
 from xpu import Backend
-from xpu.host_bandwidth import CopyLoad
 from xpu.timing import event_seconds
 
 from ..selective_recompute import kept_output_bytes, selective_checkpoint
+from .adamw_rates import device_adamw_rate, host_adamw_rate, host_adamw_rates
 from .config import OFFLOAD_MIN_BYTES
 from .cost import loss_peak_estimate
 from .hf_models import head_shape, model_loss
@@ -41,6 +40,7 @@ from .host_budget import update_bytes
 from .units import Unit
 
 __all__ = ["BlockProfile", "StepProfile", "profile_step", "host_adamw_rate", "host_adamw_rates", "device_adamw_rate"]
+# host_adamw_rate, host_adamw_rates and device_adamw_rate live in adamw_rates.py; named here as before.
 
 
 @dataclass
@@ -231,6 +231,24 @@ def _block_signature(block: nn.Module) -> tuple:
     return (type(block).__name__, tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()))
 
 
+def _timed_passes(backend: Backend, device: int, blk: nn.Module, forward: Callable[[], Any],
+                  grads: list[torch.Tensor], repeats: int) -> tuple[float, float]:
+    """Median forward and backward times of ``forward()`` over ``repeats`` rounds, after one that
+    warms up kernels and the allocator."""
+    fwd, bwd = [], []
+    for i in range(repeats + 1):
+        for p in blk.parameters():
+            p.grad = None
+        holder: list[Any] = []
+        f = _timed(backend, device, lambda: holder.append(forward()))
+        outs = [t for t in _tensors(holder[0]) if t.requires_grad]
+        b = _timed(backend, device, lambda: torch.autograd.backward(outs, grads))
+        if i:
+            fwd.append(f)
+            bwd.append(b)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
 def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend, device: int,
                    repeats: int) -> tuple[BlockProfile, Any]:
     """Figures of one block on the device, and its output (the next block's input)."""
@@ -270,33 +288,13 @@ def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend
         raise ValueError(f"block {type(block).__name__} returned no tensor that needs a gradient")
     grads = [torch.randn_like(t) for t in out_tensors]
     torch.autograd.backward(out_tensors, grads)
-    fwd, bwd = [], []
-    for i in range(repeats + 1):  # the first round warms up kernels and the allocator
-        for p in blk.parameters():
-            p.grad = None
-        holder: list[Any] = []
-        f = _timed(backend, device, lambda: holder.append(run_forward()))
-        outs = [t for t in _tensors(holder[0]) if t.requires_grad]
-        b = _timed(backend, device, lambda: torch.autograd.backward(outs, grads))
-        if i:
-            fwd.append(f)
-            bwd.append(b)
+    fwd_s, bwd_s = _timed_passes(backend, device, blk, run_forward, grads, repeats)
     recompute_bytes = sum(_nbytes(t) for t in _tensors((x_args, x_kwargs)))
     selective_bytes = recompute_bytes + kept_output_bytes(run_forward)
-    fwd_sel, bwd_sel = [], []
-    for i in range(repeats + 1):  # a selectively checkpointed forward, and its backward with the recompute in it
-        for p in blk.parameters():
-            p.grad = None
-        holder.clear()
-        f = _timed(backend, device, lambda: holder.append(selective_checkpoint(run_forward)))
-        outs = [t for t in _tensors(holder[0]) if t.requires_grad]
-        b = _timed(backend, device, lambda: torch.autograd.backward(outs, grads))
-        if i:
-            fwd_sel.append(f)
-            bwd_sel.append(b)
-    fwd_s, bwd_s = statistics.median(fwd), statistics.median(bwd)
+    # a selectively checkpointed forward, and its backward with the recompute in it
+    fwd_sel, bwd_sel = _timed_passes(backend, device, blk, lambda: selective_checkpoint(run_forward), grads, repeats)
     result = BlockProfile(numel, param_bytes, fwd_s, bwd_s, act_bytes, recompute_bytes, sum(small.values()),
-                          selective_bytes, max(bwd_s, statistics.median(bwd_sel)), max(fwd_s, statistics.median(fwd_sel)))
+                          selective_bytes, max(bwd_s, bwd_sel), max(fwd_s, fwd_sel))
     with torch.no_grad():
         nxt = _map_tensors(out, lambda t: t.detach())
     return result, nxt
@@ -339,92 +337,6 @@ def _profile_rest(model: nn.Module, blocks: nn.ModuleList, rest: Unit, inputs: A
             bwd.append(b)
     notes = ["rest: blocks replaced by pass-throughs; loss peak from backend.memory_stats"]
     return statistics.median(fwd), statistics.median(bwd), peak, notes
-
-
-def host_adamw_rate(numel: int = 4_000_000, dtype: torch.dtype = torch.bfloat16, repeats: int = 3,
-                    backend: Backend | None = None, kernel: str = "auto", device: int | None = None,
-                    dma_duty: float = 0.0) -> float:
-    """Seconds per parameter of the host optimizer's update of one unit, with the kernel
-    ``HostOptimizer`` would use (``kernel``, see ``host_kernel.py``; conversions included).
-
-    Buffers come from the backend's pinned arena when ``backend`` is given (as in training).
-    With ``dma_duty`` > 0 (and a backend with asynchronous copies), host<->device copies in
-    both directions run that fraction of the time meanwhile, as a step's prefetches and
-    gradient copies do: they share host memory bandwidth with the update (on the H200
-    machine, full-duplex copies made the update 1.9x slower).
-    """
-    return host_adamw_rates(numel, dtype, repeats, backend, kernel, device, (dma_duty,))[0][0]
-
-
-def host_adamw_rates(numel: int, dtype: torch.dtype, repeats: int, backend: Backend | None, kernel: str,
-                     device: int | None, duties: tuple[float, ...]) -> list[tuple[float, float]]:
-    """``(seconds per parameter, GB/s the copies moved meanwhile)`` of the host update (see
-    :func:`host_adamw_rate`) at each copy duty of ``duties``, on one set of buffers. A duty of 0,
-    or a backend whose copies are no link traffic (virtual devices are host memory; no
-    asynchronous copies), runs no copies and reports 0 GB/s."""
-    from .config import AdamW
-    from .host_kernel import make_host_kernel
-    from .shadow import UnitShadow
-
-    def buf(dt: torch.dtype) -> torch.Tensor:
-        return backend.host_arena.empty(numel, dt) if backend is not None else torch.empty(numel, dtype=dt)
-
-    master, m, v = (buf(torch.float32) for _ in range(3))
-    master.normal_()
-    m.zero_()
-    v.zero_()
-    low = dtype != torch.float32
-    work, stage = (buf(dtype), buf(dtype)) if low else (master, buf(torch.float32))
-    stage.normal_()
-    shadow = UnitShadow(None, work, master, m, v, stage, stage, None, [])
-    k = make_host_kernel(kernel, AdamW(lr=1e-4, weight_decay=0.0, host_kernel=kernel), [shadow])
-    copies_ok = backend is not None and backend.caps.async_copy and not backend.caps.virtual_devices
-    out = []
-    try:
-        for duty in duties:
-            load: Any = contextlib.nullcontext()
-            if duty > 0 and copies_ok:
-                load = CopyLoad(backend, backend.index_of(device), min(1.0, duty))
-            times = []
-            with load:
-                for i in range(repeats + 1):
-                    t0 = time.perf_counter()
-                    k.apply(shadow, 1.0)
-                    if i:
-                        times.append(time.perf_counter() - t0)
-            out.append((statistics.median(times) / numel, load.rate_GBps if isinstance(load, CopyLoad) else 0.0))
-    finally:
-        if backend is not None:
-            for t in {id(t): t for t in (master, m, v, work, stage)}.values():
-                backend.host_arena.release(t)
-    return out
-
-
-def device_adamw_rate(backend: Backend, device: int, numel: int = 4_000_000, dtype: torch.dtype = torch.bfloat16,
-                      repeats: int = 3) -> float:
-    """Seconds per parameter of ``DeviceOptimizer``'s work on the device: gather the
-    compute-dtype gradient into fp32, fused AdamW, write the compute-dtype weights."""
-    with backend.device_scope(device):
-        master, grad, m, v = (backend.empty(numel, torch.float32, device) for _ in range(4))
-        master.normal_()
-        m.zero_()
-        v.zero_()
-        pgrad = backend.empty(numel, dtype, device)
-        pgrad.normal_()
-        work = backend.empty(numel, dtype, device) if dtype != torch.float32 else master
-        opt = torch.optim.AdamW([master], lr=1e-4, fused=True)
-        opt.state[master] = {"step": torch.tensor(0.0, device=master.device), "exp_avg": m, "exp_avg_sq": v}
-
-        def step() -> None:
-            grad.copy_(pgrad)
-            master.grad = grad
-            opt.step()
-            master.grad = None
-            if work is not master:
-                work.copy_(master)
-
-        times = [_timed(backend, device, step) for _ in range(repeats + 1)][1:]
-    return statistics.median(times) / numel
 
 
 def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: int | None, inputs: Any,
