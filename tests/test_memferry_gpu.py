@@ -140,3 +140,35 @@ def test_paired_host_sums_equal_one_by_one_on_the_device(gpu_backend, monkeypatc
         engine.close()
     for name, st in states[0].items():
         assert all(torch.equal(st[k], states[1][name][k]) for k in ("master", "exp_avg", "exp_avg_sq")), name
+
+
+def test_norms_summed_on_the_device_clip_speculative_bit_equal_to_wait(gpu_backend):
+    """With every norm summed on the device, step() queues the coefficient and returns; the host
+    reads it, and each unit's running sum, once they land behind the gradients. Speculating while
+    they travel gives the bits waiting for them gives; a value read before it landed would not."""
+    b = gpu_backend
+    tok = torch.randint(0, DIMS["vocab"], (BATCH, DIMS["seq"] + 1), generator=torch.Generator().manual_seed(5))
+    x, y = b.to_device(tok[:, :-1].contiguous(), 0), b.to_device(tok[:, 1:].contiguous(), 0)
+    plan = Plan([UnitPlan("prefetch", "prefetch"), UnitPlan("resident", "resident", optimizer="device"),
+                 UnitPlan("prefetch", "prefetch", recompute=True), UnitPlan("resident", "resident")])
+
+    def train(clip, mode):
+        torch.manual_seed(0)
+        engine = MemFerry(build_model("gpt", dtype=torch.bfloat16, **DIMS), plan=plan, backend=b, device=0,
+                          optim=AdamW(lr=1e-2, weight_decay=0.1, max_grad_norm=clip, clip_mode=mode))
+        assert engine.clip.on_device
+        norms = []
+        for _ in range(STEPS):
+            engine.train_step(x, y)
+            norms.append(engine.last_grad_norm)
+        out = engine.state_dict()["optimizer"], norms, engine.clip_stats()
+        engine.close()
+        return out
+
+    _, norms, _ = train(1e9, "wait")
+    clip = sorted(norms)[STEPS // 2]  # some steps clip, some do not
+    (wait, wait_norms, wait_stats), (spec, spec_norms, spec_stats) = train(clip, "wait"), train(clip, "speculative")
+    assert spec_norms == wait_norms
+    assert spec_stats["clipped_steps"] == wait_stats["clipped_steps"] > 0
+    for name, st in wait.items():
+        assert all(torch.equal(st[k], spec[name][k]) for k in ("master", "exp_avg", "exp_avg_sq")), name

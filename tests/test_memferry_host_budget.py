@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from strategies.memferry.config import Plan
+from strategies.memferry.config import Plan, UnitPlan
 from strategies.memferry.cost import Links, links_from_probe, option_cost, predict
 from strategies.memferry.host_budget import MIN_SHARE, host_budget, update_bytes
 from strategies.memferry.profiler import BlockProfile, StepProfile
@@ -109,6 +109,26 @@ def test_accumulation_and_speculative_clipping_are_host_bytes_and_micro_batches_
     assert on_host.parts["host memory"] - on_device.parts["host memory"] == pytest.approx(saved / (B * 1e9), rel=1e-9)
     o_host, o_dev = (option_cost(busy, links(B), 1, p.units[1]) for p in (plan, summed))
     assert o_dev.d == pytest.approx(2 * o_host.d) and o_dev.persist - o_host.persist == 4 * N and o_dev.h_acc == 0
+
+
+def test_clipping_reads_a_gradient_for_its_norm_only_where_the_device_cannot_sum_its_squares():
+    """One micro-batch: a prefetched block's norm is the device's (no host byte more with
+    clipping), a DHA block's is the host's (2 B per parameter); summed on the host over four
+    micro-batches, it reads the 4 B fp32 sum."""
+    B = 2.0
+    plain, clipped = profile(B), profile(B, clipping=True)
+    assert update_bytes(2, 1, "speculative", host_norm=False).norm == 0
+    assert update_bytes(2, 1, "speculative").norm == 2 and update_bytes(2, 4, "wait").norm == 4
+    pre = Plan.from_spec("prefetch", L)
+    assert predict(pre, clipped, links(B)).parts["host memory"] == pytest.approx(
+        predict(pre, plain, links(B)).parts["host memory"], rel=1e-12)
+    dha = UnitPlan("dha", "dha")
+    extra = option_cost(clipped, links(B), 1, dha).hm - option_cost(plain, links(B), 1, dha).hm
+    assert extra == pytest.approx(N * 2 / (B * 1e9), rel=1e-9)
+    four, four_clipped = profile(B, accumulation_steps=4), profile(B, accumulation_steps=4, clipping=True)
+    unit = UnitPlan("prefetch", "prefetch")
+    extra = option_cost(four_clipped, links(B), 1, unit).hm - option_cost(four, links(B), 1, unit).hm
+    assert extra == pytest.approx(N * 4 / (B * 1e9), rel=1e-9)
 
 
 def test_the_scheduler_moves_updates_to_the_device_when_host_memory_shrinks():

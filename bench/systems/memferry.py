@@ -146,13 +146,16 @@ class MemFerrySystem(BenchSystem):
                                summed / max(1, sum(s.master.numel() for s in host)))}
 
     def _clip_note(self) -> str:
-        """With clipping: how many steps clipped, and how many speculative updates rolled back."""
+        """With clipping: where norms were summed, how many steps clipped, and how many speculative
+        updates rolled back or were not started (the step was sure to clip)."""
         if self.engine.cfg.max_grad_norm is None:
             return ""
         c = self.engine.clip_stats()
-        return (f"; clip {self.engine.cfg.clip_mode}: {c['clipped_steps']} of {c['steps']} steps clipped, "
-                f"{c['rollback_steps']} rolled back ({c['rolled_back_units']} unit updates redone, "
-                f"{c['held_units']} held for want of backup room)")
+        where = "device" if self.engine.clip.on_device else "host"
+        return (f"; clip {self.engine.cfg.clip_mode}, norms on the {where}: {c['clipped_steps']} of {c['steps']} "
+                f"steps clipped, {c['rollback_steps']} rolled back ({c['rolled_back_units']} unit updates redone, "
+                f"{c['sure_units']} not speculated in steps sure to clip, {c['held_units']} held for want of "
+                f"backup room)")
 
     def _loss_note(self) -> str:
         """First and last step loss (does the loss fall?)."""

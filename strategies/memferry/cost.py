@@ -94,6 +94,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from .accumulation import sums_in_pairs
+from .clip_norms import norm_on_device
 from .config import Plan, UnitPlan
 from .host_budget import host_budget, link_bytes, rest_terms, unit_terms
 from .links import H200_DHA_ROWS, Links, links_from_probe  # noqa: F401  (re-exported: the cost model's inputs)
@@ -244,7 +245,8 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
     d = (device_sum_bytes(blk.numel) if summed else grad_bytes) / d2h if host else 0.0
     h, h_acc, hm = unit_terms(profile, host_budget(profile, links), blk.numel, host,
                               link_bytes(unit, w, grad_bytes, blk.act_bytes, kept, host), max(b, y, d), summed,
-                              sums_in_pairs(unit, profile.data_parallel))
+                              sums_in_pairs(unit, profile.data_parallel),
+                              not norm_on_device(unit, profile.accumulation_steps, profile.data_parallel))
     return OptionCost(
         a=max(a, off_out),
         r=w / h2d if resident and host else 0.0,

@@ -10,7 +10,8 @@ from typing import Any, Callable
 
 import torch
 
-from .adamw import decay_ranges, flat_adamw, squared_norm
+from .adamw import decay_ranges, flat_adamw
+from .clip_norms import DeviceNorms
 from .config import AdamW
 from .device_accumulation import add_grads
 from .shadow import UnitShadow
@@ -25,9 +26,11 @@ class DeviceOptimizer:
         cfg: optimizer settings.
         shadows: all units' buffers; only those with ``home == "device"`` are handled.
         backend: gives the fp32 gradient buffer memory only while an update needs it.
+        norms: with clipping, where the held gradients' squares are summed (the engine's
+            ``GlobalNormClip.norms``; None: a sum of this optimizer's own).
     """
 
-    def __init__(self, cfg: AdamW, shadows: list[UnitShadow], backend: Any) -> None:
+    def __init__(self, cfg: AdamW, shadows: list[UnitShadow], backend: Any, norms: DeviceNorms | None = None) -> None:
         self.cfg = cfg
         self.backend = backend
         # Per unit, one optimizer per weight-decay group: (start, stop, optimizer) over the master.
@@ -36,7 +39,7 @@ class DeviceOptimizer:
                                        for a, b, decays in decay_ranges(s.master.numel(), s.decay_end)]
                         for s in shadows if s.home == "device" and s.master.numel()}
         self._pending: list[UnitShadow] = []
-        self._sqnorms: list[torch.Tensor] = []
+        self.norms = norms if norms is not None else DeviceNorms()
         # With clipping and one micro-batch alone: units' gradients as autograd made them (the
         # compute dtype, half the fp32 buffer's bytes in bf16), held until the coefficient is known.
         self._held: dict[int, list[torch.Tensor]] = {}
@@ -59,7 +62,7 @@ class DeviceOptimizer:
             for _, p in s.unit.trainable:
                 p.grad = None
             self._held[s.unit.index] = held
-            self._sqnorms.append(torch.stack([squared_norm(g) for g in held]).sum())
+            self.norms.add(held)
             self._pending.append(s)
             return
         if first:
@@ -81,18 +84,15 @@ class DeviceOptimizer:
         if self.cfg.max_grad_norm is None:
             self._update(s, 1.0)
         else:
-            self._sqnorms.append(squared_norm(s.grad))
+            self.norms.add([s.grad])
             self._pending.append(s)
 
-    def pending_sqnorm(self) -> float:
-        """Squared 2-norm of the held gradients (synchronises with the device)."""
-        return float(torch.stack(self._sqnorms).sum()) if self._sqnorms else 0.0
-
-    def finish_step(self, coef: float = 1.0) -> None:
-        """Apply held updates with gradients scaled by ``coef``."""
+    def finish_step(self, coef: float | torch.Tensor = 1.0) -> None:
+        """Apply held updates with gradients scaled by ``coef`` (a float, or a 0-dim device
+        tensor computed on the device: ``clip_norms.device_coefficient``)."""
         for s in self._pending:
             self._update(s, coef)
-        self._pending, self._sqnorms = [], []
+        self._pending = []
 
     def set_lr(self, lr: float) -> None:
         """Learning rate for the next updates."""
@@ -108,15 +108,15 @@ class DeviceOptimizer:
                     p = opt.param_groups[0]["params"][0]
                     opt.state[p]["step"].fill_(float(s.step))
 
-    def _update(self, s: UnitShadow, coef: float) -> None:
+    def _update(self, s: UnitShadow, coef: float | torch.Tensor) -> None:
         held = self._held.pop(s.unit.index, None)
         if held is not None:  # upcast now, one unit at a time
             self.backend.realloc_storage(s.grad)
             for view, g in zip(s.train_slices(s.grad), held):
                 view.copy_(g)
             del held
-        if coef != 1.0:
-            s.grad.mul_(coef)
+        if isinstance(coef, torch.Tensor) or coef != 1.0:
+            s.grad.mul_(coef)  # a tensor's value is not known here: times 1 changes no bit
         for a, b, opt in self._optims[s.unit.index]:
             p = opt.param_groups[0]["params"][0]
             p.grad = s.grad[a:b]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from typing import Any, Callable, Iterable
 
 import torch
@@ -32,6 +31,7 @@ from xpu import Backend, in_host_memory
 from ..weight_decay import no_decay_names
 
 from .accumulation import AccumulationError, MicroBatches, check_accumulation_steps, paired_units
+from .clip_norms import GlobalNormClip
 from .backward_gate import gate_outputs, queue_at_backward_end
 from .compute_dtype import cast_parameters, check_compute_dtype, restore_parameters
 from .config import AdamW, Plan, UnitPlan
@@ -246,20 +246,21 @@ class MemFerry:
                                       paired=paired_units(units, plan, setup["accumulation_steps"], self.dp is not None),
                                       backup_budget=self.cfg.backup_budget() if self.cfg.speculative else 0)
         read_in_place = frozenset(u.index for u, up in zip(units, plan.units) if "dha" in (up.forward, up.backward))
+        #: global-norm clipping (None without ``max_grad_norm``): where norms are taken (clip_norms.py)
+        self.clip = (GlobalNormClip.for_plan(self.backend, self.cfg.max_grad_norm, units, plan,
+                                             {s.unit.index for s in self.shadow.shadows if s.home == "host"},
+                                             setup["accumulation_steps"], self.dp is not None)
+                     if self.cfg.max_grad_norm is not None else None)
         self.optimizer = HostOptimizer(self.cfg, self.shadow.shadows, self.dp,
                                        bind=functools.partial(self.backend.bind_process, self.device),
-                                       whole_on_host=read_in_place, backup=self.shadow.backup)
-        self.device_optimizer = DeviceOptimizer(self.cfg, self.shadow.shadows, self.backend)
+                                       whole_on_host=read_in_place, backup=self.shadow.backup, clip=self.clip)
+        self.device_optimizer = DeviceOptimizer(self.cfg, self.shadow.shadows, self.backend,
+                                                norms=self.clip.norms if self.clip is not None else None)
         self.copier = self._copier(setup["multipath"])
         self.executor = Executor(self.backend, self.device, self.shadow, plan, self.optimizer, self.device_optimizer,
-                                 copier=self.copier, accumulation_steps=setup["accumulation_steps"])
+                                 copier=self.copier, accumulation_steps=setup["accumulation_steps"], clip=self.clip)
         self.plan = plan
         self._steps = 0
-        #: steps whose clip coefficient was below 1 (clipping fired).
-        self.clipped_steps = 0
-        #: the last step's global gradient norm before clipping (None: no step yet, or no clipping,
-        #: which measures no norm).
-        self.last_grad_norm: float | None = None
         self.micro = MicroBatches(setup["accumulation_steps"])
         self._handle: Any = None  # the Optimizer-shaped handle, once asked for
         self._in_backward = False  # between the gate's backward and the end-of-backward callback
@@ -333,9 +334,10 @@ class MemFerry:
             self.executor.end_backward()
 
     def step(self) -> None:
-        """End the step: with clipping, the coefficient is computed now (after every gradient is in)
-        and the host applies it: held updates run, speculative ones are kept (no clip) or rolled
-        back and re-applied (``AdamW.clip_mode``; counts in :meth:`clip_stats`).
+        """End the step: with clipping, the coefficient is computed now (after every gradient is in;
+        on the device, without waiting, where every norm is there: ``clip_norms.py``) and the host
+        applies it: held updates run, speculative ones are kept (no clip) or rolled back and
+        re-applied (``AdamW.clip_mode``; counts in :meth:`clip_stats`).
 
         Without clipping, updates started as gradients landed and this returns at once. After
         fewer backwards than ``accumulation_steps``, the accumulated updates are applied now.
@@ -349,23 +351,32 @@ class MemFerry:
                 self.device_optimizer.flush()
             self.optimizer.flush()
         self.micro.stepped()
-        coef = 1.0
-        if self.cfg.max_grad_norm is not None:
+        device_coef = host_coef = 1.0
+        if self.clip is not None:
             with self.backend.device_scope(self.device):
-                host_sq = self.optimizer.grad_sqnorm()  # this rank's shards only, under data parallelism
-                if self.dp is not None:
-                    host_sq = self.dp.all_sum(host_sq)
-                sq = host_sq + self.device_optimizer.pending_sqnorm()  # device units hold whole (averaged) gradients
-            self.last_grad_norm = math.sqrt(sq)
-            # as torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), capped at 1
-            coef = min(1.0, self.cfg.max_grad_norm / (self.last_grad_norm + 1e-6))
-            self.clipped_steps += coef != 1.0
+                device_coef, host_coef = self.clip.coefficient(self._host_sqnorm, self.executor.d2h)
         with self.backend.device_scope(self.device):
-            self.device_optimizer.finish_step(coef)
-        self.optimizer.finish_step(coef)
+            self.device_optimizer.finish_step(device_coef)
+        self.optimizer.finish_step(host_coef)
         self._steps += 1
         if self._steps == _RATE_CHECK_STEP:
             self._check_host_rate()
+
+    def _host_sqnorm(self) -> float:
+        """The host's part of the squared global norm (its gradients' squares; every rank's)."""
+        sq = self.optimizer.grad_sqnorm()  # this rank's shards only, under data parallelism
+        return self.dp.all_sum(sq) if self.dp is not None else sq
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last step's global gradient norm before clipping (None: no step yet, or no
+        clipping, which measures no norm); may wait for the step's backward to end."""
+        return self.clip.last_norm if self.clip is not None else None
+
+    @property
+    def clipped_steps(self) -> int:
+        """Steps whose clip coefficient was below 1 (clipping fired)."""
+        return self.clip.clipped_steps if self.clip is not None else 0
 
     def clip_stats(self) -> dict[str, int]:
         """Clipping so far: ``clipped_steps`` (coefficient below 1), and from the host optimizer

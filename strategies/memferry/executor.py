@@ -47,6 +47,7 @@ from xpu import Backend
 
 from ..activation_swap import ActivationSwapper, SwapGroup
 from ..selective_recompute import selective_checkpoint
+from .clip_norms import GlobalNormClip
 from .config import OFFLOAD_MIN_BYTES, Plan, UnitPlan
 from .device_accumulation import DeviceSums
 from .device_optimizer import DeviceOptimizer
@@ -76,15 +77,20 @@ class Executor:
             split over the direct host link and relays through peer devices (ScaleUp-MemFerry);
             None: one copy on the host→device stream.
         accumulation_steps: micro-batches per optimizer step (``UnitPlan.accumulate="device"`` needs > 1).
+        clip: global-norm clipping (``clip_norms.py``): the units in its ``device_normed`` add their
+            step gradient's squares to its device sum before the gradient goes home, and bring the
+            running sum home behind it (``GlobalNormClip.partials``). None: no clipping.
     """
 
     def __init__(self, backend: Backend, device: int, shadow: ShadowModel, plan: Plan, optimizer: HostOptimizer,
-                 device_optimizer: DeviceOptimizer, copier: Any = None, accumulation_steps: int = 1) -> None:
+                 device_optimizer: DeviceOptimizer, copier: Any = None, accumulation_steps: int = 1,
+                 clip: GlobalNormClip | None = None) -> None:
         blocks = [s for s in shadow.shadows if s.unit.is_block]
         check_plan(plan, len(blocks), backend, accumulation_steps)
         self.b, self.dev, self.shadow, self.plan, self.opt = backend, device, shadow, plan, optimizer
         self.copier = copier
         self.device_opt = device_optimizer
+        self.clip = clip
         self.blocks = blocks
         self.rest = shadow.shadows[-1]
         self.unit_plans: dict[int, UnitPlan] = {s.unit.index: plan.units[i] for i, s in enumerate(blocks)}
@@ -460,6 +466,10 @@ class Executor:
                    summed: bool = False, zone: int = 0) -> None:
         """Copy gradients ``sources`` into host ``targets`` on the device→host stream after the
         compute stream's work so far, and submit the unit to the host optimizer."""
+        normed = final and self.clip is not None and s.unit.index in self.clip.device_normed
+        if normed:
+            with self.b.device_scope(self.dev):
+                self.clip.norms.add(sources)  # the step's whole gradient (one micro-batch, or the device's sum)
         computed = self.b.event()
         computed.record(self.compute)
         self.d2h.wait_event(computed)
@@ -467,6 +477,10 @@ class Executor:
             for view, g in zip(targets, sources):
                 self.b.copy(view, g, self.d2h)
                 self.b.keep_alive(g, self.d2h)
+            if normed:
+                partial = self.clip.norms.total  # the running sum with this unit's squares (a tensor of its own)
+                self.b.copy(self.clip.partials[s.unit.index], partial, self.d2h)
+                self.b.keep_alive(partial, self.d2h)
             landed = self.b.event()
             landed.record(self.d2h)
         self.bytes_d2h += sum(t.numel() * t.element_size() for t in targets)

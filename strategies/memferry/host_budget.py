@@ -15,8 +15,8 @@ AdamW took 0.24 ns per parameter alone and 0.33 while both copy directions ran a
   receives the fp32 sum, 4 B per parameter over the link once a step, and the pass reads it);
   speculative clipping updates a 16-bit-compute unit into a spare master and moments (no bytes
   more) but writes an fp32-compute unit's old master and moments to a backup in the update's own
-  sweep (12 B written; ``speculative_clip.py``), and any clipping reads the gradient once more
-  for its norm. A clipped step's re-application from the backups is not counted (it
+  sweep (12 B written; ``speculative_clip.py``), and clipping reads the gradient once more for
+  its norm where the device cannot sum its squares (``clip_norms.norm_on_device``). A clipped step's re-application from the backups is not counted (it
   happens only in steps whose norm exceeds the limit).
 * **Bandwidth** B: ``xpu probe``'s triad on all cores (``Links.host_GBps``), else what the
   measured kernel itself moved alone. The kernel's bytes weigh ``kernel_weight`` =
@@ -92,12 +92,14 @@ class UpdateBytes:
 
 
 def update_bytes(dtype_bytes: int, accumulation_steps: int = 1, clip_mode: str = "",
-                 device_sum: bool = False, paired: bool = False) -> UpdateBytes:
+                 device_sum: bool = False, paired: bool = False, host_norm: bool = True) -> UpdateBytes:
     """Host bytes per host-updated parameter per step for gradients of ``dtype_bytes`` bytes,
     ``accumulation_steps`` micro-batches and ``clip_mode`` (empty: no clipping; see the module);
     ``device_sum``: the micro-batches are summed on the device (the host sums nothing);
     ``paired``: the host sums them two at a time (``accumulation.paired_units``): the sum is
-    read and written once per pair (first pair 4 + 2g, later ones 8 + 2g, an odd last 8 + g)."""
+    read and written once per pair (first pair 4 + 2g, later ones 8 + 2g, an odd last 8 + g);
+    ``host_norm``: with clipping, the host reads the gradient for its norm (False: the device
+    sums its squares, ``clip_norms.norm_on_device``)."""
     g, n = dtype_bytes, max(1, int(accumulation_steps))
     grad_read = g if n == 1 else ACC_BYTES  # the pass reads the landed gradient, or the fp32 sum
     kernel = STATE_BYTES + grad_read + (g if g != ACC_BYTES else 0)  # an fp32 master is the working copy
@@ -112,7 +114,7 @@ def update_bytes(dtype_bytes: int, accumulation_steps: int = 1, clip_mode: str =
         final, earlier = (add, (ACC_BYTES + g) + (n - 2) * add) if host_sum else (0, 0)
     return UpdateBytes(kernel, final, earlier,
                        BACKUP_BYTES if clip_mode == "speculative" and g == ACC_BYTES else 0,
-                       grad_read if clip_mode else 0)
+                       grad_read if clip_mode and host_norm else 0)
 
 
 @dataclass(frozen=True)
@@ -194,14 +196,16 @@ def link_bytes(unit: UnitPlan, param_bytes: int, grad_bytes: int, act_bytes: int
 
 
 def unit_terms(profile: "StepProfile", budget: HostBudget | None, numel: int, host: bool, links: tuple[int, int, int],
-               backward_s: float, device_sum: bool = False, paired: bool = False) -> tuple[float, float, float]:
+               backward_s: float, device_sum: bool = False, paired: bool = False,
+               host_norm: bool = True) -> tuple[float, float, float]:
     """(host update in the worker's chain, host work of earlier micro-batches, host-memory
     seconds of the step) of one block, all seconds; ``links`` from :func:`link_bytes`,
     ``backward_s`` its backward slot. Its update runs beside its own backward's copies
     (:meth:`HostBudget.beside`), a stand-in for those of the blocks whose backward it overlaps;
     each earlier micro-batch's accumulation beside that micro-batch's. ``device_sum``: the
     block sums its micro-batches on the device and its fp32 sum crosses the link once, with
-    the last micro-batch's copies; ``paired``: the host sums them two at a time."""
+    the last micro-batch's copies; ``paired``: the host sums them two at a time; ``host_norm``:
+    with clipping, the host reads its gradient for the norm (:func:`update_bytes`)."""
     if budget is None:
         return (numel * profile.host_adamw_s_per_param if host else 0.0), 0.0, 0.0
     fwd, bwd, once = links
@@ -211,7 +215,7 @@ def unit_terms(profile: "StepProfile", budget: HostBudget | None, numel: int, ho
     final = earlier = 0.0
     if host:
         clip = profile.clip_mode if getattr(profile, "clipping", False) else ""
-        final, earlier = budget.work(numel, update_bytes(profile.dtype_bytes, n, clip, device_sum, paired))
+        final, earlier = budget.work(numel, update_bytes(profile.dtype_bytes, n, clip, device_sum, paired, host_norm))
     acc = (n - 1) * budget.beside(earlier / (n - 1), bwd, backward_s) if n > 1 else 0.0
     return (budget.beside(final, bwd + summed, backward_s), acc,
             budget.seconds(final + earlier + budget.copy_weight * link))
@@ -226,5 +230,6 @@ def rest_terms(profile: "StepProfile", budget: HostBudget | None, rest_host: boo
     if budget is None:
         return profile.rest_numel * profile.host_adamw_s_per_param, 0.0, 0.0
     links = (0, profile.rest_numel * profile.dtype_bytes, profile.rest_param_bytes)
+    one = profile.accumulation_steps <= 1  # the rest unit sums on the host: its norm is the device's only then
     return unit_terms(profile, budget, profile.rest_numel, True, links, 0.0,
-                      paired=not profile.data_parallel)
+                      paired=not profile.data_parallel, host_norm=profile.data_parallel or not one)

@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .clip_norms import GlobalNormClip, PendingClip, clips
 from .config import AdamW
 from .data_parallel import DataParallel
 from .host_kernel import PHASES, make_host_kernel
@@ -82,12 +83,18 @@ class HostOptimizer:
             a context on device 0 in every rank's process).
         backup: fp32 arena for speculative clipping's backups (``ShadowModel.backup``); used
             when ``cfg.speculative``; None or empty: every clipped update waits.
+        clip: global-norm clipping (``clip_norms.py``; None: without ``max_grad_norm``). For the
+            units in its ``device_normed`` the worker reads no gradient for the norm but the
+            running sum that landed with it (``GlobalNormClip.partials``), and stops speculating
+            once one makes the step clip (``clip_norms.clips``); it sums the others' squares.
     """
 
     def __init__(self, cfg: AdamW, shadows: list[UnitShadow], dp: DataParallel | None = None,
                  bind: Callable[[], None] | None = None, whole_on_host: frozenset[int] = frozenset(),
-                 backup: torch.Tensor | None = None) -> None:
+                 backup: torch.Tensor | None = None, clip: GlobalNormClip | None = None) -> None:
         self.cfg = cfg
+        self._clip = clip
+        self._sure = False  # worker side: this step's running norm already makes it clip
         self.whole_on_host = whole_on_host
         self._bind = bind
         self.dp = dp
@@ -119,9 +126,10 @@ class HostOptimizer:
         #: ``steps`` finished with clipping on, ``rollback_steps`` among them that re-applied
         #: updates from backups, ``speculated_units``, ``rolled_back_units``, ``held_units`` (no
         #: backup room), ``direct_units`` (updated once the coefficient was known: the unit landing
-        #: last, or one whose speculation had not started).
+        #: last, or one whose speculation had not started), ``sure_units`` (among those, units not
+        #: speculated because the step's running norm already made it clip).
         self.clip_stats = {"steps": 0, "rollback_steps": 0, "speculated_units": 0, "rolled_back_units": 0,
-                           "held_units": 0, "direct_units": 0}
+                           "held_units": 0, "direct_units": 0, "sure_units": 0}
         self._sqnorm = 0.0
         self._error: BaseException | None = None
         #: seconds spent per phase, for the scheduler's cost model: waiting for gradients to
@@ -213,9 +221,10 @@ class HostOptimizer:
             except queue.Empty:
                 continue
 
-    def finish_step(self, coef: float = 1.0) -> None:
+    def finish_step(self, coef: float | PendingClip = 1.0) -> None:
         """All gradients of this step are submitted; with clipping, apply the held updates
-        with gradients scaled by ``coef``."""
+        with gradients scaled by ``coef`` (a float, or a ``PendingClip`` the worker reads once it
+        has landed, speculating meanwhile)."""
         self._raise_if_failed()
         if self.cfg.max_grad_norm is not None:
             self._tasks.put(("finish", coef, None))
@@ -331,8 +340,10 @@ class HostOptimizer:
                 except queue.Empty:
                     self._speculate_piece()
                     continue
-            kind, _, callback = self._head
-            if due and kind == "grad" and callback[2] is not None and not callback[2]():
+            kind, arg, callback = self._head
+            waits = (kind == "grad" and callback[2] is not None and not callback[2]()
+                     or kind == "finish" and isinstance(arg, PendingClip) and not arg.ready())
+            if due and waits:
                 self._speculate_piece()
                 continue
             task, self._head = self._head, None
@@ -390,11 +401,19 @@ class HostOptimizer:
         if self.cfg.max_grad_norm is None:
             self._update(index, 1.0)
             return
-        self._sqnorm += self.kernel.sqnorm(s.grad_source)
+        if index not in self._clip.device_normed:
+            self._sqnorm += self.kernel.sqnorm(s.grad_source)
+        elif not self._sure and clips(float(self._clip.partials[index]), self.cfg.max_grad_norm):
+            self._sure = True  # whatever comes later: speculating now would only be re-applied
+            self.clip_stats["sure_units"] += len(self._to_speculate)
+            self._to_speculate.clear()
         held = _Held(index)
         self._order.append(held)
         if self._backups is not None and (self._expect is None or len(self._order) < self._expect):
-            self._to_speculate.append(held)
+            if self._sure:
+                self.clip_stats["sure_units"] += 1
+            else:
+                self._to_speculate.append(held)
 
     def _speculate_piece(self) -> None:
         """One piece of a speculative update: start the next queued unit's if none is under way
@@ -427,11 +446,14 @@ class HostOptimizer:
         while self._running is not None:
             self._speculate_piece()
 
-    def _resolve(self, coef: float) -> None:
-        """The clip coefficient is known: keep speculative updates that used coefficient 1 and the
-        current rate, re-apply the others from their backups, and update the rest once (exactly
-        what ``clip_mode="wait"`` computes). Units go in index order on every rank: the next
-        forward needs the first ones first, and data parallelism's weight exchange follows it."""
+    def _resolve(self, coef: float | PendingClip) -> None:
+        """The clip coefficient is known (or about to be: a ``PendingClip`` is waited for): keep
+        speculative updates that used coefficient 1 and the current rate, re-apply the others from
+        their backups, and update the rest once (exactly what ``clip_mode="wait"`` computes). Units
+        go in index order on every rank: the next forward needs the first ones first, and data
+        parallelism's weight exchange follows it."""
+        if isinstance(coef, PendingClip):
+            coef = coef.coef()
         self._finish_running()
         self._to_speculate.clear()
         rolled = 0
@@ -450,7 +472,7 @@ class HostOptimizer:
             if held.old is not None:
                 self._backups.release(s, held.old)
         self._expect = len(self._order)
-        self._order, self._sqnorm = [], 0.0
+        self._order, self._sqnorm, self._sure = [], 0.0, False
         self.clip_stats["steps"] += 1
         self.clip_stats["rollback_steps"] += int(rolled > 0)
         self.clip_stats["rolled_back_units"] += rolled

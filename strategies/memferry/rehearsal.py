@@ -216,8 +216,9 @@ def _reset(engine: "MemFerry") -> None:
     engine.optimizer.sync_steps_from_shadows()
     engine.device_optimizer.sync_steps_from_shadows(engine.shadow.shadows)
     engine.executor.invalidate_device_copies()
-    engine._steps = engine.clipped_steps = 0
-    engine.last_grad_norm = None
+    engine._steps = 0
+    if engine.clip is not None:
+        engine.clip.reset()
 
 
 def give_back(engine: "MemFerry") -> None:
