@@ -9,7 +9,7 @@ or a sum made on the device; not a DHA unit's, whose linears write gradients hom
 nor a data-parallel rank's shard), its squares are summed there, on the compute stream, into one
 fp64 total (:class:`DeviceNorms`). When that holds for every host-homed unit
 (``GlobalNormClip.on_device``), the coefficient is computed on the device right after the last
-gradient (:func:`device_coefficient`, the same fp64 arithmetic as the host's). The device-homed
+gradient (:func:`device_coefficient`, in fp64 as ``clip_grad_norm_`` scales). The device-homed
 units' updates read it from device memory, and it comes home behind the last gradient copy
 (:class:`PendingClip`), where the host optimizer's worker reads it. So the training thread never
 waits for a norm, and the next forward is queued at once.
@@ -18,9 +18,9 @@ Otherwise the host sums the squares of the other units' gradients (one more read
 the training thread waits for them in ``step()`` (:meth:`GlobalNormClip.coefficient`).
 
 Each host-homed unit whose squares the device sums also brings home the running sum as it
-stood after its own (``GlobalNormClip.partials``). Sums of squares only grow, so
-once a running sum alone makes the coefficient fall below 1 (:func:`clips`), the step will clip:
-the host optimizer stops starting speculative updates, which would only be re-applied.
+stood after its own (``GlobalNormClip.partials``). Sums of squares only grow, so once that with
+the host's own part so far makes the coefficient fall below 1 (:func:`clips`), the step will
+clip: the host optimizer stops starting speculative updates, which would only be re-applied.
 
 Either way, the global norm of each step and how many steps clipped are kept
 (:class:`GlobalNormClip`), read when asked.

@@ -31,8 +31,8 @@ from xpu import Backend, in_host_memory
 from ..weight_decay import no_decay_names
 
 from .accumulation import AccumulationError, MicroBatches, check_accumulation_steps, paired_units
-from .clip_norms import GlobalNormClip
 from .backward_gate import gate_outputs, queue_at_backward_end
+from .clip_norms import GlobalNormClip
 from .compute_dtype import cast_parameters, check_compute_dtype, restore_parameters
 from .config import AdamW, Plan, UnitPlan
 from .data_parallel import DataParallel

@@ -477,8 +477,8 @@ class Executor:
             for view, g in zip(targets, sources):
                 self.b.copy(view, g, self.d2h)
                 self.b.keep_alive(g, self.d2h)
-            if normed:
-                partial = self.clip.norms.total  # the running sum with this unit's squares (a tensor of its own)
+            partial = self.clip.norms.total if normed else None  # the running sum with this unit's squares
+            if partial is not None:
                 self.b.copy(self.clip.partials[s.unit.index], partial, self.d2h)
                 self.b.keep_alive(partial, self.d2h)
             landed = self.b.event()

@@ -85,8 +85,9 @@ class HostOptimizer:
             when ``cfg.speculative``; None or empty: every clipped update waits.
         clip: global-norm clipping (``clip_norms.py``; None: without ``max_grad_norm``). For the
             units in its ``device_normed`` the worker reads no gradient for the norm but the
-            running sum that landed with it (``GlobalNormClip.partials``), and stops speculating
-            once one makes the step clip (``clip_norms.clips``); it sums the others' squares.
+            running sum that landed with it (``GlobalNormClip.partials``); it sums the others'
+            squares, and stops speculating once the two parts so far make the step clip
+            (``clip_norms.clips``).
     """
 
     def __init__(self, cfg: AdamW, shadows: list[UnitShadow], dp: DataParallel | None = None,
@@ -94,7 +95,9 @@ class HostOptimizer:
                  backup: torch.Tensor | None = None, clip: GlobalNormClip | None = None) -> None:
         self.cfg = cfg
         self._clip = clip
-        self._sure = False  # worker side: this step's running norm already makes it clip
+        # Worker side: the device's part of this step's squared norm as last landed, and whether
+        # with the host's part so far it already makes the step clip.
+        self._device_sq, self._sure = 0.0, False
         self.whole_on_host = whole_on_host
         self._bind = bind
         self.dp = dp
@@ -401,9 +404,11 @@ class HostOptimizer:
         if self.cfg.max_grad_norm is None:
             self._update(index, 1.0)
             return
-        if index not in self._clip.device_normed:
+        if self._clip is None or index not in self._clip.device_normed:
             self._sqnorm += self.kernel.sqnorm(s.grad_source)
-        elif not self._sure and clips(float(self._clip.partials[index]), self.cfg.max_grad_norm):
+        else:  # the device's running sum so far (landed with this gradient, after every earlier one)
+            self._device_sq = float(self._clip.partials[index])
+        if not self._sure and clips(self._device_sq + self._sqnorm, self.cfg.max_grad_norm):
             self._sure = True  # whatever comes later: speculating now would only be re-applied
             self.clip_stats["sure_units"] += len(self._to_speculate)
             self._to_speculate.clear()
@@ -472,7 +477,7 @@ class HostOptimizer:
             if held.old is not None:
                 self._backups.release(s, held.old)
         self._expect = len(self._order)
-        self._order, self._sqnorm, self._sure = [], 0.0, False
+        self._order, self._sqnorm, self._device_sq, self._sure = [], 0.0, 0.0, False
         self.clip_stats["steps"] += 1
         self.clip_stats["rollback_steps"] += int(rolled > 0)
         self.clip_stats["rolled_back_units"] += rolled
