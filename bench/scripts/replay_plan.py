@@ -1,0 +1,84 @@
+"""Diagnostic: MemFerry's plan search again, on a device run's own profile, with the host priced faster.
+
+    python3 bench/scripts/replay_plan.py LOG PROBE --budget-gb 17.7 [--margin 0.05] [--host-scale 1,1.5,3]
+
+Runs on any machine (no device). ``LOG`` is a bench row's MemFerry log (its ``memferry profile:``
+line), ``PROBE`` the ``xpu-probe.json`` of the same run. For each host scale the host's rates
+(the probe's triad and copy figures, the profiled AdamW) are multiplied by it and the scheduler
+searches again under the budget: what would the plan be if the host were that much faster
+(or, below 1, slower)? Prints one row per scale: predicted step, compute chain, bound, what
+the blocks do with their activations and how many are updated on the device.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from strategies.memferry.cost import predict  # noqa: E402
+from strategies.memferry.links import links_from_probe  # noqa: E402
+from strategies.memferry.profiler import StepProfile  # noqa: E402
+from strategies.memferry.scheduler import schedule  # noqa: E402
+
+PREFIX = "memferry profile: "
+HOST_RATES = ("triad_GBps", "copy_GBps", "triad_with_copies_GBps", "copies_GBps")
+
+
+class _ProbedDevice:
+    """What ``links_from_probe`` asks of a backend when the probe is given: DHA is available."""
+
+    class caps:  # noqa: N801 (the attribute the real backends have)
+        dha = True
+
+
+def scaled(profile: StepProfile, probe: dict, scale: float) -> tuple[StepProfile, dict]:
+    """``profile`` and ``probe`` with every host rate ``scale`` times faster."""
+    probe = copy.deepcopy(probe)
+    host = probe.get("host") or {}
+    for key in HOST_RATES:
+        if host.get(key):
+            host[key] *= scale
+    for key in ("adamw_ns_per_param", "adamw_with_copies_ns_per_param"):
+        if host.get(key):
+            host[key] /= scale
+    faster = {f: getattr(profile, f) / scale for f in ("host_adamw_s_per_param", "host_adamw_copies_s_per_param")
+              if getattr(profile, f, None)}
+    return dataclasses.replace(profile, **faster), probe
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("log", help="a MemFerry bench log with a 'memferry profile:' line")
+    ap.add_argument("probe", help="the same run's xpu-probe.json")
+    ap.add_argument("--budget-gb", type=float, required=True, help="device budget of the search, GB")
+    ap.add_argument("--margin", type=float, default=0.05, help="memory margin (the bench scenarios' 0.05)")
+    ap.add_argument("--host-scale", default="1,1.5,3", help="host speed factors, comma-separated")
+    args = ap.parse_args()
+    lines = [ln for ln in open(args.log) if ln.startswith(PREFIX)]
+    if not lines:
+        sys.exit(f"error: {args.log} has no '{PREFIX.strip()}' line; give the log of a MemFerry row with plan=auto")
+    base = StepProfile.from_json(lines[0][len(PREFIX):])
+    probe = json.load(open(args.probe))
+    print("| host scale | search (s) | predicted step (ms) | compute chain (ms) | bound | activations | device-updated |")
+    print("|---:|---:|---:|---:|---|---|---:|")
+    for scale in (float(s) for s in args.host_scale.split(",")):
+        profile, p = scaled(base, probe, scale)
+        links = links_from_probe(_ProbedDevice(), 0, probe=p)
+        t0 = time.perf_counter()
+        plan = schedule(profile, links, args.budget_gb * 1e9, margin=args.margin, explain=False, allow_dha=True)
+        took = time.perf_counter() - t0
+        pr = predict(plan, profile, links, margin=args.margin)
+        acts = [u.activations for u in plan.units]
+        kinds = ", ".join(f"{acts.count(a)} {a}" for a in sorted(set(acts)))
+        print(f"| {scale:g} | {took:.0f} | {pr.step_s * 1e3:.1f} | {pr.compute_s * 1e3:.1f} | {pr.bound} | {kinds} | "
+              f"{sum(u.optimizer == 'device' for u in plan.units)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
