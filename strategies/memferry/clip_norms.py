@@ -167,6 +167,20 @@ class GlobalNormClip:
         normed = frozenset(i for i in homed if norm_on_device(runs[i], accumulation_steps, data_parallel))
         return cls(backend, max_norm, normed, len(normed) == len(homed), len(units))
 
+    def add(self, index: int, grads: Sequence[torch.Tensor]) -> None:
+        """Unit ``index``'s step gradient ``grads`` is about to go home: sum their squares on the
+        device if the unit is in :attr:`device_normed` (on the current stream)."""
+        if index in self.device_normed:
+            self.norms.add(grads)
+
+    def send_running_sum(self, index: int, stream: Any) -> None:
+        """Queue unit ``index``'s running sum (with its own squares) home on ``stream``, behind
+        its gradient: into :attr:`partials`, if the device sums its squares."""
+        partial = self.norms.total if index in self.device_normed else None
+        if partial is not None:
+            self.b.copy(self.partials[index], partial, stream)
+            self.b.keep_alive(partial, stream)
+
     def coefficient(self, host_sq: Callable[[], float], after: Any) -> tuple[Any, Any]:
         """This step's coefficient as ``(for the device optimizer, for the host optimizer)``;
         ``after``: the device→host stream the gradient copies went on (the coefficient follows them).

@@ -137,7 +137,7 @@ class Executor:
             if self.unit_plans[s.unit.index].selective:
                 module.forward = functools.partial(selective_checkpoint, module.forward)
             elif self.unit_plans[s.unit.index].recompute:
-                module.forward = functools.partial(_checkpointed, module.forward)
+                module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
             elif self.unit_plans[s.unit.index].offload:
                 module.forward = functools.partial(self._offloaded, s, module.forward)
         for s in [self.rest] + [s for s in self.blocks if self.unit_plans[s.unit.index].forward == "resident"]:
@@ -466,10 +466,9 @@ class Executor:
                    summed: bool = False, zone: int = 0) -> None:
         """Copy gradients ``sources`` into host ``targets`` on the device→host stream after the
         compute stream's work so far, and submit the unit to the host optimizer."""
-        normed = final and self.clip is not None and s.unit.index in self.clip.device_normed
-        if normed:
+        if final and self.clip is not None:
             with self.b.device_scope(self.dev):
-                self.clip.norms.add(sources)  # the step's whole gradient (one micro-batch, or the device's sum)
+                self.clip.add(s.unit.index, sources)  # the step's whole gradient (one micro-batch, or the device's sum)
         computed = self.b.event()
         computed.record(self.compute)
         self.d2h.wait_event(computed)
@@ -477,10 +476,8 @@ class Executor:
             for view, g in zip(targets, sources):
                 self.b.copy(view, g, self.d2h)
                 self.b.keep_alive(g, self.d2h)
-            partial = self.clip.norms.total if normed else None  # the running sum with this unit's squares
-            if partial is not None:
-                self.b.copy(self.clip.partials[s.unit.index], partial, self.d2h)
-                self.b.keep_alive(partial, self.d2h)
+            if final and self.clip is not None:
+                self.clip.send_running_sum(s.unit.index, self.d2h)
             landed = self.b.event()
             landed.record(self.d2h)
         self.bytes_d2h += sum(t.numel() * t.element_size() for t in targets)
@@ -504,8 +501,3 @@ class _Restore:
 
     def remove(self) -> None:
         self.module.__dict__.pop("forward", None)  # back to the class's forward
-
-
-def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
-    """Run ``forward`` without keeping its activations; backward recomputes them."""
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)

@@ -37,8 +37,7 @@ import queue
 import threading
 import time
 import weakref
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -47,24 +46,9 @@ from .config import AdamW
 from .data_parallel import DataParallel
 from .host_kernel import PHASES, make_host_kernel
 from .shadow import UnitShadow
-from .speculative_clip import Backups
+from .speculative_clip import Backups, Held
 
 __all__ = ["HostOptimizer"]
-
-
-@dataclass
-class _Held:
-    """A unit of this step whose update is published only when the clip coefficient is known."""
-
-    index: int
-    #: the learning rate of its speculative update (made or under way); None: not updated yet
-    lr: float | None = None
-    #: its speculative update's remaining pieces while under way
-    pieces: Iterator[dict[str, float]] | None = None
-    #: no backup room was left for it
-    no_room: bool = False
-    #: where its old master and moments wait while the step is unresolved (speculative_clip.py)
-    old: Any = None
 
 
 class HostOptimizer:
@@ -95,9 +79,6 @@ class HostOptimizer:
                  backup: torch.Tensor | None = None, clip: GlobalNormClip | None = None) -> None:
         self.cfg = cfg
         self._clip = clip
-        # Worker side: the device's part of this step's squared norm as last landed, and whether
-        # with the host's part so far it already makes the step clip.
-        self._device_sq, self._sure = 0.0, False
         self.whole_on_host = whole_on_host
         self._bind = bind
         self.dp = dp
@@ -117,9 +98,9 @@ class HostOptimizer:
         # Clipping, worker side: this step's units in landing order; those waiting to be
         # speculated; the one being speculated; a task taken from the queue whose gradient has
         # not landed yet; how many units the last step had (the one landing last is not speculated).
-        self._order: list[_Held] = []
-        self._to_speculate: collections.deque[_Held] = collections.deque()
-        self._running: _Held | None = None
+        self._order: list[Held] = []
+        self._to_speculate: collections.deque[Held] = collections.deque()
+        self._running: Held | None = None
         self._head: tuple | None = None
         self._expect: int | None = None
         self._backups = (Backups(backup if backup is not None else torch.empty(0), twins=not self.kernel.binds_state)
@@ -133,7 +114,9 @@ class HostOptimizer:
         #: speculated because the step's running norm already made it clip).
         self.clip_stats = {"steps": 0, "rollback_steps": 0, "speculated_units": 0, "rolled_back_units": 0,
                            "held_units": 0, "direct_units": 0, "sure_units": 0}
-        self._sqnorm = 0.0
+        # Worker side, this step's squared norm so far: the host's part, the device's running sum
+        # as last landed, and whether together they already make the step clip.
+        self._sqnorm, self._device_sq, self._sure = 0.0, 0.0, False
         self._error: BaseException | None = None
         #: seconds spent per phase, for the scheduler's cost model: waiting for gradients to
         #: land, upcasting them, the AdamW kernel, writing the compute-dtype copy; and
@@ -412,7 +395,7 @@ class HostOptimizer:
             self._sure = True  # whatever comes later: speculating now would only be re-applied
             self.clip_stats["sure_units"] += len(self._to_speculate)
             self._to_speculate.clear()
-        held = _Held(index)
+        held = Held(index)
         self._order.append(held)
         if self._backups is not None and (self._expect is None or len(self._order) < self._expect):
             if self._sure:

@@ -26,12 +26,30 @@ before the shadow gives them back.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Iterator
+
 import torch
 
 from .host_kernel import Triple
 from .shadow import UnitShadow
 
-__all__ = ["Backups", "swap_state"]
+__all__ = ["Backups", "Held", "swap_state"]
+
+
+@dataclass
+class Held:
+    """A unit of this step whose update is published only when the clip coefficient is known."""
+
+    index: int
+    #: the learning rate of its speculative update (made or under way); None: not updated yet
+    lr: float | None = None
+    #: its speculative update's remaining pieces while under way
+    pieces: Iterator[dict[str, float]] | None = None
+    #: no backup room was left for it
+    no_room: bool = False
+    #: where its old master and moments wait while the step is unresolved (:class:`Backups`)
+    old: Any = None
 
 
 def swap_state(s: UnitShadow, new: Triple) -> Triple:
