@@ -26,8 +26,9 @@ The step, as the executor runs it (``executor.py``), in steady state:
   backward mode) + backward + the device AdamW of a device-homed unit, ``y`` the copy of the
   next block. The last block keeps its forward copy when it is prefetched in both passes.
 * **gradients** of a host-homed unit land ``d = grad bytes / d2h`` after its backward; one
-  host worker runs AdamW in landing order (blocks from last to first, ``rest`` last), each
-  unit ``h`` = its host-memory bytes (28 per parameter in one pass, plus accumulation and
+  host worker runs AdamW on the landed unit the next forward needs first (``host_tasks.py``:
+  ``rest``, then blocks by index; an update under way yields to a sooner one between pieces),
+  each unit ``h`` = its host-memory bytes (28 per parameter in one pass, plus accumulation and
   clipping's) at the bandwidth its own backward's copies leave (``host_budget.py``). Under
   gradient accumulation a block planned ``accumulate="device"`` adds each micro-batch into an
   fp32 device sum instead (``DEVICE_ADD_SHARE`` of its device AdamW time, in ``b``) and sends
@@ -39,12 +40,17 @@ The step, as the executor runs it (``executor.py``), in steady state:
   ``begin_forward`` for the first ones) for prefetched units, and at ``begin_forward`` for
   a host-homed ``rest`` (which is then reloaded before anything else runs).
 
-With ``C`` the compute-stream time of one step and ``H_k`` the host worker's finish time of
-unit ``k`` (from the step start), the steady-state period is the max-plus fixed point
+With ``C`` the compute-stream time of one step, ``l_k`` the landing time of unit ``k``'s
+gradient (from backward's start) and ``R_k`` the forward that follows its release point (a
+unit released at the forward's block ``p`` delays only what follows ``p``), the worker's order
+is preemptive earliest-deadline-first, whose largest lateness is ``max_j (l_j + R_j + P_j)``
+with ``P_j`` the host work of every unit due no later than ``j`` (those landing after it: ``j``
+and the blocks below it, and ``rest``). So the steady-state period is
 
-    step = max(C, max_k (H_k - F_before(release point of k)), M)
+    step = max(C, t_rest + max_j (l_j + R_j + P_j), M)
 
-(a unit released at the forward's block ``p`` delays only what follows ``p``), where ``M``
+The dynamic program carries it from the last block down as ``late = max(late, l_j + R_j) +
+h_j`` (:func:`advance_rows`); and ``M``
 (``host memory``) is every host-memory byte of the step (the optimizer's, and each host-link
 byte weighted by what it costs host memory) over the host's bandwidth: the host worker and
 every PCIe transfer share one DRAM (``host_budget.py``). Under gradient accumulation the
@@ -104,7 +110,7 @@ from .memory_terms import (LOSS_SLICE_SHARE, auto_loss_chunks, device_bytes_per_
 if TYPE_CHECKING:  # the profiler imports torch; the model itself needs only numbers
     from .profiler import BlockProfile, StepProfile
 
-__all__ = ["Links", "links_from_probe", "OptionCost", "option_cost", "Prediction", "predict", "predict_options", "State",
+__all__ = ["Links", "links_from_probe", "OptionCost", "option_cost", "Prediction", "predict", "predict_options", "State", "SCALARS",
            "initial_state", "advance", "advance_rows", "finish", "device_bytes_per_param", "H200_DHA_ROWS", "loss_peak_estimate",
            "auto_loss_chunks", "rest_resident_bytes", "transient_bytes", "grads_persist"]
 
@@ -286,10 +292,11 @@ class State:
         phi: forward compute-stream time of the processed blocks (from the current block on).
         psi: backward time before the current block's backward starts (first-block stall
             included), counted from the start of backward.
-        m: host worker's finish time of the last processed host unit, from backward start.
-        t: max over released host units of (remaining forward after its release + its finish).
-        pending: host finish times of prefetched units whose release point is still ahead
-            (``pending[j]``: released at the (j+1)-th non-DHA block further down).
+        late: over the processed host units ``j`` whose release point has been processed,
+            ``l_j + R_j`` plus the host work of the processed units due no later (see the module
+            docstring: the host term is ``t_rest + late`` once every block is in).
+        pending: the same, ``l_j`` plus that host work, for prefetched units whose release point
+            is still ahead (``pending[j]``: released at the (j+1)-th non-DHA block further down).
         mem: persistent + activation bytes; trans: largest backward transient; slot: largest
             prefetched block.
         hm: host-memory seconds of the processed blocks; psi0: ``psi`` of an earlier
@@ -298,8 +305,7 @@ class State:
 
     phi: float
     psi: float
-    m: float
-    t: float
+    late: float
     pending: tuple[float, ...]
     mem: int
     trans: int
@@ -309,20 +315,25 @@ class State:
 
     def key(self) -> tuple[float, ...]:
         """The components, for dominance checks."""
-        return (self.phi, self.psi, self.m, self.t, *self.pending, float(self.mem), float(self.trans), float(self.slot),
+        return (self.phi, self.psi, self.late, *self.pending, float(self.mem), float(self.trans), float(self.slot),
                 self.hm, self.psi0)
 
     @classmethod
     def from_key(cls, key: Sequence[float], prefetch_depth: int) -> "State":
         """The state whose :meth:`key` is ``key`` (a row of :func:`advance_rows`)."""
-        k = 4 + prefetch_depth
-        return cls(float(key[0]), float(key[1]), float(key[2]), float(key[3]), tuple(float(x) for x in key[4:k]),
+        k = SCALARS + prefetch_depth
+        return cls(float(key[0]), float(key[1]), float(key[2]), tuple(float(x) for x in key[SCALARS:k]),
                    int(key[k]), int(key[k + 1]), int(key[k + 2]), float(key[k + 3]), float(key[k + 4]))
+
+
+#: Columns of :meth:`State.key` before ``pending`` (phi, psi, late); mem, trans, slot, hm and psi0
+#: follow it.
+SCALARS = 3
 
 
 def initial_state(prefetch_depth: int) -> State:
     """Nothing processed yet."""
-    return State(0.0, 0.0, _NEG, _NEG, (_NEG,) * prefetch_depth, 0, 0, 0, 0.0, 0.0)
+    return State(0.0, 0.0, _NEG, (_NEG,) * prefetch_depth, 0, 0, 0, 0.0, 0.0)
 
 
 def advance(state: State, cur: OptionCost, nxt: OptionCost | None) -> State:
@@ -334,25 +345,26 @@ def advance(state: State, cur: OptionCost, nxt: OptionCost | None) -> State:
 def advance_rows(rows: np.ndarray, cur: OptionCost, nxt: OptionCost | None) -> np.ndarray:
     """:func:`advance` on many states at once, one :meth:`State.key` per row (the scheduler's
     partial plans); float64 arithmetic in the same order, so the result is the same to the bit."""
-    depth = rows.shape[1] - 9
-    k = 4 + depth  # where mem, trans, slot, hm, psi0 start
+    depth = rows.shape[1] - SCALARS - 5
+    k = SCALARS + depth  # where mem, trans, slot, hm, psi0 start
     out = np.empty_like(rows)
     phi = rows[:, 0] + max(cur.a + cur.r, nxt.x if nxt is not None else 0.0)
     # psi gains block s+1's slot: its backward, or the copy of block s it overlaps.
     psi = rows[:, 1] + (max(nxt.b, cur.y) if nxt is not None else cur.y)  # last block: copy not overlapped
-    m, t, pending = rows[:, 2], rows[:, 3], rows[:, 4:k]
+    late, pending = rows[:, 2], rows[:, SCALARS:k]
     if not cur.dha_fwd:  # this block's pre-forward issues the loads of the next `depth` non-DHA blocks
-        t = np.maximum(t, phi + pending[:, 0])  # a -inf pending (none) leaves t as it was
+        late = np.maximum(late, phi + pending[:, 0])  # a -inf pending (none) leaves it as it was
         pending = np.concatenate([pending[:, 1:], np.full((len(rows), 1), _NEG)], axis=1)
     else:
         pending = pending.copy()
-    if cur.host:
-        m = np.maximum(m, psi + cur.b + cur.d) + cur.h
+    if cur.host:  # due before every processed unit: its work delays each of them
+        land = psi + cur.b + cur.d
         if cur.prefetch_fwd:
-            pending[:, -1] = np.maximum(pending[:, -1], m)
+            pending[:, -1] = np.maximum(pending[:, -1], land)
         else:
-            t = np.maximum(t, phi + m)
-    out[:, 0], out[:, 1], out[:, 2], out[:, 3], out[:, 4:k] = phi, psi, m, t, pending
+            late = np.maximum(late, phi + land)
+        late, pending = late + cur.h, pending + cur.h
+    out[:, 0], out[:, 1], out[:, 2], out[:, SCALARS:k] = phi, psi, late, pending
     out[:, k] = rows[:, k] + (cur.persist + cur.act)  # whole bytes, exact in float64 below 2**53
     out[:, k + 1] = np.maximum(rows[:, k + 1], cur.trans)
     out[:, k + 2] = np.maximum(rows[:, k + 2], cur.slot)
@@ -396,16 +408,16 @@ def finish(state: State, first: OptionCost, profile: "StepProfile", links: Links
     earlier = (max(1, profile.accumulation_steps) - 1) * (first.x + state.phi + t_rest + state.psi0 + first.b0)
     compute = pre + state.phi + t_rest + psi + u_rest + earlier
     terms = {"compute": compute}
-    if state.t > _NEG:
-        terms["host optimizer"] = earlier + t_rest + state.t
-    begin = max(state.pending)
-    if begin > _NEG:  # released at begin_forward: the whole forward waits
-        terms["host optimizer (first loads)"] = earlier + pre + state.phi + t_rest + begin
+    # Units released at begin_forward (the first loads, and rest) delay the whole forward.
+    late = max(state.late, pre + state.phi + max(state.pending))
     budget = host_budget(profile, links)
     h_rest, _, hm_rest = rest_terms(profile, budget, rest_host)
-    if rest_host:
-        land = earlier + pre + state.phi + t_rest + psi + profile.rest_numel * profile.dtype_bytes / d2h
-        terms["host optimizer (rest)"] = max(land, earlier + pre + state.phi + t_rest + state.m) + h_rest
+    if rest_host:  # lands last (behind block 0's gradient on the d2h stream) and is due first:
+        # it goes at once, and delays every block's update
+        land = psi + first.d + profile.rest_numel * profile.dtype_bytes / d2h
+        late = max(late, pre + state.phi + land) + h_rest
+    if late > _NEG:
+        terms["host optimizer"] = earlier + t_rest + late
     if budget is not None:  # every host byte of the step, copies included, through one bandwidth
         terms["host memory"] = state.hm + hm_rest
     bound, step = max(terms.items(), key=lambda kv: kv[1])

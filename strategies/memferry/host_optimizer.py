@@ -32,12 +32,11 @@ A unit summed on the device (``UnitPlan.accumulate="device"``) is submitted once
 """
 from __future__ import annotations
 
-import collections
 import queue
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -45,6 +44,7 @@ from .clip_norms import GlobalNormClip, PendingClip, clips
 from .config import AdamW
 from .data_parallel import DataParallel
 from .host_kernel import PHASES, make_host_kernel
+from .host_tasks import TaskBoard, deadline_of
 from .shadow import UnitShadow
 from .speculative_clip import Backups, Held
 
@@ -95,13 +95,17 @@ class HostOptimizer:
         self._pending: set[int] = set()  # worker side: paired units whose first zone waits for its pair
         self._open: set[int] = set()  # training side: units with accumulated gradients and no update queued
         self._tasks: queue.Queue = queue.Queue()
+        # Worker side: the tasks in the order the device needs their results (host_tasks.py), and
+        # updates under way that yielded to a more urgent one: unit index -> (pieces left, its step
+        # once done). Data parallelism keeps arrival order: ranks exchange shards in one order.
+        self._board = TaskBoard(self._tasks, None if dp is not None else deadline_of([s.unit.is_block for s in shadows]))
+        self._paused: dict[int, tuple[Iterator[dict[str, float]], int]] = {}
         # Clipping, worker side: this step's units in landing order; those waiting to be
-        # speculated; the one being speculated; a task taken from the queue whose gradient has
-        # not landed yet; how many units the last step had (the one landing last is not speculated).
+        # speculated; the one being speculated; how many units the last step had (the one landing
+        # last is not speculated).
         self._order: list[Held] = []
-        self._to_speculate: collections.deque[Held] = collections.deque()
+        self._to_speculate: list[Held] = []
         self._running: Held | None = None
-        self._head: tuple | None = None
         self._expect: int | None = None
         self._backups = (Backups(backup if backup is not None else torch.empty(0), twins=not self.kernel.binds_state)
                          if cfg.speculative else None)
@@ -314,26 +318,29 @@ class HostOptimizer:
                 return
 
     def _take(self) -> tuple:
-        """The next task; while speculative updates wait and no task can be worked on at once
-        (the queue is empty, or its head's gradient has not landed), run them a piece at a time."""
+        """The next task, the most urgent first (``host_tasks.py``). Between tasks, a piece at a
+        time: paused updates that are due sooner than every landed task, and speculative updates
+        while no task can be worked on at once (none has landed, or the clip is on its way)."""
         while True:
             due = self._running is not None or bool(self._to_speculate)
-            if self._head is None:
-                if not due:
-                    return self._tasks.get()
-                try:
-                    self._head = self._tasks.get_nowait()
-                except queue.Empty:
+            self._board.fill(block=not (due or self._paused))
+            pick = self._board.next(self._paused)
+            if isinstance(pick, int):
+                self._resume(pick)
+                continue
+            if pick is None:
+                if due:
                     self._speculate_piece()
                     continue
-            kind, arg, callback = self._head
+                pick = self._board.backlog[0]  # nothing has landed: wait for the first to land
+            kind, arg, callback = pick
             waits = (kind == "grad" and callback[2] is not None and not callback[2]()
                      or kind == "finish" and isinstance(arg, PendingClip) and not arg.ready())
             if due and waits:
                 self._speculate_piece()
                 continue
-            task, self._head = self._head, None
-            return task
+            self._board.remove(pick)
+            return pick
 
     def _receive(self, index: int, final: bool, summed: bool = False, zone: int = 0) -> None:
         """A landed gradient: sum it into ``grad_acc`` unless it is a step's only one or the whole
@@ -385,7 +392,10 @@ class HostOptimizer:
         s = self.shadows[index]
         self._received[index] = 0
         if self.cfg.max_grad_norm is None:
-            self._update(index, 1.0)
+            if self._board.deadline is None:
+                self._update(index, 1.0)
+            else:  # a piece at a time, so a unit the next forward needs sooner can go first
+                self._paused[index] = (self.kernel.pieces(s, 1.0), s.step + 1)
             return
         if self._clip is None or index not in self._clip.device_normed:
             self._sqnorm += self.kernel.sqnorm(s.grad_source)
@@ -406,8 +416,9 @@ class HostOptimizer:
     def _speculate_piece(self) -> None:
         """One piece of a speculative update: start the next queued unit's if none is under way
         (taking backup room, or leaving the unit held where there is none)."""
-        if self._running is None:
-            held = self._to_speculate.popleft()
+        if self._running is None:  # the unit the next forward needs first (host_tasks.py)
+            held = min(self._to_speculate, key=lambda h: (self._board.deadline or int)(h.index))
+            self._to_speculate.remove(held)
             s = self.shadows[held.index]
             room = self._backups.reserve(s)
             if room is None:
@@ -428,6 +439,19 @@ class HostOptimizer:
             return
         for phase, seconds in times.items():
             self.time_s[phase] += seconds
+
+    def _resume(self, index: int) -> None:
+        """One piece of unit ``index``'s paused update; publish it after the last."""
+        pieces, done_step = self._paused[index]
+        s = self.shadows[index]
+        with torch.profiler.record_function(f"optimizer:host {s.unit.name}"):
+            times = next(pieces, {})
+        for phase, seconds in times.items():
+            self.time_s[phase] += seconds
+        if s.step == done_step:  # the kernel counts the step with its last piece
+            del self._paused[index]
+            self.updated_numel += s.master.numel()
+            self._publish(index)
 
     def _finish_running(self) -> None:
         """Complete the speculative update under way, if any."""

@@ -44,7 +44,7 @@ from xpu.errors import XpuError
 from xpu.units import format_bytes
 
 from .config import Plan, UnitPlan
-from .cost import (Links, OptionCost, Prediction, State, advance_rows, describe_units, finish, initial_state, option_cost,
+from .cost import (SCALARS, Links, OptionCost, Prediction, State, advance_rows, describe_units, finish, initial_state, option_cost,
                    predict, predict_options, rest_resident_bytes, transient_bytes)
 from .host_budget import host_budget, rest_terms
 from .pareto import pareto_front
@@ -161,16 +161,16 @@ def _run_dp(profile: "StepProfile", links: Links, budget: float, choices: Sequen
 
     def lower_bound(st: np.ndarray, s: int) -> np.ndarray:
         """Step times no completion of these partial plans (state rows; blocks s..N-1 chosen) can beat."""
-        phi, psi, m, t = st[:, 0], st[:, 1], st[:, 2], st[:, 3]
+        phi, psi, late = st[:, 0], st[:, 1], st[:, 2]
         phi_all = phi + min_fwd[s]
         lb = pre_min + phi_all + t_rest + psi + min_bwd[s] + u_rest
-        lb = np.maximum(lb, np.maximum(t_rest + t, t_rest + phi + st[:, 4:4 + depth].max(axis=1)))
-        lb = np.maximum(lb, st[:, 4 + depth + 3] + min_hm[s] + hm_rest)
-        if rest_host:
-            lb = np.maximum(lb, pre_min + phi_all + t_rest + m + h_rest)
-        return lb
+        # Pending units are released further down, after at least the forward so far; rest's
+        # update delays every unit's.
+        late = np.maximum(late, phi + st[:, SCALARS:SCALARS + depth].max(axis=1)) + (h_rest if rest_host else 0.0)
+        lb = np.maximum(lb, t_rest + late)
+        return np.maximum(lb, st[:, SCALARS + depth + 3] + min_hm[s] + hm_rest)
 
-    k = 4 + depth  # the State.key columns of mem, trans, slot, hm
+    k = SCALARS + depth  # the State.key columns of mem, trans, slot, hm
     # Partial plans by the choice of their top block: state rows, and each row's parent (the
     # choice and row of the block above it); one such layer per block, kept for the way back.
     layers: list[dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]] = []
