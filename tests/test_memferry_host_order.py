@@ -63,6 +63,11 @@ def test_a_barrier_waits_for_updates_under_way_and_nothing_passes_it():
     assert board(grad(3), lr, grad(0)).next(())[1] == 3
 
 
+def test_host_order_is_checked():
+    with pytest.raises(ValueError, match="host_order must be 'deadline' or 'landing'"):
+        AdamW(host_order="lifo")
+
+
 def test_without_a_deadline_tasks_go_in_arrival_order():
     assert board(grad(3), grad(0), deadline=None).next(())[1] == 3
 
@@ -70,9 +75,9 @@ def test_without_a_deadline_tasks_go_in_arrival_order():
 # ------------------------------------------------------------------ the worker
 
 
-def _optimizer(cpu_backend, piece=None):
+def _optimizer(cpu_backend, piece=None, order="deadline"):
     torch.manual_seed(0)
-    engine = MemFerry(TinyGPT(), optim=AdamW(lr=1e-2, weight_decay=0.1, host_kernel="single-pass"),
+    engine = MemFerry(TinyGPT(), optim=AdamW(lr=1e-2, weight_decay=0.1, host_kernel="single-pass", host_order=order),
                       plan=Plan.uniform(4, UnitPlan("prefetch", "prefetch")), backend=cpu_backend, loss_fn=lm_loss)
     opt = engine.optimizer
     if piece is not None:
@@ -92,10 +97,8 @@ def _state(opt):
 
 def test_the_worker_updates_in_the_next_forward_s_order_with_the_numbers_of_landing_order(cpu_backend):
     results = {}
-    for order in ("deadline", "arrival"):
-        engine, opt, published = _optimizer(cpu_backend)
-        if order == "arrival":
-            opt._board.deadline = None
+    for order in ("deadline", "landing"):
+        engine, opt, published = _optimizer(cpu_backend, order=order)
         gate = threading.Event()
         opt.submit(3, gate.wait)  # the worker blocks on the first gradient while the rest arrive
         for index in (2, 1, 0, 4):
@@ -106,8 +109,8 @@ def test_the_worker_updates_in_the_next_forward_s_order_with_the_numbers_of_land
         engine.close()
     # Block 3's update started first; every later pick is the unit the next forward needs first.
     assert results["deadline"][0] == [4, 0, 1, 2, 3]
-    assert results["arrival"][0] == [3, 2, 1, 0, 4]
-    for a, b in zip(results["deadline"][1], results["arrival"][1]):
+    assert results["landing"][0] == [3, 2, 1, 0, 4]
+    for a, b in zip(results["deadline"][1], results["landing"][1]):
         assert a[0] == b[0] == 1
         for x, y in zip(a[1:], b[1:]):
             assert torch.equal(x, y)

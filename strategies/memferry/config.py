@@ -50,6 +50,11 @@ class AdamW:
             once for a fixed row length; needs a C++ compiler) or ``"auto"`` (``single-pass``
             where it compiles and passes a check against ``torch.optim.AdamW``, else
             ``torch``; see ``host_kernel.py``).
+        host_order: which landed gradient the host updates first: ``"deadline"`` (default: the
+            unit the next forward needs first, an update under way yielding to a sooner one;
+            what the scheduler's cost model prices) or ``"landing"`` (the order they land in,
+            each update whole: the order before session 16, kept to measure against;
+            ``host_tasks.py``). Data parallelism always takes ``"landing"``.
     """
 
     lr: float = 1e-3
@@ -60,6 +65,7 @@ class AdamW:
     host_threads: int | None = None
     host_kernel: str = "auto"
     clip_mode: str = "speculative"
+    host_order: str = "deadline"
     clip_backup_bytes: int | str | None = "auto"
 
     def __post_init__(self) -> None:
@@ -75,6 +81,8 @@ class AdamW:
             raise ValueError(f"host_threads must be a positive int or None, got {self.host_threads!r}")
         if self.host_kernel not in ("auto", "torch", "single-pass"):
             raise ValueError(f"host_kernel must be 'auto', 'torch' or 'single-pass', got {self.host_kernel!r}")
+        if self.host_order not in ("deadline", "landing"):
+            raise ValueError(f"host_order must be 'deadline' or 'landing', got {self.host_order!r}")
         if self.clip_mode not in CLIP_MODES:
             raise ValueError(f"clip_mode must be 'speculative' or 'wait', got {self.clip_mode!r}")
         self.backup_budget()  # refuses a bad size now

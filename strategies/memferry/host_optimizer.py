@@ -98,7 +98,8 @@ class HostOptimizer:
         # Worker side: the tasks in the order the device needs their results (host_tasks.py), and
         # updates under way that yielded to a more urgent one: unit index -> (pieces left, its step
         # once done). Data parallelism keeps arrival order: ranks exchange shards in one order.
-        self._board = TaskBoard(self._tasks, None if dp is not None else deadline_of([s.unit.is_block for s in shadows]))
+        by_deadline = dp is None and cfg.host_order == "deadline"
+        self._board = TaskBoard(self._tasks, deadline_of([s.unit.is_block for s in shadows]) if by_deadline else None)
         self._paused: dict[int, tuple[Iterator[dict[str, float]], int]] = {}
         # Clipping, worker side: this step's units in landing order; those waiting to be
         # speculated; the one being speculated; how many units the last step had (the one landing
