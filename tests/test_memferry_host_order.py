@@ -164,11 +164,23 @@ def _lateness(jobs):
     return worst
 
 
+def _in_landing_order(jobs):
+    """Largest ``completion + R`` of jobs (release, R, work, rank) run whole one after another,
+    blocks from the last down, rest last (``host_order="landing"``)."""
+    t, worst = -float("inf"), -float("inf")
+    for release, remaining, work, _ in sorted(jobs, key=lambda j: -j[3] if j[3] >= 0 else float("inf")):
+        t = max(t, release) + work
+        worst = max(worst, t + remaining)
+    return worst
+
+
+@pytest.mark.parametrize("order", ["deadline", "landing"])
 @pytest.mark.parametrize("seed", range(40))
-def test_the_model_s_host_term_is_the_worker_s_order_over_the_plan_s_landings_and_releases(seed):
-    """Exact where units are due in index order (then the worker's order is earliest deadline
-    first); where a host-homed resident or DHA block sits within ``depth`` blocks below a
-    prefetched one, the later block is due first and the model is an upper bound."""
+def test_the_model_s_host_term_is_the_worker_s_order_over_the_plan_s_landings_and_releases(seed, order):
+    """Landing order: exact. Deadline order: exact where units are due in index order (then the
+    worker's order is earliest deadline first); where a host-homed resident or DHA block sits
+    within ``depth`` blocks below a prefetched one, the later block is due first and the model
+    is an upper bound."""
     import random
 
     from strategies.memferry.cost import option_cost, predict_options
@@ -179,6 +191,7 @@ def test_the_model_s_host_term_is_the_worker_s_order_over_the_plan_s_landings_an
     rng = random.Random(seed)
     n, depth = rng.randint(1, 6), rng.choice([1, 2])
     prof, links = _fix(random_profile(rng, n)), random_links(rng)
+    prof.host_order = order
     choices = unit_choices(allow_dha=links.dha_read_GBps is not None)
     rest_optimizer = rng.choice(["host", "device"])
     opts = [option_cost(prof, links, i, rng.choice(choices), depth) for i in range(n)]
@@ -209,8 +222,9 @@ def test_the_model_s_host_term_is_the_worker_s_order_over_the_plan_s_landings_an
     if not jobs:
         assert "host optimizer" not in pred.parts
         return
-    expected = pred.parts["earlier_micro_batches_s"] + pred.parts["rest_s"] + _lateness(jobs)
-    in_order = all(a[1] >= b[1] for a, b in zip(sorted(jobs, key=lambda j: j[3]), sorted(jobs, key=lambda j: j[3])[1:]))
+    simulate = _lateness if order == "deadline" else _in_landing_order
+    expected = pred.parts["earlier_micro_batches_s"] + pred.parts["rest_s"] + simulate(jobs)
+    in_order = order == "landing" or all(a[1] >= b[1] for a, b in zip(sorted(jobs, key=lambda j: j[3]), sorted(jobs, key=lambda j: j[3])[1:]))
     if in_order:
         assert pred.parts["host optimizer"] == pytest.approx(expected, rel=1e-9, abs=1e-12)
     else:

@@ -50,11 +50,13 @@ class AdamW:
             once for a fixed row length; needs a C++ compiler) or ``"auto"`` (``single-pass``
             where it compiles and passes a check against ``torch.optim.AdamW``, else
             ``torch``; see ``host_kernel.py``).
-        host_order: which landed gradient the host updates first: ``"deadline"`` (default: the
-            unit the next forward needs first, an update under way yielding to a sooner one;
-            what the scheduler's cost model prices) or ``"landing"`` (the order they land in,
-            each update whole: the order before session 16, kept to measure against;
-            ``host_tasks.py``). Data parallelism always takes ``"landing"``.
+        host_order: which landed gradient the host updates first: ``"landing"`` (default: the
+            order they land in, each update whole) or ``"deadline"`` (the unit the next forward
+            needs first, an update under way yielding to a sooner one between pieces;
+            ``host_tasks.py``). The scheduler prices the order chosen. ``"deadline"`` waits less
+            but its pieces each start the host loop's threads anew: on the H200 it ran the
+            host update 20-30 % slower per parameter and the step no faster (docs/design.md,
+            session 16). Data parallelism always takes ``"landing"``.
     """
 
     lr: float = 1e-3
@@ -65,7 +67,7 @@ class AdamW:
     host_threads: int | None = None
     host_kernel: str = "auto"
     clip_mode: str = "speculative"
-    host_order: str = "deadline"
+    host_order: str = "landing"
     clip_backup_bytes: int | str | None = "auto"
 
     def __post_init__(self) -> None:

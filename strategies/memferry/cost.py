@@ -26,9 +26,10 @@ The step, as the executor runs it (``executor.py``), in steady state:
   backward mode) + backward + the device AdamW of a device-homed unit, ``y`` the copy of the
   next block. The last block keeps its forward copy when it is prefetched in both passes.
 * **gradients** of a host-homed unit land ``d = grad bytes / d2h`` after its backward; one
-  host worker runs AdamW on the landed unit the next forward needs first (``host_tasks.py``:
-  ``rest``, then blocks by index; an update under way yields to a sooner one between pieces),
-  each unit ``h`` = its host-memory bytes (28 per parameter in one pass, plus accumulation and
+  host worker runs AdamW in landing order (blocks from last to first, ``rest`` last), or with
+  ``AdamW.host_order="deadline"`` on the landed unit the next forward needs first
+  (``host_tasks.py``: ``rest``, then blocks by index; an update under way yields to a sooner
+  one between pieces), each unit ``h`` = its host-memory bytes (28 per parameter in one pass, plus accumulation and
   clipping's) at the bandwidth its own backward's copies leave (``host_budget.py``). Under
   gradient accumulation a block planned ``accumulate="device"`` adds each micro-batch into an
   fp32 device sum instead (``DEVICE_ADD_SHARE`` of its device AdamW time, in ``b``) and sends
@@ -41,16 +42,19 @@ The step, as the executor runs it (``executor.py``), in steady state:
   a host-homed ``rest`` (which is then reloaded before anything else runs).
 
 With ``C`` the compute-stream time of one step, ``l_k`` the landing time of unit ``k``'s
-gradient (from backward's start) and ``R_k`` the forward that follows its release point (a
-unit released at the forward's block ``p`` delays only what follows ``p``), the worker's order
-is preemptive earliest-deadline-first, whose largest lateness is ``max_j (l_j + R_j + P_j)``
-with ``P_j`` the host work of every unit due no later than ``j`` (those landing after it: ``j``
-and the blocks below it, and ``rest``). So the steady-state period is
+gradient (from backward's start), ``R_k`` the forward that follows its release point (a unit
+released at the forward's block ``p`` delays only what follows ``p``) and ``H_k`` the host's
+finish time of unit ``k``, the steady-state period is the max-plus fixed point
 
-    step = max(C, t_rest + max_j (l_j + R_j + P_j), M)
+    step = max(C, t_rest + max_k (H_k + R_k), M)
 
-The dynamic program carries it from the last block down as ``late = max(late, l_j + R_j) +
-h_j`` (:func:`advance_rows`); and ``M``
+In landing order ``H_k = max(H_prev, l_k) + h_k`` (the dynamic program carries the chain's end
+``m`` from the last block down). In deadline order (preemptive earliest-deadline-first) the
+largest ``H_j + R_j`` is ``max_j (l_j + R_j + P_j)`` with ``P_j`` the host work of every unit due
+no later than ``j``, which are those landing after it (``j``, the blocks below it, and
+``rest``): carried as ``late = max(late, l_j + R_j) + h_j``. (Exact where units are due in index
+order; where a host-homed resident or DHA block sits within ``prefetch_depth`` blocks below a
+prefetched one it is an upper bound.) ``M``
 (``host memory``) is every host-memory byte of the step (the optimizer's, and each host-link
 byte weighted by what it costs host memory) over the host's bandwidth: the host worker and
 every PCIe transfer share one DRAM (``host_budget.py``). Under gradient accumulation the
@@ -128,7 +132,8 @@ class OptionCost:
     the last gradient landed; ``h_acc``: host work of earlier micro-batches; ``hm``: the
     block's host-memory seconds per step (``host_budget``); ``b0``, ``y0``: ``b`` without the
     device AdamW and ``y``, as an earlier micro-batch of an accumulated step runs them (0
-    without accumulation);
+    without accumulation); ``by_deadline``: the host takes updates in deadline order
+    (``StepProfile.host_order``);
     ``persist``: device bytes held all step; ``act``: saved activations; ``trans``:
     backward transient; ``slot``: prefetch buffer size (0 if never prefetched).
     """
@@ -151,6 +156,7 @@ class OptionCost:
     hm: float = 0.0
     b0: float = 0.0
     y0: float = 0.0
+    by_deadline: bool = False
 
 
 #: Streamed host_linear against the bare link time of its weight (H200: 2.64 ms against 2.33 ms
@@ -278,6 +284,7 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
         hm=hm,
         b0=b - u if profile.accumulation_steps > 1 else 0.0,
         y0=y if profile.accumulation_steps > 1 else 0.0,
+        by_deadline=profile.host_order == "deadline",
     )
 
 
@@ -292,11 +299,13 @@ class State:
         phi: forward compute-stream time of the processed blocks (from the current block on).
         psi: backward time before the current block's backward starts (first-block stall
             included), counted from the start of backward.
-        late: over the processed host units ``j`` whose release point has been processed,
-            ``l_j + R_j`` plus the host work of the processed units due no later (see the module
-            docstring: the host term is ``t_rest + late`` once every block is in).
-        pending: the same, ``l_j`` plus that host work, for prefetched units whose release point
-            is still ahead (``pending[j]``: released at the (j+1)-th non-DHA block further down).
+        late: the largest ``H_j + R_j`` so far (module docstring) over processed host units whose
+            release point has been processed, the host term being ``t_rest + late`` once every
+            block is in; in deadline order ``H_j`` counts only the processed units' work.
+        m: landing order: the host's finish time of the last processed host unit, from
+            backward start (-inf in deadline order).
+        pending: ``H_j`` of prefetched units whose release point is still ahead (``pending[j]``:
+            released at the (j+1)-th non-DHA block further down).
         mem: persistent + activation bytes; trans: largest backward transient; slot: largest
             prefetched block.
         hm: host-memory seconds of the processed blocks; psi0: ``psi`` of an earlier
@@ -306,6 +315,7 @@ class State:
     phi: float
     psi: float
     late: float
+    m: float
     pending: tuple[float, ...]
     mem: int
     trans: int
@@ -315,25 +325,25 @@ class State:
 
     def key(self) -> tuple[float, ...]:
         """The components, for dominance checks."""
-        return (self.phi, self.psi, self.late, *self.pending, float(self.mem), float(self.trans), float(self.slot),
+        return (self.phi, self.psi, self.late, self.m, *self.pending, float(self.mem), float(self.trans), float(self.slot),
                 self.hm, self.psi0)
 
     @classmethod
     def from_key(cls, key: Sequence[float], prefetch_depth: int) -> "State":
         """The state whose :meth:`key` is ``key`` (a row of :func:`advance_rows`)."""
         k = SCALARS + prefetch_depth
-        return cls(float(key[0]), float(key[1]), float(key[2]), tuple(float(x) for x in key[SCALARS:k]),
+        return cls(float(key[0]), float(key[1]), float(key[2]), float(key[3]), tuple(float(x) for x in key[SCALARS:k]),
                    int(key[k]), int(key[k + 1]), int(key[k + 2]), float(key[k + 3]), float(key[k + 4]))
 
 
-#: Columns of :meth:`State.key` before ``pending`` (phi, psi, late); mem, trans, slot, hm and psi0
-#: follow it.
-SCALARS = 3
+#: Columns of :meth:`State.key` before ``pending`` (phi, psi, late, m); mem, trans, slot, hm and
+#: psi0 follow it.
+SCALARS = 4
 
 
 def initial_state(prefetch_depth: int) -> State:
     """Nothing processed yet."""
-    return State(0.0, 0.0, _NEG, (_NEG,) * prefetch_depth, 0, 0, 0, 0.0, 0.0)
+    return State(0.0, 0.0, _NEG, _NEG, (_NEG,) * prefetch_depth, 0, 0, 0, 0.0, 0.0)
 
 
 def advance(state: State, cur: OptionCost, nxt: OptionCost | None) -> State:
@@ -351,20 +361,26 @@ def advance_rows(rows: np.ndarray, cur: OptionCost, nxt: OptionCost | None) -> n
     phi = rows[:, 0] + max(cur.a + cur.r, nxt.x if nxt is not None else 0.0)
     # psi gains block s+1's slot: its backward, or the copy of block s it overlaps.
     psi = rows[:, 1] + (max(nxt.b, cur.y) if nxt is not None else cur.y)  # last block: copy not overlapped
-    late, pending = rows[:, 2], rows[:, SCALARS:k]
+    late, m, pending = rows[:, 2], rows[:, 3], rows[:, SCALARS:k]
     if not cur.dha_fwd:  # this block's pre-forward issues the loads of the next `depth` non-DHA blocks
         late = np.maximum(late, phi + pending[:, 0])  # a -inf pending (none) leaves it as it was
         pending = np.concatenate([pending[:, 1:], np.full((len(rows), 1), _NEG)], axis=1)
     else:
         pending = pending.copy()
-    if cur.host:  # due before every processed unit: its work delays each of them
+    if cur.host and cur.by_deadline:  # due before every processed unit: its work delays each of them
         land = psi + cur.b + cur.d
         if cur.prefetch_fwd:
             pending[:, -1] = np.maximum(pending[:, -1], land)
         else:
             late = np.maximum(late, phi + land)
         late, pending = late + cur.h, pending + cur.h
-    out[:, 0], out[:, 1], out[:, 2], out[:, SCALARS:k] = phi, psi, late, pending
+    elif cur.host:  # after every processed unit
+        m = np.maximum(m, psi + cur.b + cur.d) + cur.h
+        if cur.prefetch_fwd:
+            pending[:, -1] = np.maximum(pending[:, -1], m)
+        else:
+            late = np.maximum(late, phi + m)
+    out[:, 0], out[:, 1], out[:, 2], out[:, 3], out[:, SCALARS:k] = phi, psi, late, m, pending
     out[:, k] = rows[:, k] + (cur.persist + cur.act)  # whole bytes, exact in float64 below 2**53
     out[:, k + 1] = np.maximum(rows[:, k + 1], cur.trans)
     out[:, k + 2] = np.maximum(rows[:, k + 2], cur.slot)
@@ -412,10 +428,12 @@ def finish(state: State, first: OptionCost, profile: "StepProfile", links: Links
     late = max(state.late, pre + state.phi + max(state.pending))
     budget = host_budget(profile, links)
     h_rest, _, hm_rest = rest_terms(profile, budget, rest_host)
-    if rest_host:  # lands last (behind block 0's gradient on the d2h stream) and is due first:
-        # it goes at once, and delays every block's update
+    if rest_host:  # lands last (behind block 0's gradient on the d2h stream) and is due first
         land = psi + first.d + profile.rest_numel * profile.dtype_bytes / d2h
-        late = max(late, pre + state.phi + land) + h_rest
+        if first.by_deadline:  # it goes at once, and delays every block's update
+            late = max(late, pre + state.phi + land) + h_rest
+        else:  # it goes after every block's
+            late = max(late, pre + state.phi + max(land, state.m) + h_rest)
     if late > _NEG:
         terms["host optimizer"] = earlier + t_rest + late
     if budget is not None:  # every host byte of the step, copies included, through one bandwidth

@@ -6,22 +6,15 @@ compute-dtype working copy, which is where the next forward reads weights from: 
 separate upload phase. Consumers wait per unit (:meth:`HostOptimizer.wait`), so the next
 forward of unit *i* starts as soon as unit *i* is updated.
 
-Global-norm clipping needs every gradient before the coefficient is known. With
-``max_grad_norm`` set, the worker measures each unit's gradient as it lands, and
-:meth:`finish_step` supplies the coefficient (from :meth:`grad_sqnorm` and the device units'
-norms). ``clip_mode="wait"`` holds every update until then: exact, less overlap.
-``clip_mode="speculative"`` updates with coefficient 1 while backward goes on, into a spare
-master and moments that then become the unit's state (16-bit compute; fp32 compute backs them up
-in the same sweep instead: ``speculative_clip.py``); :meth:`finish_step` then commits
-(coefficient 1, same learning rate) or re-applies from the old values: exact too, bit-equal to
-``"wait"``. Either way a unit's update is published (:meth:`wait` returns, its
-landing zone is freed) only at the finish, units in order of their index (the next forward's).
+Global-norm clipping (``max_grad_norm``) needs every gradient before the coefficient is known
+(``clip_norms.py``): ``clip_mode="wait"`` holds every update until :meth:`finish_step` brings it;
+``"speculative"`` updates with coefficient 1 while backward goes on and, at the finish, commits or
+re-applies from the old values, bit-equal to ``"wait"`` (``speculative_clip.py``). Either way an
+update is published only at the finish, in index order. Norms and landed gradients go before
+speculative pieces, so the coefficient is not held up; the unit expected to land last is not
+speculated.
 
-The norm must not wait for updates: a landed gradient's norm is taken at once (one read of the
-gradient), and speculative updates run a piece at a time (``HostKernel.pieces``) only while no
-landed gradient waits, so :meth:`grad_sqnorm` answers soon after the last gradient lands. The
-unit expected to land last (the previous step's count) is not speculated, nor any whose
-update had not started when the coefficient came: they update once, with the true coefficient.
+Which landed gradient goes first: ``AdamW.host_order`` (``host_tasks.py``).
 
 Gradient accumulation: a gradient submitted with ``final=False`` (an earlier micro-batch of
 the step) is only added into the unit's fp32 ``grad_acc``; the one submitted with
@@ -417,8 +410,9 @@ class HostOptimizer:
     def _speculate_piece(self) -> None:
         """One piece of a speculative update: start the next queued unit's if none is under way
         (taking backup room, or leaving the unit held where there is none)."""
-        if self._running is None:  # the unit the next forward needs first (host_tasks.py)
-            held = min(self._to_speculate, key=lambda h: (self._board.deadline or int)(h.index))
+        if self._running is None:  # in landing order, or the unit the next forward needs first
+            deadline = self._board.deadline
+            held = self._to_speculate[0] if deadline is None else min(self._to_speculate, key=lambda h: deadline(h.index))
             self._to_speculate.remove(held)
             s = self.shadows[held.index]
             room = self._backups.reserve(s)

@@ -125,6 +125,8 @@ class StepProfile:
         clip_mode: a setting (``plan_for`` sets it): ``AdamW.clip_mode``, which matters with
             ``clipping``: speculative clipping's backups and the gradient-norm read are
             host-memory bytes too (``host_budget``).
+        host_order: a setting (``plan_for`` sets it): ``AdamW.host_order``, the order of host
+            updates the cost model prices (``"landing"`` under data parallelism).
     """
 
     blocks: list[BlockProfile]
@@ -151,6 +153,7 @@ class StepProfile:
     host_adamw_bytes_per_param: int = 0
     clip_mode: str = "speculative"
     data_parallel: bool = False
+    host_order: str = "landing"
 
     def to_json(self, indent: int | None = 1) -> str:
         """The profile as a JSON string (``indent=None``: on one line)."""

@@ -154,6 +154,7 @@ def _run_dp(profile: "StepProfile", links: Links, budget: float, choices: Sequen
         min_bwd[s + 1] = min_bwd[s] + min(opts[s][c].b for c in usable[s])
         min_hm[s + 1] = min_hm[s] + min(opts[s][c].hm for c in usable[s])
     rest_host = rest_optimizer == "host"
+    by_deadline = profile.host_order == "deadline"
     t_rest = profile.rest_fwd_s + profile.rest_bwd_s
     pre_min = profile.rest_param_bytes / (links.h2d_GBps * 1e9) if rest_host else 0.0
     u_rest = 0.0 if rest_host else profile.rest_numel * profile.device_adamw_s_per_param
@@ -161,12 +162,15 @@ def _run_dp(profile: "StepProfile", links: Links, budget: float, choices: Sequen
 
     def lower_bound(st: np.ndarray, s: int) -> np.ndarray:
         """Step times no completion of these partial plans (state rows; blocks s..N-1 chosen) can beat."""
-        phi, psi, late = st[:, 0], st[:, 1], st[:, 2]
+        phi, psi, late, m = st[:, 0], st[:, 1], st[:, 2], st[:, 3]
         phi_all = phi + min_fwd[s]
         lb = pre_min + phi_all + t_rest + psi + min_bwd[s] + u_rest
-        # Pending units are released further down, after at least the forward so far; rest's
-        # update delays every unit's.
-        late = np.maximum(late, phi + st[:, SCALARS:SCALARS + depth].max(axis=1)) + (h_rest if rest_host else 0.0)
+        # Pending units are released further down, after at least the forward so far.
+        late = np.maximum(late, phi + st[:, SCALARS:SCALARS + depth].max(axis=1))
+        if rest_host and by_deadline:  # rest's update delays every unit's
+            late = late + h_rest
+        elif rest_host:  # rest's waits for every unit's
+            late = np.maximum(late, pre_min + phi_all + m + h_rest)
         lb = np.maximum(lb, t_rest + late)
         return np.maximum(lb, st[:, SCALARS + depth + 3] + min_hm[s] + hm_rest)
 
