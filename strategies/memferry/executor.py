@@ -52,6 +52,7 @@ from .config import OFFLOAD_MIN_BYTES, Plan, UnitPlan
 from .device_accumulation import DeviceSums
 from .device_optimizer import DeviceOptimizer
 from .dha_linear import TransferCounter, host_linear
+from .grad_post import GradientPost
 from .host_optimizer import HostOptimizer
 from .plan_check import check_plan
 from .shadow import ShadowModel, UnitShadow
@@ -90,7 +91,6 @@ class Executor:
         self.b, self.dev, self.shadow, self.plan, self.opt = backend, device, shadow, plan, optimizer
         self.copier = copier
         self.device_opt = device_optimizer
-        self.clip = clip
         self.blocks = blocks
         self.rest = shadow.shadows[-1]
         self.unit_plans: dict[int, UnitPlan] = {s.unit.index: plan.units[i] for i, s in enumerate(blocks)}
@@ -108,7 +108,7 @@ class Executor:
         self._param_unit: dict[int, tuple[UnitShadow, int]] = {}
         self._handles: list[Any] = []
         self.bytes_h2d = 0
-        self.bytes_d2h = 0
+        self.post = GradientPost(backend, device, self.d2h, optimizer, clip)
         #: traffic of DHA blocks' streamed linears (weights in, gradients written home)
         self.dha_counter = TransferCounter()
         self._routed: dict[int, set[int]] = {}  # unit index -> ids of weights whose gradient host_linear writes
@@ -208,6 +208,11 @@ class Executor:
         self._loaded.clear()
         self._frozen_in_backward = []
         self.sums.discard(self.compute)
+
+    @property
+    def bytes_d2h(self) -> int:
+        """Bytes of gradients sent home so far."""
+        return self.post.bytes
 
     # ------------------------------------------------------------------ step boundaries
     @property
@@ -464,26 +469,10 @@ class Executor:
 
     def _send_home(self, s: UnitShadow, sources: list[torch.Tensor], targets: list[torch.Tensor], final: bool,
                    summed: bool = False, zone: int = 0) -> None:
-        """Copy gradients ``sources`` into host ``targets`` on the device→host stream after the
-        compute stream's work so far, and submit the unit to the host optimizer."""
-        if final and self.clip is not None:
-            with self.b.device_scope(self.dev):
-                self.clip.add(s.unit.index, sources)  # the step's whole gradient (one micro-batch, or the device's sum)
-        computed = self.b.event()
-        computed.record(self.compute)
-        self.d2h.wait_event(computed)
-        with self.b.device_scope(self.dev), self.b.use_stream(self.d2h):
-            for view, g in zip(targets, sources):
-                self.b.copy(view, g, self.d2h)
-                self.b.keep_alive(g, self.d2h)
-            if final and self.clip is not None:
-                self.clip.send_running_sum(s.unit.index, self.d2h)
-            landed = self.b.event()
-            landed.record(self.d2h)
-        self.bytes_d2h += sum(t.numel() * t.element_size() for t in targets)
+        """Send gradients home and submit them (``grad_post.py``)."""
         if final:
             self._stale.add(s.unit.index)  # its update is about to change the host copy
-        self.opt.submit(s.unit.index, landed.synchronize, final=final, landed=landed.query, summed=summed, zone=zone)
+        self.post.send(s.unit.index, sources, targets, final, summed, zone)
 
 
 class _Gathered:

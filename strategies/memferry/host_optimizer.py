@@ -38,6 +38,7 @@ from .config import AdamW
 from .data_parallel import DataParallel
 from .host_kernel import PHASES, make_host_kernel
 from .host_tasks import TaskBoard, deadline_of
+from .landing_zones import LandingZones
 from .shadow import UnitShadow
 from .speculative_clip import Backups, Held
 
@@ -77,15 +78,10 @@ class HostOptimizer:
         self.dp = dp
         self.shadows = shadows
         self.kernel = make_host_kernel(cfg.host_kernel, cfg, [s for s in shadows if s.home == "host"])
-        # _done[i]: unit i's working copy holds its latest update; _consumed[i]: its landing
-        # zone (grad_stage) has been read, so the next micro-batch's gradient may land there.
-        self._done = [threading.Event() for _ in shadows]
-        self._consumed = [threading.Event() for _ in shadows]
-        self._consumed1 = [threading.Event() for _ in shadows]  # the second zone (grad_stage2) of paired units
-        for ev in self._done + self._consumed + self._consumed1:
+        self._done = [threading.Event() for _ in shadows]  # unit i's working copy holds its latest update
+        for ev in self._done:
             ev.set()
-        self._received = [0] * len(shadows)  # worker side: micro-batches summed into grad_acc this step
-        self._pending: set[int] = set()  # worker side: paired units whose first zone waits for its pair
+        self._zones = LandingZones(shadows, self.kernel)
         self._open: set[int] = set()  # training side: units with accumulated gradients and no update queued
         self._tasks: queue.Queue = queue.Queue()
         # Worker side: the tasks in the order the device needs their results (host_tasks.py), and
@@ -150,7 +146,7 @@ class HostOptimizer:
         if not final and self.shadows[index].grad_acc is None:
             raise RuntimeError(f"unit {self.shadows[index].unit.name} has no gradient accumulation buffer; "
                                "give MemFerry(accumulation_steps=N) to accumulate gradients over N backward() calls")
-        (self._consumed1 if zone else self._consumed)[index].clear()
+        self._zones.take(index, zone)
         if final:
             self._done[index].clear()
             self._open.discard(index)
@@ -168,10 +164,7 @@ class HostOptimizer:
 
     def wait_consumed(self, index: int, zone: int = 0) -> None:
         """Block until the gradient in unit ``index``'s landing ``zone`` has been read (it is free)."""
-        event = (self._consumed1 if zone else self._consumed)[index]
-        while not event.wait(timeout=0.5):
-            self._raise_if_failed()
-        self._raise_if_failed()
+        self._zones.wait_free(index, zone, self._raise_if_failed)
 
     def grad_sqnorm(self) -> float:
         """Squared 2-norm of this step's host gradients; waits until all submitted ones are in.
@@ -283,11 +276,10 @@ class HostOptimizer:
                     self.time_s["wait"] += time.perf_counter() - t0
                     self._receive(arg, final, summed, zone)
                 elif kind == "flush":
-                    for i in sorted(self._pending):  # a first zone whose pair never came
-                        self._sum_landed(i, 0)
-                    for i, n in enumerate(self._received):
-                        if n:
-                            self._finalize(i)
+                    due, seconds = self._zones.flush()
+                    self.time_s["upcast"] += seconds
+                    for i in due:
+                        self._finalize(i)
                 elif kind == "norm":
                     callback(self._sqnorm)
                 elif kind == "stats":
@@ -337,54 +329,16 @@ class HostOptimizer:
             return pick
 
     def _receive(self, index: int, final: bool, summed: bool = False, zone: int = 0) -> None:
-        """A landed gradient: sum it into ``grad_acc`` unless it is a step's only one or the whole
-        sum already (``summed``); a paired unit's first zone waits for the second, and the two are
-        summed in one pass; update if final."""
-        s = self.shadows[index]
-        if summed:
-            s.accumulated = True  # grad_acc holds the step's sum, made on the device
-        elif final and not self._received[index] and index not in self._pending:
-            s.accumulated = False  # one micro-batch: update straight from the landing zone
-        elif zone == 0 and not final and s.grad_stage2 is not None:
-            if index in self._pending:
-                raise RuntimeError(f"unit {s.unit.name}: two gradients landed in its first zone without a pair")
-            self._pending.add(index)  # summed with the next micro-batch's (zone 1); the zone stays taken
-            return
-        else:
-            self._sum_landed(index, zone)
-        if s.accumulated:
-            self._consumed[index].set()  # the sum holds it: the next micro-batch may land
+        """A landed gradient: summed where it must be (``landing_zones.py``); update if final."""
+        self.time_s["upcast"] += self._zones.receive(index, final, summed, zone)
         if final:
             self._finalize(index)
-
-    def _sum_landed(self, index: int, zone: int) -> None:
-        """Sum the gradient in ``zone`` (with the first zone's, when zone 1) into ``grad_acc``."""
-        s = self.shadows[index]
-        t0 = time.perf_counter()
-        first = not self._received[index]
-        if zone == 1:
-            if index not in self._pending:
-                raise RuntimeError(f"unit {s.unit.name}: a gradient landed in its second zone with none in the first")
-            self._pending.discard(index)
-            self.kernel.accumulate_pair(s.grad_acc, s.grad_stage, s.grad_stage2, init=first)  # one pass for two
-            self._received[index] += 2
-            self._consumed1[index].set()
-        else:
-            self._pending.discard(index)
-            if first:
-                s.grad_acc.copy_(s.grad_stage)
-            else:
-                self.kernel.accumulate(s.grad_acc, s.grad_stage)  # one pass, no fp32 temporary
-            self._received[index] += 1
-        s.accumulated = True
-        self._consumed[index].set()
-        self.time_s["upcast"] += time.perf_counter() - t0
 
     def _finalize(self, index: int) -> None:
         """The step's gradient of unit ``index`` is complete: update now, or hold it for the clip
         (and queue it for a speculative update, unless it is the step's last expected)."""
         s = self.shadows[index]
-        self._received[index] = 0
+        self._zones.complete(index)
         if self.cfg.max_grad_norm is None:
             if self._board.deadline is None:
                 self._update(index, 1.0)
@@ -487,7 +441,8 @@ class HostOptimizer:
     def _fail(self, exc: BaseException) -> None:
         """Keep ``exc`` for the training thread (``_raise_if_failed``) and release every waiter."""
         self._error = exc
-        for ev in self._done + self._consumed + self._consumed1:
+        self._zones.release_all()
+        for ev in self._done:
             ev.set()
 
     def _update(self, index: int, coef: float, source: Any = None) -> None:
@@ -504,9 +459,7 @@ class HostOptimizer:
     def _publish(self, index: int) -> None:
         """Unit ``index``'s update is final: free its landing zone, exchange shards, release waiters."""
         s = self.shadows[index]
-        s.accumulated = False
-        self._consumed[index].set()
-        self._consumed1[index].set()
+        self._zones.free(index)
         if self.dp is not None and index in self.whole_on_host:
             t0 = time.perf_counter()
             self.dp.gather(s.work)  # read whole in place by DHA: every rank's copy whole again

@@ -1,0 +1,60 @@
+"""Gradients home: a unit's device→host gradient copies and the hand-over to the host optimizer.
+
+The copies run on the device→host stream after the compute stream's work so far (an event
+orders them); the host optimizer is told at once, with the event that marks their landing, so
+its worker waits for that and nothing else. With global-norm clipping, the step's whole
+gradient of a unit also adds its squares to the device's running sum first, and that sum comes
+home behind the copies (``clip_norms.GlobalNormClip``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from xpu import Backend
+
+from .clip_norms import GlobalNormClip
+from .host_optimizer import HostOptimizer
+
+__all__ = ["GradientPost"]
+
+
+class GradientPost:
+    """Sends units' gradients home on ``d2h`` and submits them to ``optimizer``.
+
+    Args:
+        backend, device: where the gradients are.
+        d2h: the device→host copy stream.
+        optimizer: the host optimizer the gradients are submitted to.
+        clip: global-norm clipping (None without ``max_grad_norm``).
+    """
+
+    def __init__(self, backend: Backend, device: int, d2h: Any, optimizer: HostOptimizer,
+                 clip: GlobalNormClip | None = None) -> None:
+        self.b, self.dev, self.d2h, self.opt, self.clip = backend, device, d2h, optimizer, clip
+        #: bytes copied home so far
+        self.bytes = 0
+
+    def send(self, index: int, sources: list[torch.Tensor], targets: list[torch.Tensor], final: bool,
+             summed: bool = False, zone: int = 0) -> None:
+        """Copy gradients ``sources`` of unit ``index`` into host ``targets`` after the compute
+        stream's work so far, and submit them (``final``, ``summed``, ``zone``: as
+        :meth:`HostOptimizer.submit` takes them)."""
+        compute = self.b.current_stream(self.dev)
+        if final and self.clip is not None:
+            with self.b.device_scope(self.dev):
+                self.clip.add(index, sources)  # the step's whole gradient (one micro-batch, or the device's sum)
+        computed = self.b.event()
+        computed.record(compute)
+        self.d2h.wait_event(computed)
+        with self.b.device_scope(self.dev), self.b.use_stream(self.d2h):
+            for view, g in zip(targets, sources):
+                self.b.copy(view, g, self.d2h)
+                self.b.keep_alive(g, self.d2h)
+            if final and self.clip is not None:
+                self.clip.send_running_sum(index, self.d2h)
+            landed = self.b.event()
+            landed.record(self.d2h)
+        self.bytes += sum(t.numel() * t.element_size() for t in targets)
+        self.opt.submit(index, landed.synchronize, final=final, landed=landed.query, summed=summed, zone=zone)
