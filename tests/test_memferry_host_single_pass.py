@@ -247,3 +247,67 @@ def test_save_and_from_forms_equal_the_in_place_update_bit_for_bit(work_dtype, t
     if work_dtype is not None:
         assert torch.equal(want_work, want[0].to(work_dtype))
         assert torch.equal(saved_work, want_work) and torch.equal(spare_work, want_work)
+
+
+def _team_inputs(seed: int = 3, n: int = 300_001):
+    gen = torch.Generator().manual_seed(seed)
+    p, m = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    v, g = torch.rand(n, generator=gen), torch.randn(n, generator=gen).to(torch.bfloat16)
+    return p, m, v, g, torch.empty(n, dtype=torch.bfloat16)
+
+
+def _team_update(threads: int, inputs=None):
+    """One in-place update of 300,001 elements split over ``threads`` (the loop's kept team)."""
+    p, m, v, g, work = inputs if inputs is not None else _team_inputs()
+    host_loops.host_loops().adamw(p, g, m, v, work, grad_scale=1.0, decay=1 - 1e-4, beta1=0.9, beta2=0.99,
+                                  bias_correction2_sqrt=0.5, eps=1e-8, step_size=1e-3, threads=threads)
+    return p, m, v, work
+
+
+def test_the_kept_thread_team_gives_every_call_its_whole_result():
+    """The loop keeps its worker threads between calls: calls with more, fewer and again more
+    threads, and calls from two Python threads at once, each get every element updated exactly as
+    one thread updates them."""
+    import threading
+
+    ref = _team_update(1)
+    for threads in (7, 2, 9, 4, 9):
+        for a, b in zip(_team_update(threads), ref):
+            assert torch.equal(a, b), threads
+    results = {}
+
+    def worker(k):
+        results[k] = [_team_update(5 + k) for _ in range(5)]
+
+    callers = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    for runs in results.values():
+        for run in runs:
+            for a, b in zip(run, ref):
+                assert torch.equal(a, b)
+
+
+def test_a_forked_child_runs_the_loop_with_a_team_of_its_own():
+    """A child forked after the parent's team started (a data loader worker) has none of its
+    threads: its calls start their own instead of waiting on the parent's forever. (The child
+    makes no large tensors itself: torch's own OpenMP pool does not survive a fork.)"""
+    import multiprocessing as mp
+
+    _team_update(6)  # the parent's team exists
+    inputs = _team_inputs()
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_update, args=(queue, inputs))
+    child.start()
+    child.join(timeout=60)
+    if child.exitcode is None:
+        child.kill()
+    assert child.exitcode == 0
+    assert queue.get(timeout=5) == _team_update(1)[0][:1000].tolist()
+
+
+def _child_update(queue, inputs) -> None:
+    queue.put(_team_update(6, inputs)[0][:1000].tolist())

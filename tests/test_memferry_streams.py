@@ -129,7 +129,7 @@ def test_a_skipped_dha_block_waits_for_its_landing_zone_before_zeroing_it(cpu_ba
                       accumulation_steps=2)
     log: list[tuple[str, int]] = []
     unit = engine.executor.blocks[1]
-    engine.executor.opt = _Logged(engine.executor.opt, log)
+    engine.executor.opt = engine.executor.post.opt = _Logged(engine.executor.opt, log)
     with _LogWrites(unit.grad_stage, unit.unit.index, log):
         for skip, (x, y) in zip((None, 1), data):
             engine.model.skip = ref.skip = skip
