@@ -53,10 +53,11 @@ class AdamW:
         host_order: which landed gradient the host updates first: ``"landing"`` (default: the
             order they land in, each update whole) or ``"deadline"`` (the unit the next forward
             needs first, an update under way yielding to a sooner one between pieces;
-            ``host_tasks.py``). The scheduler prices the order chosen. ``"deadline"`` waits less
-            but its pieces each start the host loop's threads anew: on the H200 it ran the
-            host update 20-30 % slower per parameter and the step no faster (docs/design.md,
-            session 16). Data parallelism always takes ``"landing"``.
+            ``host_tasks.py``). The scheduler prices the order chosen. ``"deadline"`` waits less,
+            but on the H200 its host update ran 20-30 % slower per parameter and the step no
+            faster, while each piece still created the loop's threads anew (they are kept
+            since; not yet measured there: docs/design.md, session 16). Data parallelism
+            always takes ``"landing"``.
     """
 
     lr: float = 1e-3

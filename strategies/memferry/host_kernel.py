@@ -234,10 +234,13 @@ class SinglePassKernel(HostKernel):
 
     name = "single-pass"
 
-    #: Elements per piece (:meth:`HostKernel.pieces`): about 2 ms at the H200 host's rate, the
-    #: longest the worker keeps the training thread waiting for a gradient norm. A whole update
-    #: is one call per weight-decay group: every call starts the loop's threads anew.
-    piece = 1 << 23
+    #: Elements per piece (:meth:`HostKernel.pieces`): about 5 ms at the H200 host's rate, the
+    #: longest the worker keeps the training thread waiting for a gradient norm, or a unit due
+    #: sooner (``AdamW.host_order="deadline"``). Smaller pieces cost rate: on the 2-core
+    #: machine 8 M-element pieces ran 14 % slower per parameter than one call, 16 M ones 2 %
+    #: (bench/results/2026-12-03-cpu-session16/host-calls.md). A whole update is one call per
+    #: weight-decay group; the loop keeps its threads between calls (``host_loops.c``).
+    piece = 1 << 24
 
     def __init__(self, cfg: AdamW, shadows: list[UnitShadow] = (), threads: int | None = None) -> None:
         self.cfg = cfg
