@@ -29,8 +29,9 @@ The step, as the executor runs it (``executor.py``), in steady state:
   host worker runs AdamW in landing order (blocks from last to first, ``rest`` last), or with
   ``AdamW.host_order="deadline"`` on the landed unit the next forward needs first
   (``host_tasks.py``: ``rest``, then blocks by index; an update under way yields to a sooner
-  one between pieces), each unit ``h`` = its host-memory bytes (28 per parameter in one pass, plus accumulation and
-  clipping's) at the bandwidth its own backward's copies leave (``host_budget.py``). Under
+  one between pieces), each unit ``h`` = its host-memory bytes (28 per parameter in one pass,
+  plus accumulation and clipping's) at the bandwidth its own backward's copies leave
+  (``host_budget.py``). Under
   gradient accumulation a block planned ``accumulate="device"`` adds each micro-batch into an
   fp32 device sum instead (``DEVICE_ADD_SHARE`` of its device AdamW time, in ``b``) and sends
   only the sum home, 4 bytes per parameter, on the last: ``d`` doubles in bf16, and the host

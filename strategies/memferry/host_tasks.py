@@ -3,8 +3,9 @@
 Gradients land in backward order (the last block first), but the next forward needs the
 updates in the opposite order (the first block first). Taking them as they landed leaves the
 first blocks' updates for last, so a host that has fallen behind holds up the next forward from
-its first block. The worker instead takes, among the gradients that have landed, the one whose
-result the device will need first (earliest deadline first):
+its first block. With ``AdamW.host_order="deadline"`` the worker instead takes, among the
+gradients that have landed, the one whose result the device will need first (earliest deadline
+first):
 
 1. an earlier micro-batch's gradient (``final=False``), in landing order: the next micro-batch's
    backward reuses its landing zone, last block first;
@@ -15,13 +16,14 @@ result the device will need first (earliest deadline first):
 With every gradient landing in backward order this makes the host work, in the steady state,
 on the block the backward has just finished, and what is left when backward ends is the blocks
 the forward needs last: their updates overlap the next forward. Any order gives the same
-numbers (each unit's update reads only its own state). The cost model prices this order
-(``cost.py``: the host term is preemptive earliest-deadline-first's).
+numbers (each unit's update reads only its own state). The cost model prices either order
+(``cost.py``; in this one the host term is preemptive earliest-deadline-first's).
 
 A task that is not a gradient (``finish``, ``lr``, ``flush``, a question) is a barrier: nothing
 behind it moves ahead of it, and it runs once every update started before it is complete.
-Without a deadline (data parallelism, where every rank must exchange shards in the same
-order) tasks run in arrival order, each update whole.
+Without a deadline (``host_order="landing"``, the default, and always under data parallelism,
+where every rank must exchange shards in the same order) tasks run in arrival order, each
+update whole.
 """
 from __future__ import annotations
 
