@@ -10,7 +10,7 @@ Options:
         clipped steps; the notes count them) or ``wait`` (see ``AdamW.clip_mode``).
     host_threads: CPU threads of the host optimizer (None: torch's default).
     host_kernel: ``auto``, ``torch`` or ``single-pass`` (see ``host_kernel.py``).
-    host_order: ``deadline`` or ``landing`` (``AdamW.host_order``; the plan is priced for ``deadline``).
+    host_order: ``landing`` or ``deadline`` (``AdamW.host_order``; the plan is priced for the order given).
     memory_margin: the scheduler's fragmentation margin on predicted peak memory (plan auto).
     loss_chunks: compute the model's loss over this many token slices, each slice's logits
         recomputed in backward (``CausalLM.loss_chunks``): frees the fp32 logits' memory for

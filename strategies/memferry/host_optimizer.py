@@ -365,9 +365,8 @@ class HostOptimizer:
         """One piece of a speculative update: start the next queued unit's if none is under way
         (taking backup room, or leaving the unit held where there is none)."""
         if self._running is None:  # in landing order, or the unit the next forward needs first
-            deadline = self._board.deadline
-            held = self._to_speculate[0] if deadline is None else min(self._to_speculate, key=lambda h: deadline(h.index))
-            self._to_speculate.remove(held)
+            deadline, waiting = self._board.deadline, self._to_speculate
+            held = waiting.pop(0 if deadline is None else min(range(len(waiting)), key=lambda k: deadline(waiting[k].index)))
             s = self.shadows[held.index]
             room = self._backups.reserve(s)
             if room is None:
