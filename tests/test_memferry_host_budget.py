@@ -45,11 +45,17 @@ def test_update_bytes_count_what_the_host_optimizer_moves():
     dev = update_bytes(2, 4, "speculative", device_sum=True)
     assert (dev.kernel, dev.accumulate_earlier, dev.accumulate_final, dev.timed) == (30, 0, 0, 30)
     # summed two at a time: the first pair 2+2+4, each later one 4+2+2+4, an odd last 2+4+4
-    assert (update_bytes(2, 4, paired=True).accumulate_earlier, update_bytes(2, 4, paired=True).accumulate_final) == (8, 12)
-    assert (update_bytes(2, 2, paired=True).accumulate_earlier, update_bytes(2, 2, paired=True).accumulate_final) == (0, 8)
-    assert (update_bytes(2, 3, paired=True).accumulate_earlier, update_bytes(2, 3, paired=True).accumulate_final) == (8, 10)
-    eight = update_bytes(2, 8, paired=True)
+    # (with clipping, which reads the step's sum: the last pair is summed too)
+    pairs = {n: update_bytes(2, n, "wait", paired=True) for n in (2, 3, 4)}
+    assert [(pairs[n].accumulate_earlier, pairs[n].accumulate_final, pairs[n].kernel) for n in (2, 3, 4)] == [
+        (0, 8, 30), (8, 10, 30), (8, 12, 30)]
+    # without clipping the update adds a last pair as it reads it: 2+2 (and the sum before it, 4)
+    # instead of the fp32 sum, and nothing is summed after the last micro-batch
+    assert [(update_bytes(2, n, paired=True).accumulate_final, update_bytes(2, n, paired=True).kernel)
+            for n in (2, 3, 4)] == [(0, 24 + 4 + 2), (10, 30), (0, 24 + 8 + 2)]
+    eight = update_bytes(2, 8, "wait", paired=True)
     assert eight.accumulate_earlier + eight.accumulate_final == 44  # against 76 one by one
+    assert update_bytes(2, 8, paired=True).timed == 32 + 34  # 8 B fewer than summing the last pair first
     assert update_bytes(2, 8, device_sum=True, paired=True).timed == 30  # nothing summed on the host
 
 
@@ -128,7 +134,8 @@ def test_clipping_reads_a_gradient_for_its_norm_only_where_the_device_cannot_sum
     four, four_clipped = profile(B, accumulation_steps=4), profile(B, accumulation_steps=4, clipping=True)
     unit = UnitPlan("prefetch", "prefetch")
     extra = option_cost(four_clipped, links(B), 1, unit).hm - option_cost(four, links(B), 1, unit).hm
-    assert extra == pytest.approx(N * 4 / (B * 1e9), rel=1e-9)
+    # the norm reads the 4 B sum, which clipping needs whole: the last pair is summed first (8 B more)
+    assert extra == pytest.approx(N * (4 + 8) / (B * 1e9), rel=1e-9)
 
 
 def test_the_scheduler_moves_updates_to_the_device_when_host_memory_shrinks():

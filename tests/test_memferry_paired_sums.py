@@ -1,7 +1,9 @@
 """Micro-batches summed two at a time on the host (``accumulation.paired_units``): a paired unit's
 gradients land in two zones in turn and one pass adds both to the fp32 sum, in the order two
 passes would. Bit-equal to summing them one by one, for even and odd micro-batch counts and for
-a step cut short; the pass, the eligibility and the host bytes checked on their own."""
+a step cut short; the pass, the eligibility and the host bytes checked on their own. Without
+clipping a step's last pair is added by the update as it reads it (``UnitShadow.last_pair``),
+bit-equal to summing it first."""
 from __future__ import annotations
 
 import copy
@@ -13,7 +15,8 @@ import strategies.memferry.engine as engine_module
 from strategies.memferry import AdamW, MemFerry, Plan, UnitPlan
 from strategies.memferry.accumulation import paired_units
 from strategies.memferry.host_kernel import SinglePassKernel, TorchKernel
-from strategies.memferry.shadow import host_bytes_needed
+from strategies.memferry.host_loops import host_loops
+from strategies.memferry.shadow import UnitShadow, host_bytes_needed
 from strategies.memferry.units import split_units
 from tests.test_memferry_numerics import TinyGPT, batches, lm_loss
 
@@ -42,6 +45,43 @@ PLAN = Plan([UnitPlan("prefetch", "prefetch"), UnitPlan("resident", "resident", 
              UnitPlan("resident", "resident"), UnitPlan("prefetch", "prefetch", accumulate="device")])
 
 
+
+@pytest.mark.parametrize("kind", ["single-pass", "torch"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("work", [torch.bfloat16, None])
+@pytest.mark.parametrize("earlier", [True, False])
+def test_an_update_from_the_last_pair_equals_summing_it_first(kind, dtype, work, earlier):
+    """``(acc + g0) + g1`` (``earlier``: micro-batches summed before the pair) or ``g0 + g1`` read
+    in the update's sweep: master, moments and working copy bit-equal to summing into ``grad_acc``
+    and updating from it (both kernels); ``grad_acc`` itself is only read."""
+    if kind == "single-pass" and dtype not in host_loops().dtypes:
+        pytest.skip(f"{dtype} not built here")
+    torch.manual_seed(1)
+    n = 2**16 + 5
+    g0, g1 = (torch.randn(n) * 10).to(dtype), (torch.randn(n) * 1e-3).to(dtype)
+    acc0 = torch.randn(n) * 100
+
+    def shadow() -> UnitShadow:
+        master = torch.linspace(-2, 2, n)
+        s = UnitShadow(None, master if work is None else master.to(work), master, torch.zeros(n), torch.zeros(n),
+                       g0.clone(), g0.clone(), None, [])
+        s.grad_stage2, s.grad_acc, s.accumulated = g1.clone(), acc0.clone(), earlier
+        return s
+
+    fused, summed = shadow(), shadow()
+    cfg = AdamW(weight_decay=0.1)
+    k = (SinglePassKernel(cfg, [fused, summed], threads=2) if kind == "single-pass"
+         else TorchKernel(cfg, [fused, summed], chunk=1000))
+    fused.last_pair = True
+    k.apply(fused, 1.0)
+    k.accumulate_pair(summed.grad_acc, summed.grad_stage, summed.grad_stage2, init=not earlier)
+    summed.accumulated = True
+    k.apply(summed, 1.0)
+    for name in ("master", "exp_avg", "exp_avg_sq", "work"):
+        assert torch.equal(getattr(fused, name), getattr(summed, name)), name
+    assert torch.equal(fused.grad_acc, acc0)  # read, never written
+
+
 def _train(cpu_backend, monkeypatch, paired: bool, micro: list[int], n: int, clip: float | None) -> dict:
     """Steps of ``micro[i]`` micro-batches each (fewer than ``n``: the step is cut short), bf16 compute."""
     if not paired:
@@ -55,10 +95,11 @@ def _train(cpu_backend, monkeypatch, paired: bool, micro: list[int], n: int, cli
     # paired: the host-updated blocks summing on the host (0, 2) and the rest unit; not the
     # device-updated block 1 nor block 3, which sums on the device
     assert zones == ([0, 2, 4] if paired else [])
-    pairs = []
+    pairs, fused = [], []
     kernel = engine.optimizer.kernel
-    real = kernel.accumulate_pair
+    real, real_pieces = kernel.accumulate_pair, kernel.pieces
     kernel.accumulate_pair = lambda *a, **k: (pairs.append(1), real(*a, **k))
+    kernel.pieces = lambda sh, *a, **k: (fused.append(len(sh.grad_terms) > 1), real_pieces(sh, *a, **k))[1]
     for count in micro:
         for _ in range(count):
             x, y = next(data)
@@ -66,8 +107,11 @@ def _train(cpu_backend, monkeypatch, paired: bool, micro: list[int], n: int, cli
         engine.step()
     state = engine.state_dict()
     engine.close()
-    # every two micro-batches of a step made one pass per paired unit
-    assert len(pairs) == (len(zones) * sum(c // 2 for c in micro))
+    # every two micro-batches of a step made one pass per paired unit; without clipping, a whole
+    # step that ends with a pair leaves that pair to the update, which adds it as it reads
+    ends_in_pair = sum(clip is None and c == n and n % 2 == 0 for c in micro)
+    assert len(pairs) == len(zones) * (sum(c // 2 for c in micro) - ends_in_pair)
+    assert sum(fused) == len(zones) * ends_in_pair
     monkeypatch.undo()
     return state
 

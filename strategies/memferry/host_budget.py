@@ -11,7 +11,8 @@ AdamW took 0.24 ns per parameter alone and 0.33 while both copy directions ran a
   ``accumulation_steps`` N > 1 the micro-batches are summed into an fp32 buffer on the host
   (the first copied: 4 + g bytes, each later one added: 8 + g; or two at a time where the
   engine pairs them: 4 + 2g for the first pair, 8 + 2g for each later one) and the pass reads
-  that fp32 sum (a unit planned ``accumulate="device"`` sums on the device instead: the host only
+  that fp32 sum (without clipping, a last pair is not summed: the pass reads it and the sum
+  before it, 4 + 2g instead of 4 + (8 + 2g); a unit planned ``accumulate="device"`` sums on the device instead: the host only
   receives the fp32 sum, 4 B per parameter over the link once a step, and the pass reads it);
   speculative clipping updates a 16-bit-compute unit into a spare master and moments (no bytes
   more) but writes an fp32-compute unit's old master and moments to a backup in the update's own
@@ -98,6 +99,8 @@ def update_bytes(dtype_bytes: int, accumulation_steps: int = 1, clip_mode: str =
     ``device_sum``: the micro-batches are summed on the device (the host sums nothing);
     ``paired``: the host sums them two at a time (``accumulation.paired_units``): the sum is
     read and written once per pair (first pair 4 + 2g, later ones 8 + 2g, an odd last 8 + g);
+    without clipping a step that ends with a pair leaves it to the update, which reads the pair
+    and the sum before it (2g, or 4 + 2g) instead of the fp32 sum (``LandingZones.fuse_last_pair``);
     ``host_norm``: with clipping, the host reads the gradient for its norm (False: the device
     sums its squares, ``clip_norms.norm_on_device``)."""
     g, n = dtype_bytes, max(1, int(accumulation_steps))
@@ -110,6 +113,9 @@ def update_bytes(dtype_bytes: int, accumulation_steps: int = 1, clip_mode: str =
         total = (ACC_BYTES + 2 * g) + (pairs - 1) * (add + g) + lone * add
         final = add if lone else (ACC_BYTES + 2 * g if pairs == 1 else add + g)
         earlier = total - final
+        if not lone and not clip_mode:  # the update adds the last pair (and the sum before it) as it reads
+            kernel += 2 * g - ACC_BYTES + (ACC_BYTES if pairs > 1 else 0)
+            final = 0
     else:
         final, earlier = (add, (ACC_BYTES + g) + (n - 2) * add) if host_sum else (0, 0)
     return UpdateBytes(kernel, final, earlier,

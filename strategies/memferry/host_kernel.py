@@ -53,7 +53,8 @@ Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 class HostKernel:
     """Applies one AdamW step to a host-homed unit (gradient already in ``grad_source``: the
-    landed ``grad_stage``, or the fp32 sum of a step's micro-batches).
+    landed ``grad_stage``, or the fp32 sum of a step's micro-batches; or the sum of
+    ``grad_terms``, a last pair of micro-batches the kernel adds as it reads them).
 
     ``apply`` returns the seconds spent per phase (``upcast``, ``adamw``, ``writeback``,
     ``backup``; a single-pass kernel reports its sweeps as ``adamw``) and advances ``shadow.step``.
@@ -166,15 +167,17 @@ class TorchKernel(HostKernel):
         self._optims = {id(s): [flat_adamw(s.master[a:b], s.exp_avg[a:b], s.exp_avg_sq[a:b], s.step, cfg,
                                            weight_decay=None if decays else 0.0)
                                 for a, b, decays in ranges[id(s)]] for s in shadows}
-        low = [s for s in shadows if s.grad_stage.dtype != torch.float32]
+        # Upcast (16-bit) or summed (a last pair, ``UnitShadow.grad_terms``) gradients need scratch.
+        low = [s for s in shadows if s.grad_stage.dtype != torch.float32 or s.grad_stage2 is not None]
         largest = max((min(chunk, s.master.numel()) for s in low), default=0)
         # One fp32 gradient chunk, reused: the worker updates one unit at a time.
         self._scratch = torch.empty(largest, dtype=torch.float32) if largest else None
 
     def pieces(self, s: UnitShadow, coef: float, save: Triple | None = None, source: Triple | None = None,
                whole: bool = False) -> Iterator[dict[str, float]]:
-        src = s.grad_source  # cache-sized chunks either way: the three passes need them
-        low = src.dtype != torch.float32
+        terms = s.grad_terms  # cache-sized chunks either way: the three passes need them
+        src = terms[0]
+        low = src.dtype != torch.float32 or len(terms) > 1
         work = None if s.master_is_work else s.train_work
         state = (s.master, s.exp_avg, s.exp_avg_sq)
         bounds = self._bounds[id(s)]
@@ -193,6 +196,8 @@ class TorchKernel(HostKernel):
             if low:
                 g = self._scratch[: b - a]
                 g.copy_(src[a:b])
+                for t in terms[1:]:  # a last pair, added in accumulate_pair's order
+                    g.add_(t[a:b])
             else:
                 g = src[a:b]  # fp32 gradients (landed or accumulated) are used in place; consumed by this update
             if coef != 1.0:
@@ -236,10 +241,11 @@ class SinglePassKernel(HostKernel):
 
     #: Elements per piece (:meth:`HostKernel.pieces`): about 5 ms at the H200 host's rate, the
     #: longest the worker keeps the training thread waiting for a gradient norm, or a unit due
-    #: sooner (``AdamW.host_order="deadline"``). Smaller pieces cost rate: on the 2-core
-    #: machine 8 M-element pieces ran 14 % slower per parameter than one call, 16 M ones 2 %
-    #: (bench/results/2026-12-03-cpu-session16/host-calls.md). A whole update is one call per
-    #: weight-decay group; the loop keeps its threads between calls (``host_loops.c``).
+    #: sooner (``AdamW.host_order="deadline"``). Each call ends when its slowest thread does:
+    #: with a fixed part per thread, 16 M-element pieces of a 50 M update ran 20 % slower per
+    #: parameter than one call on the H200's host; with parts handed out in chunks
+    #: (``host_loops.c``), 4.5 % (bench/results/2026-12-03-h200-session17/). A whole update is
+    #: one call per weight-decay group; the loop keeps its threads between calls.
     piece = 1 << 24
 
     def __init__(self, cfg: AdamW, shadows: list[UnitShadow] = (), threads: int | None = None) -> None:
@@ -257,7 +263,7 @@ class SinglePassKernel(HostKernel):
         step, lr = s.step + 1, self.lr  # fixed for the whole unit, whatever happens between pieces
         b1, b2 = (float(b) for b in self.cfg.betas)
         bc1, bc2 = 1.0 - b1 ** step, 1.0 - b2 ** step
-        grad = s.grad_source
+        terms = s.grad_terms
         work = None if s.master_is_work else s.train_work
         ranges = decay_ranges(s.master.numel(), s.decay_end, None if whole else self.piece)
         if not ranges:  # nothing trainable: the step still counts
@@ -266,7 +272,7 @@ class SinglePassKernel(HostKernel):
         for k, (a, b, decays) in enumerate(ranges):
             t0 = time.perf_counter()
             wd = self.cfg.weight_decay if decays else 0.0
-            self._loops.adamw(s.master[a:b], grad[a:b], s.exp_avg[a:b], s.exp_avg_sq[a:b],
+            self._loops.adamw(s.master[a:b], tuple(t[a:b] for t in terms), s.exp_avg[a:b], s.exp_avg_sq[a:b],
                               None if work is None else work[a:b], grad_scale=coef, decay=1.0 - lr * wd,
                               beta1=b1, beta2=b2, bias_correction2_sqrt=math.sqrt(bc2), eps=float(self.cfg.eps),
                               step_size=lr / bc1, threads=self.threads,

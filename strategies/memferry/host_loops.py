@@ -105,7 +105,7 @@ class HostLoops:
         lib = ctypes.CDLL(str(path))
         p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.xpu_adamw.argtypes = [c_int, c_int, p, p, p, p, p, i64, ctypes.POINTER(ctypes.c_float), c_int,
-                                  c_int, p, p, p]
+                                  c_int, p, p, p, p, p]
         lib.xpu_adamw.restype = c_int
         lib.xpu_sqnorm.argtypes = [c_int, p, i64, c_int, p, ctypes.POINTER(ctypes.c_double)]
         lib.xpu_sqnorm.restype = c_int
@@ -131,14 +131,18 @@ class HostLoops:
                 raise ValueError(f"{what} must be a contiguous host tensor of {n} elements, got "
                                  f"{tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})")
 
-    def adamw(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-              work: torch.Tensor | None, *, grad_scale: float, decay: float, beta1: float, beta2: float,
-              bias_correction2_sqrt: float, eps: float, step_size: float, threads: int,
+    def adamw(self, master: torch.Tensor, grad: torch.Tensor | tuple[torch.Tensor, ...], exp_avg: torch.Tensor,
+              exp_avg_sq: torch.Tensor, work: torch.Tensor | None, *, grad_scale: float, decay: float, beta1: float,
+              beta2: float, bias_correction2_sqrt: float, eps: float, step_size: float, threads: int,
               save: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
               source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         """One AdamW step in place over fp32 ``master``/moments, ``grad`` of any built dtype, and
         (unless None) the ``work`` copy written from the updated master.
 
+        ``grad`` may also be a step's last two micro-batches, summed as the sweep reads them and
+        in the order :meth:`accumulate_pair` adds them (bit-equal to summing first): ``(g0, g1)``
+        for ``g0 + g1``, or ``(acc, g0, g1)`` for ``(acc + g0) + g1`` with ``acc`` the fp32 sum
+        of the micro-batches before (read, not written).
         ``decay`` is ``1 - lr * weight_decay`` and ``step_size`` ``lr / bias_correction1``; each
         scalar is rounded to fp32 once, as torch's ops round their Python-float arguments.
         ``save``: fp32 (master, exp_avg, exp_avg_sq) to receive the old values in the same sweep;
@@ -147,24 +151,35 @@ class HostLoops:
         n = master.numel()
         if save is not None and source is not None:
             raise ValueError("adamw takes save or source, not both")
+        terms = grad if isinstance(grad, tuple) else (grad,)
+        if len(terms) not in (1, 2, 3):
+            raise ValueError(f"grad must be a tensor, (g0, g1) or (acc, g0, g1); got {len(terms)} tensors")
+        if len(terms) > 1 and (save is not None or source is not None):
+            raise ValueError("an update from a pair of micro-batches takes no save or source")
+        acc = terms[0] if len(terms) == 3 else None
+        g0, g1 = (terms[-2], terms[-1]) if len(terms) > 1 else (terms[0], None)
         backup = save if save is not None else source
-        tensors = {"master": master, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "work": work}
+        tensors = {"master": master, "grad": g0, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "work": work,
+                   "last grad": g1, "acc": acc}
         if backup is not None:
             tensors.update(zip(("backup master", "backup exp_avg", "backup exp_avg_sq"), backup))
         self._check(tensors, n)
         for what, t in tensors.items():
-            if what != "grad" and what != "work" and t.dtype != torch.float32:
+            if t is not None and what not in ("grad", "work", "last grad") and t.dtype != torch.float32:
                 raise ValueError(f"{what} must be fp32, got {t.dtype}")
+        if g1 is not None and g1.dtype != g0.dtype:
+            raise ValueError(f"a pair of micro-batches must share a dtype, got {g0.dtype} and {g1.dtype}")
         hp = (ctypes.c_float * 8)(grad_scale, decay, 1.0 - beta1, beta2, 1.0 - beta2, bias_correction2_sqrt, eps,
                                   -step_size)
         wkind = -1 if work is None else self._kind(work, "work")
-        form = 0 if backup is None else 1 if save is not None else 2
+        form = 3 if acc is not None else 4 if g1 is not None else 0 if backup is None else 1 if save is not None else 2
         bp, bm, bv = (t.data_ptr() for t in backup) if backup is not None else (0, 0, 0)
-        rc = self._lib.xpu_adamw(self._kind(grad, "grad"), wkind, master.data_ptr(), grad.data_ptr(),
+        rc = self._lib.xpu_adamw(self._kind(g0, "grad"), wkind, master.data_ptr(), g0.data_ptr(),
                                  exp_avg.data_ptr(), exp_avg_sq.data_ptr(), 0 if work is None else work.data_ptr(),
-                                 n, hp, int(threads), form, bp, bm, bv)
+                                 n, hp, int(threads), form, bp, bm, bv, 0 if acc is None else acc.data_ptr(),
+                                 0 if g1 is None else g1.data_ptr())
         if rc != 0:
-            raise ValueError(f"no AdamW loop for grad {grad.dtype} / work {None if work is None else work.dtype}")
+            raise ValueError(f"no AdamW loop for grad {g0.dtype} / work {None if work is None else work.dtype}")
 
     def accumulate(self, acc: torch.Tensor, grad: torch.Tensor, threads: int) -> None:
         """``acc += grad`` in place: fp32 ``acc``, a 16-bit ``grad`` read once (no fp32 temporary)."""

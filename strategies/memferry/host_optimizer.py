@@ -81,7 +81,8 @@ class HostOptimizer:
         self._done = [threading.Event() for _ in shadows]  # unit i's working copy holds its latest update
         for ev in self._done:
             ev.set()
-        self._zones = LandingZones(shadows, self.kernel)
+        # Without clipping nothing but the update reads a step's gradient: it may sum the last pair itself.
+        self._zones = LandingZones(shadows, self.kernel, fuse_last_pair=cfg.max_grad_norm is None and clip is None)
         self._open: set[int] = set()  # training side: units with accumulated gradients and no update queued
         self._tasks: queue.Queue = queue.Queue()
         # Worker side: the tasks in the order the device needs their results (host_tasks.py), and

@@ -60,11 +60,24 @@ class UnitShadow:
     accumulated: bool = False
     #: the second landing zone of a unit whose micro-batches are summed two at a time (None: one zone)
     grad_stage2: torch.Tensor | None = None
+    #: the step's last two micro-batches wait in both zones, not summed: the update adds them as
+    #: it reads them (``LandingZones(fuse_last_pair=True)``, :attr:`grad_terms`)
+    last_pair: bool = False
 
     @property
     def grad_source(self) -> torch.Tensor:
         """The gradient the next update reads: the accumulated sum when there is one, else the landed one."""
         return self.grad_acc if self.accumulated and self.grad_acc is not None else self.grad_stage
+
+    @property
+    def grad_terms(self) -> tuple[torch.Tensor, ...]:
+        """What the next update sums, left to right in fp32, for its gradient: ``(grad_source,)``;
+        with :attr:`last_pair`, ``(grad_stage, grad_stage2)``, after ``grad_acc`` when earlier
+        micro-batches were summed into it."""
+        if not self.last_pair:
+            return (self.grad_source,)
+        pair = (self.grad_stage, self.grad_stage2)
+        return (self.grad_acc, *pair) if self.accumulated else pair
 
     @property
     def master_is_work(self) -> bool:
