@@ -1,4 +1,4 @@
-"""The rehearsal step's host-rate check (``host_calibration.py``): where the step's host updates
+"""The rehearsal's host-rate check (``host_calibration.py``): where the step's host updates
 ran far off the rate the plan assumed, the plan is priced again on the profile calibrated to the
 measured rate; where that moves its step (the host bounds it) the scheduler searches again, and a
 faster plan of another layout is built and rehearsed in its turn; within the tolerance the plan
@@ -24,7 +24,7 @@ from tests.test_memferry_scheduler_accum import batch, qwen2_tied
 def _measuring(monkeypatch, rate: float) -> None:
     """Host updates report ``rate`` seconds per parameter, and the check runs on the cpu backend."""
     monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
-    monkeypatch.setattr(HostOptimizer, "measured_s_per_param", lambda self: rate if self.updated_numel else None)
+    monkeypatch.setattr(HostOptimizer, "s_per_param_since", lambda self, start: rate if self.updated_numel else None)
 
 
 @pytest.fixture

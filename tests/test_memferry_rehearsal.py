@@ -14,9 +14,11 @@ import pytest
 import torch
 
 import strategies.memferry.profiler as profiler
+import strategies.memferry.rehearsal as rehearsal
 from strategies.memferry import AdamW, MemFerry
 from strategies.memferry.cost import links_from_probe
 from strategies.memferry.hf_models import model_loss
+from strategies.memferry.host_optimizer import HostOptimizer
 from strategies.memferry.planning import plan_for
 from strategies.memferry.scheduler import NoPlanFitsError, min_budget
 from tests.test_memferry_scheduler_accum import batch, qwen2_tied
@@ -67,11 +69,21 @@ def test_a_plan_over_its_budget_is_made_again_and_trains_under_the_cap(cpu_backe
     engine.close()
 
 
-def test_rehearsing_leaves_training_exactly_as_without_it(cpu_backend):
+@pytest.mark.parametrize("rate_checked", [False, True])
+def test_rehearsing_leaves_training_exactly_as_without_it(cpu_backend, monkeypatch, rate_checked):
     """Same plan, with and without the rehearsal: every weight and moment equal after three
-    clipped, decayed steps of two micro-batches."""
+    clipped, decayed steps of two micro-batches. ``rate_checked``: the host-rate check is on
+    (real devices; here its measurement is set to the plan's rate), so the rehearsal is two steps."""
     x, y = batch()
     plan = plan_for(qwen2_tied(), (x, y), None, backend=cpu_backend, memory_margin=0.0, accumulation_steps=2)
+    timed = []
+    if rate_checked:
+        monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
+        steps = []
+        real_step = MemFerry.step
+        monkeypatch.setattr(MemFerry, "step", lambda self: (steps.append(1), real_step(self))[1])
+        monkeypatch.setattr(HostOptimizer, "s_per_param_since",
+                            lambda self, start: (timed.append(len(steps)), plan.host_s_per_param)[1])
     out = []
     for rehearse in (True, False):
         engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5), plan=plan,
@@ -93,6 +105,7 @@ def test_rehearsing_leaves_training_exactly_as_without_it(cpu_backend):
     for name, st in a["optimizer"].items():
         assert all(torch.equal(st[k], b["optimizer"][name][k]) for k in ("master", "exp_avg", "exp_avg_sq")), name
         assert st["step"] == b["optimizer"][name]["step"] == 3
+    assert timed == ([2] if rate_checked else [])  # timed once, after the rehearsal's second step
 
 
 def test_when_no_plan_fits_after_the_rehearsal_the_model_comes_back_unchanged(cpu_backend, monkeypatch,

@@ -242,6 +242,17 @@ class HostOptimizer:
             return None
         return sum(self.time_s[phase] for phase in PHASES) / self.updated_numel
 
+    def counters(self) -> tuple[float, int]:
+        """(seconds, parameters) the updates finished so far took and updated, as
+        :meth:`measured_s_per_param` counts them, read now without waiting for queued work."""
+        return sum(self.time_s[phase] for phase in PHASES), self.updated_numel
+
+    def s_per_param_since(self, start: tuple[float, int]) -> float | None:
+        """:meth:`measured_s_per_param` of the updates finished since :meth:`counters` gave
+        ``start`` (None where none was)."""
+        seconds, numel = (b - a for a, b in zip(start, self.counters()))
+        return seconds / numel if numel else None
+
     def close(self) -> None:
         """Stop the worker after the queued work; every unit's state back in its own buffers."""
         self._finalizer()
