@@ -119,13 +119,15 @@ def test_the_worker_updates_in_the_next_forward_s_order_with_the_numbers_of_land
 def test_an_update_under_way_yields_between_pieces_to_a_unit_due_sooner(cpu_backend):
     engine, opt, published = _optimizer(cpu_backend, piece=4096)
     pieces_of = opt.kernel.pieces
-    landed0, gate, log = threading.Event(), threading.Event(), []
+    landed0, gate, log, window = threading.Event(), threading.Event(), [], []
 
     def pieces(s, coef, *args, **kwargs):
         for times in pieces_of(s, coef, *args, **kwargs):
             log.append(s.unit.index)
             if log == [3]:
                 landed0.set()  # block 0's gradient lands while block 3's update is under way
+            if log == [3, 0]:
+                window.append(opt.counters())  # a window opened with block 3's first piece done
             yield times
 
     opt.kernel.pieces = pieces
@@ -140,6 +142,8 @@ def test_an_update_under_way_yields_between_pieces_to_a_unit_due_sooner(cpu_back
     assert log == [3] + [0] * n0 + [3] * (n3 - 1)
     assert published == [0, 3]
     assert opt.updated_numel == opt.shadows[0].master.numel() + opt.shadows[3].master.numel()
+    # The window counts block 3's first piece with its parameters: nothing was complete at its start.
+    assert window == [(0.0, 0)] and opt.s_per_param_since(window[0]) == opt.measured_s_per_param()
 
 
 # ------------------------------------------------------------------ the cost model prices this order

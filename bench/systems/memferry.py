@@ -10,7 +10,7 @@ Options:
         clipped steps; the notes count them) or ``wait`` (see ``AdamW.clip_mode``).
     host_threads: CPU threads of the host optimizer (None: torch's default).
     host_kernel: ``auto``, ``torch`` or ``single-pass`` (see ``host_kernel.py``).
-    host_order: ``landing`` or ``deadline`` (``AdamW.host_order``; the plan is priced for the order given).
+    host_order: ``deadline`` (default) or ``landing`` (``AdamW.host_order``; the plan is priced for the order given).
     memory_margin: the scheduler's fragmentation margin on predicted peak memory (plan auto).
     loss_chunks: compute the model's loss over this many token slices, each slice's logits
         recomputed in backward (``CausalLM.loss_chunks``): frees the fp32 logits' memory for
@@ -75,7 +75,7 @@ class MemFerrySystem(BenchSystem):
         spec = "prefetch" if self._optimizer_alone else ctx.options["plan"]
         cfg = AdamW(**ctx.adamw_kwargs(), max_grad_norm=ctx.options["max_grad_norm"],
                     host_threads=ctx.options["host_threads"], host_kernel=ctx.options["host_kernel"],
-                    clip_mode=ctx.options.get("clip_mode", "speculative"), host_order=ctx.options.get("host_order", "landing"))
+                    clip_mode=ctx.options.get("clip_mode", "speculative"), host_order=ctx.options.get("host_order", "deadline"))
         sample = None
         if spec == "auto":  # the scheduler profiles one batch of the scenario's shape under the device cap
             vocab = _vocab(ctx)

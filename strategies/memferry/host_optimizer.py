@@ -25,6 +25,7 @@ A unit summed on the device (``UnitPlan.accumulate="device"``) is submitted once
 """
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -109,9 +110,9 @@ class HostOptimizer:
         #: speculated because the step's running norm already made it clip).
         self.clip_stats = {"steps": 0, "rollback_steps": 0, "speculated_units": 0, "rolled_back_units": 0,
                            "held_units": 0, "direct_units": 0, "sure_units": 0}
-        # Worker side, this step's squared norm so far: the host's part, the device's running sum
-        # as last landed, and whether together they already make the step clip.
-        self._sqnorm, self._device_sq, self._sure = 0.0, 0.0, False
+        # Worker side, this step's squared norm so far: the host's part (per unit, summed exactly,
+        # so deadline order's timing cannot change it), the device's, and whether they make it clip.
+        self._sq_terms, self._device_sq, self._sure = [], 0.0, False
         self._error: BaseException | None = None
         #: seconds spent per phase, for the scheduler's cost model: waiting for gradients to
         #: land, upcasting them, the AdamW kernel, writing the compute-dtype copy; and
@@ -121,6 +122,9 @@ class HostOptimizer:
                        "backup": 0.0}
         #: parameters updated so far (this rank's shards), for :meth:`measured_s_per_param`.
         self.updated_numel = 0
+        # Worker side: seconds of pieces run for updates not yet complete, by unit, and in all.
+        self._partial: dict[int, float] = {}
+        self._partial_s = 0.0
         self._thread = threading.Thread(target=self._run, name="memferry-host-adamw", daemon=True)
         self._thread.start()
         # Stop the worker when this object goes, or at interpreter exit if nobody closed the
@@ -236,16 +240,16 @@ class HostOptimizer:
     def measured_s_per_param(self) -> float | None:
         """Seconds per parameter the updates so far took (upcast, AdamW and write-back, which
         under data parallelism includes the weight exchange, and speculative clipping's backups;
-        not the waits; a rolled-back update counts twice), the figure the
-        scheduler's profile predicts; None before any update."""
-        if not self.updated_numel:
-            return None
-        return sum(self.time_s[phase] for phase in PHASES) / self.updated_numel
+        not the waits; a rolled-back update counts twice), the figure the scheduler's profile
+        predicts; None before any update."""
+        return self.s_per_param_since((0.0, 0))
 
     def counters(self) -> tuple[float, int]:
         """(seconds, parameters) the updates finished so far took and updated, as
-        :meth:`measured_s_per_param` counts them, read now without waiting for queued work."""
-        return sum(self.time_s[phase] for phase in PHASES), self.updated_numel
+        :meth:`measured_s_per_param` counts them, read now without waiting for queued work:
+        pieces of updates still under way are left out until they finish (else a window that
+        starts mid-update would count the update's parameters but only some of its seconds)."""
+        return sum(self.time_s[phase] for phase in PHASES) - self._partial_s, self.updated_numel
 
     def s_per_param_since(self, start: tuple[float, int]) -> float | None:
         """:meth:`measured_s_per_param` of the updates finished since :meth:`counters` gave
@@ -293,13 +297,14 @@ class HostOptimizer:
                     for i in due:
                         self._finalize(i)
                 elif kind == "norm":
-                    callback(self._sqnorm)
+                    callback(math.fsum(self._sq_terms))  # exactly rounded: any order units finish in
                 elif kind == "stats":
                     callback(dict(self.clip_stats))
                 elif kind == "reset":
                     self.time_s = dict.fromkeys(self.time_s, 0.0)
                     self.clip_stats = dict.fromkeys(self.clip_stats, 0)
-                    self.updated_numel, self._expect = 0, None
+                    self.updated_numel, self._expect, self._partial_s = 0, None, 0.0
+                    self._partial.clear()
                     callback(None)
                 elif kind == "settle":
                     while self._running is not None or self._to_speculate:
@@ -358,10 +363,10 @@ class HostOptimizer:
                 self._paused[index] = (self.kernel.pieces(s, 1.0), s.step + 1)
             return
         if self._clip is None or index not in self._clip.device_normed:
-            self._sqnorm += self.kernel.sqnorm(s.grad_source)
+            self._sq_terms.append(self.kernel.sqnorm(s.grad_source))
         else:  # the device's running sum so far (landed with this gradient, after every earlier one)
             self._device_sq = float(self._clip.partials[index])
-        if not self._sure and clips(self._device_sq + self._sqnorm, self.cfg.max_grad_norm):
+        if not self._sure and clips(self._device_sq + math.fsum(self._sq_terms), self.cfg.max_grad_norm):
             self._sure = True  # whatever comes later: speculating now would only be re-applied
             self.clip_stats["sure_units"] += len(self._to_speculate)
             self._to_speculate.clear()
@@ -395,10 +400,9 @@ class HostOptimizer:
             times = next(held.pieces, None)
         if times is None:
             held.pieces, self._running = None, None
-            self.updated_numel += s.master.numel()
+            self._count(held.index, {}, done=True)
             return
-        for phase, seconds in times.items():
-            self.time_s[phase] += seconds
+        self._count(held.index, times, done=False)
 
     def _resume(self, index: int) -> None:
         """One piece of unit ``index``'s paused update; publish it after the last."""
@@ -406,12 +410,25 @@ class HostOptimizer:
         s = self.shadows[index]
         with torch.profiler.record_function(f"optimizer:host {s.unit.name}"):
             times = next(pieces, {})
+        done = s.step == done_step  # the kernel counts the step with its last piece
+        self._count(index, times, done)
+        if done:
+            del self._paused[index]
+            self._publish(index)
+
+    def _count(self, index: int, times: dict[str, float], done: bool) -> None:
+        """Add a piece's seconds per phase; ``done``: unit ``index``'s update is complete, count its
+        parameters. Seconds of updates under way are kept apart too, for :meth:`counters`."""
+        spent = 0.0
         for phase, seconds in times.items():
             self.time_s[phase] += seconds
-        if s.step == done_step:  # the kernel counts the step with its last piece
-            del self._paused[index]
-            self.updated_numel += s.master.numel()
-            self._publish(index)
+            spent += seconds
+        if done:
+            self._partial_s -= self._partial.pop(index, 0.0)
+            self.updated_numel += self.shadows[index].master.numel()
+        else:
+            self._partial[index] = self._partial.get(index, 0.0) + spent
+            self._partial_s += spent
 
     def _finish_running(self) -> None:
         """Complete the speculative update under way, if any."""
@@ -444,7 +461,7 @@ class HostOptimizer:
             if held.old is not None:
                 self._backups.release(s, held.old)
         self._expect = len(self._order)
-        self._order, self._sqnorm, self._device_sq, self._sure = [], 0.0, 0.0, False
+        self._order, self._sq_terms, self._device_sq, self._sure = [], [], 0.0, False
         self.clip_stats["steps"] += 1
         self.clip_stats["rollback_steps"] += int(rolled > 0)
         self.clip_stats["rolled_back_units"] += rolled

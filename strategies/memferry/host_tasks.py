@@ -3,7 +3,7 @@
 Gradients land in backward order (the last block first), but the next forward needs the
 updates in the opposite order (the first block first). Taking them as they landed leaves the
 first blocks' updates for last, so a host that has fallen behind holds up the next forward from
-its first block. With ``AdamW.host_order="deadline"`` the worker instead takes, among the
+its first block. With ``AdamW.host_order="deadline"`` (the default) the worker instead takes, among the
 gradients that have landed, the one whose result the device will need first (earliest deadline
 first):
 
@@ -21,7 +21,7 @@ numbers (each unit's update reads only its own state). The cost model prices eit
 
 A task that is not a gradient (``finish``, ``lr``, ``flush``, a question) is a barrier: nothing
 behind it moves ahead of it, and it runs once every update started before it is complete.
-Without a deadline (``host_order="landing"``, the default, and always under data parallelism,
+Without a deadline (``host_order="landing"``, and always under data parallelism,
 where every rank must exchange shards in the same order) tasks run in arrival order, each
 update whole.
 """
