@@ -142,3 +142,23 @@ def test_which_units_are_paired_and_what_their_zone_costs():
     extra = host_bytes_needed(units, homes, accumulate=True, paired=frozenset({0})) - host_bytes_needed(
         units, homes, accumulate=True)
     assert extra == units[0].train_numel * 4  # a second fp32 landing zone (the model is fp32)
+
+
+def test_an_update_from_a_pair_refuses_what_it_cannot_sum():
+    loops = host_loops()
+    n = 1000
+    p, m, v, acc = (torch.zeros(n) for _ in range(4))
+    g = torch.zeros(n, dtype=torch.bfloat16)
+    kw = dict(grad_scale=1.0, decay=1.0, beta1=0.9, beta2=0.99, bias_correction2_sqrt=1.0, eps=1e-8, step_size=1e-3,
+              threads=1)
+    with pytest.raises(ValueError, match=r"grad must be a tensor, \(g0, g1\) or \(acc, g0, g1\); got 4 tensors"):
+        loops.adamw(p, (acc, g, g, g), m, v, None, **kw)
+    with pytest.raises(ValueError, match="must share a dtype, got torch.bfloat16 and torch.float32"):
+        loops.adamw(p, (g, acc), m, v, None, **kw)
+    with pytest.raises(ValueError, match="acc must be fp32, got torch.bfloat16"):
+        loops.adamw(p, (g, g, g), m, v, None, **kw)
+    with pytest.raises(ValueError, match="takes no save or source"):
+        loops.adamw(p, (g, g), m, v, None, save=(acc, acc, acc), **kw)
+    with pytest.raises(ValueError, match="last grad must be a contiguous host tensor of 1000 elements"):
+        loops.adamw(p, (g, g[:10]), m, v, None, **kw)
+    assert torch.equal(p, torch.zeros(n)) and torch.equal(m, torch.zeros(n))  # nothing was changed
