@@ -12,8 +12,9 @@ AdamW took 0.24 ns per parameter alone and 0.33 while both copy directions ran a
   (the first copied: 4 + g bytes, each later one added: 8 + g; or two at a time where the
   engine pairs them: 4 + 2g for the first pair, 8 + 2g for each later one) and the pass reads
   that fp32 sum (without clipping, a last pair is not summed: the pass reads it and the sum
-  before it, 4 + 2g instead of 4 + (8 + 2g); a unit planned ``accumulate="device"`` sums on the device instead: the host only
-  receives the fp32 sum, 4 B per parameter over the link once a step, and the pass reads it);
+  before it, 4 + 2g instead of 4 + (8 + 2g); a unit planned ``accumulate="device"`` sums on the
+  device instead: the host only receives the fp32 sum, 4 B per parameter over the link once a
+  step, and the pass reads it);
   speculative clipping updates a 16-bit-compute unit into a spare master and moments (no bytes
   more) but writes an fp32-compute unit's old master and moments to a backup in the update's own
   sweep (12 B written; ``speculative_clip.py``), and clipping reads the gradient once more for
@@ -114,7 +115,7 @@ def update_bytes(dtype_bytes: int, accumulation_steps: int = 1, clip_mode: str =
         final = add if lone else (ACC_BYTES + 2 * g if pairs == 1 else add + g)
         earlier = total - final
         if not lone and not clip_mode:  # the update adds the last pair (and the sum before it) as it reads
-            kernel += 2 * g - ACC_BYTES + (ACC_BYTES if pairs > 1 else 0)
+            kernel += 2 * g - (0 if pairs > 1 else ACC_BYTES)  # no fp32 sum to read when the pair is all
             final = 0
     else:
         final, earlier = (add, (ACC_BYTES + g) + (n - 2) * add) if host_sum else (0, 0)

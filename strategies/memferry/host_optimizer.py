@@ -122,7 +122,8 @@ class HostOptimizer:
                        "backup": 0.0}
         #: parameters updated so far (this rank's shards), for :meth:`measured_s_per_param`.
         self.updated_numel = 0
-        # Worker side: seconds of pieces run for updates not yet complete, by unit, and in all.
+        # Worker side: seconds of pieces run for updates not yet complete, by unit, and their total
+        # (one float, which the training thread reads in counters()).
         self._partial: dict[int, float] = {}
         self._partial_s = 0.0
         self._thread = threading.Thread(target=self._run, name="memferry-host-adamw", daemon=True)
@@ -383,7 +384,8 @@ class HostOptimizer:
         (taking backup room, or leaving the unit held where there is none)."""
         if self._running is None:  # in landing order, or the unit the next forward needs first
             deadline, waiting = self._board.deadline, self._to_speculate
-            held = waiting.pop(0 if deadline is None else min(range(len(waiting)), key=lambda k: deadline(waiting[k].index)))
+            held = waiting.pop(0 if deadline is None
+                               else min(range(len(waiting)), key=lambda k: deadline(waiting[k].index)))
             s = self.shadows[held.index]
             room = self._backups.reserve(s)
             if room is None:
@@ -479,9 +481,7 @@ class HostOptimizer:
         # A named span, so a profiler trace (the benchmark's timelines) shows host updates
         # on the CPU optimizer lane beside the device's backward.
         with torch.profiler.record_function(f"optimizer:host {s.unit.name}"):
-            for phase, seconds in self.kernel.apply(s, coef, source=source).items():
-                self.time_s[phase] += seconds
-            self.updated_numel += s.master.numel()
+            self._count(index, self.kernel.apply(s, coef, source=source), done=True)
             self._publish(index)
 
     def _publish(self, index: int) -> None:
