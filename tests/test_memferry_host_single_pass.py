@@ -197,14 +197,18 @@ def test_bad_tensors_are_one_line_errors():
                     bias_correction2_sqrt=1.0, eps=1e-8, step_size=1e-3, threads=1)
 
 
-def test_squared_norm_in_pieces_equals_the_whole_sum():
+def test_squared_norm_is_the_exact_sum_to_fp32_accumulation_in_pieces_or_whole():
     from strategies.memferry.adamw import squared_norm
 
-    t = torch.randn(1000, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    whole = t.double().square().sum()
-    assert squared_norm(t, chunk=2000).item() == whole.item()  # one piece: the same expression
-    assert squared_norm(t, chunk=64).item() == pytest.approx(whole.item(), rel=1e-14)
-    assert squared_norm(t, chunk=64).dtype == torch.float64
+    t = torch.randn(100_000, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16) * 1e-3
+    exact = t.double().square().sum().item()
+    whole, pieces = squared_norm(t), squared_norm(t, chunk=4096)
+    assert whole.dtype == pieces.dtype == torch.float64 and whole.dim() == 0
+    assert whole.item() == pytest.approx(exact, rel=1e-5)
+    assert pieces.item() == pytest.approx(exact, rel=1e-5)
+    assert squared_norm(t, chunk=4096).item() == pieces.item()  # deterministic: every path gets the same bits
+    assert squared_norm(t.double()).item() == pytest.approx(exact, rel=1e-12)  # fp64 gradients stay fp64
+    assert squared_norm(torch.zeros(7)).item() == 0.0
 
 
 @pytest.mark.parametrize("work_dtype", [torch.bfloat16, torch.float32, None])
