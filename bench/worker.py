@@ -124,6 +124,20 @@ def _prepare_env(spec: dict[str, Any]) -> None:
     os.environ.setdefault("XPU_CPU_DEVICES", "1")
 
 
+def _time_clipped_apart(row: dict[str, Any], warmup: int, steps: int) -> None:
+    """Where a system says which steps clipped (``row["clipped"]``, one flag per step run), add
+    the timed steps' mean with and without a clip: ``step_mean_clipped_s`` and
+    ``step_mean_unclipped_s`` (None where no such step), and ``clipped_timed`` (how many)."""
+    flags, times = row.get("clipped"), row.get("step_times_s")
+    if not flags or not times or len(flags) != len(times):
+        return
+    timed = list(zip(flags, times))[warmup:warmup + steps]
+    for key, want in (("step_mean_clipped_s", True), ("step_mean_unclipped_s", False)):
+        picked = [t for f, t in timed if f == want]
+        row[key] = round(statistics.fmean(picked), 5) if picked else None
+    row["clipped_timed"] = sum(f for f, _ in timed)
+
+
 def _classify(exc: BaseException, requires: tuple[str, ...]) -> tuple[str, str]:
     """(status, reason) for an exception raised while setting up or training."""
     import torch
@@ -283,6 +297,7 @@ def run_spec(spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | 
             row["peak_device_reserved_gb"] = stats.peak_reserved / _GB if tracked else None
             row["notes"] = getattr(system, "notes", "")
             row.update(getattr(system, "metrics", None) or {})
+            _time_clipped_apart(row, eff["warmup"], eff["steps"])
             row["status"] = "ok"
             if spec.get("timeline_path") and scenario.timeline:
                 _profile_step(backend, dev, system, inputs, targets, spec, row)

@@ -121,3 +121,24 @@ def test_last_grad_norm_is_the_norm_torch_clips_by(cpu_backend):
     lm_loss(model(data[0][0]), data[0][1]).backward()
     want = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
     assert norm == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("plan", [PREFETCH, lambda: Plan.uniform(4, UnitPlan("dha", "dha"))], ids=["device", "host"])
+def test_the_norm_history_is_each_steps_norm_and_coefficient(cpu_backend, plan):
+    """Wherever the norm is summed, ``grad_norm_history`` holds every step's norm (as
+    ``last_grad_norm`` read after it) and its coefficient, ``min(1, max / (norm + 1e-6))``;
+    its clipped steps are the ones counted; ``reset`` (after a rehearsal) forgets them."""
+    engine = _engine(cpu_backend, plan(), clip=0.96)  # this model's norms: 0.93-0.99
+    after = []
+    for x, y in batches(6):
+        engine.train_step(x, y)
+        after.append(engine.last_grad_norm)
+    history = engine.grad_norm_history
+    clipped = engine.clipped_steps
+    engine.clip.reset()
+    forgotten = engine.grad_norm_history
+    engine.close()
+    assert [n for n, _ in history] == after
+    assert [c for _, c in history] == [min(1.0, 0.96 / (n + 1e-6)) for n in after]
+    assert sum(c != 1.0 for _, c in history) == clipped and 0 < clipped < 6
+    assert forgotten == []

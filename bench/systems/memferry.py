@@ -131,8 +131,9 @@ class MemFerrySystem(BenchSystem):
     @property
     def metrics(self) -> dict[str, Any]:
         """The scheduler's ``predicted_step_s`` and ``predicted_peak_gb`` (its margin included;
-        plan ``auto``, else None), and the host optimizer's rate, the plan's and host memory's
-        floor (:func:`.host_rate.host_metrics`)."""
+        plan ``auto``, else None), the host optimizer's rate, the plan's and host memory's
+        floor (:func:`.host_rate.host_metrics`), and with clipping each step's ``grad_norms`` and
+        whether it ``clipped``."""
         if not self._steps:
             return {}
         self.engine.optimizer.wait_all()
@@ -140,7 +141,11 @@ class MemFerrySystem(BenchSystem):
         host = [s for s in self.engine.shadow.shadows if s.home == "host"]
         summed = sum(s.master.numel() for s in host if s in self.engine.executor.sums)
         peak = self.engine.plan.predicted_peak_bytes
-        return {"predicted_step_s": self.engine.plan.predicted_step_s,
+        clip = {}
+        if cfg.max_grad_norm is not None:  # per step, to time the steps that clipped apart (worker.py)
+            history = self.engine.grad_norm_history
+            clip = {"grad_norms": [round(n, 5) for n, _ in history], "clipped": [c != 1.0 for _, c in history]}
+        return {**clip, "predicted_step_s": self.engine.plan.predicted_step_s,
                 "predicted_peak_gb": None if peak is None else round(peak / 1e9, 4),
                 **host_metrics(*self.engine.host_rate(), self._ctx.dtype, self._accumulation,
                                cfg.clip_mode if cfg.max_grad_norm is not None else "", self._ctx.backend,

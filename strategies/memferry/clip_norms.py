@@ -23,12 +23,14 @@ the host's own part so far makes the coefficient fall below 1 (:func:`clips`), t
 clip: the host optimizer stops starting speculative updates, which would only be re-applied.
 
 Either way, the global norm of each step and how many steps clipped are kept
-(:class:`GlobalNormClip`), read when asked.
+(:class:`GlobalNormClip`, the last :data:`HISTORY` steps' norms and coefficients too), read when
+asked.
 """
 from __future__ import annotations
 
 import math
 import threading
+from collections import deque
 from typing import Any, Callable, Sequence
 
 import torch
@@ -40,6 +42,8 @@ __all__ = ["DeviceNorms", "GlobalNormClip", "PendingClip", "clips", "device_coef
 
 #: torch.nn.utils.clip_grad_norm_'s guard against division by zero.
 EPS = 1e-6
+#: Steps whose ``(norm, coefficient)`` :attr:`GlobalNormClip.history` keeps.
+HISTORY = 4096
 
 
 def clips(sq: float, max_norm: float) -> bool:
@@ -155,6 +159,7 @@ class GlobalNormClip:
         self._last: PendingClip | tuple[float, float] | None = None  # the last step's (norm, coef)
         self._uncounted: PendingClip | None = None
         self._clipped = 0
+        self._history: deque[tuple[float, float]] = deque(maxlen=HISTORY)
 
     @classmethod
     def for_plan(cls, backend: Any, max_norm: float, units: Sequence[Any], plan: Plan, host_homed: set[int],
@@ -202,6 +207,7 @@ class GlobalNormClip:
         coef = min(1.0, self.max_norm / (norm + EPS))  # as torch.nn.utils.clip_grad_norm_
         self._last = (norm, coef)
         self._clipped += coef != 1.0
+        self._history.append(self._last)
         return coef, coef
 
     @property
@@ -217,14 +223,24 @@ class GlobalNormClip:
         self._count()
         return self._clipped
 
+    @property
+    def history(self) -> list[tuple[float, float]]:
+        """``(norm, coefficient)`` of each step so far, oldest first (the last :data:`HISTORY`;
+        waits for the last step's)."""
+        self._count()
+        return list(self._history)
+
     def reset(self) -> None:
         """Forget the steps so far (after the engine's rehearsal step)."""
         self._count()
         self._last, self._clipped = None, 0
+        self._history.clear()
 
     def _count(self) -> None:
         if self._uncounted is not None:
-            self._clipped += self._uncounted.coef() != 1.0
+            values = self._uncounted.values()
+            self._clipped += values[1] != 1.0
+            self._history.append(values)
             self._uncounted = None
 
     def _buffer(self) -> torch.Tensor:

@@ -386,6 +386,12 @@ class MemFerry:
         ``held_units`` (no backup room: they waited). Waits for queued host work."""
         return {"clipped_steps": self.clipped_steps, **self.optimizer.clip_counts()}
 
+    @property
+    def grad_norm_history(self) -> list[tuple[float, float]]:
+        """``(global norm before clipping, clip coefficient)`` of each step so far, oldest first
+        (empty without clipping; the rehearsal's are forgotten). Waits for the last step's."""
+        return self.clip.history if self.clip is not None else []
+
     def host_rate(self) -> tuple[float | None, float | None]:
         """``(measured, planned)`` host AdamW seconds per parameter: what this engine's updates
         took so far, and what the scheduler's profile assumed (None without ``plan="auto"``)."""
