@@ -73,7 +73,8 @@ backward take their profiled ``fwd_selective_s`` and ``bwd_selective_s``) + pref
 their gradient: what OOMed the capped device12 run), one block's backward transient (its
 recomputed activations + its gradients) beside ``rest``'s gradients (held until backward's
 end), and a device-homed ``rest``'s update
-(:func:`transient_bytes`), all times ``1 + margin`` for allocator fragmentation
+(:func:`transient_bytes`; the last two beside the gradients device-homed units hold to the
+step's end under clipping alone, as many as are held at the worst block: ``State.d``), all times ``1 + margin`` for allocator fragmentation
 (``memory_margin``: the only reserve; none is added on top; it also covers CUDA's rounding
 and its cap on reserved bytes, docs/design.md §3.5). With gradient accumulation a
 device-homed unit's fp32 gradient buffer is resident all step, not its update's transient
@@ -104,16 +105,15 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from .accumulation import sums_in_pairs
-from .clip_norms import norm_on_device
+from .block_costs import DEVICE_ADD_SHARE, RING_SERIAL, STREAM_OVERHEAD, OptionCost, option_cost  # noqa: F401
 from .config import Plan, UnitPlan
-from .host_budget import host_budget, link_bytes, rest_terms, unit_terms
+from .host_budget import host_budget, rest_terms
 from .links import H200_DHA_ROWS, Links, links_from_probe  # noqa: F401  (re-exported: the cost model's inputs)
 from .memory_terms import (LOSS_SLICE_SHARE, auto_loss_chunks, device_bytes_per_param, device_sum_bytes,  # noqa: F401
                            grads_persist, held_grad_bytes, loss_peak_estimate, rest_resident_bytes, transient_bytes)
 
 if TYPE_CHECKING:  # the profiler imports torch; the model itself needs only numbers
-    from .profiler import BlockProfile, StepProfile
+    from .profiler import StepProfile
 
 __all__ = ["Links", "links_from_probe", "OptionCost", "option_cost", "Prediction", "predict", "predict_options", "State", "SCALARS",
            "initial_state", "advance", "advance_rows", "finish", "device_bytes_per_param", "H200_DHA_ROWS", "loss_peak_estimate",
@@ -123,178 +123,12 @@ _NEG = -math.inf
 
 
 @dataclass(frozen=True)
-class OptionCost:
-    """One block under one :class:`UnitPlan`: the per-block terms of the cost model.
-
-    Times in seconds, sizes in bytes. ``a``: forward compute; ``r``: un-overlapped reload of
-    a stale host-homed resident block; ``x``: forward copy (overlaps the previous block);
-    ``b``: backward (recompute + backward + device AdamW); ``y``: backward copy (overlaps the
-    next-later block's backward); ``d``: gradient copy to the host; ``h``: host AdamW once
-    the last gradient landed; ``h_acc``: host work of earlier micro-batches; ``hm``: the
-    block's host-memory seconds per step (``host_budget``); ``b0``, ``y0``: ``b`` without the
-    device AdamW and ``y``, as an earlier micro-batch of an accumulated step runs them (0
-    without accumulation); ``by_deadline``: the host takes updates in deadline order
-    (``StepProfile.host_order``);
-    ``persist``: device bytes held all step; ``act``: saved activations; ``trans``:
-    backward transient; ``slot``: prefetch buffer size (0 if never prefetched).
-    """
-
-    a: float
-    r: float
-    x: float
-    b: float
-    y: float
-    d: float
-    h: float
-    persist: int
-    act: int
-    trans: int
-    slot: int
-    host: bool
-    prefetch_fwd: bool
-    dha_fwd: bool
-    h_acc: float = 0.0
-    hm: float = 0.0
-    b0: float = 0.0
-    y0: float = 0.0
-    by_deadline: bool = False
-
-
-#: Streamed host_linear against the bare link time of its weight (H200: 2.64 ms against 2.33 ms
-#: for 128 MiB at M=4096, bench/scripts/diag_dha_linear.py).
-STREAM_OVERHEAD = 1.15
-#: A device add of a 16-bit gradient into an fp32 sum moves 10 B per parameter, a quarter of the
-#: ~40 B the device AdamW (upcast, update, write-back) moves: its time, from the profiled rate.
-DEVICE_ADD_SHARE = 0.25
-#: Share of the shorter of (compute, link) that host_linear's backward adds to the longer one.
-#: Fitted on the H200 (8192x8192 bf16 weight, ring gradient write): backward 3.1 / 3.4 / 8.5 ms
-#: measured at M = 1024 / 4096 / 16384, 3.0 / 3.5 / 7.4 ms modelled (diag_dha_linear.py,
-#: 2026-12-01).
-RING_SERIAL = 0.5
-
-
-def _mode_time(mode: str, base: float, nbytes: int, links: Links, penalty: float) -> float:
-    """A pass of plain kernels whose weights are bound in ``mode``."""
-    if mode != "dha":
-        return base
-    if not links.dha_read_GBps:
-        return math.inf  # no DHA here: never chosen
-    return max(base, nbytes / (links.dha_read_GBps * 1e9)) * penalty
-
-
-def _ring_bytes(tokens: int) -> int:
-    """Device memory of host_linear's ring while it streams (none when in place): backward
-    holds two weight slots and two gradient slots."""
-    from .dha_linear import CHUNK_BYTES, DHA_MAX_ROWS
-
-    return 4 * CHUNK_BYTES if tokens > DHA_MAX_ROWS else 0
-
-
-def _host_linear_time(base: float, nbytes: int, links: Links, tokens: int, backward: bool) -> float:
-    """A pass of a block whose linears run as ``host_linear`` (forward mode DHA)."""
-    from .dha_linear import DHA_MAX_ROWS
-
-    if not links.dha_read_GBps:
-        return math.inf
-    if tokens <= DHA_MAX_ROWS:  # read in place: one GEMM tile, each byte crosses once
-        return max(base, nbytes / (links.dha_read_GBps * 1e9) * (2 if backward else 1))
-    if not backward:
-        return max(base, STREAM_OVERHEAD * nbytes / (links.h2d_GBps * 1e9))
-    # Backward: the weight in (for dX) and its gradient out through the ring share the
-    # full-duplex link; the ring's slot waits put part of the compute in series with it.
-    link = STREAM_OVERHEAD * nbytes / (min(links.h2d_GBps, links.d2h_GBps) * 1e9)
-    return max(base, link) + RING_SERIAL * min(base, link)
-
-
-def _kept_bytes(blk: "BlockProfile", unit: UnitPlan) -> int:
-    """Device bytes the block's forward leaves for its backward under ``unit``."""
-    if unit.recompute:
-        return blk.act_bytes_selective if unit.selective else blk.act_bytes_recompute
-    return blk.act_bytes_offload_kept if unit.offload else blk.act_bytes
-
-
-def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan, prefetch_depth: int = 1) -> OptionCost:
-    """The cost-model terms of block ``index`` run as ``unit`` (see :class:`OptionCost`)."""
-    blk = profile.blocks[index]
-    n = len(profile.blocks)
-    w = blk.param_bytes
-    pen = links.dha_penalty(profile.tokens)
-    h2d, d2h = links.h2d_GBps * 1e9, links.d2h_GBps * 1e9
-    host = unit.optimizer == "host"
-    resident = unit.forward == "resident"
-    if unit.forward == "dha":  # host_linear in both passes (a recomputation replays forward's ops)
-        a = _host_linear_time(blk.fwd_s, w, links, profile.tokens, backward=False)
-        b = _host_linear_time(blk.bwd_s, w, links, profile.tokens, backward=True)
-        if unit.recompute:
-            b += a
-    else:
-        # selective: its dispatch mode slows forward too (profiles without that figure: fwd_s)
-        a = _mode_time(unit.forward, (blk.fwd_selective_s or blk.fwd_s) if unit.selective else blk.fwd_s, w, links, pen)
-        if unit.selective:  # the cheap ops recomputed inside backward (profiled together); unmeasured: never chosen
-            b = blk.bwd_selective_s if blk.act_bytes_selective else math.inf
-        else:
-            b = _mode_time(unit.backward, blk.bwd_s, w, links, pen)
-        if unit.recompute and not unit.selective:  # it reads weights the way backward does (its hook binds them)
-            b += _mode_time(unit.backward, blk.fwd_s, w, links, pen)
-    u = 0.0 if host else blk.numel * profile.device_adamw_s_per_param
-    # Summing micro-batches on the device (accumulate="device"): an fp32 add per micro-batch, and
-    # the sum goes home once, 4 B per parameter; a plan the executor refuses never wins.
-    summed = host and unit.accumulate == "device"
-    if summed and (profile.accumulation_steps < 2 or "dha" in (unit.forward, unit.backward)):
-        a = math.inf
-    b += u + (blk.numel * profile.device_adamw_s_per_param * DEVICE_ADD_SHARE if summed else 0.0)
-    # The executor keeps the last `depth` blocks' forward copies for backward when both passes prefetch.
-    kept = unit.forward == unit.backward == "prefetch" and index >= n - prefetch_depth
-    grad_bytes = blk.numel * profile.dtype_bytes
-    held = grads_persist(profile)  # the fp32 gradient buffer: resident all step, or only in its update
-    if not host:
-        persist = blk.numel * device_bytes_per_param(profile.dtype_bytes, held_grad_bytes(profile))
-    else:
-        persist = (w if resident else 0) + (device_sum_bytes(blk.numel) if summed else 0)
-    off_out = off_in = 0.0
-    if unit.offload:  # saved activations out on the d2h stream during forward, back before backward
-        off_out, off_in = blk.act_bytes / d2h, blk.act_bytes / h2d
-    y = (w / h2d if unit.backward == "prefetch" and not kept else 0.0) + off_in
-    d = (device_sum_bytes(blk.numel) if summed else grad_bytes) / d2h if host else 0.0
-    h, h_acc, hm = unit_terms(profile, host_budget(profile, links), blk.numel, host,
-                              link_bytes(unit, w, grad_bytes, blk.act_bytes, kept, host), max(b, y, d), summed,
-                              sums_in_pairs(unit, profile.data_parallel),
-                              not norm_on_device(unit, profile.accumulation_steps, profile.data_parallel))
-    return OptionCost(
-        a=max(a, off_out),
-        r=w / h2d if resident and host else 0.0,
-        x=w / h2d if unit.forward == "prefetch" else 0.0,
-        b=b,
-        y=y,
-        d=d,
-        h=h,
-        persist=persist,
-        # offload leaves the saved tensors below the swapper's threshold on the device
-        act=_kept_bytes(blk, unit),
-        # recompute: the block's activations rebuilt in backward (selective: what it kept is
-        # counted again, an over-count of at most its kept outputs); offload: this block's and
-        # the next one's (look-ahead) back on the device
-        trans=(blk.act_bytes if unit.recompute else 2 * blk.act_bytes if unit.offload else 0) + grad_bytes
-        + (0 if host or held else blk.numel * 4)
-        + (_ring_bytes(profile.tokens) if unit.forward == "dha" else 0),
-        slot=w if "prefetch" in (unit.forward, unit.backward) else 0,
-        host=host,
-        prefetch_fwd=unit.forward == "prefetch",
-        dha_fwd=unit.forward == "dha",
-        h_acc=h_acc,
-        hm=hm,
-        b0=b - u if profile.accumulation_steps > 1 else 0.0,
-        y0=y if profile.accumulation_steps > 1 else 0.0,
-        by_deadline=profile.host_order == "deadline",
-    )
-
-
-@dataclass(frozen=True)
 class State:
     """What the blocks processed so far (from the last block down) contribute.
 
-    All fields are non-decreasing under :func:`advance` and the prediction is non-decreasing
-    in each, which is what makes Pareto pruning in the scheduler exact.
+    Each field of :func:`advance`'s result is non-decreasing in each field of its input, and the
+    prediction is non-decreasing in each, which is what makes Pareto pruning in the scheduler
+    exact. All but ``r`` also never decrease as blocks are added.
 
     Attributes:
         phi: forward compute-stream time of the processed blocks (from the current block on).
@@ -311,6 +145,13 @@ class State:
             prefetched block.
         hm: host-memory seconds of the processed blocks; psi0: ``psi`` of an earlier
             micro-batch under gradient accumulation (no device AdamW; 0 without).
+        r, d: where device-homed units hold their gradients to the step's end (clipping alone):
+            ``r`` the processed blocks' held gradient bytes less the activation bytes their
+            backward freed (``OptionCost.grads - freed``), ``d`` the largest ``r`` at any
+            processed block's backward (at least 0). Backward at block ``s`` holds the
+            activations of blocks ``0..s`` and the gradients of ``s+1..N-1``, so the held
+            gradients add ``max(d, r)`` (``r`` once every block is in: the step's end) to the
+            peak, not all of them; both stay 0 where no unit holds gradients.
     """
 
     phi: float
@@ -323,28 +164,31 @@ class State:
     slot: int
     hm: float = 0.0
     psi0: float = 0.0
+    r: int = 0
+    d: int = 0
 
     def key(self) -> tuple[float, ...]:
         """The components, for dominance checks."""
         return (self.phi, self.psi, self.late, self.m, *self.pending, float(self.mem), float(self.trans), float(self.slot),
-                self.hm, self.psi0)
+                self.hm, self.psi0, float(self.r), float(self.d))
 
     @classmethod
     def from_key(cls, key: Sequence[float], prefetch_depth: int) -> "State":
         """The state whose :meth:`key` is ``key`` (a row of :func:`advance_rows`)."""
         k = SCALARS + prefetch_depth
         return cls(float(key[0]), float(key[1]), float(key[2]), float(key[3]), tuple(float(x) for x in key[SCALARS:k]),
-                   int(key[k]), int(key[k + 1]), int(key[k + 2]), float(key[k + 3]), float(key[k + 4]))
+                   int(key[k]), int(key[k + 1]), int(key[k + 2]), float(key[k + 3]), float(key[k + 4]), int(key[k + 5]),
+                   int(key[k + 6]))
 
 
-#: Columns of :meth:`State.key` before ``pending`` (phi, psi, late, m); mem, trans, slot, hm and
-#: psi0 follow it.
+#: Columns of :meth:`State.key` before ``pending`` (phi, psi, late, m); mem, trans, slot, hm,
+#: psi0, r and d follow it.
 SCALARS = 4
 
 
 def initial_state(prefetch_depth: int) -> State:
     """Nothing processed yet."""
-    return State(0.0, 0.0, _NEG, _NEG, (_NEG,) * prefetch_depth, 0, 0, 0, 0.0, 0.0)
+    return State(0.0, 0.0, _NEG, _NEG, (_NEG,) * prefetch_depth, 0, 0, 0, 0.0, 0.0, 0, 0)
 
 
 def advance(state: State, cur: OptionCost, nxt: OptionCost | None) -> State:
@@ -356,8 +200,8 @@ def advance(state: State, cur: OptionCost, nxt: OptionCost | None) -> State:
 def advance_rows(rows: np.ndarray, cur: OptionCost, nxt: OptionCost | None) -> np.ndarray:
     """:func:`advance` on many states at once, one :meth:`State.key` per row (the scheduler's
     partial plans); float64 arithmetic in the same order, so the result is the same to the bit."""
-    depth = rows.shape[1] - SCALARS - 5
-    k = SCALARS + depth  # where mem, trans, slot, hm, psi0 start
+    depth = rows.shape[1] - SCALARS - 7
+    k = SCALARS + depth  # where mem, trans, slot, hm, psi0, r, d start
     out = np.empty_like(rows)
     phi = rows[:, 0] + max(cur.a + cur.r, nxt.x if nxt is not None else 0.0)
     # psi gains block s+1's slot: its backward, or the copy of block s it overlaps.
@@ -387,6 +231,8 @@ def advance_rows(rows: np.ndarray, cur: OptionCost, nxt: OptionCost | None) -> n
     out[:, k + 2] = np.maximum(rows[:, k + 2], cur.slot)
     out[:, k + 3] = rows[:, k + 3] + cur.hm
     out[:, k + 4] = rows[:, k + 4] + (max(nxt.b0, cur.y0) if nxt is not None else cur.y0)
+    out[:, k + 5] = rows[:, k + 5] + (cur.grads - cur.freed)
+    out[:, k + 6] = np.maximum(rows[:, k + 6], rows[:, k + 5])  # this block's backward: the blocks above it done
     return out
 
 
@@ -441,7 +287,7 @@ def finish(state: State, first: OptionCost, profile: "StepProfile", links: Links
         terms["host memory"] = state.hm + hm_rest
     bound, step = max(terms.items(), key=lambda kv: kv[1])
     raw = (rest_resident_bytes(profile, rest_optimizer) + profile.input_bytes + state.mem
-           + (prefetch_depth + 1) * state.slot + transient_bytes(profile, rest_optimizer, state.trans))
+           + (prefetch_depth + 1) * state.slot + transient_bytes(profile, rest_optimizer, state.trans, max(state.d, state.r)))
     return Prediction(step, int(raw * (1 + margin)), compute, 0.0, bound.split(" (")[0],
                       {**terms, "raw_peak_bytes": float(raw), "rest_s": t_rest, "forward_s": pre + state.phi,
                        "backward_s": psi, "earlier_micro_batches_s": earlier})

@@ -33,10 +33,11 @@ def held_grad_bytes(profile: "StepProfile") -> int:
       resident through every later micro-batch; counted as a transient, an 8 GB plan ran out
       of memory); likewise with clipping under data parallelism (the fp32 sum is averaged);
     * the compute dtype's with clipping alone: it holds the gradients autograd made until
-      ``step()`` knows the coefficient, and upcasts them one unit at a time to update;
+      ``step()`` knows the coefficient, and upcasts them one unit at a time to update (not
+      resident all step: the cost model places them, ``cost.State.d``);
     * 0 otherwise: the fp32 buffer lives only while the unit's update runs.
 
-    Counted from the step's start: an upper bound, as they build up through backward."""
+    The first is counted from the step's start (:func:`grads_persist`)."""
     if grads_persist(profile):
         return 4
     return profile.dtype_bytes if getattr(profile, "clipping", False) else 0
@@ -95,17 +96,20 @@ def auto_loss_chunks(tokens: int, vocab: int, budget_bytes: int | float, share: 
 
 def rest_resident_bytes(profile: "StepProfile", rest_optimizer: str) -> int:
     """Device bytes ``rest`` (embeddings, head, final norm) holds all step: its compute-dtype
-    weights, plus the fp32 master and moments when it is device-homed, and then the gradient
-    it holds across the step (:func:`held_grad_bytes`; otherwise the fp32 buffer is a
-    transient: :func:`transient_bytes`)."""
-    per = (device_bytes_per_param(profile.dtype_bytes, held_grad_bytes(profile)) if rest_optimizer == "device"
-           else profile.dtype_bytes)
+    weights, plus the fp32 master and moments when it is device-homed, and then the fp32
+    gradient buffer it holds across the step (:func:`grads_persist`; otherwise that buffer is a
+    transient, and the gradients autograd makes, held to ``step()`` under clipping alone, are
+    ``rest``'s gradients of :func:`transient_bytes`)."""
+    held = held_grad_bytes(profile) if grads_persist(profile) else 0
+    per = device_bytes_per_param(profile.dtype_bytes, held) if rest_optimizer == "device" else profile.dtype_bytes
     return profile.rest_numel * per
 
 
-def transient_bytes(profile: "StepProfile", rest_optimizer: str, trans: int) -> int:
+def transient_bytes(profile: "StepProfile", rest_optimizer: str, trans: int, held: int = 0) -> int:
     """The largest of what comes and goes on top of the resident bytes, given ``trans`` (the
-    largest block backward transient):
+    largest block backward transient) and ``held`` (gradient bytes device-homed units hold
+    beyond the activations backward has freed, at the worst point from a block's backward to the
+    step's end: ``cost.State.d``; the loss comes before any is made):
 
     * the loss (``loss_peak_bytes``: one slice's fp32 logits, their log-softmax and gradient,
       the head's weight gradient, the hidden-state gradient; measured with ``loss_chunks``);
@@ -116,4 +120,4 @@ def transient_bytes(profile: "StepProfile", rest_optimizer: str, trans: int) -> 
     """
     rest_grads = profile.rest_numel * profile.dtype_bytes
     end = rest_grads + (profile.rest_numel * 4 if rest_optimizer == "device" and not grads_persist(profile) else 0)
-    return max(profile.loss_peak_bytes, trans + rest_grads, end)
+    return max(profile.loss_peak_bytes, held + trans + rest_grads, held + end)

@@ -116,16 +116,21 @@ def prune_choices(choices: Sequence[UnitPlan], profile: "StepProfile", links: Li
 
 
 def _peak(profile: "StepProfile", rest_optimizer: str, depth: int, mem: int, trans: int, slot: int, margin: float) -> int:
-    """The predicted peak of a plan whose blocks add up to ``mem``, ``trans`` and ``slot``."""
-    return int(_peaks(profile, rest_optimizer, depth, np.array([mem]), np.array([trans]), np.array([slot]), margin)[0])
+    """The predicted peak of a plan whose blocks add up to ``mem``, ``trans`` and ``slot`` (and
+    hold no gradient to the step's end beyond what ``mem`` counts)."""
+    return int(_peaks(profile, rest_optimizer, depth, np.array([mem]), np.array([trans]), np.array([slot]), margin,
+                      np.array([0]))[0])
 
 
 def _peaks(profile: "StepProfile", rest_optimizer: str, depth: int, mem: np.ndarray, trans: np.ndarray,
-           slot: np.ndarray, margin: float) -> np.ndarray:
-    """:func:`_peak` of many partial plans (float64 of whole bytes: exact below 2**53)."""
+           slot: np.ndarray, margin: float, held: np.ndarray) -> np.ndarray:
+    """:func:`_peak` of many partial plans (float64 of whole bytes: exact below 2**53); ``held``:
+    their ``State.d`` (a lower bound of the finished plan's ``max(d, r)``)."""
     # The same expression as cost.finish, so pruning and the final check agree to the byte.
-    uniq, inv = np.unique(trans, return_inverse=True)  # few distinct values: one per block option
-    transient = np.array([transient_bytes(profile, rest_optimizer, int(t)) for t in uniq], dtype=np.float64)[inv]
+    pairs = np.stack([trans, held], axis=1)
+    uniq, inv = np.unique(pairs, axis=0, return_inverse=True)  # few distinct values
+    transient = np.array([transient_bytes(profile, rest_optimizer, int(t), int(h)) for t, h in uniq],
+                         dtype=np.float64)[inv.reshape(-1)]
     raw = rest_resident_bytes(profile, rest_optimizer) + profile.input_bytes + mem + (depth + 1) * slot + transient
     return np.floor(raw * (1 + margin))
 
@@ -174,7 +179,7 @@ def _run_dp(profile: "StepProfile", links: Links, budget: float, choices: Sequen
         lb = np.maximum(lb, t_rest + late)
         return np.maximum(lb, st[:, SCALARS + depth + 3] + min_hm[s] + hm_rest)
 
-    k = SCALARS + depth  # the State.key columns of mem, trans, slot, hm
+    k = SCALARS + depth  # the State.key columns of mem, trans, slot, hm, psi0, r, d
     # Partial plans by the choice of their top block: state rows, and each row's parent (the
     # choice and row of the block above it); one such layer per block, kept for the way back.
     layers: list[dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]] = []
@@ -194,7 +199,7 @@ def _run_dp(profile: "StepProfile", links: Links, budget: float, choices: Sequen
                 # Memory only grows: drop what cannot fit even with the cheapest completion,
                 # and what cannot beat a plan already in hand.
                 ok = _peaks(profile, rest_optimizer, depth, st[:, k] + min_mem[s], st[:, k + 1], st[:, k + 2],
-                            margin) <= budget
+                            margin, st[:, k + 6]) <= budget
                 ok &= lower_bound(st, s) < upper
                 if ok.any():
                     idx = np.flatnonzero(ok)
@@ -254,7 +259,9 @@ def min_budget(profile: "StepProfile", links: Links, choices: Sequence[UnitPlan]
     """The smallest device budget (bytes) under which some plan fits, by the cost model.
 
     Exact: peak = fixed + sum(persist + act) + (depth+1) * max slot + transient(max trans);
-    for each threshold pair (max slot, max trans) the cheapest choice per block is taken.
+    for each threshold pair (max slot, max trans) the cheapest choice per block is taken. Under
+    clipping alone the gradients device-homed units hold are counted all step (``grads``): an
+    upper bound there (the plans' own peaks place them, ``cost.State.d``).
     """
     choices = list(choices or unit_choices())
     best = math.inf
@@ -267,7 +274,7 @@ def min_budget(profile: "StepProfile", links: Links, choices: Sequence[UnitPlan]
                 for trans_cap in transes:
                     total, ok = 0, True
                     for row in opts:
-                        fits = [o.persist + o.act for o in row if o.slot <= slot_cap and o.trans <= trans_cap
+                        fits = [o.persist + o.act + o.grads for o in row if o.slot <= slot_cap and o.trans <= trans_cap
                                 and math.isfinite(o.a) and math.isfinite(o.b)]
                         if not fits:
                             ok = False
@@ -432,7 +439,7 @@ def _explain(plan: Plan, pred: Prediction, profile: "StepProfile", links: Links,
             alt_line = "; every alternative for this block breaks the budget"
         lines.append(f"block {i:3d}: {describe_units([u])}: fwd {o.a * ms:.2f} ms (copy {o.x * ms:.2f}), bwd "
                      f"{o.b * ms:.2f} ms (copy {o.y * ms:.2f}), host AdamW {o.h * ms:.2f} ms, device "
-                     f"{(o.persist + o.act) / _GB:.3f} GB{alt_line}")
+                     f"{(o.persist + o.act + o.grads) / _GB:.3f} GB{alt_line}")
     return lines
 
 

@@ -1,0 +1,201 @@
+"""The cost model's terms of one block run as one :class:`~.config.UnitPlan` (:class:`OptionCost`).
+
+What a block's forward, backward, copies and host update take, and the device bytes it holds,
+from the profiled block and the links: the inputs of :mod:`strategies.memferry.cost`'s
+recurrence (its docstring says how they combine into a step and a peak).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .accumulation import sums_in_pairs
+from .clip_norms import norm_on_device
+from .config import UnitPlan
+from .host_budget import host_budget, link_bytes, unit_terms
+from .links import Links
+from .memory_terms import device_bytes_per_param, device_sum_bytes, grads_persist, held_grad_bytes
+
+if TYPE_CHECKING:
+    from .profiler import BlockProfile, StepProfile
+
+__all__ = ["OptionCost", "option_cost", "STREAM_OVERHEAD", "DEVICE_ADD_SHARE", "RING_SERIAL"]
+
+
+@dataclass(frozen=True)
+class OptionCost:
+    """One block under one :class:`UnitPlan`: the per-block terms of the cost model.
+
+    Times in seconds, sizes in bytes. ``a``: forward compute; ``r``: un-overlapped reload of
+    a stale host-homed resident block; ``x``: forward copy (overlaps the previous block);
+    ``b``: backward (recompute + backward + device AdamW); ``y``: backward copy (overlaps the
+    next-later block's backward); ``d``: gradient copy to the host; ``h``: host AdamW once
+    the last gradient landed; ``h_acc``: host work of earlier micro-batches; ``hm``: the
+    block's host-memory seconds per step (``host_budget``); ``b0``, ``y0``: ``b`` without the
+    device AdamW and ``y``, as an earlier micro-batch of an accumulated step runs them (0
+    without accumulation); ``by_deadline``: the host takes updates in deadline order
+    (``StepProfile.host_order``);
+    ``persist``: device bytes held all step; ``grads``: gradient bytes held from the block's
+    backward to the step's end (a device-homed unit under clipping alone: ``held_grad_bytes``);
+    ``freed``: where a step holds such gradients, the saved activations its backward frees
+    (``act``; 0 otherwise, so that plans holding none keep one memory figure, ``mem``);
+    ``act``: saved activations; ``trans``:
+    backward transient; ``slot``: prefetch buffer size (0 if never prefetched).
+    """
+
+    a: float
+    r: float
+    x: float
+    b: float
+    y: float
+    d: float
+    h: float
+    persist: int
+    act: int
+    trans: int
+    slot: int
+    host: bool
+    prefetch_fwd: bool
+    dha_fwd: bool
+    h_acc: float = 0.0
+    hm: float = 0.0
+    b0: float = 0.0
+    y0: float = 0.0
+    by_deadline: bool = False
+    grads: int = 0
+    freed: int = 0
+
+
+#: Streamed host_linear against the bare link time of its weight (H200: 2.64 ms against 2.33 ms
+#: for 128 MiB at M=4096, bench/scripts/diag_dha_linear.py).
+STREAM_OVERHEAD = 1.15
+#: A device add of a 16-bit gradient into an fp32 sum moves 10 B per parameter, a quarter of the
+#: ~40 B the device AdamW (upcast, update, write-back) moves: its time, from the profiled rate.
+DEVICE_ADD_SHARE = 0.25
+#: Share of the shorter of (compute, link) that host_linear's backward adds to the longer one.
+#: Fitted on the H200 (8192x8192 bf16 weight, ring gradient write): backward 3.1 / 3.4 / 8.5 ms
+#: measured at M = 1024 / 4096 / 16384, 3.0 / 3.5 / 7.4 ms modelled (diag_dha_linear.py,
+#: 2026-12-01).
+RING_SERIAL = 0.5
+
+
+def _mode_time(mode: str, base: float, nbytes: int, links: Links, penalty: float) -> float:
+    """A pass of plain kernels whose weights are bound in ``mode``."""
+    if mode != "dha":
+        return base
+    if not links.dha_read_GBps:
+        return math.inf  # no DHA here: never chosen
+    return max(base, nbytes / (links.dha_read_GBps * 1e9)) * penalty
+
+
+def _ring_bytes(tokens: int) -> int:
+    """Device memory of host_linear's ring while it streams (none when in place): backward
+    holds two weight slots and two gradient slots."""
+    from .dha_linear import CHUNK_BYTES, DHA_MAX_ROWS
+
+    return 4 * CHUNK_BYTES if tokens > DHA_MAX_ROWS else 0
+
+
+def _host_linear_time(base: float, nbytes: int, links: Links, tokens: int, backward: bool) -> float:
+    """A pass of a block whose linears run as ``host_linear`` (forward mode DHA)."""
+    from .dha_linear import DHA_MAX_ROWS
+
+    if not links.dha_read_GBps:
+        return math.inf
+    if tokens <= DHA_MAX_ROWS:  # read in place: one GEMM tile, each byte crosses once
+        return max(base, nbytes / (links.dha_read_GBps * 1e9) * (2 if backward else 1))
+    if not backward:
+        return max(base, STREAM_OVERHEAD * nbytes / (links.h2d_GBps * 1e9))
+    # Backward: the weight in (for dX) and its gradient out through the ring share the
+    # full-duplex link; the ring's slot waits put part of the compute in series with it.
+    link = STREAM_OVERHEAD * nbytes / (min(links.h2d_GBps, links.d2h_GBps) * 1e9)
+    return max(base, link) + RING_SERIAL * min(base, link)
+
+
+def _kept_bytes(blk: "BlockProfile", unit: UnitPlan) -> int:
+    """Device bytes the block's forward leaves for its backward under ``unit``."""
+    if unit.recompute:
+        return blk.act_bytes_selective if unit.selective else blk.act_bytes_recompute
+    return blk.act_bytes_offload_kept if unit.offload else blk.act_bytes
+
+
+def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan, prefetch_depth: int = 1) -> OptionCost:
+    """The cost-model terms of block ``index`` run as ``unit`` (see :class:`OptionCost`)."""
+    blk = profile.blocks[index]
+    n = len(profile.blocks)
+    w = blk.param_bytes
+    pen = links.dha_penalty(profile.tokens)
+    h2d, d2h = links.h2d_GBps * 1e9, links.d2h_GBps * 1e9
+    host = unit.optimizer == "host"
+    resident = unit.forward == "resident"
+    if unit.forward == "dha":  # host_linear in both passes (a recomputation replays forward's ops)
+        a = _host_linear_time(blk.fwd_s, w, links, profile.tokens, backward=False)
+        b = _host_linear_time(blk.bwd_s, w, links, profile.tokens, backward=True)
+        if unit.recompute:
+            b += a
+    else:
+        # selective: its dispatch mode slows forward too (profiles without that figure: fwd_s)
+        a = _mode_time(unit.forward, (blk.fwd_selective_s or blk.fwd_s) if unit.selective else blk.fwd_s, w, links, pen)
+        if unit.selective:  # the cheap ops recomputed inside backward (profiled together); unmeasured: never chosen
+            b = blk.bwd_selective_s if blk.act_bytes_selective else math.inf
+        else:
+            b = _mode_time(unit.backward, blk.bwd_s, w, links, pen)
+        if unit.recompute and not unit.selective:  # it reads weights the way backward does (its hook binds them)
+            b += _mode_time(unit.backward, blk.fwd_s, w, links, pen)
+    u = 0.0 if host else blk.numel * profile.device_adamw_s_per_param
+    # Summing micro-batches on the device (accumulate="device"): an fp32 add per micro-batch, and
+    # the sum goes home once, 4 B per parameter; a plan the executor refuses never wins.
+    summed = host and unit.accumulate == "device"
+    if summed and (profile.accumulation_steps < 2 or "dha" in (unit.forward, unit.backward)):
+        a = math.inf
+    b += u + (blk.numel * profile.device_adamw_s_per_param * DEVICE_ADD_SHARE if summed else 0.0)
+    # The executor keeps the last `depth` blocks' forward copies for backward when both passes prefetch.
+    kept = unit.forward == unit.backward == "prefetch" and index >= n - prefetch_depth
+    grad_bytes = blk.numel * profile.dtype_bytes
+    held = grads_persist(profile)  # the fp32 gradient buffer: resident all step, or only in its update
+    # With clipping alone a device-homed unit holds the gradient autograd made from its backward
+    # to step(): not all step (``grads``; cost.State.d places it).
+    grads = 0 if host or held else blk.numel * held_grad_bytes(profile)
+    if not host:
+        persist = blk.numel * device_bytes_per_param(profile.dtype_bytes, held_grad_bytes(profile) if held else 0)
+    else:
+        persist = (w if resident else 0) + (device_sum_bytes(blk.numel) if summed else 0)
+    off_out = off_in = 0.0
+    if unit.offload:  # saved activations out on the d2h stream during forward, back before backward
+        off_out, off_in = blk.act_bytes / d2h, blk.act_bytes / h2d
+    y = (w / h2d if unit.backward == "prefetch" and not kept else 0.0) + off_in
+    d = (device_sum_bytes(blk.numel) if summed else grad_bytes) / d2h if host else 0.0
+    h, h_acc, hm = unit_terms(profile, host_budget(profile, links), blk.numel, host,
+                              link_bytes(unit, w, grad_bytes, blk.act_bytes, kept, host), max(b, y, d), summed,
+                              sums_in_pairs(unit, profile.data_parallel),
+                              not norm_on_device(unit, profile.accumulation_steps, profile.data_parallel))
+    return OptionCost(
+        a=max(a, off_out),
+        r=w / h2d if resident and host else 0.0,
+        x=w / h2d if unit.forward == "prefetch" else 0.0,
+        b=b,
+        y=y,
+        d=d,
+        h=h,
+        persist=persist,
+        grads=grads,
+        freed=_kept_bytes(blk, unit) if held_grad_bytes(profile) and not held else 0,
+        # offload leaves the saved tensors below the swapper's threshold on the device
+        act=_kept_bytes(blk, unit),
+        # recompute: the block's activations rebuilt in backward (selective: what it kept is
+        # counted again, an over-count of at most its kept outputs); offload: this block's and
+        # the next one's (look-ahead) back on the device
+        trans=(blk.act_bytes if unit.recompute else 2 * blk.act_bytes if unit.offload else 0) + grad_bytes
+        + (0 if host or held else blk.numel * 4)
+        + (_ring_bytes(profile.tokens) if unit.forward == "dha" else 0),
+        slot=w if "prefetch" in (unit.forward, unit.backward) else 0,
+        host=host,
+        prefetch_fwd=unit.forward == "prefetch",
+        dha_fwd=unit.forward == "dha",
+        h_acc=h_acc,
+        hm=hm,
+        b0=b - u if profile.accumulation_steps > 1 else 0.0,
+        y0=y if profile.accumulation_steps > 1 else 0.0,
+        by_deadline=profile.host_order == "deadline",
+    )
