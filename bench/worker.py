@@ -126,16 +126,19 @@ def _prepare_env(spec: dict[str, Any]) -> None:
 
 def _time_clipped_apart(row: dict[str, Any], warmup: int, steps: int) -> None:
     """Where a system says which steps clipped (``row["clipped"]``, one flag per step run), add
-    the timed steps' mean with and without a clip: ``step_mean_clipped_s`` and
-    ``step_mean_unclipped_s`` (None where no such step), and ``clipped_timed`` (how many)."""
+    the mean of the timed steps that follow a clipped step and of the others:
+    ``step_mean_after_clip_s`` and ``step_mean_after_no_clip_s`` (None where there is no such
+    step), and ``after_clip_timed`` (how many). A clipped step's cost shows in the next one:
+    MemFerry re-applies speculative host updates once the coefficient lands, after the step's
+    backward, and the next forward waits for them."""
     flags, times = row.get("clipped"), row.get("step_times_s")
     if not flags or not times or len(flags) != len(times):
         return
-    timed = list(zip(flags, times))[warmup:warmup + steps]
-    for key, want in (("step_mean_clipped_s", True), ("step_mean_unclipped_s", False)):
+    timed = [(flags[i - 1] if i else False, times[i]) for i in range(warmup, min(len(times), warmup + steps))]
+    for key, want in (("step_mean_after_clip_s", True), ("step_mean_after_no_clip_s", False)):
         picked = [t for f, t in timed if f == want]
         row[key] = round(statistics.fmean(picked), 5) if picked else None
-    row["clipped_timed"] = sum(f for f, _ in timed)
+    row["after_clip_timed"] = sum(f for f, _ in timed)
 
 
 def _classify(exc: BaseException, requires: tuple[str, ...]) -> tuple[str, str]:

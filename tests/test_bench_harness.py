@@ -258,15 +258,18 @@ def test_a_lora_row_is_judged_only_beside_rows_training_the_same_adapter():
     assert {r["system"] for r in rows if r.get("loss_flag")} == {"broken-lora", "fsdp2-offload"}
 
 
-def test_steps_that_clipped_are_timed_apart_from_the_others():
+def test_steps_after_a_clip_are_timed_apart_from_the_others():
     from bench.worker import _time_clipped_apart
 
-    row = {"step_times_s": [9.0, 0.2, 0.1, 0.3, 0.1], "clipped": [True, True, False, True, False]}
-    _time_clipped_apart(row, warmup=1, steps=3)  # the warm-up's 9.0 and the untimed last 0.1 stay out
-    assert row["step_mean_clipped_s"] == 0.25 and row["step_mean_unclipped_s"] == 0.1 and row["clipped_timed"] == 2
+    row = {"step_times_s": [9.0, 0.2, 0.3, 0.1, 0.3, 0.1], "clipped": [True, True, False, True, False, False]}
+    _time_clipped_apart(row, warmup=1, steps=4)  # the warm-up's 9.0 and the untimed last 0.1 stay out
+    # timed steps 1, 2 and 4 follow clipped steps 0, 1 and 3; step 3 follows unclipped step 2
+    assert row["after_clip_timed"] == 3
+    assert row["step_mean_after_clip_s"] == pytest.approx((0.2 + 0.3 + 0.3) / 3, abs=1e-5)  # rounded to 10 us
+    assert row["step_mean_after_no_clip_s"] == 0.1
     never = {"step_times_s": [0.1, 0.2], "clipped": [False, False]}
     _time_clipped_apart(never, warmup=0, steps=2)
-    assert never["step_mean_clipped_s"] is None and never["clipped_timed"] == 0
+    assert never["step_mean_after_clip_s"] is None and never["after_clip_timed"] == 0
     unsaid = {"step_times_s": [0.1, 0.2]}
     _time_clipped_apart(unsaid, warmup=0, steps=2)
     assert unsaid == {"step_times_s": [0.1, 0.2]}  # a system that does not say adds nothing
@@ -281,5 +284,5 @@ def test_a_clipped_memferry_row_says_which_steps_clipped(cpu_backend):
     row = run_spec({"scenario": scenario.to_dict(), "label": "mf-clip", "timeline_path": None}, in_process=True)
     assert row["status"] == "ok", row
     assert row["clipped"] == [True] * len(row["step_times_s"]) and all(n > 1e-4 for n in row["grad_norms"])
-    assert row["clipped_timed"] == 2 and row["step_mean_unclipped_s"] is None
-    assert row["step_mean_clipped_s"] == pytest.approx(sum(row["step_times_s"][1:3]) / 2, abs=1e-5)
+    assert row["after_clip_timed"] == 2 and row["step_mean_after_no_clip_s"] is None
+    assert row["step_mean_after_clip_s"] == pytest.approx(sum(row["step_times_s"][1:3]) / 2, abs=1e-5)

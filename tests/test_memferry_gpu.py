@@ -8,6 +8,7 @@ host memory by the device, activation offload over the link, device-homed units.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -172,3 +173,47 @@ def test_norms_summed_on_the_device_clip_speculative_bit_equal_to_wait(gpu_backe
     assert spec_stats["clipped_steps"] == wait_stats["clipped_steps"] > 0
     for name, st in wait.items():
         assert all(torch.equal(st[k], spec[name][k]) for k in ("master", "exp_avg", "exp_avg_sq")), name
+
+
+def test_the_clip_coefficient_comes_home_as_its_step_made_it(gpu_backend):
+    """The norm and coefficient a ``PendingClip`` brings home are the ones computed for it, even
+    when the device→host copy could start the moment the compute stream reached them (the pair
+    they travel in is made before the event the copy waits for). Until 2026-12-03 the event came
+    first: a step read the previous step's coefficient beside its own norm, once in 11 steps of
+    the 17-layer bench (a norm of 0.53 marked clipped at max_grad_norm 1.0)."""
+    from strategies.memferry.clip_norms import PendingClip, device_coefficient
+
+    b = gpu_backend
+    dev = b.device(0)
+    d2h = b.stream(0)
+    buffers = b.alloc_pinned(16 * 64).view(torch.float64).view(64, 2).unbind(0)
+    got, want = [], []
+    for k, buf in enumerate(buffers):
+        buf.fill_(-1.0)
+        sq = torch.full((), 0.25 + k, dtype=torch.float64, device=dev)
+        norm, coef = device_coefficient(sq, 1.0)
+        torch.cuda._sleep(200_000)  # the compute stream runs late: the copy may start the instant it may
+        pending = PendingClip(b, norm, coef, d2h, b.current_stream(0), buf, lambda _: None)
+        got.append(pending.values())
+        want.append((math.sqrt(0.25 + k), min(1.0, 1.0 / (math.sqrt(0.25 + k) + 1e-6))))
+    assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_each_steps_history_pairs_its_norm_with_its_coefficient(gpu_backend):
+    """On the device, every step's (norm, coefficient) in ``grad_norm_history`` agrees:
+    ``coefficient == min(1, max_norm / (norm + 1e-6))`` in every step, clipped or not."""
+    b = gpu_backend
+    tok = torch.randint(0, DIMS["vocab"], (BATCH, DIMS["seq"] + 1), generator=torch.Generator().manual_seed(5))
+    x, y = b.to_device(tok[:, :-1].contiguous(), 0), b.to_device(tok[:, 1:].contiguous(), 0)
+    plan = Plan([UnitPlan("prefetch", "prefetch"), UnitPlan("resident", "resident", optimizer="device"),
+                 UnitPlan("prefetch", "prefetch", recompute=True), UnitPlan("resident", "resident")])
+    torch.manual_seed(0)
+    engine = MemFerry(build_model("gpt", dtype=torch.bfloat16, **DIMS), plan=plan, backend=b, device=0,
+                      optim=AdamW(lr=1e-2, weight_decay=0.1, max_grad_norm=1.0))
+    for _ in range(3 * STEPS):
+        engine.train_step(x, y)
+    history = engine.grad_norm_history
+    engine.close()
+    assert len(history) == 3 * STEPS
+    for n, c in history:
+        assert c == pytest.approx(min(1.0, 1.0 / (n + 1e-6)), rel=1e-12), history

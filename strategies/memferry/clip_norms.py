@@ -107,10 +107,10 @@ class PendingClip:
         self._buffer, self._give_back = buffer, give_back
         self._values: tuple[float, float] | None = None
         self._lock = threading.Lock()
+        pair = torch.stack([norm, coef])  # on ``compute``, before the event the copy waits for
         made = backend.event()
         made.record(compute)
         after.wait_event(made)
-        pair = torch.stack([norm, coef])
         with backend.use_stream(after):
             backend.copy(buffer, pair, after)
             backend.keep_alive(pair, after)
