@@ -217,3 +217,28 @@ def test_each_steps_history_pairs_its_norm_with_its_coefficient(gpu_backend):
     assert len(history) == 3 * STEPS
     for n, c in history:
         assert c == pytest.approx(min(1.0, 1.0 / (n + 1e-6)), rel=1e-12), history
+
+
+def test_the_running_sum_and_the_coefficient_go_home_without_blocking(gpu_backend):
+    """Queuing a unit's running sum, or the step's coefficient, behind the gradient copies returns
+    at once: the pinned places they land in are seen as pinned, so the copies are asynchronous.
+    (A blocking copy would stall the training thread until every gradient queued before it had
+    landed; the 17-layer clipped bench showed 1.3-2.1 ms compute gaps at each host unit's copy.)"""
+    from strategies.memferry.clip_norms import GlobalNormClip
+
+    b = gpu_backend
+    dev = b.device(0)
+    clip = GlobalNormClip(b, 1.0, frozenset({0}), True, 2)
+    assert b.is_pinned(clip.partials) and b.is_pinned(clip._buffer())
+    d2h = b.stream(0)
+    grad = torch.full((1000,), 0.5, dtype=torch.bfloat16, device=dev)
+    clip.add(0, [grad])
+    with b.use_stream(d2h):
+        torch.cuda._sleep(200_000_000)  # the gradient copies ahead of it, standing in
+    clip.send_running_sum(0, d2h)
+    pending = clip.coefficient(lambda: 0.0, d2h)[1]
+    still = b.event()
+    still.record(d2h)
+    assert not still.query() and not pending.ready()  # back here while the stream still sleeps
+    assert pending.values() == pytest.approx((math.sqrt(250.0), 1.0 / (math.sqrt(250.0) + 1e-6)), rel=1e-12)
+    assert float(clip.partials[0]) == 250.0
