@@ -173,3 +173,24 @@ def test_the_compute_stream_waits_on_each_load_once(cpu_backend, monkeypatch):
     # updated on the host) comes back once
     assert len(waited) == 2 * 8
     assert len({id(r) for r in waited}) == len(waited)
+
+
+def test_a_clipped_step_with_norms_on_the_device_keeps_the_stream_contract(cpu_backend):
+    """With clipping and every norm summed on the device, each host unit's running sum and the
+    step's (norm, coefficient) travel home on the device→host stream: each copy waits for the
+    kernels that make what it reads (the pair used to be stacked after the event its copy waits
+    for, so on the H200 a step could read the previous step's coefficient)."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    plan = Plan([UnitPlan("prefetch", "prefetch"), UnitPlan("resident", "resident", optimizer="device"),
+                 UnitPlan("prefetch", "prefetch", recompute=True), UnitPlan("resident", "resident")])
+    with StreamCheck(cpu_backend) as check:
+        engine = MemFerry(copy.deepcopy(model), optim=AdamW(lr=3e-3, max_grad_norm=0.5), plan=plan, backend=check,
+                          loss_fn=lm_loss)
+        assert engine.clip.on_device
+        for x, y in _data(2, rows=64):
+            engine.train_step(x, y)
+        history = engine.grad_norm_history
+        engine.close()
+    assert check.breaches == []
+    assert len(history) == 2 and all(c < 1.0 for _, c in history)
