@@ -8,8 +8,11 @@ The cpu backend's virtual devices skip the check (``host_calibration.applies``);
 turn it on and set the measured rate, so nothing depends on this machine's timing."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+import strategies.memferry.profiler as profiler
 import strategies.memferry.rehearsal as rehearsal
 from strategies.memferry import AdamW, MemFerry
 from strategies.memferry.config import Plan
@@ -27,11 +30,24 @@ def _measuring(monkeypatch, rate: float) -> None:
     monkeypatch.setattr(HostOptimizer, "s_per_param_since", lambda self, start: rate if self.updated_numel else None)
 
 
+def _fixed_timings(profile):
+    """``profile`` with every measured time replaced by a fixed one (its bytes as measured): the
+    plan made from it does not depend on how busy this machine was while it was profiled."""
+    blocks = [dataclasses.replace(b, fwd_s=1e-3, bwd_s=2e-3, fwd_selective_s=1e-3, bwd_selective_s=3e-3)
+              for b in profile.blocks]
+    return dataclasses.replace(profile, blocks=blocks, rest_fwd_s=1e-3, rest_bwd_s=2e-3, host_adamw_s_per_param=1e-9,
+                               host_adamw_copies_s_per_param=1.5e-9, device_adamw_s_per_param=1e-11)
+
+
 @pytest.fixture
-def host_plan(cpu_backend, true_min_budget):  # noqa: F811
-    """A scheduled plan with host-updated blocks, and its budget."""
+def host_plan(cpu_backend, true_min_budget, monkeypatch):  # noqa: F811
+    """A scheduled plan with host-updated blocks, and its budget (timings fixed: the plan is the
+    same on any machine under any load)."""
+    real = profiler.profile_step
+    monkeypatch.setattr(profiler, "profile_step", lambda *a, **k: _fixed_timings(real(*a, **k)))
     budget = int(true_min_budget * 1.1)
     plan = plan_for(qwen2_tied(), batch(), budget, backend=cpu_backend, memory_margin=0.0)
+    monkeypatch.setattr(profiler, "profile_step", real)
     assert any(u.optimizer == "host" for u in plan.units) or plan.rest_optimizer == "host"
     return plan, budget
 
