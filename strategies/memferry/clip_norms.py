@@ -7,10 +7,11 @@ device-homed unit's stay on the device; a host-homed unit's go home as backward 
 Where a unit's whole gradient of the step is on the device before it goes home (one micro-batch,
 or a sum made on the device; not a DHA unit's, whose linears write gradients home as they run,
 nor a data-parallel rank's shard), its squares are summed there, on the compute stream, into one
-fp64 total (:class:`DeviceNorms`; each gradient's own sum by ``adamw.squared_norm``). When that holds for every host-homed unit
-(``GlobalNormClip.on_device``), the coefficient is computed on the device right after the last
-gradient (:func:`device_coefficient`, in fp64 as ``clip_grad_norm_`` scales). The device-homed
-units' updates read it from device memory, and it comes home behind the last gradient copy
+fp64 total (:class:`DeviceNorms`; each gradient's own sum by ``adamw.squared_norm``). When that
+holds for every host-homed unit (``GlobalNormClip.on_device``), the coefficient is computed on
+the device right after the last gradient (:func:`device_coefficient`, in fp64 as
+``clip_grad_norm_`` scales). The device-homed units' updates read it from device memory, and
+it comes home behind the last gradient copy
 (:class:`PendingClip`), where the host optimizer's worker reads it. So the training thread never
 waits for a norm, and the next forward is queued at once.
 

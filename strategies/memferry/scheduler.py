@@ -127,10 +127,13 @@ def _peaks(profile: "StepProfile", rest_optimizer: str, depth: int, mem: np.ndar
     """:func:`_peak` of many partial plans (float64 of whole bytes: exact below 2**53); ``held``:
     their ``State.d`` (a lower bound of the finished plan's ``max(d, r)``)."""
     # The same expression as cost.finish, so pruning and the final check agree to the byte.
-    pairs = np.stack([trans, held], axis=1)
-    uniq, inv = np.unique(pairs, axis=0, return_inverse=True)  # few distinct values
-    transient = np.array([transient_bytes(profile, rest_optimizer, int(t), int(h)) for t, h in uniq],
-                         dtype=np.float64)[inv.reshape(-1)]
+    if not held.any():  # nothing held to the step's end (no clipping alone): one figure per trans
+        uniq, inv = np.unique(trans, return_inverse=True)  # few distinct values: one per block option
+        transient = np.array([transient_bytes(profile, rest_optimizer, int(t)) for t in uniq], dtype=np.float64)[inv]
+    else:
+        uniq, inv = np.unique(np.stack([trans, held], axis=1), axis=0, return_inverse=True)
+        transient = np.array([transient_bytes(profile, rest_optimizer, int(t), int(h)) for t, h in uniq],
+                             dtype=np.float64)[inv.reshape(-1)]
     raw = rest_resident_bytes(profile, rest_optimizer) + profile.input_bytes + mem + (depth + 1) * slot + transient
     return np.floor(raw * (1 + margin))
 
