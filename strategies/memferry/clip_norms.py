@@ -11,9 +11,9 @@ fp64 total (:class:`DeviceNorms`; each gradient's own sum by ``adamw.squared_nor
 holds for every host-homed unit (``GlobalNormClip.on_device``), the coefficient is computed on
 the device right after the last gradient (:func:`device_coefficient`, in fp64 as
 ``clip_grad_norm_`` scales). The device-homed units' updates read it from device memory, and
-it comes home behind the last gradient copy
-(:class:`PendingClip`), where the host optimizer's worker reads it. So the training thread never
-waits for a norm, and the next forward is queued at once.
+it comes home behind the last gradient copy (:class:`PendingClip`), where the host optimizer's
+worker reads it. So the training thread never waits for a norm, and the next forward is queued
+at once.
 
 Otherwise the host sums the squares of the other units' gradients (one more read of each), and
 the training thread waits for them in ``step()`` (:meth:`GlobalNormClip.coefficient`).
