@@ -12,8 +12,9 @@ unit's finish is compared with the point of the *next* forward that needs it. ``
 writes that as a recurrence over blocks from the last to the first (:func:`~.cost.advance`)
 on a small state: forward time so far, backward time so far, the host worker's finish, the
 worst resolved host term, the finishes still waiting for their release point (one per
-prefetch slot), the memory sum and two memory maxima. Every transition is non-decreasing in
-every state component, and so is the final prediction (:func:`~.cost.finish`) and peak
+prefetch slot), the memory sum and two memory maxima, and under clipping alone the gradients
+held beyond freed activations (running and worst). Every transition's result is non-decreasing
+in every state component, and so is the final prediction (:func:`~.cost.finish`) and peak
 memory. Hence if two partial plans of blocks ``s..N-1`` end in the same choice for block
 ``s`` (the next transition also reads block ``s``'s copy time), the one whose state is
 component-wise no larger can be completed at least as well as the other in time *and*
