@@ -286,3 +286,5 @@ def test_a_clipped_memferry_row_says_which_steps_clipped(cpu_backend):
     assert row["clipped"] == [True] * len(row["step_times_s"]) and all(n > 1e-4 for n in row["grad_norms"])
     assert row["after_clip_timed"] == 2 and row["step_mean_after_no_clip_s"] is None
     assert row["step_mean_after_clip_s"] == pytest.approx(sum(row["step_times_s"][1:3]) / 2, abs=1e-5)
+    # the training thread's time queuing gradients home is a part of each step's
+    assert 0 < row["grad_post_ms_per_step"] < 1e3 * sum(row["step_times_s"]) / len(row["step_times_s"])

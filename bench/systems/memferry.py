@@ -132,8 +132,9 @@ class MemFerrySystem(BenchSystem):
     def metrics(self) -> dict[str, Any]:
         """The scheduler's ``predicted_step_s`` and ``predicted_peak_gb`` (its margin included;
         plan ``auto``, else None), the host optimizer's rate, the plan's and host memory's
-        floor (:func:`.host_rate.host_metrics`), and with clipping each step's ``grad_norms`` and
-        whether it ``clipped``."""
+        floor (:func:`.host_rate.host_metrics`), the training thread's milliseconds per step in
+        queuing gradients home (``grad_post_ms_per_step``: about 0 unless a copy blocks), and with
+        clipping each step's ``grad_norms`` and whether it ``clipped``."""
         if not self._steps:
             return {}
         self.engine.optimizer.wait_all()
@@ -145,7 +146,9 @@ class MemFerrySystem(BenchSystem):
         if cfg.max_grad_norm is not None:  # per step, to time the steps that clipped apart (worker.py)
             history = self.engine.grad_norm_history
             clip = {"grad_norms": [round(n, 5) for n, _ in history], "clipped": [c != 1.0 for _, c in history]}
-        return {**clip, "predicted_step_s": self.engine.plan.predicted_step_s,
+        post = self.engine.executor.post  # the training thread's time queuing gradients home
+        return {**clip, "grad_post_ms_per_step": round(post.seconds * 1e3 / self._steps, 3),
+                "predicted_step_s": self.engine.plan.predicted_step_s,
                 "predicted_peak_gb": None if peak is None else round(peak / 1e9, 4),
                 **host_metrics(*self.engine.host_rate(), self._ctx.dtype, self._accumulation,
                                cfg.clip_mode if cfg.max_grad_norm is not None else "", self._ctx.backend,

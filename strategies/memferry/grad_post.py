@@ -8,6 +8,7 @@ home behind the copies (``clip_norms.GlobalNormClip``).
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -35,12 +36,16 @@ class GradientPost:
         self.b, self.dev, self.d2h, self.opt, self.clip = backend, device, d2h, optimizer, clip
         #: bytes copied home so far
         self.bytes = 0
+        #: seconds the training thread spent in :meth:`send` so far (queuing is all it should do:
+        #: a copy that blocks shows here as the gradient's copy time)
+        self.seconds = 0.0
 
     def send(self, index: int, sources: list[torch.Tensor], targets: list[torch.Tensor], final: bool,
              summed: bool = False, zone: int = 0) -> None:
         """Copy gradients ``sources`` of unit ``index`` into host ``targets`` after the compute
         stream's work so far, and submit them (``final``, ``summed``, ``zone``: as
         :meth:`HostOptimizer.submit` takes them)."""
+        t0 = time.perf_counter()
         compute = self.b.current_stream(self.dev)
         if final and self.clip is not None:
             with self.b.device_scope(self.dev):
@@ -58,3 +63,4 @@ class GradientPost:
             landed.record(self.d2h)
         self.bytes += sum(t.numel() * t.element_size() for t in targets)
         self.opt.submit(index, landed.synchronize, final=final, landed=landed.query, summed=summed, zone=zone)
+        self.seconds += time.perf_counter() - t0

@@ -228,6 +228,7 @@ def _reset(engine: "MemFerry") -> None:
     engine.optimizer.sync_steps_from_shadows()
     engine.device_optimizer.sync_steps_from_shadows(engine.shadow.shadows)
     engine.executor.invalidate_device_copies()
+    engine.executor.post.seconds = 0.0
     engine._steps = 0
     if engine.clip is not None:
         engine.clip.reset()
