@@ -279,7 +279,7 @@ def test_a_clipped_memferry_row_says_which_steps_clipped(cpu_backend):
     from bench.scenario import load_scenario
     from bench.worker import run_spec
 
-    system = {"name": "memferry", "label": "mf-clip", "options": {"plan": "prefetch", "max_grad_norm": 1e-4}}
+    system = {"name": "memferry", "label": "mf-clip", "options": {"plan": "auto", "max_grad_norm": 1e-4}}
     scenario = load_scenario("tiny", {"systems": [system], "steps": 2, "warmup": 1, "loss_after": 3, "timeline": False})
     row = run_spec({"scenario": scenario.to_dict(), "label": "mf-clip", "timeline_path": None}, in_process=True)
     assert row["status"] == "ok", row
@@ -288,3 +288,4 @@ def test_a_clipped_memferry_row_says_which_steps_clipped(cpu_backend):
     assert row["step_mean_after_clip_s"] == pytest.approx(sum(row["step_times_s"][1:3]) / 2, abs=1e-5)
     # the training thread's time queuing gradients home is a part of each step's
     assert 0 < row["grad_post_ms_per_step"] < 1e3 * sum(row["step_times_s"]) / len(row["step_times_s"])
+    assert row["predicted_after_clip_step_s"] >= row["predicted_step_s"] > 0  # a fired clip never speeds a step

@@ -6,8 +6,9 @@ Runs on any machine (no device). ``LOG`` is a bench row's MemFerry log (its ``me
 line), ``PROBE`` the ``xpu-probe.json`` of the same run. For each host scale the host's rates
 (the probe's triad and copy figures, the profiled AdamW) are multiplied by it and the scheduler
 searches again under the budget: what would the plan be if the host were that much faster
-(or, below 1, slower)? Prints one row per scale: predicted step, compute chain, bound, what
-the blocks do with their activations and how many are updated on the device.
+(or, below 1, slower)? Prints one row per scale: predicted step (and, for a clipped run's
+profile, the step after a clipped one), compute chain, bound, what the blocks do with their
+activations and how many are updated on the device.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from strategies.memferry.cost import predict  # noqa: E402
+from strategies.memferry.cost import predict, predict_clip_fired  # noqa: E402
 from strategies.memferry.links import links_from_probe  # noqa: E402
 from strategies.memferry.profiler import StepProfile  # noqa: E402
 from strategies.memferry.scheduler import schedule  # noqa: E402
@@ -65,8 +66,10 @@ def main() -> None:
         sys.exit(f"error: {args.log} has no '{PREFIX.strip()}' line; give the log of a MemFerry row with plan=auto")
     base = StepProfile.from_json(lines[0][len(PREFIX):])
     probe = json.load(open(args.probe))
-    print("| host scale | search (s) | predicted step (ms) | compute chain (ms) | bound | activations | device-updated |")
-    print("|---:|---:|---:|---:|---|---|---:|")
+    clipped = getattr(base, "clipping", False)  # then also the step after a clipped one (cost.predict_clip_fired)
+    print("| host scale | search (s) | predicted step (ms) | " + ("after a clipped step (ms) | " if clipped else "")
+          + "compute chain (ms) | bound | activations | device-updated |")
+    print("|---:|---:|---:|" + ("---:|" if clipped else "") + "---:|---|---|---:|")
     for scale in (float(s) for s in args.host_scale.split(",")):
         profile, p = scaled(base, probe, scale)
         links = links_from_probe(_ProbedDevice(), 0, probe=p)
@@ -76,7 +79,8 @@ def main() -> None:
         pr = predict(plan, profile, links, margin=args.margin)
         acts = [u.activations for u in plan.units]
         kinds = ", ".join(f"{acts.count(a)} {a}" for a in sorted(set(acts)))
-        print(f"| {scale:g} | {took:.0f} | {pr.step_s * 1e3:.1f} | {pr.compute_s * 1e3:.1f} | {pr.bound} | {kinds} | "
+        fired = f"{predict_clip_fired(plan, profile, links, margin=args.margin).step_s * 1e3:.1f} | " if clipped else ""
+        print(f"| {scale:g} | {took:.0f} | {pr.step_s * 1e3:.1f} | {fired}{pr.compute_s * 1e3:.1f} | {pr.bound} | {kinds} | "
               f"{sum(u.optimizer == 'device' for u in plan.units)} |", flush=True)
 
 

@@ -44,6 +44,7 @@ from .base import BenchSystem, SystemContext, engine_step, phase
 from .host_rate import host_metrics, host_note
 
 from strategies.memferry import AdamW, MemFerry, Plan
+from strategies.memferry.cost import links_from_probe, predict_clip_fired
 
 __all__ = ["MemFerrySystem", "make"]
 
@@ -134,7 +135,8 @@ class MemFerrySystem(BenchSystem):
         plan ``auto``, else None), the host optimizer's rate, the plan's and host memory's
         floor (:func:`.host_rate.host_metrics`), the training thread's milliseconds per step in
         queuing gradients home (``grad_post_ms_per_step``: about 0 unless a copy blocks), and with
-        clipping each step's ``grad_norms`` and whether it ``clipped``."""
+        clipping each step's ``grad_norms`` and whether it ``clipped``, and the step predicted after
+        a clipped one (``predicted_after_clip_step_s``: :func:`~strategies.memferry.cost.predict_clip_fired`)."""
         if not self._steps:
             return {}
         self.engine.optimizer.wait_all()
@@ -146,6 +148,10 @@ class MemFerrySystem(BenchSystem):
         if cfg.max_grad_norm is not None:  # per step, to time the steps that clipped apart (worker.py)
             history = self.engine.grad_norm_history
             clip = {"grad_norms": [round(n, 5) for n, _ in history], "clipped": [c != 1.0 for _, c in history]}
+            profile = self.engine.plan.profile
+            if profile is not None:  # what a step after a clipped one should take, by the cost model
+                links = links_from_probe(self._ctx.backend, self._ctx.device_index)
+                clip["predicted_after_clip_step_s"] = predict_clip_fired(self.engine.plan, profile, links).step_s
         post = self.engine.executor.post  # the training thread's time queuing gradients home
         return {**clip, "grad_post_ms_per_step": round(post.seconds * 1e3 / self._steps, 3),
                 "predicted_step_s": self.engine.plan.predicted_step_s,

@@ -41,7 +41,9 @@ class OptionCost:
     ``freed``: where a step holds such gradients, the saved activations its backward frees
     (``act``; 0 otherwise, so that plans holding none keep one memory figure, ``mem``);
     ``act``: saved activations; ``trans``:
-    backward transient; ``slot``: prefetch buffer size (0 if never prefetched).
+    backward transient; ``slot``: prefetch buffer size (0 if never prefetched); ``land``: when
+    the host may start its update, from backward's start (None: once its gradient has landed;
+    a step whose clip fires sets the coefficient's landing: ``cost.predict_clip_fired``).
     """
 
     a: float
@@ -65,6 +67,7 @@ class OptionCost:
     by_deadline: bool = False
     grads: int = 0
     freed: int = 0
+    land: float | None = None
 
 
 #: Streamed host_linear against the bare link time of its weight (H200: 2.64 ms against 2.33 ms

@@ -74,8 +74,8 @@ their gradient: what OOMed the capped device12 run), one block's backward transi
 recomputed activations + its gradients) beside ``rest``'s gradients (held until backward's
 end), and a device-homed ``rest``'s update
 (:func:`transient_bytes`; the last two beside the gradients device-homed units hold to the
-step's end under clipping alone, as many as are held at the worst block: ``State.d``), all times ``1 + margin`` for allocator fragmentation
-(``memory_margin``: the only reserve; none is added on top; it also covers CUDA's rounding
+step's end under clipping alone, as many as are held at the worst block: ``State.d``), all
+times ``1 + margin`` for allocator fragmentation (``memory_margin``: the only reserve; none is added on top; it also covers CUDA's rounding
 and its cap on reserved bytes, docs/design.md §3.5). With gradient accumulation a
 device-homed unit's fp32 gradient buffer is resident all step, not its update's transient
 (:func:`grads_persist`), and so is the fp32 sum of a host-updated block planned
@@ -92,13 +92,15 @@ blocks' worth (this one and the look-ahead) while backward passes. Saved tensors
 
 Not modelled: link contention between prefetch copies, DHA reads and gradient copies (the
 probe measures 92-98 GB/s duplex against 55 GB/s per direction); D2H queueing; a deeper
-prefetch's smoothing of uneven blocks (depth only costs slots here); gradient clipping's
-timing (speculative by default, ``AdamW.clip_mode``: updates overlap backward as without it,
-but a step whose clip fires re-applies them after backward; ``"wait"`` makes every update
-wait; its bytes are counted); data parallelism's sharded host updates.
+prefetch's smoothing of uneven blocks (depth only costs slots here); how often the clip fires
+(speculative by default, ``AdamW.clip_mode``: updates overlap backward as without it, but a
+step whose clip fires re-applies them after backward, and the step after it waits for them:
+:func:`predict_clip_fired` predicts that step; ``"wait"`` makes every step such a step; the
+clip's bytes are counted); data parallelism's sharded host updates.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
@@ -115,7 +117,8 @@ from .memory_terms import (LOSS_SLICE_SHARE, auto_loss_chunks, device_bytes_per_
 if TYPE_CHECKING:  # the profiler imports torch; the model itself needs only numbers
     from .profiler import StepProfile
 
-__all__ = ["Links", "links_from_probe", "OptionCost", "option_cost", "Prediction", "predict", "predict_options", "State", "SCALARS",
+__all__ = ["Links", "links_from_probe", "OptionCost", "option_cost", "Prediction", "predict", "predict_options",
+           "predict_clip_fired", "State", "SCALARS",
            "initial_state", "advance", "advance_rows", "finish", "device_bytes_per_param", "H200_DHA_ROWS", "loss_peak_estimate",
            "auto_loss_chunks", "rest_resident_bytes", "transient_bytes", "grads_persist"]
 
@@ -212,15 +215,16 @@ def advance_rows(rows: np.ndarray, cur: OptionCost, nxt: OptionCost | None) -> n
         pending = np.concatenate([pending[:, 1:], np.full((len(rows), 1), _NEG)], axis=1)
     else:
         pending = pending.copy()
+    # when its update may start: its gradient has landed (or the coefficient has: predict_clip_fired)
+    land = (psi + cur.b + cur.d if cur.land is None else cur.land) if cur.host else None
     if cur.host and cur.by_deadline:  # due before every processed unit: its work delays each of them
-        land = psi + cur.b + cur.d
         if cur.prefetch_fwd:
             pending[:, -1] = np.maximum(pending[:, -1], land)
         else:
             late = np.maximum(late, phi + land)
         late, pending = late + cur.h, pending + cur.h
     elif cur.host:  # after every processed unit
-        m = np.maximum(m, psi + cur.b + cur.d) + cur.h
+        m = np.maximum(m, land) + cur.h
         if cur.prefetch_fwd:
             pending[:, -1] = np.maximum(pending[:, -1], m)
         else:
@@ -259,8 +263,9 @@ class Prediction:
 
 
 def finish(state: State, first: OptionCost, profile: "StepProfile", links: Links, rest_optimizer: str,
-           prefetch_depth: int, margin: float) -> Prediction:
-    """The prediction once every block is in ``state`` (``first`` is block 0's terms)."""
+           prefetch_depth: int, margin: float, fired_at: float | None = None) -> Prediction:
+    """The prediction once every block is in ``state`` (``first`` is block 0's terms);
+    ``fired_at``: a host-homed ``rest`` starts its update no earlier (:func:`predict_clip_fired`)."""
     rest_host = rest_optimizer == "host"
     h2d, d2h = links.h2d_GBps * 1e9, links.d2h_GBps * 1e9
     pre = (profile.rest_param_bytes / h2d if rest_host else 0.0) + first.x  # rest reload, block 0's copy
@@ -276,7 +281,7 @@ def finish(state: State, first: OptionCost, profile: "StepProfile", links: Links
     budget = host_budget(profile, links)
     h_rest, _, hm_rest = rest_terms(profile, budget, rest_host)
     if rest_host:  # lands last (behind block 0's gradient on the d2h stream) and is due first
-        land = psi + first.d + profile.rest_numel * profile.dtype_bytes / d2h
+        land = max(psi + first.d + profile.rest_numel * profile.dtype_bytes / d2h, fired_at or 0.0)
         if first.by_deadline:  # it goes at once, and delays every block's update
             late = max(late, pre + state.phi + land) + h_rest
         else:  # it goes after every block's
@@ -294,14 +299,31 @@ def finish(state: State, first: OptionCost, profile: "StepProfile", links: Links
 
 
 def predict_options(opts: Sequence[OptionCost], profile: "StepProfile", links: Links, rest_optimizer: str,
-                    prefetch_depth: int, margin: float) -> Prediction:
+                    prefetch_depth: int, margin: float, fired_at: float | None = None) -> Prediction:
     """:func:`predict` from the blocks' terms (``host_optimizer_s`` left 0): the recurrence from
-    the last block down, then :func:`finish`."""
+    the last block down, then :func:`finish` (``fired_at``: as it takes it)."""
     n = len(opts)
     state = initial_state(prefetch_depth)
     for s in range(n - 1, -1, -1):
         state = advance(state, opts[s], opts[s + 1] if s + 1 < n else None)
-    return finish(state, opts[0], profile, links, rest_optimizer, prefetch_depth, margin)
+    return finish(state, opts[0], profile, links, rest_optimizer, prefetch_depth, margin, fired_at)
+
+
+def predict_clip_fired(plan: Plan, profile: "StepProfile", links: Links, margin: float = 0.10) -> Prediction:
+    """:func:`predict` for a step whose clip fires: no host update is kept before the coefficient
+    lands, behind the last gradient copy (speculative ones are re-applied, the others wait), so
+    every host-homed unit's update starts then, in the host's order, and the next forward waits
+    for those it needs. A clipped step's own compute is unchanged: the difference from
+    :func:`predict` shows in the step that follows it. The speculative updates' wasted host bytes
+    are not counted."""
+    opts = [option_cost(profile, links, i, u, plan.prefetch_depth) for i, u in enumerate(plan.units)]
+    base = predict_options(opts, profile, links, plan.rest_optimizer, plan.prefetch_depth, margin)
+    copies = [o.d for o in opts if o.host]
+    if plan.rest_optimizer == "host":
+        copies.append(profile.rest_numel * profile.dtype_bytes / (links.d2h_GBps * 1e9))
+    at = base.parts["backward_s"] + max(copies, default=0.0)
+    fired = [dataclasses.replace(o, land=at) if o.host else o for o in opts]
+    return predict_options(fired, profile, links, plan.rest_optimizer, plan.prefetch_depth, margin, at)
 
 
 def predict(plan: Plan, profile: "StepProfile", links: Links, margin: float = 0.10) -> Prediction:
