@@ -233,6 +233,9 @@ def test_the_running_sum_and_the_coefficient_go_home_without_blocking(gpu_backen
     d2h = b.stream(0)
     grad = torch.full((1000,), 0.5, dtype=torch.bfloat16, device=dev)
     clip.add(0, [grad])
+    summed = b.event()
+    summed.record(b.current_stream(0))
+    d2h.wait_event(summed)  # as GradientPost.send orders it: the sum is made before it travels
     with b.use_stream(d2h):
         torch.cuda._sleep(200_000_000)  # the gradient copies ahead of it, standing in
     clip.send_running_sum(0, d2h)
