@@ -143,15 +143,22 @@ def test_paired_host_sums_equal_one_by_one_on_the_device(gpu_backend, monkeypatc
         assert all(torch.equal(st[k], states[1][name][k]) for k in ("master", "exp_avg", "exp_avg_sq")), name
 
 
+def _norms_on_device(b):
+    """A batch on device 0, and a plan whose every host-homed unit has its norm summed on the
+    device (prefetched blocks, one recomputed; a device-homed block; a host-homed rest)."""
+    tok = torch.randint(0, DIMS["vocab"], (BATCH, DIMS["seq"] + 1), generator=torch.Generator().manual_seed(5))
+    x, y = b.to_device(tok[:, :-1].contiguous(), 0), b.to_device(tok[:, 1:].contiguous(), 0)
+    plan = Plan([UnitPlan("prefetch", "prefetch"), UnitPlan("resident", "resident", optimizer="device"),
+                 UnitPlan("prefetch", "prefetch", recompute=True), UnitPlan("resident", "resident")])
+    return x, y, plan
+
+
 def test_norms_summed_on_the_device_clip_speculative_bit_equal_to_wait(gpu_backend):
     """With every norm summed on the device, step() queues the coefficient and returns; the host
     reads it, and each unit's running sum, once they land behind the gradients. Speculating while
     they travel gives the bits waiting for them gives; a value read before it landed would not."""
     b = gpu_backend
-    tok = torch.randint(0, DIMS["vocab"], (BATCH, DIMS["seq"] + 1), generator=torch.Generator().manual_seed(5))
-    x, y = b.to_device(tok[:, :-1].contiguous(), 0), b.to_device(tok[:, 1:].contiguous(), 0)
-    plan = Plan([UnitPlan("prefetch", "prefetch"), UnitPlan("resident", "resident", optimizer="device"),
-                 UnitPlan("prefetch", "prefetch", recompute=True), UnitPlan("resident", "resident")])
+    x, y, plan = _norms_on_device(b)
 
     def train(clip, mode):
         torch.manual_seed(0)
@@ -203,10 +210,7 @@ def test_each_steps_history_pairs_its_norm_with_its_coefficient(gpu_backend):
     """On the device, every step's (norm, coefficient) in ``grad_norm_history`` agrees:
     ``coefficient == min(1, max_norm / (norm + 1e-6))`` in every step, clipped or not."""
     b = gpu_backend
-    tok = torch.randint(0, DIMS["vocab"], (BATCH, DIMS["seq"] + 1), generator=torch.Generator().manual_seed(5))
-    x, y = b.to_device(tok[:, :-1].contiguous(), 0), b.to_device(tok[:, 1:].contiguous(), 0)
-    plan = Plan([UnitPlan("prefetch", "prefetch"), UnitPlan("resident", "resident", optimizer="device"),
-                 UnitPlan("prefetch", "prefetch", recompute=True), UnitPlan("resident", "resident")])
+    x, y, plan = _norms_on_device(b)
     torch.manual_seed(0)
     engine = MemFerry(build_model("gpt", dtype=torch.bfloat16, **DIMS), plan=plan, backend=b, device=0,
                       optim=AdamW(lr=1e-2, weight_decay=0.1, max_grad_norm=1.0))

@@ -127,7 +127,7 @@ class MemFerrySystem(BenchSystem):
         # would count a part of that step's host work as if it were all of it.
         self.engine.optimizer.wait_all()
         phases = ", ".join(f"{k} {v * 1e3 / self._steps:.1f}" for k, v in self.engine.optimizer.time_s.items())
-        return f"{base}; host optimizer ms/step: {phases}{host_note(self.metrics)}{self._clip_note()}"
+        return f"{base}; host optimizer ms/step: {phases}{host_note(self._host_rate_metrics())}{self._clip_note()}"
 
     @property
     def metrics(self) -> dict[str, Any]:
@@ -141,8 +141,6 @@ class MemFerrySystem(BenchSystem):
             return {}
         self.engine.optimizer.wait_all()
         cfg = self.engine.cfg
-        host = [s for s in self.engine.shadow.shadows if s.home == "host"]
-        summed = sum(s.master.numel() for s in host if s in self.engine.executor.sums)
         peak = self.engine.plan.predicted_peak_bytes
         clip = {}
         if cfg.max_grad_norm is not None:  # per step, to time the steps that clipped apart (worker.py)
@@ -155,10 +153,18 @@ class MemFerrySystem(BenchSystem):
         post = self.engine.executor.post  # the training thread's time queuing gradients home
         return {**clip, "grad_post_ms_per_step": round(post.seconds * 1e3 / self._steps, 3),
                 "predicted_step_s": self.engine.plan.predicted_step_s,
-                "predicted_peak_gb": None if peak is None else round(peak / 1e9, 4),
-                **host_metrics(*self.engine.host_rate(), self._ctx.dtype, self._accumulation,
-                               cfg.clip_mode if cfg.max_grad_norm is not None else "", self._ctx.backend,
-                               summed / max(1, sum(s.master.numel() for s in host)))}
+                "predicted_peak_gb": None if peak is None else round(peak / 1e9, 4), **self._host_rate_metrics()}
+
+    def _host_rate_metrics(self) -> dict[str, Any]:
+        """The host optimizer's rate against the plan's and host memory's floor
+        (:func:`.host_rate.host_metrics`): what the notes quote of :attr:`metrics` (after
+        ``optimizer.wait_all()``)."""
+        cfg = self.engine.cfg
+        host = [s for s in self.engine.shadow.shadows if s.home == "host"]
+        summed = sum(s.master.numel() for s in host if s in self.engine.executor.sums)
+        return host_metrics(*self.engine.host_rate(), self._ctx.dtype, self._accumulation,
+                            cfg.clip_mode if cfg.max_grad_norm is not None else "", self._ctx.backend,
+                            summed / max(1, sum(s.master.numel() for s in host)))
 
     def _clip_note(self) -> str:
         """With clipping: where norms were summed, how many steps clipped, and how many speculative

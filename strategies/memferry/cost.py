@@ -75,8 +75,8 @@ recomputed activations + its gradients) beside ``rest``'s gradients (held until 
 end), and a device-homed ``rest``'s update
 (:func:`transient_bytes`; the last two beside the gradients device-homed units hold to the
 step's end under clipping alone, as many as are held at the worst block: ``State.d``), all
-times ``1 + margin`` for allocator fragmentation (``memory_margin``: the only reserve; none is added on top; it also covers CUDA's rounding
-and its cap on reserved bytes, docs/design.md §3.5). With gradient accumulation a
+times ``1 + margin`` for allocator fragmentation (``memory_margin``: the only reserve; none is
+added on top; it also covers CUDA's rounding and its cap on reserved bytes, docs/design.md §3.5). With gradient accumulation a
 device-homed unit's fp32 gradient buffer is resident all step, not its update's transient
 (:func:`grads_persist`), and so is the fp32 sum of a host-updated block planned
 ``accumulate="device"`` (:func:`~.memory_terms.device_sum_bytes`). The loss peak is measured by the profiler on the model as it will

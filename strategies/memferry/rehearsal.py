@@ -114,8 +114,8 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                 if again is not None:
                     engine.plan = again
             held = hold_to_plan(engine, budget, predicted, peak)
-            note = (f"rehearsal: {'one step' if steps == 1 else 'two steps'} at learning rate 0 peaked at {format_bytes(peak)}, budget "
-                    f"{format_bytes(budget)}, predicted {format_bytes(predicted)}"
+            note = (f"rehearsal: {'one step' if steps == 1 else 'two steps'} at learning rate 0 peaked at "
+                    f"{format_bytes(peak)}, budget {format_bytes(budget)}, predicted {format_bytes(predicted)}"
                     + (f" (after {'; '.join(tried)})" if tried else "")
                     + f"; the allocator is held to {format_bytes(held)}"
                     + f"; rehearsing took {time.perf_counter() - started:.1f} s")
