@@ -10,7 +10,6 @@ the prediction script get a smoke run each.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

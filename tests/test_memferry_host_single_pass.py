@@ -211,6 +211,40 @@ def test_squared_norm_is_the_exact_sum_to_fp32_accumulation_in_pieces_or_whole()
     assert squared_norm(torch.zeros(7)).item() == 0.0
 
 
+def _ops_dispatched(fn) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def test_squared_norm_sum_adds_every_tensor_in_launches_that_do_not_grow_with_their_number():
+    from strategies.memferry.adamw import squared_norm, squared_norm_sum
+
+    gen = torch.Generator().manual_seed(6)
+    grads = [torch.randn(n, generator=gen).to(torch.bfloat16) for n in (3000, 17, 640, 5000)]
+    grads.append(torch.randn(300, generator=gen))  # an fp32 sum made on the device: fp64 accumulation
+    exact = sum(g.double().square().sum().item() for g in grads)
+    total = squared_norm_sum(grads)
+    assert total.dtype == torch.float64 and total.dim() == 0
+    assert total.item() == pytest.approx(exact, rel=1e-6)
+    assert total.item() == pytest.approx(sum(squared_norm(g).item() for g in grads), rel=1e-12)
+    assert squared_norm_sum(grads).item() == total.item()  # deterministic
+    assert squared_norm_sum(grads, chunk=1024).item() == pytest.approx(exact, rel=1e-6)  # large ones in pieces
+    few = _ops_dispatched(lambda: squared_norm_sum(grads[:2]))
+    assert _ops_dispatched(lambda: squared_norm_sum(grads[:4] * 6)) == few  # 24 gradients, as many launches as 2
+    with pytest.raises(ValueError, match="at least one tensor"):
+        squared_norm_sum([])
+
+
 @pytest.mark.parametrize("work_dtype", [torch.bfloat16, torch.float32, None])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_save_and_from_forms_equal_the_in_place_update_bit_for_bit(work_dtype, threads):

@@ -121,3 +121,22 @@ def test_when_no_plan_fits_after_the_rehearsal_the_model_comes_back_unchanged(cp
     assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
     x, y = batch()
     assert torch.isfinite(model_loss(model, x, y, labels_model=model))  # an ordinary host model again
+
+
+@pytest.mark.parametrize("over", [False, True])
+def test_the_allocator_is_held_to_the_prediction_not_to_what_the_uncapped_cache_kept(cpu_backend, monkeypatch,
+                                                                                      over):
+    """A rehearsal that reserved more than predicted (the cache, uncapped) but allocated less holds
+    the allocator to the prediction; one that allocated more (the memory model missed) to its
+    allocated peak, which the step needs."""
+    x, y = batch()
+    plan = plan_for(qwen2_tied(), (x, y), None, backend=cpu_backend, memory_margin=0.0)
+    predicted = plan.predicted_peak_bytes
+    allocated = predicted + (1 << 20) if over else predicted - (1 << 20)
+    monkeypatch.setattr(rehearsal, "_rehearse", lambda engine, sample, steps=1: (predicted + (2 << 20), allocated, None))
+    engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=(x, y), device_budget=predicted * 2,
+                      backend=cpu_backend)
+    assert cpu_backend.memory_cap(0) == max(predicted, allocated)
+    note = [n for n in engine.plan.notes if n.startswith("rehearsal:")]
+    assert len(note) == 1 and " allocated, budget " in note[0], engine.plan.notes
+    engine.close()

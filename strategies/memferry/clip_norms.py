@@ -7,7 +7,7 @@ device-homed unit's stay on the device; a host-homed unit's go home as backward 
 Where a unit's whole gradient of the step is on the device before it goes home (one micro-batch,
 or a sum made on the device; not a DHA unit's, whose linears write gradients home as they run,
 nor a data-parallel rank's shard), its squares are summed there, on the compute stream, into one
-fp64 total (:class:`DeviceNorms`; each gradient's own sum by ``adamw.squared_norm``). When that
+fp64 total (:class:`DeviceNorms`, by ``adamw.squared_norm_sum``). When that
 holds for every host-homed unit (``GlobalNormClip.on_device``), the coefficient is computed on
 the device right after the last gradient (:func:`device_coefficient`, in fp64 as
 ``clip_grad_norm_`` scales). The device-homed units' updates read it from device memory, and
@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .adamw import squared_norm
+from .adamw import squared_norm_sum
 from .config import Plan, UnitPlan
 
 __all__ = ["DeviceNorms", "GlobalNormClip", "PendingClip", "clips", "device_coefficient", "norm_on_device"]
@@ -72,7 +72,7 @@ class DeviceNorms:
         """Add the squares of ``grads`` (queued on the current stream; no sync)."""
         if not grads:
             return
-        part = torch.stack([squared_norm(g) for g in grads]).sum()
+        part = squared_norm_sum(grads)
         self.total = part if self.total is None else self.total + part
 
     def take(self) -> torch.Tensor | None:

@@ -22,8 +22,9 @@ where the host bounds the plan (``host_calibration.py``), and a faster plan is b
 rehearsed in its turn (real devices only).
 
 A plan that fits is then held to its prediction: the allocator's cap comes down from the budget
-to the predicted peak (or the rehearsal's, where that was higher; :func:`hold_to_plan`), so the
-reserved bytes of every later step stay within what the plan said it would take.
+to the predicted peak (or the rehearsal's allocated peak, where that was higher;
+:func:`hold_to_plan`), so the reserved bytes of every later step stay within what the plan said
+it would take.
 
 A plan given rather than scheduled cannot be made again: one that peaks over the budget is
 refused (:class:`PlanOverBudgetError`, naming the peak) before training, not run out of memory in
@@ -100,7 +101,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
         backend.set_memory_cap(device, None)  # measure the overshoot rather than run into it
         try:
             steps = 1 if rate_checked else 2
-            peak, rate = _rehearse(engine, sample, steps)
+            peak, allocated, rate = _rehearse(engine, sample, steps)
         finally:
             backend.set_memory_cap(device, budget)
         predicted = engine.plan.predicted_peak_bytes or 0
@@ -113,9 +114,10 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                     continue
                 if again is not None:
                     engine.plan = again
-            held = hold_to_plan(engine, budget, predicted, peak)
+            held = hold_to_plan(engine, budget, predicted, allocated)
             note = (f"rehearsal: {'one step' if steps == 1 else 'two steps'} at learning rate 0 peaked at "
-                    f"{format_bytes(peak)}, budget {format_bytes(budget)}, predicted {format_bytes(predicted)}"
+                    f"{format_bytes(peak)} reserved, {format_bytes(allocated)} allocated, budget "
+                    f"{format_bytes(budget)}, predicted {format_bytes(predicted)}"
                     + (f" (after {'; '.join(tried)})" if tried else "")
                     + f"; the allocator is held to {format_bytes(held)}"
                     + f"; rehearsing took {time.perf_counter() - started:.1f} s")
@@ -175,26 +177,29 @@ def _host_rate_checked(engine: "MemFerry", budget: int, margin: float, found: li
     return again
 
 
-def hold_to_plan(engine: "MemFerry", budget: int, predicted: int, peak: int) -> int:
-    """Cap the device's allocator at the plan's predicted peak, or at the rehearsal's peak where
-    that was higher (never above ``budget``), and return the cap.
+def hold_to_plan(engine: "MemFerry", budget: int, predicted: int, allocated: int) -> int:
+    """Cap the device's allocator at the plan's predicted peak, or at the rehearsal's
+    ``allocated`` peak where that was higher (never above ``budget``), and return the cap.
 
     A caching allocator keeps freed blocks reserved until it meets its cap: left at the
     budget, a plan predicted at 7.94 GB of an 8 GB budget reserved 7.99 GB in its steps
     (7.40 GB allocated). Held to its own prediction, the engine's reserved peak stays within
     what it said it would take, and the budget's rest is the caller's; the allocator frees its
-    cache before it would go over. The rehearsal's peak (reserved, uncapped) shows the step
-    needs no more than the cap."""
-    held = min(budget, max(predicted, peak)) if predicted else budget
+    cache before it would go over. The rehearsal's allocated peak shows the step needs no more
+    than the cap. Its reserved peak, taken uncapped, is no such measure: it holds whatever the
+    cache kept (a Qwen2-1.5B plan predicted at 7.84 GB reserved 7.90 uncapped with 7.30
+    allocated, and, held there, reserved 7.94 GB in its steps: over its prediction; H200,
+    2026-12-03)."""
+    held = min(budget, max(predicted, allocated)) if predicted else budget
     engine.backend.set_memory_cap(engine.device, held)
     return held
 
 
-def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], steps: int = 1) -> tuple[int, float | None]:
+def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], steps: int = 1) -> tuple[int, int, float | None]:
     """``steps`` whole steps at learning rate 0: the device's peak over them (allocated, or
-    reserved where the allocator reserves more: a cap binds on what it reserves), and the host
-    updates' seconds per parameter from the end of the first step's ``step()`` call (None with
-    one step, or where none was timed): see the module docstring."""
+    reserved where the allocator reserves more: a cap binds on what it reserves), its allocated
+    peak, and the host updates' seconds per parameter from the end of the first step's
+    ``step()`` call (None with one step, or where none was timed): see the module docstring."""
     inputs, targets = sample
     backend, device = engine.backend, engine.device
     n = min(engine.micro.steps, 2)  # a later micro-batch also holds the earlier ones' device gradients
@@ -215,7 +220,7 @@ def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], steps: int = 1) -> tu
     engine.set_lr(engine.cfg.lr)
     stats = backend.memory_stats(device)
     rate = engine.optimizer.s_per_param_since(start) if steps > 1 else None
-    return max(stats.peak_allocated, stats.peak_reserved), rate
+    return max(stats.peak_allocated, stats.peak_reserved), stats.peak_allocated, rate
 
 
 def _reset(engine: "MemFerry") -> None:
