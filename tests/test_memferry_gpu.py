@@ -247,6 +247,6 @@ def test_the_running_sum_and_the_coefficient_go_home_without_blocking(gpu_backen
     still = b.event()
     still.record(d2h)
     assert not still.query() and not pending.ready()  # back here while the stream still sleeps
-    # the norm of a 16-bit gradient is reduced in fp32 (``adamw.squared_norm``): 1e-8 off here
+    # the norm of a 16-bit gradient is reduced in fp32 (``adamw.squared_norm_sum``): 1e-8 off here
     assert pending.values() == pytest.approx((math.sqrt(250.0), 1.0 / (math.sqrt(250.0) + 1e-6)), rel=1e-6)
     assert float(clip.partials[0]) == pytest.approx(250.0, rel=1e-6)

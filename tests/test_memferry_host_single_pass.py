@@ -212,6 +212,7 @@ def test_squared_norm_is_the_exact_sum_to_fp32_accumulation_in_pieces_or_whole()
 
 
 def _ops_dispatched(fn) -> int:
+    """How many aten ops ``fn()`` dispatches (each a launch on a device)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):

@@ -74,8 +74,12 @@ def squared_norm_sum(tensors: Sequence[torch.Tensor], chunk: int = NORM_CHUNK) -
     given list."""
     if not tensors:
         raise ValueError("squared_norm_sum needs at least one tensor")
-    fused = [t for t in tensors if t.element_size() < 4 and t.numel() <= chunk]
-    parts = [squared_norm(t, chunk) for t in tensors if not (t.element_size() < 4 and t.numel() <= chunk)]
+    fused, parts = [], []
+    for t in tensors:
+        if t.element_size() < 4 and t.numel() <= chunk:
+            fused.append(t)
+        else:
+            parts.append(squared_norm(t, chunk))
     if fused:
         parts.append(torch.stack(torch._foreach_norm(fused, 2, dtype=torch.float32)).double().square().sum())
     return parts[0] if len(parts) == 1 else torch.stack(parts).sum()

@@ -187,9 +187,9 @@ def hold_to_plan(engine: "MemFerry", budget: int, predicted: int, allocated: int
     what it said it would take, and the budget's rest is the caller's; the allocator frees its
     cache before it would go over. The rehearsal's allocated peak shows the step needs no more
     than the cap. Its reserved peak, taken uncapped, is no such measure: it holds whatever the
-    cache kept (a Qwen2-1.5B plan predicted at 7.84 GB reserved 7.90 uncapped with 7.30
-    allocated, and, held there, reserved 7.94 GB in its steps: over its prediction; H200,
-    2026-12-03)."""
+    cache kept (a Qwen2-1.5B plan predicted at 7.84 GB reserved 7.9 uncapped, its steps
+    allocating at most 7.30, and, held there, reserved 7.94 GB in its steps: over its
+    prediction; H200, 2026-12-03)."""
     held = min(budget, max(predicted, allocated)) if predicted else budget
     engine.backend.set_memory_cap(engine.device, held)
     return held
