@@ -46,3 +46,11 @@ def test_a_fired_clip_loses_the_host_work_that_overlapped_backward(order):
     copy = 2 * 10**6 / (LINKS.d2h_GBps * 1e9)  # one block's bf16 gradient home
     assert 0 < fired.step_s - normal.step_s <= normal.parts["backward_s"] + copy + 1e-12
     assert fired.step_s - normal.step_s > normal.parts["backward_s"] / 2  # most of backward was overlapped
+
+
+def test_a_plan_that_does_not_cover_the_profile_is_refused_as_predict_refuses_it():
+    prof = _held_profile(5 * 10**6, 10**5)
+    plan = Plan.from_spec("device2", 2)
+    for fn in (predict, predict_clip_fired):
+        with pytest.raises(ValueError, match=r"^the plan covers 2 blocks, the profile 3$"):
+            fn(plan, prof, LINKS)

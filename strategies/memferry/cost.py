@@ -309,14 +309,26 @@ def predict_options(opts: Sequence[OptionCost], profile: "StepProfile", links: L
     return finish(state, opts[0], profile, links, rest_optimizer, prefetch_depth, margin, fired_at)
 
 
+def _plan_options(plan: Plan, profile: "StepProfile", links: Links) -> list[OptionCost]:
+    """The terms of each of ``plan``'s blocks; ValueError where it does not cover the profile's."""
+    n = len(profile.blocks)
+    if len(plan.units) != n:
+        raise ValueError(f"the plan covers {len(plan.units)} blocks, the profile {n}")
+    return [option_cost(profile, links, i, u, plan.prefetch_depth) for i, u in enumerate(plan.units)]
+
+
 def predict_clip_fired(plan: Plan, profile: "StepProfile", links: Links, margin: float = 0.10) -> Prediction:
     """:func:`predict` for a step whose clip fires: no host update is kept before the coefficient
     lands, behind the last gradient copy (speculative ones are re-applied, the others wait), so
     every host-homed unit's update starts then, in the host's order, and the next forward waits
     for those it needs. A clipped step's own compute is unchanged: the difference from
     :func:`predict` shows in the step that follows it. The speculative updates' wasted host bytes
-    are not counted."""
-    opts = [option_cost(profile, links, i, u, plan.prefetch_depth) for i, u in enumerate(plan.units)]
+    are not counted.
+
+    Raises:
+        ValueError: the plan does not cover the profile's blocks.
+    """
+    opts = _plan_options(plan, profile, links)
     base = predict_options(opts, profile, links, plan.rest_optimizer, plan.prefetch_depth, margin)
     copies = [o.d for o in opts if o.host]
     if plan.rest_optimizer == "host":
@@ -332,10 +344,7 @@ def predict(plan: Plan, profile: "StepProfile", links: Links, margin: float = 0.
     Raises:
         ValueError: the plan does not cover the profile's blocks.
     """
-    n = len(profile.blocks)
-    if len(plan.units) != n:
-        raise ValueError(f"the plan covers {len(plan.units)} blocks, the profile {n}")
-    opts = [option_cost(profile, links, i, u, plan.prefetch_depth) for i, u in enumerate(plan.units)]
+    opts = _plan_options(plan, profile, links)
     pred = predict_options(opts, profile, links, plan.rest_optimizer, plan.prefetch_depth, margin)
     h_rest, acc_rest, _ = rest_terms(profile, host_budget(profile, links), plan.rest_optimizer == "host")
     pred.host_optimizer_s = sum(o.h + o.h_acc for o in opts) + h_rest + acc_rest
