@@ -73,7 +73,8 @@ def test_a_plan_over_its_budget_is_made_again_and_trains_under_the_cap(cpu_backe
 def test_rehearsing_leaves_training_exactly_as_without_it(cpu_backend, monkeypatch, rate_checked):
     """Same plan, with and without the rehearsal: every weight and moment equal after three
     clipped, decayed steps of two micro-batches. ``rate_checked``: the host-rate check is on
-    (real devices; here its measurement is set to the plan's rate), so the rehearsal is two steps."""
+    (real devices; here its measurement is set to the plan's rate), so the rehearsal is
+    ``RATE_STEPS`` steps."""
     x, y = batch()
     plan = plan_for(qwen2_tied(), (x, y), None, backend=cpu_backend, memory_margin=0.0, accumulation_steps=2)
     timed = []
@@ -105,7 +106,37 @@ def test_rehearsing_leaves_training_exactly_as_without_it(cpu_backend, monkeypat
     for name, st in a["optimizer"].items():
         assert all(torch.equal(st[k], b["optimizer"][name][k]) for k in ("master", "exp_avg", "exp_avg_sq")), name
         assert st["step"] == b["optimizer"][name]["step"] == 3
-    assert timed == ([2] if rate_checked else [])  # timed once, after the rehearsal's second step
+    assert timed == ([rehearsal.RATE_STEPS] if rate_checked else [])  # timed once, after its last step
+
+
+def test_the_host_rate_is_timed_over_the_last_of_three_whole_steps(cpu_backend, monkeypatch):
+    """With 3 micro-batches per step, the rate-checking rehearsal runs whole steps of 3 (two
+    micro-batches would end a step early, which sums them before updating where the plan prices a
+    step's last pair added by the update) and times from the second step's step() to the third's,
+    comparing with the plan's rate for 3; without the check, one step of 2 shows the peak."""
+    x, y = batch()
+    plan = plan_for(qwen2_tied(), (x, y), None, backend=cpu_backend, memory_margin=0.0, accumulation_steps=3)
+    monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
+    events: list[str] = []
+    real_backward, real_step, real_counters = MemFerry.backward, MemFerry.step, HostOptimizer.counters
+    monkeypatch.setattr(MemFerry, "backward", lambda self, loss: (events.append("b"), real_backward(self, loss))[1])
+    monkeypatch.setattr(MemFerry, "step", lambda self: (events.append("step"), real_step(self))[1])
+    monkeypatch.setattr(HostOptimizer, "counters", lambda self: (events.append("start"), real_counters(self))[1])
+    monkeypatch.setattr(HostOptimizer, "s_per_param_since",
+                        lambda self, start: (events.append("rate"), plan.host_s_per_param)[1])
+    asked = []
+    real_planned = rehearsal.planned_rate_for
+    monkeypatch.setattr(rehearsal, "planned_rate_for",
+                        lambda p, links, margin, n: (asked.append(n), real_planned(p, links, margin, n))[1])
+    engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=(x, y),
+                      device_budget=int(plan.predicted_peak_bytes * 1.5), backend=cpu_backend, accumulation_steps=3)
+    assert rehearsal.RATE_STEPS == 3
+    assert events == ["b", "b", "b", "step"] * 2 + ["start", "b", "b", "b", "step", "rate"]
+    assert asked == [3]
+    note = [n for n in engine.plan.notes if n.startswith("rehearsal:")]
+    assert len(note) == 1 and note[0].startswith("rehearsal: 3 steps of 3 micro-batches at learning rate 0"), note
+    assert [n for n in engine.plan.notes if n.startswith("host rate:")][0].endswith("plan kept)")
+    engine.close()
 
 
 def test_when_no_plan_fits_after_the_rehearsal_the_model_comes_back_unchanged(cpu_backend, monkeypatch,

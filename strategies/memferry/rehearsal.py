@@ -12,11 +12,17 @@ from the same profile with a margin that covers what the prediction missed (no n
 up to :data:`ATTEMPTS` times. Lifting the cap means the overshoot is measured, never hit: an
 out-of-memory error in the middle of a step would leave its tensors to the autograd graph.
 
-Where the plan's host rate is to be checked, the rehearsal is two steps, and the host updates
-are timed from the end of the first: the first step's updates that run beside the second
-step's forward, and the second's. That is a training step's mix; a lone step's updates run
-after its backward with nothing beside them (0.211 ns per parameter in the 128-layer rehearsal,
-against 0.236-0.255 in the steps, 2026-12-03). Where they ran more than 10 % off the rate the plan
+Where the plan's host rate is to be checked, the rehearsal is :data:`RATE_STEPS` whole steps of
+the run's own micro-batch count, and the host updates are timed from the second step's ``step()``
+to the third's: the second step's updates that run beside the third step's forward, and the
+third's own summing and updates, as a training step mixes them. Neither a lone step nor two
+micro-batches of a longer step are that mix: a lone step's updates run after its backward with
+nothing beside them (0.211 ns per parameter in the 128-layer rehearsal, against 0.236-0.255 in
+the steps, 2026-12-03), and a step of 8 micro-batches ended after 2 sums the pair into the fp32
+buffer and then updates from it (0.33-0.40 ns per parameter on the §3 model), where the plan
+priced a 2-micro-batch step's update that adds the pair as it reads it (0.25): the plan was
+priced with a host 1.58x slower than the one its steps of 8 had, which ran at the plan's own rate
+(0.60-0.66 ns per parameter against 0.67; H200, session 20). Where the updates ran more than 10 % off the rate the plan
 assumed, the plan is priced again on the profile calibrated to it, the scheduler searches again
 where the host bounds the plan (``host_calibration.py``), and a faster plan is built and
 rehearsed in its turn (real devices only).
@@ -54,7 +60,8 @@ from xpu.errors import XpuError
 if TYPE_CHECKING:
     from .engine import MemFerry
 
-__all__ = ["fit_by_rehearsal", "give_back", "hold_to_plan", "PlanOverBudgetError", "ATTEMPTS", "MARGIN_STEP"]
+__all__ = ["fit_by_rehearsal", "give_back", "hold_to_plan", "PlanOverBudgetError", "ATTEMPTS", "MARGIN_STEP",
+           "RATE_STEPS"]
 
 
 class PlanOverBudgetError(XpuError, ValueError):
@@ -72,6 +79,8 @@ _log = logging.getLogger("xpu.memferry")
 ATTEMPTS = 3
 #: How much more margin each new attempt takes than the overshoot it measured.
 MARGIN_STEP = 0.05
+#: Whole steps of a rehearsal that checks the host rate; the last one's updates are timed.
+RATE_STEPS = 3
 
 
 def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
@@ -100,8 +109,8 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
     while True:
         backend.set_memory_cap(device, None)  # measure the overshoot rather than run into it
         try:
-            steps = 1 if rate_checked else 2
-            peak, allocated, rate = _rehearse(engine, sample, steps)
+            timed = not rate_checked
+            peak, allocated, rate = _rehearse(engine, sample, timed)
         finally:
             backend.set_memory_cap(device, budget)
         predicted = engine.plan.predicted_peak_bytes or 0
@@ -115,7 +124,9 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                 if again is not None:
                     engine.plan = again
             held = hold_to_plan(engine, budget, predicted, allocated)
-            note = (f"rehearsal: {'one step' if steps == 1 else 'two steps'} at learning rate 0 peaked at "
+            n = engine.micro.steps
+            what = f"{RATE_STEPS} steps of {n} micro-batch{'es' if n > 1 else ''}" if timed else "one step"
+            note = (f"rehearsal: {what} at learning rate 0 peaked at "
                     f"{format_bytes(peak)} reserved, {format_bytes(allocated)} allocated, budget "
                     f"{format_bytes(budget)}, predicted {format_bytes(predicted)}"
                     + (f" (after {'; '.join(tried)})" if tried else "")
@@ -154,7 +165,7 @@ def _host_rate_checked(engine: "MemFerry", budget: int, margin: float, found: li
     where nothing was measured. What it found is appended to ``found``."""
     plan = engine.plan
     links = links_from_probe(engine.backend, engine.device)
-    planned = planned_rate_for(plan, links, margin, min(engine.micro.steps, 2))
+    planned = planned_rate_for(plan, links, margin, engine.micro.steps)
     if not measured or not planned:
         return None
     ratio = measured / planned
@@ -195,16 +206,20 @@ def hold_to_plan(engine: "MemFerry", budget: int, predicted: int, allocated: int
     return held
 
 
-def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], steps: int = 1) -> tuple[int, int, float | None]:
-    """``steps`` whole steps at learning rate 0: the device's peak over them (allocated, or
-    reserved where the allocator reserves more: a cap binds on what it reserves), its allocated
-    peak, and the host updates' seconds per parameter from the end of the first step's
-    ``step()`` call (None with one step, or where none was timed): see the module docstring."""
+def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) -> tuple[int, int, float | None]:
+    """Steps at learning rate 0 on ``sample``: the device's peak over them (allocated, or reserved
+    where the allocator reserves more: a cap binds on what it reserves), its allocated peak, and,
+    where ``timed``, the host updates' seconds per parameter (else None; also None where none
+    finished in the window). Untimed: one step of at most two micro-batches (a later micro-batch
+    also holds the earlier ones' device gradients, so two show the peak). Timed: :data:`RATE_STEPS`
+    steps of ``engine.micro.steps`` micro-batches, the updates timed from the second-to-last
+    ``step()`` to the last (see the module docstring)."""
     inputs, targets = sample
     backend, device = engine.backend, engine.device
-    n = min(engine.micro.steps, 2)  # a later micro-batch also holds the earlier ones' device gradients
+    n = engine.micro.steps if timed else min(engine.micro.steps, 2)
+    steps = RATE_STEPS if timed else 1
     engine.set_lr(0.0)
-    start = None
+    start = rate = None
     # Dropout draws random numbers: the run's random streams start where they would without this step.
     forked = [] if backend.caps.virtual_devices else [device]
     with torch.random.fork_rng(devices=forked, device_type=backend.device(device).type):
@@ -214,12 +229,13 @@ def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], steps: int = 1) -> tu
             for _ in range(n):
                 engine.backward(engine._loss(inputs, targets) / n)
             engine.step()
-            if k == 0:
-                start = engine.optimizer.counters()  # not waiting: the first step's updates go on
+            if timed and k == steps - 2:
+                start = engine.optimizer.counters()  # not waiting: this step's updates go on beside the next
+            elif timed and k == steps - 1:
+                rate = engine.optimizer.s_per_param_since(start)  # updates still under way are left out
         engine.synchronize()
     engine.set_lr(engine.cfg.lr)
     stats = backend.memory_stats(device)
-    rate = engine.optimizer.s_per_param_since(start) if steps > 1 else None
     return max(stats.peak_allocated, stats.peak_reserved), stats.peak_allocated, rate
 
 
