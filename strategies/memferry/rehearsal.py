@@ -189,8 +189,9 @@ def _host_rate_checked(engine: "MemFerry", budget: int, margin: float, found: li
 
 
 def hold_to_plan(engine: "MemFerry", budget: int, predicted: int, allocated: int) -> int:
-    """Cap the device's allocator at the plan's predicted peak, or at the rehearsal's
-    ``allocated`` peak where that was higher (never above ``budget``), and return the cap.
+    """Cap the device's allocator at the plan's predicted peak, or at ``budget`` where the
+    rehearsal's ``allocated`` peak was higher (the memory model missed: no prediction to hold
+    to), and return the cap.
 
     A caching allocator keeps freed blocks reserved until it meets its cap: left at the
     budget, a plan predicted at 7.94 GB of an 8 GB budget reserved 7.99 GB in its steps
@@ -200,8 +201,10 @@ def hold_to_plan(engine: "MemFerry", budget: int, predicted: int, allocated: int
     than the cap. Its reserved peak, taken uncapped, is no such measure: it holds whatever the
     cache kept (a Qwen2-1.5B plan predicted at 7.84 GB reserved 7.9 uncapped, its steps
     allocating at most 7.30, and, held there, reserved 7.94 GB in its steps: over its
-    prediction; H200, 2026-12-03)."""
-    held = min(budget, max(predicted, allocated)) if predicted else budget
+    prediction; H200, 2026-12-03). Nor is the allocated peak a cap to hold a plan the model
+    missed to: a caller's loop may hold a little more than the rehearsal did (held there, a
+    tiny plan ran out of memory by the 4 bytes of a loss kept through backward)."""
+    held = (budget if allocated > predicted else min(budget, predicted)) if predicted else budget
     engine.backend.set_memory_cap(engine.device, held)
     return held
 
@@ -227,7 +230,9 @@ def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) 
         backend.reset_peak_memory(device)
         for k in range(steps):
             for _ in range(n):
-                engine.backward(engine._loss(inputs, targets) / n)
+                loss = engine._loss(inputs, targets)  # held through backward, as a loop that logs it holds it
+                engine.backward(loss / n)
+                del loss
             engine.step()
             if timed and k == steps - 2:
                 start = engine.optimizer.counters()  # not waiting: this step's updates go on beside the next
