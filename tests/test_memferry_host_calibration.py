@@ -33,7 +33,7 @@ def _measuring(monkeypatch, rate: float) -> None:
 def _fixed_timings(profile):
     """``profile`` with every measured time replaced by a fixed one (its bytes as measured): the
     plan made from it does not depend on how busy this machine was while it was profiled."""
-    blocks = [dataclasses.replace(b, fwd_s=1e-3, bwd_s=2e-3, fwd_selective_s=1e-3, bwd_selective_s=3e-3)
+    blocks = [dataclasses.replace(b, fwd_s=1e-3, bwd_s=2e-3, fwd_selective_s=1e-3, bwd_selective_s=3e-3, recompute_s=1e-3)
               for b in profile.blocks]
     return dataclasses.replace(profile, blocks=blocks, rest_fwd_s=1e-3, rest_bwd_s=2e-3, host_adamw_s_per_param=1e-9,
                                host_adamw_copies_s_per_param=1.5e-9, device_adamw_s_per_param=1e-11)

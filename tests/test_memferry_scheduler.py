@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from strategies.memferry.block_costs import option_cost
 from strategies.memferry.config import Plan, UnitPlan
 from strategies.memferry.cost import H200_DHA_ROWS, Links, links_from_probe, predict
 from strategies.memferry.profiler import BlockProfile, StepProfile, profile_step
@@ -237,12 +238,18 @@ def test_profiler_on_the_cpu_backend_with_a_tiny_gpt(cpu_backend):
         assert b.act_bytes > b.act_bytes_recompute > 0
         # selective recompute keeps the inputs and the matmuls' and attention's outputs: in between
         assert b.act_bytes > b.act_bytes_selective > b.act_bytes_recompute and b.bwd_selective_s >= b.bwd_s
+        assert b.recompute_s > 0 and b.recompute_time == b.recompute_s
     assert prof.rest_fwd_s > 0 and prof.rest_bwd_s > 0 and prof.loss_peak_bytes > 0
     assert prof.rest_numel == units[-1].numel and prof.tokens == 64 and prof.dtype_bytes == 4
     assert prof.host_adamw_s_per_param > 0 and prof.device_adamw_s_per_param > 0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the model is untouched
     again = StepProfile.from_json(prof.to_json())
     assert again == prof and json.loads(prof.to_json())["blocks"][0]["numel"] == prof.blocks[0].numel
+    written = json.loads(prof.to_json())  # a profile written before recomputation was timed
+    for blk in written["blocks"]:
+        del blk["recompute_s"]
+    older = StepProfile.from_json(json.dumps(written))
+    assert all(b.recompute_s == 0 and b.recompute_time == b.fwd_s for b in older.blocks)
     # and the whole chain runs: profile -> links -> schedule
     links = links_from_probe(cpu_backend, 0, {})
     plan = schedule(prof, links, 10 * GB, 2, allow_dha=cpu_backend.caps.dha)
@@ -505,3 +512,21 @@ def test_pareto_front_keeps_exactly_the_rows_no_earlier_row_dominates():
         got, cut = pareto_front(rows, cap)
         want, want_cut = _front_by_definition(rows, cap)
         assert list(got) == want and cut == want_cut, trial
+
+
+def test_recomputation_is_priced_at_the_forward_as_autograd_issues_it():
+    """A recomputed block's backward term adds ``recompute_s`` (the forward issued ahead, as
+    autograd replays it inside backward), not the forward timed alone; a profile without it
+    (written before it was measured) keeps ``fwd_s``."""
+    blk = BlockProfile(BLOCK, 2 * BLOCK, 1.6e-3, 3.2e-3, int(0.5e9), BATCH * SEQ * H * 2, recompute_s=1.3e-3)
+    old = dataclasses.replace(blk, recompute_s=0.0)
+    recompute = UnitPlan("resident", "resident", recompute=True, optimizer="host")
+    keep = UnitPlan("resident", "resident", recompute=False, optimizer="host")
+
+    def b(block, unit):
+        prof = dataclasses.replace(h200_profile(), blocks=[block])
+        return option_cost(prof, H200_LINKS, 0, unit).b
+
+    assert b(blk, keep) == pytest.approx(3.2e-3) == b(old, keep)
+    assert b(blk, recompute) == pytest.approx(3.2e-3 + 1.3e-3)
+    assert b(old, recompute) == pytest.approx(3.2e-3 + 1.6e-3)

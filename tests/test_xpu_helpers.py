@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from xpu.dist import decide_on_first_rank, free_port, init_local_group
-from xpu.timing import event_seconds, median_event_seconds
+import xpu.timing as timing
+from xpu.timing import event_seconds, median_event_seconds, occupy, pipelined_seconds
 
 
 def test_event_timer_times_the_work_between_its_events(cpu_backend):
@@ -23,6 +25,23 @@ def test_event_timer_times_the_work_between_its_events(cpu_backend):
     assert len(calls) == 5
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         median_event_seconds(b, stream, lambda: None, repeats=0)
+
+
+def test_pipelined_timer_reads_the_host_time_of_issuing_and_queues_its_lead(cpu_backend, monkeypatch):
+    b = cpu_backend
+    stream = b.stream(0)
+    dev, host = pipelined_seconds(b, 0, stream, lambda: time.sleep(0.02), 0.0)
+    assert host >= 0.02 and dev >= 0.0
+    products = []
+    real_mm = timing.torch.mm
+    monkeypatch.setattr(timing.torch, "mm", lambda *a, **k: (products.append(1), real_mm(*a, **k))[1])
+    monkeypatch.setitem(timing._product_s, (id(b), 0), 1e-3)  # one product takes 1 ms here
+    ran = []
+    pipelined_seconds(b, 0, stream, lambda: ran.append(1), 0.0105)
+    assert ran == [1] and len(products) == 11  # ceil(10.5 ms / 1 ms) queued before the timed work
+    products.clear()
+    occupy(b, 0, stream, 10.0)
+    assert len(products) == timing.OCCUPY_MAX  # a slow device's lead is bounded
 
 
 def test_free_port_is_bindable_on_loopback():

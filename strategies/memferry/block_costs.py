@@ -145,7 +145,7 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
         else:
             b = _mode_time(unit.backward, blk.bwd_s, w, links, pen)
         if unit.recompute and not unit.selective:  # it reads weights the way backward does (its hook binds them)
-            b += _mode_time(unit.backward, blk.fwd_s, w, links, pen)
+            b += _mode_time(unit.backward, blk.recompute_time, w, links, pen)
     u = 0.0 if host else blk.numel * profile.device_adamw_s_per_param
     # Summing micro-batches on the device (accumulate="device"): an fp32 add per micro-batch, and
     # the sum goes home once, 4 B per parameter; a plan the executor refuses never wins.

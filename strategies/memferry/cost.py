@@ -23,7 +23,8 @@ The step, as the executor runs it (``executor.py``), in steady state:
   tile: docs/design.md §3). The first block's copy is not overlapped.
 * **rest** (embeddings, head, loss) forward + backward between the passes: ``t_rest``.
 * **backward**, blocks ``N-1..0``: ``psi_i = max(b_i, y_{i-1})`` with ``b`` recompute (in the
-  backward mode) + backward + the device AdamW of a device-homed unit, ``y`` the copy of the
+  backward mode; the forward as autograd issues it, ``BlockProfile.recompute_time``) + backward
+  + the device AdamW of a device-homed unit, ``y`` the copy of the
   next block. The last block keeps its forward copy when it is prefetched in both passes.
 * **gradients** of a host-homed unit land ``d = grad bytes / d2h`` after its backward; one
   host worker runs AdamW in landing order (blocks from last to first, ``rest`` last), or with

@@ -6,8 +6,8 @@ by running only the part of the model before the blocks, on the host), and the `
 unit (embeddings, head, loss) is profiled with the blocks replaced by pass-throughs. Blocks
 with the same class and parameter shapes are measured once and the figures reused.
 
-What is measured, per block: forward and backward time (backend timing events, median of
-``repeats`` after a warm-up), activation bytes kept for backward (saved-tensor hooks,
+What is measured, per block: forward, backward and recomputation time (backend timing events,
+median of ``repeats`` after a warm-up; see "How passes are timed"), activation bytes kept for backward (saved-tensor hooks,
 counting each storage once and leaving parameters out; with recompute only the block's
 inputs stay; with selective recompute the inputs and the matmuls' and attention's outputs,
 and forward's and backward's times under it), parameter count and bytes. For ``rest``:
@@ -15,6 +15,17 @@ forward + loss and backward time and the peak memory the loss takes (logits in f
 their gradient), from ``backend.memory_stats``. And the AdamW rates, seconds per parameter, of
 the same kernels the host and device optimizers run, with their dtype conversions
 (``adamw_rates.py``).
+
+How passes are timed: a forward as the training thread issues it, alone (events around it: the
+device also waits for each launch, as it does behind Python in a step); a backward, and a
+forward as recomputation runs it inside backward, issued ahead (``xpu.timing.pipelined_seconds``:
+the device is first kept busy for twice the pass's host time of the round before and a
+millisecond, so the host issues the whole pass before the device reaches it; the longer of the
+device's and the host's time), as autograd issues them in a step. On the H200 the §3 block's
+forward took 1.49-2.14 ms alone and 1.33 ms (±0.3 %) issued ahead, its backward 3.15-3.26 and
+2.90; pricing recomputation at the alone figure over-priced an 8-micro-batch step of 24
+recomputed blocks by about 50 ms and made the scheduler prefer a slower plan
+(bench/results/2026-12-03-h200-session20/).
 """
 from __future__ import annotations
 
@@ -29,7 +40,7 @@ import torch
 from torch import nn
 
 from xpu import Backend
-from xpu.timing import event_seconds
+from xpu.timing import pipelined_seconds
 
 from ..selective_recompute import kept_output_bytes, selective_checkpoint
 from .adamw_rates import device_adamw_rate, host_adamw_rate, host_adamw_rates
@@ -42,6 +53,11 @@ from .units import Unit
 __all__ = ["BlockProfile", "StepProfile", "profile_step", "host_adamw_rate", "host_adamw_rates", "device_adamw_rate"]
 # host_adamw_rate, host_adamw_rates and device_adamw_rate live in adamw_rates.py; named here as before.
 
+#: A pass timed issued ahead waits behind LEAD_FACTOR x its host time of the round before, plus
+#: LEAD_MIN_S, of device work: room for the host to issue all of it before the device reaches it.
+LEAD_FACTOR = 2.0
+LEAD_MIN_S = 1e-3
+
 
 @dataclass
 class BlockProfile:
@@ -50,8 +66,10 @@ class BlockProfile:
     Attributes:
         numel: trainable parameters.
         param_bytes: bytes of its compute-dtype weights (what a load moves).
-        fwd_s: forward time on the device (also the recompute cost).
-        bwd_s: backward time on the device (without recompute).
+        fwd_s: forward time on the device, timed alone (as the training thread issues it).
+        bwd_s: backward time on the device (without recompute), issued ahead as autograd runs it.
+        recompute_s: forward time issued ahead, as recomputation runs inside backward; 0 in
+            profiles written before it was measured (then ``fwd_s``: :attr:`recompute_time`).
         act_bytes: activation bytes kept from forward to backward without recompute.
         act_bytes_recompute: bytes kept with recompute (the block's inputs).
         act_bytes_offload_kept: bytes activation offload leaves on the device (saved tensors
@@ -76,6 +94,12 @@ class BlockProfile:
     act_bytes_selective: int = 0
     bwd_selective_s: float = 0.0
     fwd_selective_s: float = 0.0
+    recompute_s: float = 0.0
+
+    @property
+    def recompute_time(self) -> float:
+        """Seconds a recomputation of the block's forward adds to its backward."""
+        return self.recompute_s or self.fwd_s
 
 
 @dataclass
@@ -86,8 +110,8 @@ class StepProfile:
         blocks: one :class:`BlockProfile` per block, in forward order.
         rest_numel: parameters of the ``rest`` unit.
         rest_param_bytes: bytes of its compute-dtype weights.
-        rest_fwd_s: its forward time, loss included.
-        rest_bwd_s: its backward time.
+        rest_fwd_s: its forward time, loss included (timed alone).
+        rest_bwd_s: its backward time (issued ahead).
         loss_peak_bytes: device memory the rest's forward and backward add at their peak
             (measured with the model's ``loss_chunks`` as it was; estimated by
             :func:`~.cost.loss_peak_estimate` where the blocks cannot be passed through).
@@ -205,9 +229,15 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _timed(backend: Backend, device: int, fn: Callable[[], None]) -> float:
-    """Seconds of ``fn``'s device work on the current stream."""
-    return event_seconds(backend, backend.current_stream(device), fn)
+def _timed(backend: Backend, device: int, fn: Callable[[], None], host_before: float | None = None) -> tuple[float, float]:
+    """(seconds of ``fn``, seconds the host spent issuing it). ``host_before`` None: alone, the
+    device time read with events around ``fn``; else issued ahead (see the module docstring),
+    behind a lead sized from ``host_before``, the host time of the same pass the round before.
+    Virtual devices run work as it is issued: there both ways are the plain reading."""
+    ahead = host_before is not None and not backend.caps.virtual_devices
+    lead = LEAD_FACTOR * host_before + LEAD_MIN_S if ahead else 0.0
+    dev_s, host_s = pipelined_seconds(backend, device, backend.current_stream(device), fn, lead)
+    return (max(dev_s, host_s) if ahead else dev_s), host_s
 
 
 def _capture_block_input(model: nn.Module, first_block: nn.Module, inputs: Any, targets: Any,
@@ -235,21 +265,25 @@ def _block_signature(block: nn.Module) -> tuple:
 
 
 def _timed_passes(backend: Backend, device: int, blk: nn.Module, forward: Callable[[], Any],
-                  grads: list[torch.Tensor], repeats: int) -> tuple[float, float]:
-    """Median forward and backward times of ``forward()`` over ``repeats`` rounds, after one that
-    warms up kernels and the allocator."""
-    fwd, bwd = [], []
+                  grads: list[torch.Tensor], repeats: int) -> tuple[float, float, float]:
+    """Median forward (alone), backward (issued ahead) and recomputation (the forward issued
+    ahead) times of ``forward()`` over ``repeats`` rounds, after one that warms up kernels and
+    the allocator and gives each pass's host time (:func:`_timed`)."""
+    fwd, bwd, again = [], [], []
+    host_f = host_b = 0.0
     for i in range(repeats + 1):
         for p in blk.parameters():
             p.grad = None
         holder: list[Any] = []
-        f = _timed(backend, device, lambda: holder.append(forward()))
+        f, host_f = _timed(backend, device, lambda: holder.append(forward()))
         outs = [t for t in _tensors(holder[0]) if t.requires_grad]
-        b = _timed(backend, device, lambda: torch.autograd.backward(outs, grads))
+        b, host_b = _timed(backend, device, lambda: torch.autograd.backward(outs, grads), host_b if i else None)
         if i:
+            r, _ = _timed(backend, device, forward, host_f)  # recomputation records a graph too
             fwd.append(f)
             bwd.append(b)
-    return statistics.median(fwd), statistics.median(bwd)
+            again.append(r)
+    return statistics.median(fwd), statistics.median(bwd), statistics.median(again)
 
 
 def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend, device: int,
@@ -291,13 +325,13 @@ def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend
         raise ValueError(f"block {type(block).__name__} returned no tensor that needs a gradient")
     grads = [torch.randn_like(t) for t in out_tensors]
     torch.autograd.backward(out_tensors, grads)
-    fwd_s, bwd_s = _timed_passes(backend, device, blk, run_forward, grads, repeats)
+    fwd_s, bwd_s, recompute_s = _timed_passes(backend, device, blk, run_forward, grads, repeats)
     recompute_bytes = sum(_nbytes(t) for t in _tensors((x_args, x_kwargs)))
     selective_bytes = recompute_bytes + kept_output_bytes(run_forward)
     # a selectively checkpointed forward, and its backward with the recompute in it
-    fwd_sel, bwd_sel = _timed_passes(backend, device, blk, lambda: selective_checkpoint(run_forward), grads, repeats)
+    fwd_sel, bwd_sel, _ = _timed_passes(backend, device, blk, lambda: selective_checkpoint(run_forward), grads, repeats)
     result = BlockProfile(numel, param_bytes, fwd_s, bwd_s, act_bytes, recompute_bytes, sum(small.values()),
-                          selective_bytes, max(bwd_s, bwd_sel), max(fwd_s, fwd_sel))
+                          selective_bytes, max(bwd_s, bwd_sel), max(fwd_s, fwd_sel), recompute_s)
     with torch.no_grad():
         nxt = _map_tensors(out, lambda t: t.detach())
     return result, nxt
@@ -324,6 +358,7 @@ def _profile_rest(model: nn.Module, blocks: nn.ModuleList, rest: Unit, inputs: A
         return model_loss(shell, x, y) if y is not None else shell(x)
 
     fwd, bwd, peak = [], [], 0
+    host_b = 0.0
     for i in range(repeats + 1):
         for p in shell.parameters():
             p.grad = None
@@ -331,9 +366,10 @@ def _profile_rest(model: nn.Module, blocks: nn.ModuleList, rest: Unit, inputs: A
         base = backend.memory_stats(device).allocated
         backend.reset_peak_memory(device)
         holder: list[torch.Tensor] = []
-        f = _timed(backend, device, lambda: holder.append(loss_of()))
+        f, _ = _timed(backend, device, lambda: holder.append(loss_of()))
         # A shell with nothing to train (LoRA: embedding and tied head frozen) has no backward.
-        b = _timed(backend, device, lambda: holder[0].backward() if holder[0].requires_grad else None)
+        b, host_b = _timed(backend, device, lambda: holder[0].backward() if holder[0].requires_grad else None,
+                           host_b if i else None)
         peak = max(peak, backend.memory_stats(device).peak_allocated - base)
         if i:
             fwd.append(f)

@@ -112,7 +112,8 @@ def prune_choices(choices: Sequence[UnitPlan], profile: "StepProfile", links: Li
     rate = min(links.h2d_GBps, links.d2h_GBps) * 1e9
     offload = any(b.act_bytes / rate < b.fwd_s for b in profile.blocks)
     selective = all(b.act_bytes_selective for b in profile.blocks) and any(
-        (b.fwd_selective_s or b.fwd_s) + b.bwd_selective_s < 2 * b.fwd_s + b.bwd_s for b in profile.blocks)
+        (b.fwd_selective_s or b.fwd_s) + b.bwd_selective_s < b.fwd_s + b.recompute_time + b.bwd_s
+        for b in profile.blocks)
     return [c for c in choices if (offload or not c.offload) and (selective or not c.selective)]
 
 
