@@ -16,7 +16,7 @@ from .backend import Backend
 
 __all__ = ["event_seconds", "median_event_seconds", "occupy", "pipelined_seconds"]
 
-#: Side of the square fp32 products :func:`occupy` queues (three of them: 48 MiB of device memory).
+#: Side of the square fp32 products :func:`occupy` queues (two such matrices: 32 MiB of device memory).
 OCCUPY_SIDE = 2048
 #: Most products :func:`occupy` queues at once (a bound on a very slow device's share of the host).
 OCCUPY_MAX = 256

@@ -7,10 +7,11 @@ unit (embeddings, head, loss) is profiled with the blocks replaced by pass-throu
 with the same class and parameter shapes are measured once and the figures reused.
 
 What is measured, per block: forward, backward and recomputation time (backend timing events,
-median of ``repeats`` after a warm-up; see "How passes are timed"), activation bytes kept for backward (saved-tensor hooks,
-counting each storage once and leaving parameters out; with recompute only the block's
-inputs stay; with selective recompute the inputs and the matmuls' and attention's outputs,
-and forward's and backward's times under it), parameter count and bytes. For ``rest``:
+median of ``repeats`` after a warm-up; see "How passes are timed"), activation bytes kept for
+backward (saved-tensor hooks, counting each storage once and leaving parameters out; with
+recompute only the block's inputs stay; with selective recompute the inputs and the matmuls'
+and attention's outputs, and forward's and backward's times under it), parameter count and
+bytes. For ``rest``:
 forward + loss and backward time and the peak memory the loss takes (logits in fp32 and
 their gradient), from ``backend.memory_stats``. And the AdamW rates, seconds per parameter, of
 the same kernels the host and device optimizers run, with their dtype conversions
@@ -24,8 +25,7 @@ millisecond, so the host issues the whole pass before the device reaches it; the
 device's and the host's time), as autograd issues them in a step. On the H200 the §3 block's
 forward took 1.49-2.14 ms alone and 1.33 ms (±0.3 %) issued ahead, its backward 3.15-3.26 and
 2.90; pricing recomputation at the alone figure over-priced an 8-micro-batch step of 24
-recomputed blocks by about 50 ms and made the scheduler prefer a slower plan
-(bench/results/2026-12-03-h200-session20/).
+recomputed blocks by about 50 ms (bench/results/2026-12-03-h200-session20/).
 """
 from __future__ import annotations
 
@@ -229,7 +229,8 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _timed(backend: Backend, device: int, fn: Callable[[], None], host_before: float | None = None) -> tuple[float, float]:
+def _timed(backend: Backend, device: int, fn: Callable[[], None],
+           host_before: float | None = None) -> tuple[float, float]:
     """(seconds of ``fn``, seconds the host spent issuing it). ``host_before`` None: alone, the
     device time read with events around ``fn``; else issued ahead (see the module docstring),
     behind a lead sized from ``host_before``, the host time of the same pass the round before.
@@ -329,7 +330,8 @@ def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend
     recompute_bytes = sum(_nbytes(t) for t in _tensors((x_args, x_kwargs)))
     selective_bytes = recompute_bytes + kept_output_bytes(run_forward)
     # a selectively checkpointed forward, and its backward with the recompute in it
-    fwd_sel, bwd_sel, _ = _timed_passes(backend, device, blk, lambda: selective_checkpoint(run_forward), grads, repeats)
+    fwd_sel, bwd_sel, _ = _timed_passes(backend, device, blk, lambda: selective_checkpoint(run_forward), grads,
+                                        repeats)
     result = BlockProfile(numel, param_bytes, fwd_s, bwd_s, act_bytes, recompute_bytes, sum(small.values()),
                           selective_bytes, max(bwd_s, bwd_sel), max(fwd_s, fwd_sel), recompute_s)
     with torch.no_grad():

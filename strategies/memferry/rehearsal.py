@@ -22,10 +22,10 @@ the steps, 2026-12-03), and a step of 8 micro-batches ended after 2 sums the pai
 buffer and then updates from it (0.33-0.40 ns per parameter on the §3 model), where the plan
 priced a 2-micro-batch step's update that adds the pair as it reads it (0.25): the plan was
 priced with a host 1.58x slower than the one its steps of 8 had, which ran at the plan's own rate
-(0.60-0.66 ns per parameter against 0.67; H200, session 20). Where the updates ran more than 10 % off the rate the plan
-assumed, the plan is priced again on the profile calibrated to it, the scheduler searches again
-where the host bounds the plan (``host_calibration.py``), and a faster plan is built and
-rehearsed in its turn (real devices only).
+(0.60-0.66 ns per parameter against 0.67; H200, session 20). Where the updates ran more than
+10 % off the rate the plan assumed, the plan is priced again on the profile calibrated to it, the
+scheduler searches again where the host bounds the plan (``host_calibration.py``), and a faster
+plan is built and rehearsed in its turn (real devices only).
 
 A plan that fits is then held to its prediction: the allocator's cap comes down from the budget
 to the predicted peak (or the rehearsal's allocated peak, where that was higher;
