@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from strategies.memferry import AdamW, MemFerry, Plan, UnitPlan
+from strategies.memferry.host_optimizer import HostOptimizer
 from strategies.memferry.shadow import backup_elements, host_bytes_needed
 from strategies.memferry.units import split_units
 from tests.test_memferry_numerics import TinyGPT, batches, lm_loss
@@ -381,3 +382,38 @@ def test_bf16_units_update_into_their_spares_and_go_home_at_close(cpu_backend):
     for s in host:
         for now, mine, want in zip((s.master, s.exp_avg, s.exp_avg_sq), own[id(s)], final[id(s)]):
             assert now.data_ptr() == mine.data_ptr() and torch.equal(now, want)
+
+
+@pytest.mark.parametrize("order", ["deadline", "landing"])
+def test_a_clipped_step_updates_in_the_order_the_next_forward_needs(cpu_backend, monkeypatch, order):
+    """When the clip fires, every held unit is re-applied (or updated once) after the coefficient
+    lands; in deadline order ``rest`` (whose embeddings start the next forward) goes first, then
+    the blocks by index, as ``cost.predict_clip_fired`` prices it; in landing order by index.
+    The results are bit-equal either way (each unit's update is its own)."""
+    resolving, updated = [], []
+    real_resolve, real_update = HostOptimizer._resolve, HostOptimizer._update
+
+    def resolve(self, coef):  # noqa: ANN001, ANN202
+        resolving.append([])
+        try:
+            real_resolve(self, coef)
+        finally:
+            updated.append(resolving.pop())
+
+    def update(self, index, coef, source=None):  # noqa: ANN001, ANN202
+        if resolving:
+            resolving[-1].append(index)
+        real_update(self, index, coef, source)
+
+    monkeypatch.setattr(HostOptimizer, "_resolve", resolve)
+    monkeypatch.setattr(HostOptimizer, "_update", update)
+    cfg = AdamW(lr=3e-3, max_grad_norm=CLIPS["always"], clip_mode="speculative", host_order=order)
+    engine = MemFerry(_model(), optim=cfg, plan=PLANS["prefetch"](), backend=cpu_backend, loss_fn=lm_loss)
+    for x, y in batches(2):
+        engine.backward(lm_loss(engine(x), engine._to_device(y)))
+        engine.optimizer.settle()
+        engine.step()
+    engine.close()
+    rest = len(engine.model.blocks)  # the last unit
+    want = [rest, 0, 1, 2, 3] if order == "deadline" else [0, 1, 2, 3, rest]
+    assert updated and all(got == want for got in updated), updated

@@ -440,15 +440,15 @@ class HostOptimizer:
     def _resolve(self, coef: float | PendingClip) -> None:
         """The clip coefficient is known (or about to be: a ``PendingClip`` is waited for): keep
         speculative updates that used coefficient 1 and the current rate, re-apply the others from
-        their backups, and update the rest once (exactly what ``clip_mode="wait"`` computes). Units
-        go in index order on every rank: the next forward needs the first ones first, and data
-        parallelism's weight exchange follows it."""
+        their backups, and update the rest once (exactly what ``clip_mode="wait"`` computes), in
+        the order the next forward needs them: ``rest`` first with deadlines (re-applied last, it
+        held the forward until all were done), else (and under data parallelism) by index."""
         if isinstance(coef, PendingClip):
             coef = coef.coef()
         self._finish_running()
         self._to_speculate.clear()
-        rolled = 0
-        for held in sorted(self._order, key=lambda h: h.index):
+        rolled, need = 0, self._board.deadline
+        for held in sorted(self._order, key=lambda h: need(h.index) if need else h.index):
             s = self.shadows[held.index]
             if held.lr is None:
                 self.clip_stats["direct_units"] += int(self._backups is not None and not held.no_room)
