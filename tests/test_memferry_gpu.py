@@ -250,3 +250,23 @@ def test_the_running_sum_and_the_coefficient_go_home_without_blocking(gpu_backen
     # the norm of a 16-bit gradient is reduced in fp32 (``adamw.squared_norm_sum``): 1e-8 off here
     assert pending.values() == pytest.approx((math.sqrt(250.0), 1.0 / (math.sqrt(250.0) + 1e-6)), rel=1e-6)
     assert float(clip.partials[0]) == pytest.approx(250.0, rel=1e-6)
+
+
+def test_the_profiler_times_recomputation_issued_ahead_and_gives_its_lead_memory_back(gpu_backend):
+    """On a real device the profiler also times each block's forward issued ahead (the device kept
+    busy by ``xpu.timing.occupy`` first): a positive figure per block, and the lead's matrices
+    back to the allocator afterwards (no device memory kept beyond the profile's own copies)."""
+    from strategies.memferry.profiler import profile_step
+    from strategies.memferry.units import split_units
+
+    torch.manual_seed(0)
+    model = build_model("gpt", **DIMS)
+    units = split_units(model)
+    x = torch.randint(0, DIMS["vocab"], (BATCH, DIMS["seq"]))
+    y = torch.randint(0, DIMS["vocab"], (BATCH, DIMS["seq"]))
+    gpu_backend.synchronize(0)
+    before = gpu_backend.memory_stats(0).allocated
+    prof = profile_step(model, units, gpu_backend, 0, x, y, repeats=2, adamw_numel=1 << 16)
+    gpu_backend.synchronize(0)
+    assert all(b.recompute_s > 0 and b.fwd_s > 0 and b.bwd_s > 0 for b in prof.blocks)
+    assert gpu_backend.memory_stats(0).allocated <= before + (1 << 20)
