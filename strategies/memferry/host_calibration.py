@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .links import Links
     from .profiler import StepProfile
 
-__all__ = ["TOLERANCE", "SEARCH_AGAIN", "applies", "planned_rate_for", "calibrated", "repriced", "same_layout"]
+__all__ = ["TOLERANCE", "SEARCH_AGAIN", "applies", "calibrated", "repriced", "same_layout"]
 
 #: Measured over planned host rate beyond which the plan is priced again (either way).
 TOLERANCE = 1.10
@@ -44,19 +44,6 @@ SEARCH_AGAIN = 0.02
 def applies(backend: "Backend") -> bool:
     """Whether a rehearsal on ``backend`` checks the host rate (real devices only: see the module)."""
     return not backend.caps.virtual_devices
-
-
-def planned_rate_for(plan: Plan, links: "Links", margin: float, micro_batches: int) -> float | None:
-    """Host seconds per host-updated parameter ``plan``'s prediction assumes for a step of
-    ``micro_batches`` micro-batches (the rehearsal runs at most two of a step's); None for a
-    plan the scheduler did not make."""
-    profile = plan.profile
-    if profile is None:
-        return None
-    if micro_batches == max(1, profile.accumulation_steps):
-        return plan.host_s_per_param
-    shorter = dataclasses.replace(profile, accumulation_steps=micro_batches)
-    return repriced(plan, shorter, links, margin).host_s_per_param
 
 
 def calibrated(profile: "StepProfile", ratio: float) -> "StepProfile":

@@ -28,8 +28,8 @@ scheduler searches again where the host bounds the plan (``host_calibration.py``
 plan is built and rehearsed in its turn (real devices only).
 
 A plan that fits is then held to its prediction: the allocator's cap comes down from the budget
-to the predicted peak (or the rehearsal's allocated peak, where that was higher;
-:func:`hold_to_plan`), so the reserved bytes of every later step stay within what the plan said
+to the predicted peak (:func:`hold_to_plan`; it stays at the budget where the rehearsal allocated
+more than predicted), so the reserved bytes of every later step stay within what the plan said
 it would take.
 
 A plan given rather than scheduled cannot be made again: one that peaks over the budget is
@@ -50,7 +50,7 @@ import torch
 from xpu.units import format_bytes, parse_bytes
 
 from .compute_dtype import cast_parameters, restore_parameters
-from .host_calibration import SEARCH_AGAIN, TOLERANCE, applies, calibrated, planned_rate_for, repriced, same_layout
+from .host_calibration import SEARCH_AGAIN, TOLERANCE, applies, calibrated, repriced, same_layout
 from .links import links_from_probe
 from .planning import SETUP_NOTE, replan
 from .units import split_units
@@ -165,7 +165,7 @@ def _host_rate_checked(engine: "MemFerry", budget: int, margin: float, found: li
     where nothing was measured. What it found is appended to ``found``."""
     plan = engine.plan
     links = links_from_probe(engine.backend, engine.device)
-    planned = planned_rate_for(plan, links, margin, engine.micro.steps)
+    planned = plan.host_s_per_param  # the rehearsal's steps are whole ones: the plan's own rate
     if not measured or not planned:
         return None
     ratio = measured / planned
