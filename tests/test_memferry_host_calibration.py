@@ -1,8 +1,8 @@
-"""The rehearsal's host-rate check (``host_calibration.py``): where the step's host updates
-ran far off the rate the plan assumed, the plan is priced again on the profile calibrated to the
-measured rate; where that moves its step (the host bounds it) the scheduler searches again, and a
-faster plan of another layout is built and rehearsed in its turn; within the tolerance the plan
-stays as it was.
+"""The rehearsal's host-rate check (``host_calibration.py``): where the step's host updates (or
+the sums of its earlier micro-batches) ran far off what the plan assumed, the plan is priced again
+on the profile calibrated to the measured ratios; where that moves its step (the host bounds it)
+the scheduler searches again, and a faster plan of another layout is built and rehearsed in its
+turn; within the tolerance the plan stays as it was.
 
 The cpu backend's virtual devices skip the check (``host_calibration.applies``); these tests
 turn it on and set the measured rate, so nothing depends on this machine's timing."""
@@ -17,17 +17,20 @@ import strategies.memferry.rehearsal as rehearsal
 from strategies.memferry import AdamW, MemFerry
 from strategies.memferry.config import Plan
 from strategies.memferry.cost import links_from_probe, predict
-from strategies.memferry.host_calibration import TOLERANCE, calibrated, repriced, same_layout
+from strategies.memferry.host_calibration import TOLERANCE, calibrated, ratios, repriced, same_layout
 from strategies.memferry.host_optimizer import HostOptimizer
 from strategies.memferry.planning import plan_for
+from strategies.memferry.scheduler import min_budget
 from tests.test_memferry_rehearsal import true_min_budget  # noqa: F401  (a fixture)
 from tests.test_memferry_scheduler_accum import batch, qwen2_tied
 
 
-def _measuring(monkeypatch, rate: float) -> None:
-    """Host updates report ``rate`` seconds per parameter, and the check runs on the cpu backend."""
+def _measuring(monkeypatch, update: float, earlier: float = 0.0) -> None:
+    """Host updates report ``update`` seconds per parameter, and the earlier micro-batches' sums
+    ``earlier``; the check runs on the cpu backend."""
     monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
-    monkeypatch.setattr(HostOptimizer, "s_per_param_since", lambda self, start: rate if self.updated_numel else None)
+    monkeypatch.setattr(HostOptimizer, "split_since",
+                        lambda self, start: (update, earlier) if self.updated_numel else None)
 
 
 def _fixed_timings(profile):
@@ -59,10 +62,10 @@ def test_a_host_rate_far_off_the_plan_is_calibrated_and_planned_again(cpu_backen
     engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=(x, y), device_budget=budget,
                       backend=cpu_backend, memory_margin=0.0)
     said = [n for n in engine.plan.notes if n.startswith("host rate:")]
-    assert len(said) == 1 and "50.00x" in said[0] and "scaled by 50.00" in said[0], engine.plan.notes
+    assert len(said) == 1 and "50.00x the" in said[0] and "updates 50.00x" in said[0], engine.plan.notes
     assert "searched again" in said[0]
-    assert engine.plan.profile.host_adamw_s_per_param == pytest.approx(50 * plan.profile.host_adamw_s_per_param)
-    assert plan.profile.host_adamw_s_per_param != engine.plan.profile.host_adamw_s_per_param  # the caller's kept
+    assert engine.plan.profile.host_update_scale == pytest.approx(50) and engine.plan.profile.host_earlier_scale == 1
+    assert plan.profile.host_update_scale == 1  # the caller's kept
     assert engine.plan.host_s_per_param > 5 * plan.host_s_per_param  # the new prediction prices the slower host
     assert engine.plan.predicted_step_s > plan.predicted_step_s
     assert sum(n.startswith("rehearsal:") for n in engine.plan.notes) == 1
@@ -91,7 +94,7 @@ def test_a_plan_the_host_does_not_bound_is_repriced_not_searched(cpu_backend, mo
     said = [n for n in engine.plan.notes if n.startswith("host rate:")]
     assert len(said) == 1 and "not searched again" in said[0], engine.plan.notes
     assert same_layout(engine.plan, plan)
-    assert engine.plan.profile.host_adamw_s_per_param == pytest.approx(2 * plan.profile.host_adamw_s_per_param)
+    assert engine.plan.profile.host_update_scale == pytest.approx(2)
     assert engine.plan.host_s_per_param > plan.host_s_per_param
     engine.close()
 
@@ -105,9 +108,8 @@ def test_repricing_keeps_the_layout_and_predicts_on_the_new_profile(host_plan, c
     assert same_layout(again, plan) and again.profile is slow and again is not plan
     assert (again.predicted_step_s, again.predicted_peak_bytes) == (pred.step_s, int(pred.peak_bytes))
     assert again.predicted_peak_bytes == plan.predicted_peak_bytes  # the host rate moves no device byte
-    assert again.host_s_per_param > plan.host_s_per_param and plan.profile.host_adamw_s_per_param < \
-        slow.host_adamw_s_per_param
-    assert slow.notes[-1].startswith("host AdamW timings scaled by 4.00")
+    assert again.host_s_per_param > plan.host_s_per_param and plan.profile.host_update_scale == 1
+    assert slow.host_update_scale == 4 and slow.notes[-1].startswith("host work scaled to the rehearsal's: updates 4.00x")
 
 
 def test_a_host_rate_within_the_tolerance_keeps_the_plan(cpu_backend, monkeypatch, host_plan):
@@ -146,4 +148,50 @@ def test_a_calibrated_plan_of_another_layout_is_built_and_rehearsed(cpu_backend,
     assert any("a faster plan" in n for n in notes) and sum(n.startswith("rehearsal:") for n in notes) == 1
     assert all(u.forward == "prefetch" for u in engine.executor.plan.units)
     assert float(engine.train_step(x, y)) > 0
+    engine.close()
+
+
+@pytest.fixture
+def accumulating_plan(cpu_backend, monkeypatch):
+    """A scheduled plan of 4 micro-batches per step with host-updated blocks, and its budget
+    (timings fixed, as :func:`host_plan`'s)."""
+    real = profiler.profile_step
+    monkeypatch.setattr(profiler, "profile_step", lambda *a, **k: _fixed_timings(real(*a, **k)))
+    free = plan_for(qwen2_tied(), batch(), None, backend=cpu_backend, memory_margin=0.0, accumulation_steps=4)
+    budget = int(min_budget(free.profile, links_from_probe(cpu_backend, 0), margin=0.0) * 1.1)
+    plan = plan_for(qwen2_tied(), batch(), budget, backend=cpu_backend, memory_margin=0.0, accumulation_steps=4)
+    monkeypatch.setattr(profiler, "profile_step", real)
+    assert 0 < plan.host_earlier_s_per_param < plan.host_s_per_param
+    return plan, budget
+
+
+def test_calibrating_one_part_moves_only_that_part_of_the_plan_s_host_work(accumulating_plan, cpu_backend):
+    plan, _ = accumulating_plan
+    links = links_from_probe(cpu_backend, 0)
+    earlier = plan.host_earlier_s_per_param
+    update = plan.host_s_per_param - earlier
+    assert ratios(plan, (1.5 * update, 0.5 * earlier)) == pytest.approx((1.5, 0.5))
+    slow = repriced(plan, calibrated(plan.profile, 1.5), links, 0.0)
+    assert slow.host_earlier_s_per_param == pytest.approx(earlier)
+    assert slow.host_s_per_param - slow.host_earlier_s_per_param > 1.2 * update
+    fast = repriced(plan, calibrated(plan.profile, 1.0, 0.5), links, 0.0)
+    assert fast.host_s_per_param - fast.host_earlier_s_per_param == pytest.approx(update)
+    assert fast.host_earlier_s_per_param < 0.8 * earlier
+
+
+def test_parts_off_in_opposite_ways_are_calibrated_though_their_total_is_not(cpu_backend, monkeypatch,
+                                                                             accumulating_plan):
+    plan, budget = accumulating_plan
+    earlier = plan.host_earlier_s_per_param
+    update = plan.host_s_per_param - earlier
+    slower = min(1.5, 1 + 0.5 * earlier / update)  # the update slower, the sums as much faster: the same total
+    _measuring(monkeypatch, slower * update, earlier - (slower - 1) * update)
+    monkeypatch.setattr(rehearsal, "replan", lambda *a, **k: pytest.fail("the sums' gain outweighs: not searched"))
+    monkeypatch.setattr(rehearsal, "SEARCH_AGAIN", 10.0)  # keep the layout: the scales are what is checked
+    engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=batch(), device_budget=budget,
+                      backend=cpu_backend, memory_margin=0.0, accumulation_steps=4)
+    said = [n for n in engine.plan.notes if n.startswith("host rate:")]
+    assert len(said) == 1 and "1.00x the" in said[0] and "plan kept" not in said[0], engine.plan.notes
+    assert engine.plan.profile.host_update_scale == pytest.approx(slower)
+    assert engine.plan.profile.host_earlier_scale == pytest.approx(1 - (slower - 1) * update / earlier)
     engine.close()

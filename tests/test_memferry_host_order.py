@@ -143,7 +143,7 @@ def test_an_update_under_way_yields_between_pieces_to_a_unit_due_sooner(cpu_back
     assert published == [0, 3]
     assert opt.updated_numel == opt.shadows[0].master.numel() + opt.shadows[3].master.numel()
     # The window counts block 3's first piece with its parameters: nothing was complete at its start.
-    assert window == [(0.0, 0)] and opt.s_per_param_since(window[0]) == opt.measured_s_per_param()
+    assert window == [(0.0, 0, 0.0)] and opt.s_per_param_since(window[0]) == opt.measured_s_per_param()
 
 
 # ------------------------------------------------------------------ the cost model prices this order

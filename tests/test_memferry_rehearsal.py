@@ -83,8 +83,8 @@ def test_rehearsing_leaves_training_exactly_as_without_it(cpu_backend, monkeypat
         steps = []
         real_step = MemFerry.step
         monkeypatch.setattr(MemFerry, "step", lambda self: (steps.append(1), real_step(self))[1])
-        monkeypatch.setattr(HostOptimizer, "s_per_param_since",
-                            lambda self, start: (timed.append(len(steps)), plan.host_s_per_param)[1])
+        planned = (plan.host_s_per_param - plan.host_earlier_s_per_param, plan.host_earlier_s_per_param)
+        monkeypatch.setattr(HostOptimizer, "split_since", lambda self, start: (timed.append(len(steps)), planned)[1])
     out = []
     for rehearse in (True, False):
         engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5), plan=plan,
@@ -122,8 +122,8 @@ def test_the_host_rate_is_timed_over_the_last_of_three_whole_steps(cpu_backend, 
     monkeypatch.setattr(MemFerry, "backward", lambda self, loss: (events.append("b"), real_backward(self, loss))[1])
     monkeypatch.setattr(MemFerry, "step", lambda self: (events.append("step"), real_step(self))[1])
     monkeypatch.setattr(HostOptimizer, "counters", lambda self: (events.append("start"), real_counters(self))[1])
-    monkeypatch.setattr(HostOptimizer, "s_per_param_since",
-                        lambda self, start: (events.append("rate"), plan.host_s_per_param)[1])
+    planned = (plan.host_s_per_param - plan.host_earlier_s_per_param, plan.host_earlier_s_per_param)
+    monkeypatch.setattr(HostOptimizer, "split_since", lambda self, start: (events.append("rate"), planned)[1])
     engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=(x, y),
                       device_budget=int(plan.predicted_peak_bytes * 1.5), backend=cpu_backend, accumulation_steps=3)
     assert rehearsal.RATE_STEPS == 3

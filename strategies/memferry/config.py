@@ -193,6 +193,9 @@ class Plan:
         predicted_step_s: the scheduler's prediction, when it made the plan.
         host_s_per_param: the host AdamW rate (seconds per parameter) that prediction assumed,
             as profiled; the engine compares it with the rate its steps measure.
+        host_earlier_s_per_param: the part of ``host_s_per_param`` spent summing a step's
+            micro-batches before its last (0 without accumulation); the rehearsal compares each
+            part with what it measures.
         notes: the scheduler's explanation lines.
         profile: the :class:`~strategies.memferry.profiler.StepProfile` the scheduler planned
             from (None for a plan not scheduled here), so the plan can be remade under another
@@ -208,6 +211,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     profile: Any = field(default=None, compare=False, repr=False)
     predicted_peak_bytes: int | None = None
+    host_earlier_s_per_param: float | None = None
 
     @classmethod
     def uniform(cls, n_blocks: int, unit: UnitPlan | None = None, prefetch_depth: int = 1) -> "Plan":

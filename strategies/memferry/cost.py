@@ -349,6 +349,7 @@ def predict(plan: Plan, profile: "StepProfile", links: Links, margin: float = 0.
     pred = predict_options(opts, profile, links, plan.rest_optimizer, plan.prefetch_depth, margin)
     h_rest, acc_rest, _ = rest_terms(profile, host_budget(profile, links), plan.rest_optimizer == "host")
     pred.host_optimizer_s = sum(o.h + o.h_acc for o in opts) + h_rest + acc_rest
+    pred.parts["host_earlier_s"] = sum(o.h_acc for o in opts) + acc_rest  # within host_optimizer_s
     return pred
 
 

@@ -31,6 +31,10 @@ AdamW took 0.24 ns per parameter alone and 0.33 while both copy directions ran a
   Host-memory work of W bytes beside copies moving D bytes/s takes ``W / (B - kappa D)``, and
   no more than ``(W + kappa C) / B`` when the C bytes of copies end before it does.
 
+The rehearsal calibrates both parts, the work once a unit's last gradient has landed and the
+earlier micro-batches' sums, to what they took in real steps (``host_calibration.py``:
+``HostBudget.update_scale``, ``earlier_scale``).
+
 The cost model uses it twice: each host update's time in the host worker's chain, beside
 the copies of its block's backward (:func:`unit_terms`), and one throughput bound for the
 whole step, ``(all update bytes + kappa x all link bytes) / B`` (the ``host memory`` term).
@@ -133,12 +137,17 @@ class HostBudget:
         kernel_weight: host-memory bytes one byte of the AdamW kernel costs.
         copy_weight: host-memory bytes one host-link byte costs (kappa).
         source: where B and kappa came from, for explanations.
+        update_scale, earlier_scale: the rehearsal's calibration of the work once the last
+            gradient has landed and of the earlier micro-batches' sums
+            (``StepProfile.host_update_scale``, ``host_earlier_scale``).
     """
 
     bandwidth_GBps: float
     kernel_weight: float
     copy_weight: float
     source: str
+    update_scale: float = 1.0
+    earlier_scale: float = 1.0
 
     def seconds(self, nbytes: float, copies_Bps: float = 0.0) -> float:
         """Seconds of ``nbytes`` of host-memory work beside copies moving ``copies_Bps`` bytes/s."""
@@ -158,9 +167,9 @@ class HostBudget:
 
     def work(self, numel: int, ub: UpdateBytes) -> tuple[float, float]:
         """(after the last gradient lands, during earlier micro-batches) host-memory bytes of
-        updating ``numel`` parameters, the kernel's bytes weighted."""
+        updating ``numel`` parameters, the kernel's bytes weighted, each part calibrated."""
         final = numel * (self.kernel_weight * ub.kernel + ub.final - ub.kernel)
-        return final, float(numel * ub.accumulate_earlier)
+        return final * self.update_scale, numel * ub.accumulate_earlier * self.earlier_scale
 
 
 def host_budget(profile: "StepProfile", links: "Links") -> HostBudget | None:
@@ -179,7 +188,7 @@ def host_budget(profile: "StepProfile", links: "Links") -> HostBudget | None:
         kappa, source = links.host_copy_weight, source + ", copies' cost from the probe's triad"
     else:
         kappa, source = 0.0, source + ", copies not measured"
-    return HostBudget(bw / 1e9, bw / own, kappa, source)
+    return HostBudget(bw / 1e9, bw / own, kappa, source, profile.host_update_scale, profile.host_earlier_scale)
 
 
 def link_bytes(unit: UnitPlan, param_bytes: int, grad_bytes: int, act_bytes: int, kept: bool,
@@ -214,7 +223,7 @@ def unit_terms(profile: "StepProfile", budget: HostBudget | None, numel: int, ho
     the last micro-batch's copies; ``paired``: the host sums them two at a time; ``host_norm``:
     with clipping, the host reads its gradient for the norm (:func:`update_bytes`)."""
     if budget is None:
-        return (numel * profile.host_adamw_s_per_param if host else 0.0), 0.0, 0.0
+        return (numel * profile.host_adamw_s_per_param * profile.host_update_scale if host else 0.0), 0.0, 0.0
     fwd, bwd, once = links
     n = max(1, profile.accumulation_steps)
     summed = ACC_BYTES * numel if host and device_sum else 0
@@ -235,7 +244,7 @@ def rest_terms(profile: "StepProfile", budget: HostBudget | None, rest_host: boo
     if not rest_host:
         return 0.0, 0.0, 0.0
     if budget is None:
-        return profile.rest_numel * profile.host_adamw_s_per_param, 0.0, 0.0
+        return profile.rest_numel * profile.host_adamw_s_per_param * profile.host_update_scale, 0.0, 0.0
     links = (0, profile.rest_numel * profile.dtype_bytes, profile.rest_param_bytes)
     one = profile.accumulation_steps <= 1  # the rest unit sums on the host: its norm is the device's only then
     return unit_terms(profile, budget, profile.rest_numel, True, links, 0.0,

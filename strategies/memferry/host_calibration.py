@@ -7,11 +7,18 @@ block's copies and the device's gradient writes share the host with it, in a mix
 profile's two timings do not reproduce), so a host-bound plan's predicted step was up to 30 %
 short, and the scheduler chose between plans on that optimistic figure.
 
-The rehearsal step (``rehearsal.py``) runs the plan's host updates for real. This module
-compares their measured rate with the rate the plan assumed for that step; where the two
-differ by more than :data:`TOLERANCE`, the profile's host timings are scaled by the measured
-ratio (the kernel's weight in host memory scales with it; what a copy byte costs stays) and the
-plan is priced again on the calibrated profile (:func:`repriced`). Only where that moves its
+The rehearsal step (``rehearsal.py``) runs the plan's host work for real, and the host
+optimizer's clock (``host_clock.py``) keeps its two parts apart: the work once a unit's last
+gradient has landed (the update, which the next forward may wait for) and the sums of the step's
+earlier micro-batches (which run while later ones compute). This module compares each with what
+the plan assumed (:func:`ratios`); where either differs by more than :data:`TOLERANCE`, the
+profile is calibrated to the measured ratios (``StepProfile.host_update_scale`` and
+``host_earlier_scale`` scale the cost model's host-memory bytes of each part; what a copy byte
+costs stays) and the plan is priced again on it (:func:`repriced`). One ratio for both parts
+priced the update too cheaply where it matters: on the H200 the update ran 1.36-1.47x its price
+inside steps of 8 micro-batches while the sums ran 0.81-1.23x theirs, and with a single ratio
+the step of a plan bound by the host was predicted 6-12 % short (2.3-4.7 % with two:
+bench/results/2026-12-04-h200-session21/). Only where that moves its plan's
 predicted step by more than :data:`SEARCH_AGAIN` (the host bounds it) does the scheduler search
 again, without profiling again; its plan replaces the old one only when predicted faster by more
 than :data:`SEARCH_AGAIN` (on the H200 a search of 24 blocks takes tens of seconds, and a new
@@ -33,7 +40,7 @@ if TYPE_CHECKING:
     from .links import Links
     from .profiler import StepProfile
 
-__all__ = ["TOLERANCE", "SEARCH_AGAIN", "applies", "calibrated", "repriced", "same_layout"]
+__all__ = ["TOLERANCE", "SEARCH_AGAIN", "applies", "ratios", "calibrated", "repriced", "same_layout"]
 
 #: Measured over planned host rate beyond which the plan is priced again (either way).
 TOLERANCE = 1.10
@@ -46,12 +53,23 @@ def applies(backend: "Backend") -> bool:
     return not backend.caps.virtual_devices
 
 
-def calibrated(profile: "StepProfile", ratio: float) -> "StepProfile":
-    """``profile`` with its host kernel's timings (alone and beside copies) ``ratio`` times as long."""
-    note = f"host AdamW timings scaled by {ratio:.2f} to the rehearsal step's measured rate"
-    return dataclasses.replace(profile, host_adamw_s_per_param=profile.host_adamw_s_per_param * ratio,
-                               host_adamw_copies_s_per_param=profile.host_adamw_copies_s_per_param * ratio,
-                               notes=[*profile.notes, note])
+def ratios(plan: Plan, measured: tuple[float, float]) -> tuple[float, float]:
+    """Measured over planned seconds per parameter of the update and of the earlier sums, from
+    ``measured`` = (update, earlier sums) as ``HostOptimizer.split_since`` gives them; 1 for a
+    part the plan prices at nothing or the rehearsal did not see."""
+    planned_all, planned_earlier = plan.host_s_per_param or 0.0, plan.host_earlier_s_per_param or 0.0
+    planned_update = planned_all - planned_earlier
+    update, earlier = measured
+    return (update / planned_update if planned_update > 0 and update > 0 else 1.0,
+            earlier / planned_earlier if planned_earlier > 0 and earlier > 0 else 1.0)
+
+
+def calibrated(profile: "StepProfile", update: float, earlier: float = 1.0) -> "StepProfile":
+    """``profile`` with its host work priced ``update`` times as long once the last gradient has
+    landed and ``earlier`` times as long for the earlier micro-batches' sums."""
+    note = f"host work scaled to the rehearsal's: updates {update:.2f}x, earlier micro-batches' sums {earlier:.2f}x"
+    return dataclasses.replace(profile, host_update_scale=profile.host_update_scale * update,
+                               host_earlier_scale=profile.host_earlier_scale * earlier, notes=[*profile.notes, note])
 
 
 def repriced(plan: Plan, profile: "StepProfile", links: "Links", margin: float) -> Plan:

@@ -37,7 +37,8 @@ import torch
 from .clip_norms import GlobalNormClip, PendingClip, clips
 from .config import AdamW
 from .data_parallel import DataParallel
-from .host_kernel import PHASES, make_host_kernel
+from .host_clock import HostClock, HostReading
+from .host_kernel import make_host_kernel
 from .host_tasks import TaskBoard, deadline_of
 from .landing_zones import LandingZones
 from .shadow import UnitShadow
@@ -114,18 +115,8 @@ class HostOptimizer:
         # so deadline order's timing cannot change it), the device's, and whether they make it clip.
         self._sq_terms, self._device_sq, self._sure = [], 0.0, False
         self._error: BaseException | None = None
-        #: seconds spent per phase, for the scheduler's cost model: waiting for gradients to
-        #: land, upcasting them, the AdamW kernel, writing the compute-dtype copy; and
-        #: ``consumer_wait``: how long callers of :meth:`wait` (the next forward) were blocked;
-        #: ``backup``: speculative clipping's copies and restores.
-        self.time_s = {"wait": 0.0, "upcast": 0.0, "adamw": 0.0, "writeback": 0.0, "consumer_wait": 0.0,
-                       "backup": 0.0}
-        #: parameters updated so far (this rank's shards), for :meth:`measured_s_per_param`.
-        self.updated_numel = 0
-        # Worker side: seconds of pieces run for updates not yet complete, by unit, and their total
-        # (one float, which the training thread reads in counters()).
-        self._partial: dict[int, float] = {}
-        self._partial_s = 0.0
+        #: seconds per phase, parameters updated, sums of earlier micro-batches (``host_clock.py``)
+        self.clock = HostClock()
         self._thread = threading.Thread(target=self._run, name="memferry-host-adamw", daemon=True)
         self._thread.start()
         # Stop the worker when this object goes, or at interpreter exit if nobody closed the
@@ -238,25 +229,39 @@ class HostOptimizer:
         self._raise_if_failed()
         self._tasks.put(("lr", lr, None))
 
+    @property
+    def time_s(self) -> dict[str, float]:
+        """Seconds spent per phase (:attr:`HostClock.time_s`)."""
+        return self.clock.time_s
+
+    @property
+    def updated_numel(self) -> int:
+        """Parameters updated so far (this rank's shards)."""
+        return self.clock.updated_numel
+
     def measured_s_per_param(self) -> float | None:
         """Seconds per parameter the updates so far took (upcast, AdamW and write-back, which
         under data parallelism includes the weight exchange, and speculative clipping's backups;
         not the waits; a rolled-back update counts twice), the figure the scheduler's profile
         predicts; None before any update."""
-        return self.s_per_param_since((0.0, 0))
+        return self.s_per_param_since(HostReading(0.0, 0, 0.0))
 
-    def counters(self) -> tuple[float, int]:
-        """(seconds, parameters) the updates finished so far took and updated, as
-        :meth:`measured_s_per_param` counts them, read now without waiting for queued work:
-        pieces of updates still under way are left out until they finish (else a window that
-        starts mid-update would count the update's parameters but only some of its seconds)."""
-        return sum(self.time_s[phase] for phase in PHASES) - self._partial_s, self.updated_numel
+    def counters(self) -> HostReading:
+        """The clock's totals now, as :meth:`measured_s_per_param` counts them, without waiting
+        for queued work (:meth:`HostClock.reading`: updates under way are left out)."""
+        return self.clock.reading()
 
-    def s_per_param_since(self, start: tuple[float, int]) -> float | None:
+    def s_per_param_since(self, start: HostReading) -> float | None:
         """:meth:`measured_s_per_param` of the updates finished since :meth:`counters` gave
         ``start`` (None where none was)."""
-        seconds, numel = (b - a for a, b in zip(start, self.counters()))
-        return seconds / numel if numel else None
+        spent = self.clock.since(start)
+        return spent.seconds / spent.numel if spent.numel else None
+
+    def split_since(self, start: HostReading) -> tuple[float, float] | None:
+        """:meth:`s_per_param_since` in two parts: (the work once units' last gradients had
+        landed, the sums of earlier micro-batches), each per parameter updated in the window."""
+        spent = self.clock.since(start)
+        return ((spent.seconds - spent.earlier_s) / spent.numel, spent.earlier_s / spent.numel) if spent.numel else None
 
     def close(self) -> None:
         """Stop the worker after the queued work; every unit's state back in its own buffers."""
@@ -294,7 +299,7 @@ class HostOptimizer:
                     self._receive(arg, final, summed, zone)
                 elif kind == "flush":
                     due, seconds = self._zones.flush()
-                    self.time_s["upcast"] += seconds
+                    self.clock.add_sum(seconds, earlier=False)
                     for i in due:
                         self._finalize(i)
                 elif kind == "norm":
@@ -302,10 +307,9 @@ class HostOptimizer:
                 elif kind == "stats":
                     callback(dict(self.clip_stats))
                 elif kind == "reset":
-                    self.time_s = dict.fromkeys(self.time_s, 0.0)
+                    self.clock.reset()
                     self.clip_stats = dict.fromkeys(self.clip_stats, 0)
-                    self.updated_numel, self._expect, self._partial_s = 0, None, 0.0
-                    self._partial.clear()
+                    self._expect = None
                     callback(None)
                 elif kind == "settle":
                     while self._running is not None or self._to_speculate:
@@ -348,7 +352,7 @@ class HostOptimizer:
 
     def _receive(self, index: int, final: bool, summed: bool = False, zone: int = 0) -> None:
         """A landed gradient: summed where it must be (``landing_zones.py``); update if final."""
-        self.time_s["upcast"] += self._zones.receive(index, final, summed, zone)
+        self.clock.add_sum(self._zones.receive(index, final, summed, zone), earlier=not final)
         if final:
             self._finalize(index)
 
@@ -419,18 +423,8 @@ class HostOptimizer:
             self._publish(index)
 
     def _count(self, index: int, times: dict[str, float], done: bool) -> None:
-        """Add a piece's seconds per phase; ``done``: unit ``index``'s update is complete, count its
-        parameters. Seconds of updates under way are kept apart too, for :meth:`counters`."""
-        spent = 0.0
-        for phase, seconds in times.items():
-            self.time_s[phase] += seconds
-            spent += seconds
-        if done:
-            self._partial_s -= self._partial.pop(index, 0.0)
-            self.updated_numel += self.shadows[index].master.numel()
-        else:
-            self._partial[index] = self._partial.get(index, 0.0) + spent
-            self._partial_s += spent
+        """Add a piece's seconds per phase; ``done``: unit ``index``'s update is complete."""
+        self.clock.count(index, times, done, self.shadows[index].master.numel())
 
     def _finish_running(self) -> None:
         """Complete the speculative update under way, if any."""

@@ -151,6 +151,10 @@ class StepProfile:
             host-memory bytes too (``host_budget``).
         host_order: a setting (``plan_for`` sets it): ``AdamW.host_order``, the order of host
             updates the cost model prices (``"landing"`` under data parallelism).
+        host_update_scale, host_earlier_scale: the rehearsal's calibration
+            (``host_calibration.calibrated``): what the host's work once a step's last gradient
+            has landed, and its sums of the step's earlier micro-batches, took in real steps over
+            what the cost model priced them at (1: not calibrated).
     """
 
     blocks: list[BlockProfile]
@@ -178,6 +182,8 @@ class StepProfile:
     clip_mode: str = "speculative"
     data_parallel: bool = False
     host_order: str = "landing"
+    host_update_scale: float = 1.0
+    host_earlier_scale: float = 1.0
 
     def to_json(self, indent: int | None = 1) -> str:
         """The profile as a JSON string (``indent=None``: on one line)."""

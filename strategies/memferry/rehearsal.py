@@ -22,8 +22,9 @@ the steps, 2026-12-03), and a step of 8 micro-batches ended after 2 sums the pai
 buffer and then updates from it (0.33-0.40 ns per parameter on the §3 model), where the plan
 priced a 2-micro-batch step's update that adds the pair as it reads it (0.25): the plan was
 priced with a host 1.58x slower than the one its steps of 8 had, which ran at the plan's own rate
-(0.60-0.66 ns per parameter against 0.67; H200, session 20). Where the updates ran more than
-10 % off the rate the plan assumed, the plan is priced again on the profile calibrated to it, the
+(0.60-0.66 ns per parameter against 0.67; H200, session 20). Where the updates, or the sums of
+the earlier micro-batches, ran more than 10 % off what the plan assumed for them, the plan is
+priced again on the profile calibrated to both, the
 scheduler searches again where the host bounds the plan (``host_calibration.py``), and a faster
 plan is built and rehearsed in its turn (real devices only).
 
@@ -50,7 +51,7 @@ import torch
 from xpu.units import format_bytes, parse_bytes
 
 from .compute_dtype import cast_parameters, restore_parameters
-from .host_calibration import SEARCH_AGAIN, TOLERANCE, applies, calibrated, repriced, same_layout
+from .host_calibration import SEARCH_AGAIN, TOLERANCE, applies, calibrated, ratios, repriced, same_layout
 from .links import links_from_probe
 from .planning import SETUP_NOTE, replan
 from .units import split_units
@@ -158,23 +159,25 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
 
 
 def _host_rate_checked(engine: "MemFerry", budget: int, margin: float, found: list[str],
-                       measured: float | None) -> Any:
+                       measured: tuple[float, float] | None) -> Any:
     """The plan priced again (and, where the host bounds it, searched again) on a profile
-    calibrated to the rehearsal's host rate ``measured`` (seconds per parameter), where that was
-    off the plan's by more than ``host_calibration.TOLERANCE``; None where it was within it, or
-    where nothing was measured. What it found is appended to ``found``."""
+    calibrated to the rehearsal's host work ``measured`` (seconds per parameter: the updates,
+    the earlier micro-batches' sums), where either part was off the plan's by more than
+    ``host_calibration.TOLERANCE``; None where both were within it, or where nothing was
+    measured. What it found is appended to ``found``."""
     plan = engine.plan
     links = links_from_probe(engine.backend, engine.device)
     planned = plan.host_s_per_param  # the rehearsal's steps are whole ones: the plan's own rate
     if not measured or not planned:
         return None
-    ratio = measured / planned
-    said = (f"host rate: the rehearsal's host updates ran at {measured * 1e9:.3f} ns/param, {ratio:.2f}x "
-            f"the {planned * 1e9:.3f} the plan assumed")
-    if 1 / TOLERANCE <= ratio <= TOLERANCE:
+    update, earlier = ratios(plan, measured)
+    total = sum(measured) / planned
+    said = (f"host rate: the rehearsal's host work ran at {sum(measured) * 1e9:.3f} ns/param, {total:.2f}x the "
+            f"{planned * 1e9:.3f} the plan assumed (updates {update:.2f}x, earlier micro-batches' sums {earlier:.2f}x)")
+    if all(1 / TOLERANCE <= r <= TOLERANCE for r in (update, earlier)):
         found.append(said + " (within the tolerance: plan kept)")
         return None
-    profile = calibrated(plan.profile, ratio)
+    profile = calibrated(plan.profile, update, earlier)
     kept = repriced(plan, profile, links, margin)
     before, now = plan.predicted_step_s or 0.0, kept.predicted_step_s or 0.0
     again, how = kept, "the host does not bound it: same plan, not searched again"
@@ -182,7 +185,7 @@ def _host_rate_checked(engine: "MemFerry", budget: int, margin: float, found: li
         searched = replan(plan, budget, engine.backend, engine.device, margin, profile=profile)
         better = (searched.predicted_step_s or now) < now * (1 - SEARCH_AGAIN)
         again, how = (searched, "searched again: a faster plan") if better else (kept, "searched again: same plan kept")
-    found.append(f"{said}; the profile's host timings scaled by {ratio:.2f}: predicted step {before * 1e3:.1f} -> "
+    found.append(f"{said}; the profile's host work scaled to it: predicted step {before * 1e3:.1f} -> "
                  f"{(again.predicted_step_s or 0.0) * 1e3:.1f} ms ({how})")
     _log.info("MemFerry: %s", found[-1])
     return again
@@ -209,14 +212,16 @@ def hold_to_plan(engine: "MemFerry", budget: int, predicted: int, allocated: int
     return held
 
 
-def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) -> tuple[int, int, float | None]:
+def _rehearse(engine: "MemFerry", sample: tuple[Any, Any],
+              timed: bool = False) -> tuple[int, int, tuple[float, float] | None]:
     """Steps at learning rate 0 on ``sample``: the device's peak over them (allocated, or reserved
     where the allocator reserves more: a cap binds on what it reserves), its allocated peak, and,
     where ``timed``, the host updates' seconds per parameter (else None; also None where none
     finished in the window). Untimed: one step of at most two micro-batches (a later micro-batch
     also holds the earlier ones' device gradients, so two show the peak). Timed: :data:`RATE_STEPS`
-    steps of ``engine.micro.steps`` micro-batches, the updates timed from the second-to-last
-    ``step()`` to the last (see the module docstring)."""
+    steps of ``engine.micro.steps`` micro-batches, the host's work timed from the second-to-last
+    ``step()`` to the last, as (updates, earlier micro-batches' sums) per parameter
+    (``HostOptimizer.split_since``; see the module docstring)."""
     inputs, targets = sample
     backend, device = engine.backend, engine.device
     n = engine.micro.steps if timed else min(engine.micro.steps, 2)
@@ -237,7 +242,7 @@ def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) 
             if timed and k == steps - 2:
                 start = engine.optimizer.counters()  # not waiting: this step's updates go on beside the next
             elif timed and k == steps - 1:
-                rate = engine.optimizer.s_per_param_since(start)  # updates still under way are left out
+                rate = engine.optimizer.split_since(start)  # updates still under way are left out
         engine.synchronize()
     engine.set_lr(engine.cfg.lr)
     stats = backend.memory_stats(device)

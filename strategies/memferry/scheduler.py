@@ -379,20 +379,21 @@ def price(plan: Plan, profile: "StepProfile", links: Links, margin: float) -> Pr
     pred = predict(plan, profile, links, margin)
     plan.predicted_step_s = pred.step_s
     plan.predicted_peak_bytes = int(pred.peak_bytes)
-    plan.host_s_per_param = planned_host_rate(plan, profile, links, pred)
+    plan.host_s_per_param, plan.host_earlier_s_per_param = planned_host_rate(plan, profile, links, pred)
     plan.profile = profile
     return pred
 
 
-def planned_host_rate(plan: Plan, profile: "StepProfile", links: Links, pred: Prediction) -> float:
+def planned_host_rate(plan: Plan, profile: "StepProfile", links: Links, pred: Prediction) -> tuple[float, float]:
     """Host seconds per host-updated parameter the prediction assumes (what
     ``HostOptimizer.measured_s_per_param`` measures in steps: accumulation and backups
-    included); the profile's rate where no host budget applies or nothing is host-updated."""
+    included), and the part of it summing the earlier micro-batches; the profile's rate (and 0)
+    where no host budget applies or nothing is host-updated."""
     numel = sum(b.numel for b, u in zip(profile.blocks, plan.units) if u.optimizer == "host")
     numel += profile.rest_numel if plan.rest_optimizer == "host" else 0
     if host_budget(profile, links) is None or not numel:
-        return profile.host_adamw_s_per_param
-    return pred.host_optimizer_s / numel
+        return profile.host_adamw_s_per_param * profile.host_update_scale, 0.0
+    return pred.host_optimizer_s / numel, pred.parts.get("host_earlier_s", 0.0) / numel
 
 
 def _host_line(pred: Prediction, profile: "StepProfile", links: Links) -> str:

@@ -1,0 +1,94 @@
+"""What the host optimizer's time goes to: seconds per phase, parameters updated, and the part
+of the work done for micro-batches before a step's last.
+
+The scheduler prices a host-homed unit's work in two parts (``host_budget.unit_terms``): the
+sums of a step's earlier micro-batches, which run while later ones compute, and the work once
+the last gradient has landed (the update), which the next forward may wait for. The rehearsal
+(``rehearsal.py``) compares both with what the plan assumed (``host_calibration.py``), so this
+clock keeps them apart: on the H200 the update ran 1.36-1.47x its price inside real steps while
+the sums ran 0.81-1.23x theirs (bench/results/2026-12-04-h200-session21/).
+
+Written by the host optimizer's worker thread; :meth:`HostClock.reading` may be called from any
+thread (it reads a few floats, each assignment atomic under the GIL).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .host_kernel import PHASES
+
+__all__ = ["HostClock", "HostReading"]
+
+
+class HostReading(NamedTuple):
+    """The clock's totals at one moment (see :meth:`HostClock.reading`).
+
+    Attributes:
+        seconds: host work of finished updates, and every sum, so far (the ``PHASES``).
+        numel: parameters those updates updated.
+        earlier_s: among ``seconds``, the sums of micro-batches before a step's last.
+    """
+
+    seconds: float
+    numel: int
+    earlier_s: float
+
+
+class HostClock:
+    """The host optimizer's counters (see the module).
+
+    Attributes:
+        time_s: seconds per phase: ``wait`` for gradients to land, ``upcast`` (summing them, and
+            a three-pass kernel's upcast), ``adamw``, ``writeback``, ``consumer_wait`` (callers
+            of ``HostOptimizer.wait``: the next forward blocked) and ``backup`` (speculative
+            clipping's copies and restores).
+        updated_numel: parameters updated so far (this rank's shards).
+        earlier_s: seconds of summing micro-batches before a step's last (within ``upcast``).
+    """
+
+    def __init__(self) -> None:
+        self.time_s = {"wait": 0.0, "upcast": 0.0, "adamw": 0.0, "writeback": 0.0, "consumer_wait": 0.0,
+                       "backup": 0.0}
+        self.updated_numel = 0
+        self.earlier_s = 0.0
+        # Seconds of pieces run for updates not yet complete, by unit, and their total.
+        self._partial: dict[int, float] = {}
+        self._partial_s = 0.0
+
+    def reset(self) -> None:
+        """Every counter back to zero."""
+        self.time_s = dict.fromkeys(self.time_s, 0.0)
+        self.updated_numel, self.earlier_s, self._partial_s = 0, 0.0, 0.0
+        self._partial.clear()
+
+    def add_sum(self, seconds: float, earlier: bool) -> None:
+        """Seconds spent summing landed gradients; ``earlier``: of a micro-batch before the step's last."""
+        self.time_s["upcast"] += seconds
+        if earlier:
+            self.earlier_s += seconds
+
+    def count(self, index: int, times: dict[str, float], done: bool, numel: int) -> None:
+        """Add a piece of unit ``index``'s update (seconds per phase); ``done``: the update is
+        complete and updated ``numel`` parameters. Pieces of updates under way are kept apart,
+        so that :meth:`reading` leaves them out until they finish."""
+        spent = 0.0
+        for phase, seconds in times.items():
+            self.time_s[phase] += seconds
+            spent += seconds
+        if done:
+            self._partial_s -= self._partial.pop(index, 0.0)
+            self.updated_numel += numel
+        else:
+            self._partial[index] = self._partial.get(index, 0.0) + spent
+            self._partial_s += spent
+
+    def reading(self) -> HostReading:
+        """The totals now, without the pieces of updates still under way (a window that starts
+        mid-update would otherwise count the update's parameters but only some of its seconds)."""
+        return HostReading(sum(self.time_s[phase] for phase in PHASES) - self._partial_s, self.updated_numel,
+                           self.earlier_s)
+
+    def since(self, start: HostReading) -> HostReading:
+        """What :meth:`reading` added since ``start``."""
+        now = self.reading()
+        return HostReading(now.seconds - start.seconds, now.numel - start.numel, now.earlier_s - start.earlier_s)
