@@ -132,8 +132,9 @@ def min_cap_for_system(scenario: Scenario, label: str, out_dir: Path | None = No
         return row["status"] == "ok" and not stop
 
     def guess() -> int | None:
-        peak = rows[grid.top].get("peak_device_gb")
-        return None if peak is None else grid.at_or_above(peak)
+        top = rows[grid.top]
+        peaks = [p for p in (top.get("peak_device_gb"), top.get("setup_peak_device_gb")) if p is not None]
+        return grid.at_or_above(max(peaks)) if peaks else None  # setup has to fit the cap too
 
     best = search_smallest(passes, 0, grid.top, lo_fails=grid.lo_fails, guess=guess)
     if stop:

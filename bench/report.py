@@ -241,7 +241,9 @@ def markdown_table(result: dict[str, Any]) -> str:
         f"# {sc['name']}: {result['machine']} ({result['date']})",
         "",
         f"{_scenario_line(result)}.",
-        "Step times: median over the timed steps after warm-up (device sync around each step); mean beside it.",
+        "Step times: median over the timed steps after warm-up (device sync around each step); mean beside it. "
+        "Peak device memory: over the steps, warm-up included (setup's own peak is in results.json: "
+        "setup_peak_device_gb, setup_peak_device_reserved_gb).",
         "",
         f"Command: `{result['command']}`" + _merged_note(result),
         "",

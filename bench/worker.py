@@ -268,6 +268,12 @@ def run_spec(spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | 
             system = factory(ctx)
             backend.synchronize(dev)
             row["setup_s"] = round(time.perf_counter() - t0, 3)
+            tracked = getattr(system, "tracks_device_memory", True)
+            if tracked:  # setup's peak (a planner's profiling, a rehearsal) apart from the steps'
+                stats = backend.memory_stats(dev)
+                row["setup_peak_device_gb"] = stats.peak_allocated / _GB
+                row["setup_peak_device_reserved_gb"] = stats.peak_reserved / _GB
+                backend.reset_peak_memory(dev)
             times, losses = [], []
             for i in range(eff["total_steps"]):
                 backend.synchronize(dev)
@@ -295,7 +301,6 @@ def run_spec(spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | 
             if all(x is None for x in losses):  # one part of a step timed alone: no training throughput
                 row["tokens_per_s"] = row["tflops"] = None
             stats = backend.memory_stats(dev)
-            tracked = getattr(system, "tracks_device_memory", True)
             row["peak_device_gb"] = stats.peak_allocated / _GB if tracked else None
             row["peak_device_reserved_gb"] = stats.peak_reserved / _GB if tracked else None
             row["notes"] = getattr(system, "notes", "")
@@ -386,7 +391,7 @@ def _rounded(row: dict[str, Any]) -> dict[str, Any]:
     for key in ("step_s", "step_mean_s", "step_min_s", "step_max_s"):
         if isinstance(row.get(key), float):
             row[key] = round(row[key], 5)
-    for key in ("peak_device_gb", "peak_device_reserved_gb"):
+    for key in ("peak_device_gb", "peak_device_reserved_gb", "setup_peak_device_gb", "setup_peak_device_reserved_gb"):
         if isinstance(row.get(key), float):
             row[key] = round(row[key], 4)
     for key, nd in (("tokens_per_s", 1), ("tflops", 3), ("loss", 5)):

@@ -116,3 +116,31 @@ def test_a_host_built_model_is_not_device_memory_on_the_cpu_backend(cpu_backend)
     assert after_host == before
     assert after_device - after_host >= nbytes  # built on the device: counted
     del on_device
+
+
+def test_a_system_s_setup_peak_is_reported_apart_from_its_steps(tmp_path, monkeypatch, fresh_registry, cpu_backend):
+    """Setup (a planner's profiling, a rehearsal) may hold more than a step: the row's peak is the
+    steps', and setup's peak is reported beside it."""
+    (tmp_path / "setup_peak_sys.py").write_text(textwrap.dedent("""
+        import torch
+
+        class System:
+            def __init__(self, ctx):
+                self.ctx = ctx
+
+            def step(self, inputs, targets):
+                self.kept = self.ctx.backend.to_device(torch.zeros(1 << 16), self.ctx.device_index)  # 256 KiB
+                return None
+
+        def make(ctx):
+            big = ctx.backend.to_device(torch.zeros(1 << 20), ctx.device_index)  # 4 MiB, setup only
+            del big
+            return System(ctx)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    systems.register_system("setup-peak", "setup_peak_sys:make")
+    scenario = load_scenario("tiny", {"systems": ["setup-peak"]})
+    row = run_spec({"scenario": scenario.to_dict(), "label": "setup-peak", "timeline_path": None}, in_process=True)
+    assert row["status"] == "ok", row.get("reason")
+    assert row["setup_peak_device_gb"] >= 4 * 2**20 / 1e9
+    assert row["peak_device_gb"] < 2 * 2**20 / 1e9
