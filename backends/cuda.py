@@ -190,7 +190,8 @@ class CudaBackend(Backend):
         i = self.index_of(device)
         torch.cuda.init()  # the allocator's counters exist only once CUDA is initialised
         return MemoryStats(torch.cuda.memory_allocated(i), torch.cuda.memory_reserved(i),
-                           torch.cuda.max_memory_allocated(i), torch.cuda.max_memory_reserved(i))
+                           torch.cuda.max_memory_allocated(i), torch.cuda.max_memory_reserved(i),
+                           int(torch.cuda.memory_stats(i).get("num_alloc_retries", 0)))
 
     def reset_peak_memory(self, device: Any = None) -> None:
         torch.cuda.init()

@@ -395,8 +395,10 @@ class NpuBackend(Backend):
         """
         i = self.index_of(device)
         npu = _npu()
+        counters = getattr(npu, "memory_stats", None)  # absent from older torch_npu
         return MemoryStats(int(npu.memory_allocated(i)), int(npu.memory_reserved(i)),
-                           int(npu.max_memory_allocated(i)), int(npu.max_memory_reserved(i)))
+                           int(npu.max_memory_allocated(i)), int(npu.max_memory_reserved(i)),
+                           int(counters(i).get("num_alloc_retries", 0)) if counters else 0)
 
     def reset_peak_memory(self, device: Any = None) -> None:
         """Start the peaks of :meth:`memory_stats` afresh."""

@@ -273,6 +273,7 @@ def run_spec(spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | 
                 stats = backend.memory_stats(dev)
                 row["setup_peak_device_gb"] = stats.peak_allocated / _GB
                 row["setup_peak_device_reserved_gb"] = stats.peak_reserved / _GB
+                retries = stats.alloc_retries
                 backend.reset_peak_memory(dev)
             times, losses = [], []
             for i in range(eff["total_steps"]):
@@ -303,6 +304,8 @@ def run_spec(spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | 
             stats = backend.memory_stats(dev)
             row["peak_device_gb"] = stats.peak_allocated / _GB if tracked else None
             row["peak_device_reserved_gb"] = stats.peak_reserved / _GB if tracked else None
+            if tracked:  # the steps' allocations made only after the allocator freed its cache (stalls)
+                row["alloc_retries"] = stats.alloc_retries - retries
             row["notes"] = getattr(system, "notes", "")
             row.update(getattr(system, "metrics", None) or {})
             _time_clipped_apart(row, eff["warmup"], eff["steps"])

@@ -120,9 +120,15 @@ def test_a_host_built_model_is_not_device_memory_on_the_cpu_backend(cpu_backend)
 
 def test_a_system_s_setup_peak_is_reported_apart_from_its_steps(tmp_path, monkeypatch, fresh_registry, cpu_backend):
     """Setup (a planner's profiling, a rehearsal) may hold more than a step: the row's peak is the
-    steps', and setup's peak is reported beside it."""
+    steps', and setup's peak is reported beside it; so are the allocator's retries (allocations
+    made only after freeing its cache: stalls on CUDA), the steps' alone."""
+    import dataclasses
+    import sys
+
     (tmp_path / "setup_peak_sys.py").write_text(textwrap.dedent("""
         import torch
+
+        RETRIES = [0]  # what the patched allocator counters report
 
         class System:
             def __init__(self, ctx):
@@ -130,17 +136,24 @@ def test_a_system_s_setup_peak_is_reported_apart_from_its_steps(tmp_path, monkey
 
             def step(self, inputs, targets):
                 self.kept = self.ctx.backend.to_device(torch.zeros(1 << 16), self.ctx.device_index)  # 256 KiB
+                RETRIES[0] += 2
                 return None
 
         def make(ctx):
             big = ctx.backend.to_device(torch.zeros(1 << 20), ctx.device_index)  # 4 MiB, setup only
             del big
+            RETRIES[0] += 5
             return System(ctx)
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     systems.register_system("setup-peak", "setup_peak_sys:make")
+    real = type(cpu_backend).memory_stats
+    monkeypatch.setattr(type(cpu_backend), "memory_stats", lambda self, device=None: dataclasses.replace(
+        real(self, device), alloc_retries=sys.modules["setup_peak_sys"].RETRIES[0] if "setup_peak_sys" in sys.modules
+        else 0))
     scenario = load_scenario("tiny", {"systems": ["setup-peak"]})
     row = run_spec({"scenario": scenario.to_dict(), "label": "setup-peak", "timeline_path": None}, in_process=True)
     assert row["status"] == "ok", row.get("reason")
     assert row["setup_peak_device_gb"] >= 4 * 2**20 / 1e9
     assert row["peak_device_gb"] < 2 * 2**20 / 1e9
+    assert row["alloc_retries"] == 2 * len(row["step_times_s"])

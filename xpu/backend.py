@@ -46,12 +46,16 @@ class MemoryStats:
         reserved: bytes the allocator holds from the device (allocated plus its cache).
         peak_allocated: the most ``allocated`` has been since the last reset.
         peak_reserved: the most ``reserved`` has been since the last reset.
+        alloc_retries: allocations so far that the allocator could only make after freeing its
+            cache (a caching allocator at its cap or the device's end: on CUDA it first waits
+            for every stream's pending frees, a stall); 0 where not counted.
     """
 
     allocated: int
     reserved: int
     peak_allocated: int
     peak_reserved: int
+    alloc_retries: int = 0
 
 
 @dataclass(frozen=True)
@@ -357,8 +361,9 @@ class Backend(abc.ABC):
         """This process's allocator figures for ``device``."""
         i = self.index_of(device)
         mem = torch.accelerator.memory
+        retries = mem.memory_stats(i).get("num_alloc_retries", 0) if hasattr(mem, "memory_stats") else 0
         return MemoryStats(mem.memory_allocated(i), mem.memory_reserved(i),
-                           mem.max_memory_allocated(i), mem.max_memory_reserved(i))
+                           mem.max_memory_allocated(i), mem.max_memory_reserved(i), int(retries))
 
     def reset_peak_memory(self, device: Any = None) -> None:
         """Start the peaks of :meth:`memory_stats` afresh."""

@@ -93,7 +93,9 @@ for name in ("results.json", "results.partial.json", "max_model.json", "min_cap.
                   f'{r.get("peak_device_gb")} loss {r.get("loss")} trials {trials} | {(r.get("reason") or "")[:200]}')
             continue
         print(f'{r["system"]:<28} {r["status"]:<7} median {r.get("step_s")} mean {r.get("step_mean_s")} '
-              f'peak {r.get("peak_device_gb")} loss {r.get("loss")} | {r.get("notes") or ""} {(r.get("reason") or "")[:200]}')
+              f'peak {r.get("peak_device_gb")} reserved {r.get("peak_device_reserved_gb")} (setup '
+              f'{r.get("setup_peak_device_reserved_gb")}) alloc retries {r.get("alloc_retries")} loss {r.get("loss")} '
+              f'| {r.get("notes") or ""} {(r.get("reason") or "")[:200]}')
 PY
 
 if [ -n "${OUT:-}" ]; then
