@@ -6,7 +6,7 @@ Runs on any machine (no device). Reads one profiled step (``timelines/<system>.j
 gzip) and splits it at the device's ``bench:forward`` phases: per micro-batch, the forward
 window (until that phase ends) and the backward window (until the next micro-batch's forward),
 with the time the compute, host-to-device and device-to-host lanes were busy in each (overlaps
-counted once). Then the compute lane's idle gaps: their total, the part while host-to-device
+counted once) and the mean time of a whole-block load (host-to-device copies over 1 ms). Then the compute lane's idle gaps: their total, the part while host-to-device
 copies ran (a link-bound pass) and the rest. Which micro-batches ran slower than the others, and
 with what beside them, is what the cost model's per-micro-batch terms are checked against.
 """
@@ -53,12 +53,21 @@ def main() -> None:
         s = (e["ts"] - t0) / 1e3
         if not fwd or s >= fwd[-1][1]:
             fwd.append((s, s + e["dur"] / 1e3))
-    print("| micro-batch | ms | forward ms | compute | h2d | backward ms | compute | h2d | d2h |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    # Whole-block copies host to device (over 1 ms), to see their rate change between windows.
+    loads = [(s, e - s) for s, e in h2d if e - s > 1.0]
+
+    def per_load(a: float, b: float) -> str:
+        took = [d for s, d in loads if a <= s < b]
+        return f"{sum(took) / len(took):.2f}" if took else "-"
+
+    print("| micro-batch | ms | forward ms | compute | h2d | ms per load | backward ms | compute | h2d | ms per load "
+          "| d2h |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for i, (s, f) in enumerate(fwd):
         nxt = fwd[i + 1][0] if i + 1 < len(fwd) else end
-        print(f"| {i} | {nxt - s:.1f} | {f - s:.1f} | {busy(comp, s, f):.1f} | {busy(h2d, s, f):.1f} | {nxt - f:.1f} | "
-              f"{busy(comp, f, nxt):.1f} | {busy(h2d, f, nxt):.1f} | {busy(d2h, f, nxt):.1f} |")
+        print(f"| {i} | {nxt - s:.1f} | {f - s:.1f} | {busy(comp, s, f):.1f} | {busy(h2d, s, f):.1f} | {per_load(s, f)} | "
+              f"{nxt - f:.1f} | {busy(comp, f, nxt):.1f} | {busy(h2d, f, nxt):.1f} | {per_load(f, nxt)} | "
+              f"{busy(d2h, f, nxt):.1f} |")
     merged: list[list[float]] = []
     for s, e in comp:
         if merged and s <= merged[-1][1]:
