@@ -84,6 +84,11 @@ def test_accumulation_matches_a_plain_reference(cpu_backend, system, tmp_path, m
         assert row["host_over_floor"] == pytest.approx(row["host_ns_per_param"] / (nbytes / 10.0), rel=1e-2)
         assert f"host AdamW {row['host_ns_per_param']:.3f} ns/param" in row["notes"]
         assert row["predicted_step_s"] is None and row["predicted_peak_gb"] is None  # a named plan: nothing predicted
+        # the host's work in two parts: rest's pair of earlier micro-batches summed, then the updates
+        assert row["host_earlier_ns_per_param"] > 0 and row["host_update_ns_per_param"] > 0
+        assert row["host_update_ns_per_param"] + row["host_earlier_ns_per_param"] == pytest.approx(
+            row["host_ns_per_param"], abs=2e-3)
+        assert "host_planned_update_ns_per_param" not in row  # nothing priced
 
 
 def test_accumulated_micro_batches_train_as_one_large_batch(cpu_backend):

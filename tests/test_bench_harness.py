@@ -289,3 +289,6 @@ def test_a_clipped_memferry_row_says_which_steps_clipped(cpu_backend):
     # the training thread's time queuing gradients home is a part of each step's
     assert 0 < row["grad_post_ms_per_step"] < 1e3 * sum(row["step_times_s"]) / len(row["step_times_s"])
     assert row["predicted_after_clip_step_s"] >= row["predicted_step_s"] > 0  # a fired clip never speeds a step
+    # a planned row says what its plan priced the host's work at, beside what it took
+    assert row["host_planned_update_ns_per_param"] > 0 and row["host_update_ns_per_param"] > 0
+    assert row["host_planned_earlier_ns_per_param"] == row["host_earlier_ns_per_param"] == 0  # one micro-batch

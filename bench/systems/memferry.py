@@ -45,6 +45,7 @@ from .host_rate import host_metrics, host_note
 
 from strategies.memferry import AdamW, MemFerry, Plan
 from strategies.memferry.cost import links_from_probe, predict_clip_fired
+from strategies.memferry.host_clock import HostReading
 
 __all__ = ["MemFerrySystem", "make"]
 
@@ -153,7 +154,21 @@ class MemFerrySystem(BenchSystem):
         post = self.engine.executor.post  # the training thread's time queuing gradients home
         return {**clip, "grad_post_ms_per_step": round(post.seconds * 1e3 / self._steps, 3),
                 "predicted_step_s": self.engine.plan.predicted_step_s,
-                "predicted_peak_gb": None if peak is None else round(peak / 1e9, 4), **self._host_rate_metrics()}
+                "predicted_peak_gb": None if peak is None else round(peak / 1e9, 4), **self._host_rate_metrics(),
+                **self._host_parts()}
+
+    def _host_parts(self) -> dict[str, float]:
+        """The host's work per updated parameter in two parts, measured and as the plan priced
+        them (``host_calibration.py``): the updates once the last gradient has landed, and the
+        earlier micro-batches' sums (ns per parameter; nothing before any update)."""
+        split = self.engine.optimizer.split_since(HostReading(0.0, 0, 0.0))
+        planned, earlier = self.engine.plan.host_s_per_param, self.engine.plan.host_earlier_s_per_param or 0.0
+        out = {} if split is None else {"host_update_ns_per_param": round(split[0] * 1e9, 4),
+                                        "host_earlier_ns_per_param": round(split[1] * 1e9, 4)}
+        if planned:
+            out.update(host_planned_update_ns_per_param=round((planned - earlier) * 1e9, 4),
+                       host_planned_earlier_ns_per_param=round(earlier * 1e9, 4))
+        return out
 
     def _host_rate_metrics(self) -> dict[str, Any]:
         """The host optimizer's rate against the plan's and host memory's floor
