@@ -171,6 +171,9 @@ def test_calibrating_one_part_moves_only_that_part_of_the_plan_s_host_work(accum
     earlier = plan.host_earlier_s_per_param
     update = plan.host_s_per_param - earlier
     assert ratios(plan, (1.5 * update, 0.5 * earlier)) == pytest.approx((1.5, 0.5))
+    # a plan that prices no sums apart (no host-memory model) compares all host work with its updates
+    unsplit = dataclasses.replace(plan, host_s_per_param=update, host_earlier_s_per_param=0.0)
+    assert ratios(unsplit, (1.5 * update, 0.5 * update)) == pytest.approx((2.0, 1.0))
     slow = repriced(plan, calibrated(plan.profile, 1.5), links, 0.0)
     assert slow.host_earlier_s_per_param == pytest.approx(earlier)
     assert slow.host_s_per_param - slow.host_earlier_s_per_param > 1.2 * update

@@ -15,9 +15,9 @@ the plan assumed (:func:`ratios`); where either differs by more than :data:`TOLE
 profile is calibrated to the measured ratios (``StepProfile.host_update_scale`` and
 ``host_earlier_scale`` scale the cost model's host-memory bytes of each part; what a copy byte
 costs stays) and the plan is priced again on it (:func:`repriced`). One ratio for both parts
-priced the update too cheaply where it matters: on the H200 the update ran 1.36-1.47x its price
-inside steps of 8 micro-batches while the sums ran 0.81-1.23x theirs, and with a single ratio
-the step of a plan bound by the host was predicted 6-12 % short (2.3-4.7 % with two:
+priced the update too cheaply where it matters: on the H200 the update ran 1.00-1.38x its price
+inside steps of 8 micro-batches while the sums ran 0.73-1.13x theirs, and with a single ratio
+the step of a plan bound by the host was predicted 6-12 % short (−7.3 to +0.8 % with two:
 bench/results/2026-12-04-h200-session21/). Only where that moves its plan's
 predicted step by more than :data:`SEARCH_AGAIN` (the host bounds it) does the scheduler search
 again, without profiling again; its plan replaces the old one only when predicted faster by more
@@ -56,10 +56,14 @@ def applies(backend: "Backend") -> bool:
 def ratios(plan: Plan, measured: tuple[float, float]) -> tuple[float, float]:
     """Measured over planned seconds per parameter of the update and of the earlier sums, from
     ``measured`` = (update, earlier sums) as ``HostOptimizer.split_since`` gives them; 1 for a
-    part the plan prices at nothing or the rehearsal did not see."""
+    part the plan prices at nothing or the rehearsal did not see. Where the plan prices no sums
+    apart (a profile without the host-memory model prices all host work as updates), the
+    measured sums count with the updates."""
     planned_all, planned_earlier = plan.host_s_per_param or 0.0, plan.host_earlier_s_per_param or 0.0
     planned_update = planned_all - planned_earlier
     update, earlier = measured
+    if planned_earlier <= 0:
+        update, earlier = update + earlier, 0.0
     return (update / planned_update if planned_update > 0 and update > 0 else 1.0,
             earlier / planned_earlier if planned_earlier > 0 and earlier > 0 else 1.0)
 

@@ -5,8 +5,8 @@ The scheduler prices a host-homed unit's work in two parts (``host_budget.unit_t
 sums of a step's earlier micro-batches, which run while later ones compute, and the work once
 the last gradient has landed (the update), which the next forward may wait for. The rehearsal
 (``rehearsal.py``) compares both with what the plan assumed (``host_calibration.py``), so this
-clock keeps them apart: on the H200 the update ran 1.36-1.47x its price inside real steps while
-the sums ran 0.81-1.23x theirs (bench/results/2026-12-04-h200-session21/).
+clock keeps them apart: on the H200 the update ran 1.00-1.38x its price inside real steps of 8
+micro-batches while the sums ran 0.73-1.13x theirs (bench/results/2026-12-04-h200-session21/).
 
 Written by the host optimizer's worker thread; :meth:`HostClock.reading` may be called from any
 thread (it reads a few floats, each assignment atomic under the GIL).

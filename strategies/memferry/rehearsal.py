@@ -216,8 +216,8 @@ def _rehearse(engine: "MemFerry", sample: tuple[Any, Any],
               timed: bool = False) -> tuple[int, int, tuple[float, float] | None]:
     """Steps at learning rate 0 on ``sample``: the device's peak over them (allocated, or reserved
     where the allocator reserves more: a cap binds on what it reserves), its allocated peak, and,
-    where ``timed``, the host updates' seconds per parameter (else None; also None where none
-    finished in the window). Untimed: one step of at most two micro-batches (a later micro-batch
+    where ``timed``, the host's work per parameter in two parts (below; else None, also where no
+    update finished in the window). Untimed: one step of at most two micro-batches (a later micro-batch
     also holds the earlier ones' device gradients, so two show the peak). Timed: :data:`RATE_STEPS`
     steps of ``engine.micro.steps`` micro-batches, the host's work timed from the second-to-last
     ``step()`` to the last, as (updates, earlier micro-batches' sums) per parameter
