@@ -292,3 +292,18 @@ def test_a_clipped_memferry_row_says_which_steps_clipped(cpu_backend):
     # a planned row says what its plan priced the host's work at, beside what it took
     assert row["host_planned_update_ns_per_param"] > 0 and row["host_update_ns_per_param"] > 0
     assert row["host_planned_earlier_ns_per_param"] == row["host_earlier_ns_per_param"] == 0  # one micro-batch
+
+
+def test_a_memferry_row_carries_its_rehearsal_s_last_step(cpu_backend, monkeypatch):
+    """Where the rehearsal is timed (real devices; turned on here), the row says what its last
+    step took beside the prediction, before any training step."""
+    import strategies.memferry.rehearsal as rehearsal
+    from bench.scenario import load_scenario
+    from bench.worker import run_spec
+
+    monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
+    system = {"name": "memferry", "label": "mf", "device_mem_gb": 1, "options": {"plan": "auto"}}  # a budget: rehearsed
+    scenario = load_scenario("tiny", {"systems": [system], "steps": 1, "warmup": 0, "loss_after": 1, "timeline": False})
+    row = run_spec({"scenario": scenario.to_dict(), "label": "mf", "timeline_path": None}, in_process=True)
+    assert row["status"] == "ok", row
+    assert row["rehearsal_step_s"] > 0 and f"rehearsed {row['rehearsal_step_s']:.3f} s)" in row["notes"], row["notes"]

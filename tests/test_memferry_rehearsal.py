@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -118,12 +119,19 @@ def test_the_host_rate_is_timed_over_the_last_of_three_whole_steps(cpu_backend, 
     plan = plan_for(qwen2_tied(), (x, y), None, backend=cpu_backend, memory_margin=0.0, accumulation_steps=3)
     monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
     events: list[str] = []
+    times: list[float] = []  # when each event's call returned
+
+    def log(event, result=None):
+        events.append(event)
+        times.append(time.perf_counter())
+        return result
+
     real_backward, real_step, real_counters = MemFerry.backward, MemFerry.step, HostOptimizer.counters
-    monkeypatch.setattr(MemFerry, "backward", lambda self, loss: (events.append("b"), real_backward(self, loss))[1])
-    monkeypatch.setattr(MemFerry, "step", lambda self: (events.append("step"), real_step(self))[1])
-    monkeypatch.setattr(HostOptimizer, "counters", lambda self: (events.append("start"), real_counters(self))[1])
+    monkeypatch.setattr(MemFerry, "backward", lambda self, loss: log("b", real_backward(self, loss)))
+    monkeypatch.setattr(MemFerry, "step", lambda self: log("step", real_step(self)))
+    monkeypatch.setattr(HostOptimizer, "counters", lambda self: log("start", real_counters(self)))
     planned = (plan.host_s_per_param - plan.host_earlier_s_per_param, plan.host_earlier_s_per_param)
-    monkeypatch.setattr(HostOptimizer, "split_since", lambda self, start: (events.append("rate"), planned)[1])
+    monkeypatch.setattr(HostOptimizer, "split_since", lambda self, start: log("rate", planned))
     engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=(x, y),
                       device_budget=int(plan.predicted_peak_bytes * 1.5), backend=cpu_backend, accumulation_steps=3)
     assert rehearsal.RATE_STEPS == 3
@@ -133,6 +141,13 @@ def test_the_host_rate_is_timed_over_the_last_of_three_whole_steps(cpu_backend, 
     said = [n for n in engine.plan.notes if n.startswith("host rate:")][0]
     # compared with the rate the plan assumed for its own steps of 3
     assert f"the {plan.host_s_per_param * 1e9:.3f} the plan assumed" in said and said.endswith("plan kept)"), said
+    # the last step on the wall clock: at least from its first backward to its step()
+    last = [t for e, t in zip(events, times) if e in ("b", "step")][-4:]
+    assert engine.plan.rehearsed_step_s >= last[-1] - last[0] > 0 and plan.rehearsed_step_s is None
+    stepped = [n for n in engine.plan.notes if n.startswith("rehearsal step:")]
+    assert stepped == [f"rehearsal step: the last one took {engine.plan.rehearsed_step_s * 1e3:.1f} ms against the "
+                       f"{plan.predicted_step_s * 1e3:.1f} ms predicted "
+                       f"({(plan.predicted_step_s - engine.plan.rehearsed_step_s) / engine.plan.rehearsed_step_s:+.1%})"]
     engine.close()
 
 
@@ -145,8 +160,8 @@ def test_the_rehearsal_step_holds_what_a_training_step_holds(cpu_backend):
     engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=(x, y),
                       device_budget=plan.predicted_peak_bytes * 2, backend=cpu_backend, rehearse=False)
     cpu_backend.set_memory_cap(0, None)
-    peak, allocated, rate = rehearsal._rehearse(engine, (x, y))
-    assert rate is None and peak >= allocated > 0
+    peak, allocated, rate, step_s = rehearsal._rehearse(engine, (x, y))
+    assert rate is None and step_s is None and peak >= allocated > 0
     engine.synchronize()
     cpu_backend.reset_peak_memory(0)
     engine.train_step(x, y)
@@ -180,7 +195,8 @@ def test_the_allocator_is_held_to_the_prediction_not_to_what_the_uncapped_cache_
     plan = plan_for(qwen2_tied(), (x, y), None, backend=cpu_backend, memory_margin=0.0)
     predicted = plan.predicted_peak_bytes
     allocated = predicted + (1 << 20) if over else predicted - (1 << 20)
-    monkeypatch.setattr(rehearsal, "_rehearse", lambda engine, sample, steps=1: (predicted + (2 << 20), allocated, None))
+    monkeypatch.setattr(rehearsal, "_rehearse",
+                        lambda engine, sample, steps=1: rehearsal.Rehearsed(predicted + (2 << 20), allocated))
     engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=(x, y), device_budget=predicted * 2,
                       backend=cpu_backend)
     assert cpu_backend.memory_cap(0) == (predicted * 2 if over else predicted)

@@ -101,8 +101,10 @@ class MemFerrySystem(BenchSystem):
         self._export_note = ""
         self._first_batch: tuple[torch.Tensor, torch.Tensor] | None = None
         if spec == "auto":
-            predicted = self.engine.plan.predicted_step_s
-            self._plan_note += f" (predicted {predicted:.3f} s)" if predicted is not None else ""
+            predicted, rehearsed = self.engine.plan.predicted_step_s, self.engine.plan.rehearsed_step_s
+            self._plan_note += f" (predicted {predicted:.3f} s" if predicted is not None else ""
+            self._plan_note += f", rehearsed {rehearsed:.3f} s" if predicted is not None and rehearsed else ""
+            self._plan_note += ")" if predicted is not None else ""
             print(f"memferry plan chosen by the scheduler:\n{self.engine.plan.describe()}", flush=True)
             if self.engine.plan.profile is not None:  # to replay the search elsewhere (StepProfile.from_json)
                 print(f"memferry profile: {self.engine.plan.profile.to_json(indent=None)}", flush=True)
@@ -133,7 +135,8 @@ class MemFerrySystem(BenchSystem):
     @property
     def metrics(self) -> dict[str, Any]:
         """The scheduler's ``predicted_step_s`` and ``predicted_peak_gb`` (its margin included;
-        plan ``auto``, else None), the host optimizer's rate, the plan's and host memory's
+        plan ``auto``, else None), the rehearsal's last step (``rehearsal_step_s``: real devices
+        and plan ``auto``, else None), the host optimizer's rate, the plan's and host memory's
         floor (:func:`.host_rate.host_metrics`), the training thread's milliseconds per step in
         queuing gradients home (``grad_post_ms_per_step``: about 0 unless a copy blocks), and with
         clipping each step's ``grad_norms`` and whether it ``clipped``, and the step predicted after
@@ -154,6 +157,7 @@ class MemFerrySystem(BenchSystem):
         post = self.engine.executor.post  # the training thread's time queuing gradients home
         return {**clip, "grad_post_ms_per_step": round(post.seconds * 1e3 / self._steps, 3),
                 "predicted_step_s": self.engine.plan.predicted_step_s,
+                "rehearsal_step_s": self.engine.plan.rehearsed_step_s,
                 "predicted_peak_gb": None if peak is None else round(peak / 1e9, 4), **self._host_rate_metrics(),
                 **self._host_parts()}
 

@@ -196,6 +196,8 @@ class Plan:
         host_earlier_s_per_param: the part of ``host_s_per_param`` spent summing a step's
             micro-batches before its last (0 without accumulation); the rehearsal compares each
             part with what it measures.
+        rehearsed_step_s: the wall time of this layout's last rehearsal step (real devices;
+            None where not timed), beside ``predicted_step_s`` before training starts.
         notes: the scheduler's explanation lines.
         profile: the :class:`~strategies.memferry.profiler.StepProfile` the scheduler planned
             from (None for a plan not scheduled here), so the plan can be remade under another
@@ -212,6 +214,7 @@ class Plan:
     profile: Any = field(default=None, compare=False, repr=False)
     predicted_peak_bytes: int | None = None
     host_earlier_s_per_param: float | None = None
+    rehearsed_step_s: float | None = None
 
     @classmethod
     def uniform(cls, n_blocks: int, unit: UnitPlan | None = None, prefetch_depth: int = 1) -> "Plan":

@@ -44,7 +44,7 @@ import dataclasses
 import gc
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -103,6 +103,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
     margin = setup["memory_margin"]
     tried: list[str] = []
     calibration: list[str] = []  # what the host-rate check found (host_calibration.py)
+    rehearsed_s = None  # the timed rehearsal's last step, where its layout is the one kept
     rate_checked = engine.plan.profile is None or not applies(engine.backend)  # a given plan has no profile
     backend, device = engine.backend, engine.device
     started = time.perf_counter()
@@ -111,19 +112,22 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
         backend.set_memory_cap(device, None)  # measure the overshoot rather than run into it
         try:
             timed = not rate_checked
-            peak, allocated, rate = _rehearse(engine, sample, timed)
+            peak, allocated, rate, step_s = _rehearse(engine, sample, timed)
         finally:
             backend.set_memory_cap(device, budget)
         predicted = engine.plan.predicted_peak_bytes or 0
         if peak <= budget:
             if not rate_checked:
                 rate_checked = True
+                if step_s is not None and engine.plan.predicted_step_s:
+                    calibration.append(_step_note(step_s, engine.plan.predicted_step_s))
                 again = _host_rate_checked(engine, budget, margin, calibration, rate)
                 if again is not None and not same_layout(again, engine.plan):
                     _rebuild(engine, again)  # its memory is rehearsed again; its host rate is not
                     continue
                 if again is not None:
                     engine.plan = again
+                rehearsed_s = step_s  # of the layout kept
             held = hold_to_plan(engine, budget, predicted, allocated)
             n = engine.micro.steps
             what = f"{RATE_STEPS} steps of {n} micro-batch{'es' if n > 1 else ''}" if timed else "one step"
@@ -134,7 +138,8 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                     + f"; the allocator is held to {format_bytes(held)}"
                     + f"; rehearsing took {time.perf_counter() - started:.1f} s")
             kept = [n for n in setup_notes if n not in engine.plan.notes]
-            engine.plan = dataclasses.replace(engine.plan, notes=[*engine.plan.notes, *kept, *calibration, note])  # the caller's plan stays as given
+            engine.plan = dataclasses.replace(engine.plan, notes=[*engine.plan.notes, *kept, *calibration, note],
+                                              rehearsed_step_s=rehearsed_s)  # the caller's plan stays as given
             engine.executor.plan = engine.plan
             _reset(engine)
             return
@@ -191,6 +196,13 @@ def _host_rate_checked(engine: "MemFerry", budget: int, margin: float, found: li
     return again
 
 
+def _step_note(measured: float, predicted: float) -> str:
+    """The rehearsal's last step against the plan's prediction (before any calibration): a
+    host-bound plan's miss shows here before training, whichever term the model got wrong."""
+    return (f"rehearsal step: the last one took {measured * 1e3:.1f} ms against the {predicted * 1e3:.1f} ms "
+            f"predicted ({(predicted - measured) / measured:+.1%})")
+
+
 def hold_to_plan(engine: "MemFerry", budget: int, predicted: int, allocated: int) -> int:
     """Cap the device's allocator at the plan's predicted peak, or at ``budget`` where the
     rehearsal's ``allocated`` peak was higher (the memory model missed: no prediction to hold
@@ -212,28 +224,47 @@ def hold_to_plan(engine: "MemFerry", budget: int, predicted: int, allocated: int
     return held
 
 
-def _rehearse(engine: "MemFerry", sample: tuple[Any, Any],
-              timed: bool = False) -> tuple[int, int, tuple[float, float] | None]:
-    """Steps at learning rate 0 on ``sample``: the device's peak over them (allocated, or reserved
-    where the allocator reserves more: a cap binds on what it reserves), its allocated peak, and,
-    where ``timed``, the host's work per parameter in two parts (below; else None, also where no
-    update finished in the window). Untimed: one step of at most two micro-batches (a later micro-batch
-    also holds the earlier ones' device gradients, so two show the peak). Timed: :data:`RATE_STEPS`
-    steps of ``engine.micro.steps`` micro-batches, the host's work timed from the second-to-last
-    ``step()`` to the last, as (updates, earlier micro-batches' sums) per parameter
-    (``HostOptimizer.split_since``; see the module docstring)."""
+class Rehearsed(NamedTuple):
+    """What :func:`_rehearse` measured.
+
+    Attributes:
+        peak: the device's peak over the steps (allocated, or reserved where the allocator
+            reserves more: a cap binds on what it reserves).
+        allocated: its allocated peak.
+        host: timed only: the host's work per parameter as (updates, earlier micro-batches'
+            sums) (``HostOptimizer.split_since``); None untimed, or where no update finished.
+        step_s: timed only: the last step's wall time, device synchronised around it as the
+            benchmark times steps (the previous step's host work running beside it); else None.
+    """
+
+    peak: int
+    allocated: int
+    host: tuple[float, float] | None = None
+    step_s: float | None = None
+
+
+def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) -> Rehearsed:
+    """Steps at learning rate 0 on ``sample`` (:class:`Rehearsed` says what is measured).
+    Untimed: one step of at most two micro-batches (a later micro-batch also holds the earlier
+    ones' device gradients, so two show the peak). Timed: :data:`RATE_STEPS` steps of
+    ``engine.micro.steps`` micro-batches, the host's work timed from the second-to-last
+    ``step()`` to the last (see the module docstring), and the last step on the wall clock."""
     inputs, targets = sample
     backend, device = engine.backend, engine.device
     n = engine.micro.steps if timed else min(engine.micro.steps, 2)
     steps = RATE_STEPS if timed else 1
     engine.set_lr(0.0)
-    start = rate = None
+    start = rate = step_s = None
     # Dropout draws random numbers: the run's random streams start where they would without this step.
     forked = [] if backend.caps.virtual_devices else [device]
     with torch.random.fork_rng(devices=forked, device_type=backend.device(device).type):
         backend.synchronize(device)
         backend.reset_peak_memory(device)
         for k in range(steps):
+            last = timed and k == steps - 1
+            if last:
+                backend.synchronize(device)
+                t0 = time.perf_counter()
             for _ in range(n):
                 loss = engine._loss(inputs, targets)  # held through backward, as a loop that logs it holds it
                 engine.backward(loss / n)
@@ -241,12 +272,14 @@ def _rehearse(engine: "MemFerry", sample: tuple[Any, Any],
             engine.step()
             if timed and k == steps - 2:
                 start = engine.optimizer.counters()  # not waiting: this step's updates go on beside the next
-            elif timed and k == steps - 1:
+            elif last:
+                backend.synchronize(device)
+                step_s = time.perf_counter() - t0
                 rate = engine.optimizer.split_since(start)  # updates still under way are left out
         engine.synchronize()
     engine.set_lr(engine.cfg.lr)
     stats = backend.memory_stats(device)
-    return max(stats.peak_allocated, stats.peak_reserved), stats.peak_allocated, rate
+    return Rehearsed(max(stats.peak_allocated, stats.peak_reserved), stats.peak_allocated, rate, step_s)
 
 
 def _reset(engine: "MemFerry") -> None:
