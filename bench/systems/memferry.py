@@ -102,9 +102,9 @@ class MemFerrySystem(BenchSystem):
         self._first_batch: tuple[torch.Tensor, torch.Tensor] | None = None
         if spec == "auto":
             predicted, rehearsed = self.engine.plan.predicted_step_s, self.engine.plan.rehearsed_step_s
-            self._plan_note += f" (predicted {predicted:.3f} s" if predicted is not None else ""
-            self._plan_note += f", rehearsed {rehearsed:.3f} s" if predicted is not None and rehearsed else ""
-            self._plan_note += ")" if predicted is not None else ""
+            if predicted is not None:
+                self._plan_note += f" (predicted {predicted:.3f} s" + (f", rehearsed {rehearsed:.3f} s)" if rehearsed
+                                                                       else ")")
             print(f"memferry plan chosen by the scheduler:\n{self.engine.plan.describe()}", flush=True)
             if self.engine.plan.profile is not None:  # to replay the search elsewhere (StepProfile.from_json)
                 print(f"memferry profile: {self.engine.plan.profile.to_json(indent=None)}", flush=True)
