@@ -70,9 +70,9 @@ def pipelined_seconds(backend: Backend, device: int, stream: Any, fn: Callable[[
     for the host to issue each kernel; where a step issues work ahead of the device (autograd's
     backward, a recomputation inside it) the device runs the kernels back to back. So the device
     is first kept busy for ``lead_s`` (:func:`occupy`), long enough for ``fn`` to be issued behind
-    it, and then timed. The host
-    seconds are ``fn``'s own call (issuing, and any wait inside it): where they exceed the device
-    seconds, the host bounds ``fn`` in a step too. ``lead_s`` 0 times as :func:`event_seconds` does.
+    it, and then timed. The host seconds are ``fn``'s own call (issuing, and any wait inside it):
+    where they exceed the device seconds, the host bounds ``fn`` in a step too. ``lead_s`` 0 times
+    as :func:`event_seconds` does.
     """
     if lead_s > 0:
         occupy(backend, device, stream, lead_s)

@@ -31,7 +31,7 @@ from strategies.memferry.cost import predict  # noqa: E402
 from strategies.memferry.host_calibration import calibrated, ratios  # noqa: E402
 from strategies.memferry.links import links_from_probe  # noqa: E402
 from strategies.memferry.profiler import StepProfile  # noqa: E402
-from strategies.memferry.scheduler import price, schedule  # noqa: E402
+from strategies.memferry.scheduler import host_numel, price, schedule  # noqa: E402
 
 
 def main() -> None:
@@ -54,8 +54,7 @@ def main() -> None:
         row = next(r for r in json.load(open(os.path.join(run, "results.json")))["rows"] if r["system"] == name)
         ms = {k: float(v) for k, v in re.findall(r"(upcast|adamw) ([0-9.]+)", row["notes"])}
         before = price(plan, prof, links, row.get("options", {}).get("memory_margin", 0.05)).step_s
-        numel = sum(b.numel for b, u in zip(prof.blocks, plan.units) if u.optimizer == "host")
-        numel += prof.rest_numel if plan.rest_optimizer == "host" else 0
+        numel = host_numel(plan, prof)
         update, earlier = ratios(plan, (ms["adamw"] * 1e-3 / numel, ms["upcast"] * 1e-3 / numel))
         cal = calibrated(prof, update, earlier)
         after = predict(plan, cal, links, 0.05).step_s

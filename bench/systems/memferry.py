@@ -166,12 +166,12 @@ class MemFerrySystem(BenchSystem):
         them (``host_calibration.py``): the updates once the last gradient has landed, and the
         earlier micro-batches' sums (ns per parameter; nothing before any update)."""
         split = self.engine.optimizer.split_since(HostReading(0.0, 0, 0.0))
-        planned, earlier = self.engine.plan.host_s_per_param, self.engine.plan.host_earlier_s_per_param or 0.0
+        plan = self.engine.plan
         out = {} if split is None else {"host_update_ns_per_param": round(split[0] * 1e9, 4),
                                         "host_earlier_ns_per_param": round(split[1] * 1e9, 4)}
-        if planned:
-            out.update(host_planned_update_ns_per_param=round((planned - earlier) * 1e9, 4),
-                       host_planned_earlier_ns_per_param=round(earlier * 1e9, 4))
+        if plan.host_s_per_param:
+            out.update(host_planned_update_ns_per_param=round(plan.host_update_s_per_param * 1e9, 4),
+                       host_planned_earlier_ns_per_param=round((plan.host_earlier_s_per_param or 0.0) * 1e9, 4))
         return out
 
     def _host_rate_metrics(self) -> dict[str, Any]:

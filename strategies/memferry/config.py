@@ -216,6 +216,12 @@ class Plan:
     host_earlier_s_per_param: float | None = None
     rehearsed_step_s: float | None = None
 
+    @property
+    def host_update_s_per_param(self) -> float:
+        """The part of ``host_s_per_param`` after a unit's last gradient has landed (the update,
+        what the next forward may wait for); 0 for a plan the scheduler did not price."""
+        return (self.host_s_per_param or 0.0) - (self.host_earlier_s_per_param or 0.0)
+
     @classmethod
     def uniform(cls, n_blocks: int, unit: UnitPlan | None = None, prefetch_depth: int = 1) -> "Plan":
         """The same plan for every block."""

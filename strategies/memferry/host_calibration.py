@@ -59,8 +59,7 @@ def ratios(plan: Plan, measured: tuple[float, float]) -> tuple[float, float]:
     part the plan prices at nothing or the rehearsal did not see. Where the plan prices no sums
     apart (a profile without the host-memory model prices all host work as updates), the
     measured sums count with the updates."""
-    planned_all, planned_earlier = plan.host_s_per_param or 0.0, plan.host_earlier_s_per_param or 0.0
-    planned_update = planned_all - planned_earlier
+    planned_update, planned_earlier = plan.host_update_s_per_param, plan.host_earlier_s_per_param or 0.0
     update, earlier = measured
     if planned_earlier <= 0:
         update, earlier = update + earlier, 0.0

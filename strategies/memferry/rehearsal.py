@@ -112,7 +112,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
         backend.set_memory_cap(device, None)  # measure the overshoot rather than run into it
         try:
             timed = not rate_checked
-            peak, allocated, rate, step_s = _rehearse(engine, sample, timed)
+            peak, allocated, host, step_s = _rehearse(engine, sample, timed)
         finally:
             backend.set_memory_cap(device, budget)
         predicted = engine.plan.predicted_peak_bytes or 0
@@ -121,7 +121,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                 rate_checked = True
                 if step_s is not None and engine.plan.predicted_step_s:
                     calibration.append(_step_note(step_s, engine.plan.predicted_step_s))
-                again = _host_rate_checked(engine, budget, margin, calibration, rate)
+                again = _host_rate_checked(engine, budget, margin, calibration, host)
                 if again is not None and not same_layout(again, engine.plan):
                     _rebuild(engine, again)  # its memory is rehearsed again; its host rate is not
                     continue
@@ -254,7 +254,7 @@ def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) 
     n = engine.micro.steps if timed else min(engine.micro.steps, 2)
     steps = RATE_STEPS if timed else 1
     engine.set_lr(0.0)
-    start = rate = step_s = None
+    start = host = step_s = None
     # Dropout draws random numbers: the run's random streams start where they would without this step.
     forked = [] if backend.caps.virtual_devices else [device]
     with torch.random.fork_rng(devices=forked, device_type=backend.device(device).type):
@@ -275,11 +275,11 @@ def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) 
             elif last:
                 backend.synchronize(device)
                 step_s = time.perf_counter() - t0
-                rate = engine.optimizer.split_since(start)  # updates still under way are left out
+                host = engine.optimizer.split_since(start)  # updates still under way are left out
         engine.synchronize()
     engine.set_lr(engine.cfg.lr)
     stats = backend.memory_stats(device)
-    return Rehearsed(max(stats.peak_allocated, stats.peak_reserved), stats.peak_allocated, rate, step_s)
+    return Rehearsed(max(stats.peak_allocated, stats.peak_reserved), stats.peak_allocated, host, step_s)
 
 
 def _reset(engine: "MemFerry") -> None:

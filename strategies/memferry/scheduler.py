@@ -53,7 +53,8 @@ from .pareto import pareto_front
 if TYPE_CHECKING:
     from .profiler import StepProfile
 
-__all__ = ["NoPlanFitsError", "unit_choices", "schedule", "brute_force", "min_budget", "price", "planned_host_rate"]
+__all__ = ["NoPlanFitsError", "unit_choices", "schedule", "brute_force", "min_budget", "price", "planned_host_rate",
+           "host_numel"]
 
 _GB = 1e9
 
@@ -389,11 +390,16 @@ def planned_host_rate(plan: Plan, profile: "StepProfile", links: Links, pred: Pr
     ``HostOptimizer.measured_s_per_param`` measures in steps: accumulation and backups
     included), and the part of it summing the earlier micro-batches; the profile's rate (and 0)
     where no host budget applies or nothing is host-updated."""
-    numel = sum(b.numel for b, u in zip(profile.blocks, plan.units) if u.optimizer == "host")
-    numel += profile.rest_numel if plan.rest_optimizer == "host" else 0
+    numel = host_numel(plan, profile)
     if host_budget(profile, links) is None or not numel:
         return profile.host_adamw_s_per_param * profile.host_update_scale, 0.0
     return pred.host_optimizer_s / numel, pred.parts.get("host_earlier_s", 0.0) / numel
+
+
+def host_numel(plan: Plan, profile: "StepProfile") -> int:
+    """Parameters ``plan`` updates on the host (its host-updated blocks, and ``rest`` where it is)."""
+    numel = sum(b.numel for b, u in zip(profile.blocks, plan.units) if u.optimizer == "host")
+    return numel + (profile.rest_numel if plan.rest_optimizer == "host" else 0)
 
 
 def _host_line(pred: Prediction, profile: "StepProfile", links: Links) -> str:
