@@ -12,6 +12,10 @@ Options:
     host_kernel: ``auto``, ``torch`` or ``single-pass`` (see ``host_kernel.py``).
     host_order: ``deadline`` (default) or ``landing`` (``AdamW.host_order``; the plan is priced for the order given).
     memory_margin: the scheduler's fragmentation margin on predicted peak memory (plan auto).
+    allocator_cap: ``plan`` (the engine's own: the caching allocator held to the rehearsed
+        plan's predicted peak) or ``budget`` (re-capped at the scenario's device cap after setup:
+        fewer cache flushes, a reserved peak that may pass the prediction). For an A/B of what
+        the allocator's retries (``alloc_retries``) cost a step.
     loss_chunks: compute the model's loss over this many token slices, each slice's logits
         recomputed in backward (``CausalLM.loss_chunks``): frees the fp32 logits' memory for
         the scheduler to spend on device-homed blocks. 1: the model as the baselines run it.
@@ -59,6 +63,9 @@ class MemFerrySystem(BenchSystem):
         measure = ctx.options["measure"]
         if measure not in ("step", "host-optimizer"):
             raise ValueError(f"memferry: measure must be 'step' or 'host-optimizer', got {measure!r}")
+        hold = ctx.options.get("allocator_cap", "plan")
+        if hold not in ("plan", "budget"):
+            raise ValueError(f"memferry: allocator_cap must be 'plan' or 'budget', got {hold!r}")
         lora, self._export = ctx.options.get("lora"), bool(ctx.options.get("export_hf", False))
         if (lora is not None or self._export) and ctx.family != "hf":
             raise ValueError(f"memferry: options lora and export_hf need a model of family hf, not {ctx.family!r}")
@@ -89,6 +96,8 @@ class MemFerrySystem(BenchSystem):
                                sample=sample, device_budget=cap, memory_margin=float(ctx.options["memory_margin"]),
                                compute_dtype=ctx.dtype, blocks=model.blocks,  # named: a 1-block model has no list to find
                                accumulation_steps=ctx.accumulation_steps)
+        if hold == "budget":
+            ctx.backend.set_memory_cap(ctx.device_index, cap)
         self._accumulation = ctx.accumulation_steps
         self._plan_note = f"plan={spec}, host kernel {self.engine.optimizer.kernel.name}" + (
             f", loss in {chunks} recomputed slices" if chunks > 1 else "")
