@@ -236,3 +236,14 @@ def test_memferry_lora_plan_auto_under_a_cap(cpu_backend, tmp_path):
     assert row["losses"][-1] < row["losses"][0] and row["peak_device_gb"] <= 0.02
     # the plan's predicted peak (margin included) fits the cap and bounds what the steps measured
     assert row["peak_device_gb"] <= row["predicted_peak_gb"] <= 0.02
+
+
+def test_memferry_allocator_cap_option(cpu_backend):
+    """``allocator_cap: budget`` runs as the plan's hold does; anything else is refused, with the
+    values that work, before a model is built."""
+    row = _run(_scenario([{"name": "memferry", "device_mem_gb": 1,
+                           "options": {"plan": "prefetch", "allocator_cap": "budget"}}]), "memferry")
+    assert row["options"]["allocator_cap"] == "budget"
+    bad = run_spec({"scenario": _scenario([{"name": "memferry", "options": {"allocator_cap": "all"}}]).to_dict(),
+                    "label": "memferry", "timeline_path": None}, in_process=True)
+    assert bad["status"] != "ok" and "allocator_cap must be 'plan' or 'budget', got 'all'" in bad["reason"]

@@ -14,6 +14,7 @@ import pytest
 
 import strategies.memferry.profiler as profiler
 import strategies.memferry.rehearsal as rehearsal
+import strategies.memferry.sum_placement as sum_placement
 from strategies.memferry import AdamW, MemFerry
 from strategies.memferry.config import Plan
 from strategies.memferry.cost import links_from_probe, predict
@@ -27,8 +28,10 @@ from tests.test_memferry_scheduler_accum import batch, qwen2_tied
 
 def _measuring(monkeypatch, update: float, earlier: float = 0.0) -> None:
     """Host updates report ``update`` seconds per parameter, and the earlier micro-batches' sums
-    ``earlier``; the check runs on the cpu backend."""
+    ``earlier``; the check runs on the cpu backend (and no device-summing rival is rehearsed:
+    ``sum_placement.py`` would compare this machine's step times)."""
     monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
+    monkeypatch.setattr(sum_placement, "WINDOW", -1.0)
     monkeypatch.setattr(HostOptimizer, "split_since",
                         lambda self, start: (update, earlier) if self.updated_numel else None)
 

@@ -16,6 +16,7 @@ import torch
 
 import strategies.memferry.profiler as profiler
 import strategies.memferry.rehearsal as rehearsal
+import strategies.memferry.sum_placement as sum_placement
 from strategies.memferry import AdamW, MemFerry
 from strategies.memferry.cost import links_from_probe
 from strategies.memferry.hf_models import model_loss
@@ -81,6 +82,7 @@ def test_rehearsing_leaves_training_exactly_as_without_it(cpu_backend, monkeypat
     timed = []
     if rate_checked:
         monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
+        monkeypatch.setattr(sum_placement, "WINDOW", -1.0)  # one plan timed: no device-summing rival rehearsed
         steps = []
         real_step = MemFerry.step
         monkeypatch.setattr(MemFerry, "step", lambda self: (steps.append(1), real_step(self))[1])
@@ -118,6 +120,7 @@ def test_the_host_rate_is_timed_over_the_last_of_three_whole_steps(cpu_backend, 
     x, y = batch()
     plan = plan_for(qwen2_tied(), (x, y), None, backend=cpu_backend, memory_margin=0.0, accumulation_steps=3)
     monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
+    monkeypatch.setattr(sum_placement, "WINDOW", -1.0)  # one plan timed: no device-summing rival rehearsed
     events: list[str] = []
     times: list[float] = []  # when each event's call returned
 

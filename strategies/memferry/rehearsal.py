@@ -28,6 +28,10 @@ priced again on the profile calibrated to both, the
 scheduler searches again where the host bounds the plan (``host_calibration.py``), and a faster
 plan is built and rehearsed in its turn (real devices only).
 
+Under gradient accumulation a plan that sums any block's micro-batches on the host is then
+raced against the scheduler's best plan summing them on the device, where the model predicts the
+two close: both rehearsed and timed, the faster kept (``sum_placement.py``).
+
 A plan that fits is then held to its prediction: the allocator's cap comes down from the budget
 to the predicted peak (:func:`hold_to_plan`; it stays at the budget where the rehearsal allocated
 more than predicted), so the reserved bytes of every later step stay within what the plan said
@@ -54,6 +58,7 @@ from .compute_dtype import cast_parameters, restore_parameters
 from .host_calibration import SEARCH_AGAIN, TOLERANCE, applies, calibrated, ratios, repriced, same_layout
 from .links import links_from_probe
 from .planning import SETUP_NOTE, replan
+from .sum_placement import SumPlacement
 from .units import split_units
 
 from xpu.errors import XpuError
@@ -108,10 +113,11 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
     backend, device = engine.backend, engine.device
     started = time.perf_counter()
     setup_notes = [n for n in engine.plan.notes if n.startswith(SETUP_NOTE)]  # a plan made again has its own notes
+    placement = SumPlacement()  # a host-summing plan that missed its prediction against a device-summing one
     while True:
         backend.set_memory_cap(device, None)  # measure the overshoot rather than run into it
         try:
-            timed = not rate_checked
+            timed = not rate_checked or placement.timing
             peak, allocated, host, step_s = _rehearse(engine, sample, timed)
         finally:
             backend.set_memory_cap(device, budget)
@@ -128,6 +134,17 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                 if again is not None:
                     engine.plan = again
                 rehearsed_s = step_s  # of the layout kept
+                other = placement.alternative(engine, step_s, budget, margin)
+                if other is not None:
+                    _rebuild(engine, other)  # rehearsed next, timed
+                    continue
+            elif placement.timing:
+                back = placement.settle(step_s)
+                rehearsed_s = step_s
+                if back is not None:
+                    _rebuild(engine, back)  # its memory is rehearsed again, untimed
+                    rehearsed_s = placement.original_s
+                    continue
             held = hold_to_plan(engine, budget, predicted, allocated)
             n = engine.micro.steps
             what = f"{RATE_STEPS} steps of {n} micro-batch{'es' if n > 1 else ''}" if timed else "one step"
@@ -138,11 +155,16 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                     + f"; the allocator is held to {format_bytes(held)}"
                     + f"; rehearsing took {time.perf_counter() - started:.1f} s")
             kept = [n for n in setup_notes if n not in engine.plan.notes]
-            engine.plan = dataclasses.replace(engine.plan, notes=[*engine.plan.notes, *kept, *calibration, note],
+            engine.plan = dataclasses.replace(engine.plan, notes=[*engine.plan.notes, *kept, *calibration,
+                                                                  *placement.notes, note],
                                               rehearsed_step_s=rehearsed_s)  # the caller's plan stays as given
             engine.executor.plan = engine.plan
             _reset(engine)
             return
+        if placement.timing:  # the device-summing plan does not fit: back to the one that did
+            _rebuild(engine, placement.overshot(format_bytes(peak)))
+            rehearsed_s = placement.original_s
+            continue
         if engine.plan.profile is None:  # given, not scheduled: nothing to make again
             raise PlanOverBudgetError(
                 f"the given plan peaks at {format_bytes(peak)} in one step (measured at learning rate 0 before "

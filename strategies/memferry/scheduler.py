@@ -53,8 +53,8 @@ from .pareto import pareto_front
 if TYPE_CHECKING:
     from .profiler import StepProfile
 
-__all__ = ["NoPlanFitsError", "unit_choices", "schedule", "brute_force", "min_budget", "price", "planned_host_rate",
-           "host_numel"]
+__all__ = ["NoPlanFitsError", "unit_choices", "sums_on_host_by_choice", "schedule", "brute_force", "min_budget", "price",
+           "planned_host_rate", "host_numel"]
 
 _GB = 1e9
 
@@ -99,6 +99,12 @@ def unit_choices(allow_dha: bool = True, allow_device_optimizer: bool = True,
     if device_sum:
         out += [replace(u, accumulate="device") for u in out if u.optimizer == "host" and "dha" not in (u.forward, u.backward)]
     return out
+
+
+def sums_on_host_by_choice(unit: UnitPlan) -> bool:
+    """Whether ``unit`` sums accumulated micro-batches on the host where it could on the device
+    (host-updated, neither pass DHA, ``accumulate`` left to the host)."""
+    return unit.optimizer == "host" and unit.accumulate != "device" and "dha" not in (unit.forward, unit.backward)
 
 
 def prune_choices(choices: Sequence[UnitPlan], profile: "StepProfile", links: Links) -> list[UnitPlan]:
@@ -294,7 +300,8 @@ def min_budget(profile: "StepProfile", links: Links, choices: Sequence[UnitPlan]
 def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_blocks: int | None = None,
              allow_dha: bool = True, allow_device_optimizer: bool = True, depths: Iterable[int] = (1, 2),
              rest_optimizers: Iterable[str] = ("host", "device"), margin: float = 0.10,
-             explain: bool = True, max_labels: int | None | str = "auto", group_blocks: int | None = None) -> Plan:
+             explain: bool = True, max_labels: int | None | str = "auto", group_blocks: int | None = None,
+             host_sums: bool = True) -> Plan:
     """The plan with the smallest predicted step time whose predicted peak fits ``budget_bytes``.
 
     Args:
@@ -317,6 +324,9 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
             :data:`GROUP_ABOVE` blocks, else enough to leave about that many decisions (the
             search's work grows faster than the block count: 24 blocks take up to 20 s on a
             2-core machine, 128 free blocks would take hours); a note says so.
+        host_sums: with gradient accumulation, let a host-updated block sum its micro-batches
+            on the host; False: every block that can (not DHA) sums them on the device
+            (``sum_placement.py`` rehearses such a plan where a host-summing one missed).
 
     Returns:
         A :class:`Plan` with ``predicted_step_s`` and ``notes`` filled.
@@ -333,6 +343,8 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
     rest_optimizers = [r for r in rest_optimizers if allow_device_optimizer or r == "host"]
     choices = prune_choices(unit_choices(allow_dha, allow_device_optimizer, profile.accumulation_steps > 1), profile,
                             links)
+    if not host_sums and profile.accumulation_steps > 1:
+        choices = [u for u in choices if not sums_on_host_by_choice(u)]
     depths = list(depths)
     rest_optimizers = list(rest_optimizers)
     group = group_blocks if group_blocks is not None else max(1, math.ceil(n / GROUP_ABOVE))

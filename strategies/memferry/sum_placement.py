@@ -1,0 +1,112 @@
+"""Where accumulated micro-batches are summed, settled by the rehearsal's wall clock.
+
+Under gradient accumulation a host-updated block sums its earlier micro-batches' gradients on
+the host (each comes home and is added into an fp32 sum there) or on the device (an fp32 device
+buffer, the sum sent home once: ``UnitPlan.accumulate``). The cost model prices both, and on the
+H200 machine it priced them unevenly: for the DESIGN §3 model at 8 micro-batches under 17.7 GB
+its host-summing plan ran 6.7 % over its prediction in steps and 9 % in the rehearsal (1.279 s
+predicted, 1.365 s and 1.394 s run), while its best device-summing plan came within 2 % and was
+the faster of the two (1.308 s predicted, 1.3345 s run with clipping on; session 23, call 3).
+In the host-summing plan's backward the compute and load streams both waited 1.1-2.2 ms before
+each block while the previous one's gradients went home to be summed (the thread issuing them
+was late): a term the model does not have.
+
+So where a plan sums on the host, the scheduler's best plan that sums on the device instead is
+made too, and where the model cannot tell the two apart (the device-summing one predicted within
+:data:`WINDOW` of the other: the size of the misses seen) both are rehearsed, timed, and
+whichever took less wall-clock time per step is kept (the other is given back; building the
+first again costs one more untimed rehearsal). Without accumulation there is nothing to place.
+A rehearsed step is one step on the wall clock: the comparison can err where the two plans run
+within its noise (1-2 % on the H200 machine), which is also where the choice matters least.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .host_calibration import same_layout
+from .planning import replan
+from .scheduler import NoPlanFitsError, sums_on_host_by_choice
+
+if TYPE_CHECKING:
+    from .config import Plan
+    from .engine import MemFerry
+
+__all__ = ["SumPlacement", "WINDOW", "host_summed_blocks"]
+
+#: Predictions this close (relative) do not tell two plans apart: the model missed host-summing
+#: plans by 7-11 % (H200, sessions 21-23).
+WINDOW = 0.10
+
+
+def host_summed_blocks(plan: "Plan") -> int:
+    """Blocks of ``plan`` that sum micro-batches on the host where the device could."""
+    return sum(sums_on_host_by_choice(u) for u in plan.units)
+
+
+class SumPlacement:
+    """One comparison inside :func:`~.rehearsal.fit_by_rehearsal`: at most one per engine.
+
+    Attributes:
+        timing: the alternative is built; its next rehearsal is to be timed and settled.
+        notes: what was compared and kept, for the plan's notes.
+    """
+
+    def __init__(self) -> None:
+        self.timing = False
+        self.notes: list[str] = []
+        self._tried = False
+        self._original: Plan | None = None
+        self._original_s = 0.0
+
+    @property
+    def original_s(self) -> float:
+        """The wall-clock step of the plan the comparison started from (seconds)."""
+        return self._original_s
+
+    def alternative(self, engine: "MemFerry", step_s: float | None, budget: int, margin: float) -> "Plan | None":
+        """The device-summing plan to build and rehearse next, where ``engine.plan`` (rehearsed
+        at ``step_s``) sums on the host and the scheduler's best plan summing on the device is
+        predicted within :data:`WINDOW` of it; else None (also where none fits ``budget``)."""
+        plan = engine.plan
+        predicted = plan.predicted_step_s
+        if self._tried or step_s is None or not predicted or engine.micro.steps < 2 or plan.profile is None:
+            return None
+        blocks = host_summed_blocks(plan)
+        if not blocks:
+            return None
+        self._tried = True
+        said = (f"sum placement: the plan summing {blocks} blocks' micro-batches on the host (predicted "
+                f"{predicted * 1e3:.1f} ms) rehearsed at {step_s * 1e3:.1f} ms per step")
+        try:
+            other = replan(plan, budget, engine.backend, engine.device, margin, host_sums=False)
+        except NoPlanFitsError:
+            self.notes.append(said + "; no plan summing on the device fits the budget")
+            return None
+        guess = other.predicted_step_s or 0.0
+        if same_layout(other, plan) or guess > predicted * (1 + WINDOW):
+            self.notes.append(said + f"; the best plan summing on the device is predicted at {guess * 1e3:.1f} ms: "
+                                     f"not rehearsed")
+            return None
+        self._original, self._original_s, self.timing = plan, step_s, True
+        self.notes.append(said + f"; the best plan summing on the device, predicted at {guess * 1e3:.1f} ms, is "
+                                 f"rehearsed too")
+        return other
+
+    def settle(self, step_s: float | None) -> "Plan | None":
+        """After the alternative's timed rehearsal (``step_s``): None to keep it, or the plan it
+        was compared with, to build again (it was faster)."""
+        self.timing = False
+        if step_s is not None and step_s < self._original_s:
+            self.notes.append(f"sum placement: the device-summing plan rehearsed at {step_s * 1e3:.1f} ms: kept")
+            return None
+        ran = f"{step_s * 1e3:.1f} ms" if step_s is not None else "an untimed step"
+        self.notes.append(f"sum placement: the device-summing plan rehearsed at {ran}: the host-summing plan kept")
+        return self._original
+
+    def overshot(self, peak: str) -> "Plan":
+        """The alternative peaked over the budget (``peak``, as written): the plan to build again."""
+        self.timing = False
+        self.notes.append(f"sum placement: the device-summing plan peaked at {peak}, over the budget: the "
+                          f"host-summing plan kept")
+        assert self._original is not None
+        return self._original

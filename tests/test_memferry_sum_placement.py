@@ -1,0 +1,110 @@
+"""Where accumulated micro-batches are summed (``sum_placement.py``): a scheduled plan that sums
+on the host is rehearsed against the scheduler's best plan summing on the device, and the one
+whose rehearsed step took less wall-clock time is kept.
+
+The comparison runs where the rehearsal is timed (real devices); these tests turn the timing on
+and set each plan's step time, so nothing depends on this machine's speed."""
+from __future__ import annotations
+
+import pytest
+
+import strategies.memferry.rehearsal as rehearsal
+import strategies.memferry.sum_placement as sum_placement
+from strategies.memferry import AdamW, MemFerry
+from strategies.memferry.cost import links_from_probe
+from strategies.memferry.host_calibration import same_layout
+from strategies.memferry.host_optimizer import HostOptimizer
+from strategies.memferry.scheduler import schedule, sums_on_host_by_choice
+from strategies.memferry.sum_placement import host_summed_blocks
+from tests.test_memferry_host_calibration import accumulating_plan, host_plan  # noqa: F401  (fixtures)
+from tests.test_memferry_rehearsal import true_min_budget  # noqa: F401  (a fixture)
+from tests.test_memferry_scheduler_accum import batch, qwen2_tied
+
+
+def _clocked(monkeypatch, host_summing_s: float, device_summing_s: float) -> list[tuple[int, bool]]:
+    """Timed rehearsals report ``host_summing_s`` per step for a plan summing any block on the
+    host, else ``device_summing_s``; the host runs at each plan's own rate. Returns the
+    rehearsals as (host-summed blocks, timed)."""
+    monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
+    monkeypatch.setattr(HostOptimizer, "split_since", lambda self, start: None)  # nothing to calibrate
+    real = rehearsal._rehearse
+    calls: list[tuple[int, bool]] = []
+
+    def clocked(engine, sample, timed=False):
+        got = real(engine, sample, timed)
+        calls.append((host_summed_blocks(engine.plan), timed))
+        if not timed:
+            return got
+        return got._replace(step_s=host_summing_s if host_summed_blocks(engine.plan) else device_summing_s)
+
+    monkeypatch.setattr(rehearsal, "_rehearse", clocked)
+    monkeypatch.setattr(sum_placement, "WINDOW", 10.0)  # whatever the two predictions: compare them
+    return calls
+
+
+def _engine(plan, budget, cpu_backend):
+    return MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=batch(), device_budget=budget,
+                    backend=cpu_backend, memory_margin=0.0, accumulation_steps=4)
+
+
+def test_the_scheduler_can_be_told_to_sum_every_block_it_can_on_the_device(accumulating_plan,  # noqa: F811
+                                                                         cpu_backend):
+    plan, budget = accumulating_plan
+    assert host_summed_blocks(plan) > 0  # the model's own choice sums some on the host
+    other = schedule(plan.profile, links_from_probe(cpu_backend, 0), budget, margin=0.0, host_sums=False)
+    assert host_summed_blocks(other) == 0
+    assert any(u.accumulate == "device" for u in other.units)
+    assert not any(sums_on_host_by_choice(u) for u in other.units)
+    assert other.predicted_peak_bytes <= budget
+
+
+def test_a_faster_device_summing_plan_is_kept(accumulating_plan, cpu_backend, monkeypatch):  # noqa: F811
+    plan, budget = accumulating_plan
+    calls = _clocked(monkeypatch, host_summing_s=2.0, device_summing_s=1.0)
+    engine = _engine(plan, budget, cpu_backend)
+    assert host_summed_blocks(engine.plan) == 0 and engine.executor.plan is engine.plan
+    assert [timed for _, timed in calls] == [True, True]  # each plan timed once, nothing built again
+    assert engine.plan.rehearsed_step_s == 1.0
+    said = [n for n in engine.plan.notes if n.startswith("sum placement:")]
+    assert len(said) == 2 and "rehearsed too" in said[0] and said[1].endswith("1000.0 ms: kept"), said
+    x, y = batch()
+    assert float(engine.train_step(x, y)) > 0
+    engine.close()
+
+
+def test_a_slower_device_summing_plan_gives_way_to_the_host_summing_one(accumulating_plan,  # noqa: F811
+                                                                        cpu_backend, monkeypatch):
+    plan, budget = accumulating_plan
+    calls = _clocked(monkeypatch, host_summing_s=1.0, device_summing_s=1.5)
+    engine = _engine(plan, budget, cpu_backend)
+    assert same_layout(engine.plan, plan) and engine.executor.plan is engine.plan
+    # the host-summing plan timed, the device-summing one timed, the first built again (memory only)
+    assert calls == [(host_summed_blocks(plan), True), (0, True), (host_summed_blocks(plan), False)]
+    assert engine.plan.rehearsed_step_s == 1.0
+    said = [n for n in engine.plan.notes if n.startswith("sum placement:")]
+    assert said[-1].endswith("1500.0 ms: the host-summing plan kept"), said
+    assert cpu_backend.memory_cap(0) == engine.plan.predicted_peak_bytes  # held to the plan kept
+    engine.close()
+
+
+def test_a_device_summing_plan_predicted_far_slower_is_not_rehearsed(accumulating_plan,  # noqa: F811
+                                                                     cpu_backend, monkeypatch):
+    plan, budget = accumulating_plan
+    calls = _clocked(monkeypatch, host_summing_s=2.0, device_summing_s=1.0)
+    monkeypatch.setattr(sum_placement, "WINDOW", -1.0)  # no prediction is close enough
+    engine = _engine(plan, budget, cpu_backend)
+    assert same_layout(engine.plan, plan) and calls == [(host_summed_blocks(plan), True)]
+    said = [n for n in engine.plan.notes if n.startswith("sum placement:")]
+    assert len(said) == 1 and said[0].endswith("not rehearsed"), said
+    engine.close()
+
+
+def test_without_accumulation_there_is_nothing_to_place(host_plan, cpu_backend, monkeypatch):  # noqa: F811
+    plan, budget = host_plan
+    _clocked(monkeypatch, host_summing_s=2.0, device_summing_s=1.0)
+    monkeypatch.setattr(sum_placement, "replan", lambda *a, **k: pytest.fail("one micro-batch: no sums to place"))
+    engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=batch(), device_budget=budget,
+                      backend=cpu_backend, memory_margin=0.0)
+    assert same_layout(engine.plan, plan)
+    assert not any(n.startswith("sum placement:") for n in engine.plan.notes)
+    engine.close()
