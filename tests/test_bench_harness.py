@@ -301,7 +301,11 @@ def test_a_memferry_row_carries_its_rehearsal_s_last_step(cpu_backend, monkeypat
     from bench.scenario import load_scenario
     from bench.worker import run_spec
 
+    from strategies.memferry.host_optimizer import HostOptimizer
+
     monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
+    # The host's rate as this machine measured it could make another plan (untimed): none measured.
+    monkeypatch.setattr(HostOptimizer, "split_since", lambda self, start: None)
     system = {"name": "memferry", "label": "mf", "device_mem_gb": 1, "options": {"plan": "auto"}}  # a budget: rehearsed
     scenario = load_scenario("tiny", {"systems": [system], "steps": 1, "warmup": 0, "loss_after": 1, "timeline": False})
     row = run_spec({"scenario": scenario.to_dict(), "label": "mf", "timeline_path": None}, in_process=True)

@@ -184,6 +184,7 @@ class MemFerry:
         self.backend = backend or xpu.get_backend()
         self.device = self.backend.index_of(device)
         self.cfg = optim or AdamW()
+        self._lr = self.cfg.lr  # the rate set last (set_lr): a re-plan after running out of memory keeps it
         # Before profiling and the shadow allocate: prefetch slots of many sizes come and go,
         # and a fragmented cache can fail a plan whose allocated peak fits the budget.
         self.backend.avoid_fragmentation()
@@ -420,6 +421,7 @@ class MemFerry:
 
     def set_lr(self, lr: float) -> None:
         """Learning rate for the next updates."""
+        self._lr = lr
         self.optimizer.set_lr(lr)
         self.device_optimizer.set_lr(lr)
 

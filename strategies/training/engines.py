@@ -87,16 +87,28 @@ def _loss_chunks(option: Any, model: nn.Module, config: TrainConfig, backend: An
 
 
 class MemFerryEngine:
-    """A MemFerry engine as a :class:`TrainEngine`: adds :meth:`train_batch`; everything else is MemFerry's own."""
+    """A MemFerry engine as a :class:`TrainEngine`: adds :meth:`train_batch`, and runs a step that
+    ran out of device memory again under a plan made with a larger margin
+    (:func:`~strategies.memferry.oom_recovery.replan_after_oom`, at most ``ATTEMPTS`` times a run);
+    everything else is MemFerry's own."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
+        self.replans = 0  # steps run again after running out of memory
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)  # train_step, eval_loss, set_lr, state_dict, plan, ...
+        return getattr(self.engine, name)  # eval_loss, set_lr, state_dict, plan, ...
+
+    def train_step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
+        """MemFerry's ``train_step``, run again after an out-of-memory error it can re-plan."""
+        return self._again_after_oom(lambda: self.engine.train_step(inputs, targets))
 
     def train_batch(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Forward and backward each micro-batch on ``loss / N``, then one step; the mean loss (detached)."""
+        """Forward and backward each micro-batch on ``loss / N``, then one step; the mean loss
+        (detached); run again from the first micro-batch after an out-of-memory error it can re-plan."""
+        return self._again_after_oom(lambda: self._batch(micro_batches))
+
+    def _batch(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         n, total = len(micro_batches), None
         for inputs, targets in micro_batches:
             loss = self.engine(inputs, targets)
@@ -104,6 +116,20 @@ class MemFerryEngine:
             total = loss.detach() if total is None else total + loss.detach()
         self.engine.step()
         return total / n
+
+    def _again_after_oom(self, run: Any) -> torch.Tensor:
+        from strategies.memferry.oom_recovery import ATTEMPTS, StepOutOfMemoryError, replan_after_oom
+
+        while True:
+            try:
+                return run()
+            except torch.OutOfMemoryError as exc:
+                if isinstance(exc, StepOutOfMemoryError) or self.replans >= ATTEMPTS:
+                    raise
+                failed = str(exc)
+            # Out of the except block: the failed step's graph (held by the traceback) is gone.
+            replan_after_oom(self.engine, failed)
+            self.replans += 1
 
 
 class TorchEngine:

@@ -1,0 +1,121 @@
+"""A step that runs out of device memory is planned again with a larger margin, not lost.
+
+The rehearsal (``rehearsal.py``) fits a plan before training, but a step can still run out of
+memory later: on the H200, with expandable segments turned off by the user, a plan whose
+rehearsal reserved 17.2 GB of the 17.54 it was held to ran out in its second step with 849 MB
+reserved but unallocated (the caching allocator's fragmentation grew over steps; session 23).
+:func:`replan_after_oom` turns such an error into a re-plan: the engine keeps the weights and
+optimizer state the step started from (no update of the step has begun), gives its buffers
+back, and is built again for the plan the scheduler makes from the same profile with the memory
+margin raised by :data:`~.rehearsal.MARGIN_STEP`, its allocator capped at the budget (the old
+prediction was just shown short, and the new plan is not rehearsed); the caller then runs the
+step again from its first micro-batch. The training loop's MemFerry
+engine (``strategies/training/engines.py``) does so by itself, at most :data:`ATTEMPTS` times a run.
+
+It is exact only before the step's last backward: from then on host updates run as gradients
+land, and the step cannot be run again. Nor can a plan given rather than scheduled be made again,
+nor one rank of a data-parallel run re-plan alone, nor a host without room for a copy of the
+optimizer state keep it through the rebuild. Those raise :class:`StepOutOfMemoryError`, which
+says what would work.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from xpu.errors import XpuError
+from xpu.units import format_bytes, parse_bytes
+
+from .planning import replan
+from .rehearsal import MARGIN_STEP, _rebuild
+from .scheduler import NoPlanFitsError
+from .shadow import _mem_available
+
+if TYPE_CHECKING:
+    from .engine import MemFerry
+
+__all__ = ["replan_after_oom", "StepOutOfMemoryError", "ATTEMPTS"]
+
+_log = logging.getLogger("xpu.memferry")
+
+#: Re-plans after out-of-memory errors that one training run may make.
+ATTEMPTS = 3
+
+
+class StepOutOfMemoryError(XpuError, torch.OutOfMemoryError):
+    """A step ran out of device memory and could not be planned again (the message says why and
+    what would work). An :class:`~xpu.errors.XpuError`: the ``xpu`` command prints its one line
+    and exits 2."""
+
+
+def _state_bytes(engine: "MemFerry") -> int:
+    """Host bytes a copy of the weights (fp32) and Adam moments takes."""
+    return sum(16 * p.numel() for s in engine.shadow.shadows for _, p in s.unit.params)
+
+
+def _refusal(engine: "MemFerry") -> str | None:
+    """Why the engine's interrupted step cannot be run again under a new plan, or None."""
+    if engine.dp is not None:
+        return ("under data parallelism the ranks re-plan together only at setup; restart from the last "
+                "checkpoint with a larger strategy memory_margin")
+    if engine.plan.profile is None:
+        return ("the plan was given, not scheduled, so it cannot be made again; use plan='auto', or a plan "
+                "with +recompute or fewer resident blocks")
+    if engine.micro.backwards >= engine.micro.steps:
+        return ("it ran out during the step's last backward or its update, after host updates had begun, so "
+                "the step cannot be run again exactly; resume from the last checkpoint with a memory_margin "
+                f"above {engine._setup['memory_margin']:.2f}")
+    available, need = _mem_available(), _state_bytes(engine)
+    if available is not None and available < need:
+        return (f"keeping the optimizer state through a rebuild takes {format_bytes(need)} of host memory and "
+                f"{format_bytes(available)} is available; resume from the last checkpoint with a larger memory_margin")
+    return None
+
+
+def replan_after_oom(engine: "MemFerry", error: BaseException | str) -> str:
+    """Build ``engine`` again for a plan with a larger memory margin after ``error``, an
+    out-of-memory error raised inside one of its steps, keeping the weights and optimizer state
+    the step started from; the caller then runs the step again from its first micro-batch.
+    Call it after leaving the ``except`` block, so that the failed step's graph is gone.
+
+    Returns:
+        What was done, one line (also logged, and added to ``engine.plan.notes``).
+
+    Raises:
+        StepOutOfMemoryError: the step cannot be run again (see the module docstring), or no plan
+            fits with the larger margin.
+    """
+    said = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    why = _refusal(engine)
+    if why:
+        raise StepOutOfMemoryError(f"MemFerry ran out of device memory in a step ({said[:120]}); {why}")
+    setup, backend, device = engine._setup, engine.backend, engine.device
+    budget = (parse_bytes(setup["device_budget"]) if setup["device_budget"] is not None
+              else backend.mem_info(device)[1])
+    margin = setup["memory_margin"] + MARGIN_STEP
+    old = engine.plan
+    try:
+        plan = replan(old, budget, backend, device, margin)
+    except NoPlanFitsError as exc:
+        raise StepOutOfMemoryError(f"MemFerry ran out of device memory in a step ({said[:120]}) and no plan fits "
+                                   f"with a {margin:.0%} memory margin: {exc}") from None
+    engine.optimizer.wait_all()  # the previous step's updates are part of the state kept
+    state = {"model": engine.shadow.state_dict(), "optimizer": engine.shadow.optimizer_state_dict()}
+    handle, lr = engine._handle, engine._lr
+    _rebuild(engine, plan)
+    engine.load_state_dict(state)
+    del state
+    engine._handle = handle  # an LR scheduler's optimizer stays this engine's
+    engine.set_lr(lr)
+    setup["memory_margin"] = margin
+    # Not held to the new prediction: the old one was just shown short, and this plan is not rehearsed.
+    backend.set_memory_cap(device, budget if setup["device_budget"] is not None else None)
+    held = budget
+    note = (f"out of memory in a step ({said[:120]}): planned again with a {margin:.0%} memory margin, predicted "
+            f"peak {format_bytes(plan.predicted_peak_bytes or 0)} (was {format_bytes(old.predicted_peak_bytes or 0)}), "
+            f"the allocator held to {format_bytes(held)}; the step runs again")
+    engine.plan.notes.append(note)
+    _log.warning("MemFerry: %s", note)
+    return note

@@ -1,0 +1,114 @@
+"""A step that runs out of device memory (``oom_recovery.py``): planned again with a larger margin
+and run again from its first micro-batch, training on as if it had never failed; refused, with
+what would work, where the step cannot be run again exactly (cpu backend; the error is injected)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strategies.memferry import AdamW, MemFerry
+from strategies.memferry.executor import Executor
+from strategies.memferry.oom_recovery import StepOutOfMemoryError, replan_after_oom
+from strategies.memferry.planning import plan_for
+from strategies.memferry.config import Plan
+from strategies.training.engines import MemFerryEngine
+from tests.test_memferry_scheduler_accum import batch, qwen2_tied
+
+LRS = (1e-2, 5e-3, 2e-3)  # a schedule: the step run again keeps its own rate
+
+
+def _micro():
+    x, y = batch()
+    half = len(x) // 2
+    return [(x[:half], y[:half]), (x[half:], y[half:])]
+
+
+def _engine(cpu_backend, plan, budget):
+    return MemFerry(qwen2_tied(), optim=AdamW(lr=LRS[0], weight_decay=0.1), plan=plan, sample=_micro()[0],
+                    device_budget=budget, backend=cpu_backend, memory_margin=0.0, accumulation_steps=2)
+
+
+def _fail_once(monkeypatch, at_forward: int) -> list[int]:
+    """The ``at_forward``-th forward from now raises CUDA's out-of-memory error once."""
+    seen = []
+    real = Executor.begin_forward
+
+    def forward(self):
+        seen.append(1)
+        if len(seen) == at_forward:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 126.00 MiB. (injected)")
+        return real(self)
+
+    monkeypatch.setattr(Executor, "begin_forward", forward)
+    return seen
+
+
+@pytest.fixture
+def scheduled(cpu_backend):
+    """A scheduled plan for 2 micro-batches a step and a budget it fits with room to spare."""
+    free = plan_for(qwen2_tied(), _micro()[0], None, backend=cpu_backend, memory_margin=0.0, accumulation_steps=2)
+    return free, int(free.predicted_peak_bytes * 1.5)
+
+
+def _train(engine: MemFerryEngine) -> dict:
+    for lr in LRS:
+        engine.set_lr(lr)
+        engine.train_batch(_micro())
+    return engine.state_dict()
+
+
+def test_a_step_out_of_memory_is_planned_again_and_trains_as_if_it_had_not_failed(cpu_backend, monkeypatch,
+                                                                                   scheduled):
+    plan, budget = scheduled
+    clean = MemFerryEngine(_engine(cpu_backend, plan, budget))
+    want = _train(clean)
+    clean.close()
+    faulty = MemFerryEngine(_engine(cpu_backend, plan, budget))
+    _fail_once(monkeypatch, at_forward=4)  # step 2's second micro-batch: its first backward has summed already
+    got = _train(faulty)
+    assert faulty.replans == 1
+    assert faulty.engine._setup["memory_margin"] == pytest.approx(0.05)
+    said = [n for n in faulty.engine.plan.notes if n.startswith("out of memory in a step (CUDA out of memory")]
+    assert len(said) == 1 and "planned again with a 5% memory margin" in said[0], faulty.engine.plan.notes
+    assert cpu_backend.memory_cap(0) == budget  # the new plan is not rehearsed: no hold below the budget
+    for name, t in want["model"].items():  # bit for bit: no gradient counted twice, no moment or rate lost
+        assert torch.equal(got["model"][name], t), name
+    for name, st in want["optimizer"].items():
+        assert got["optimizer"][name]["step"] == st["step"] == 3
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(got["optimizer"][name][key], st[key]), f"{name} {key}"
+    faulty.close()
+
+
+def test_an_error_in_the_step_s_last_backward_is_not_run_again(cpu_backend, scheduled):
+    plan, budget = scheduled
+    engine = _engine(cpu_backend, plan, budget)
+    for x, y in _micro():
+        engine.backward(engine(x, y) / 2)  # the last backward has begun host updates
+    before = engine.plan
+    with pytest.raises(StepOutOfMemoryError, match="after host updates had begun.*memory_margin above 0.00"):
+        replan_after_oom(engine, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert engine.plan is before  # nothing changed: the caller's error stands
+    engine.step()
+    engine.close()
+
+
+def test_a_given_plan_is_not_made_again(cpu_backend, scheduled):
+    _, budget = scheduled
+    engine = _engine(cpu_backend, Plan.from_spec("prefetch", 2), budget)
+    with pytest.raises(StepOutOfMemoryError, match="given, not scheduled.*plan='auto'"):
+        replan_after_oom(engine, "CUDA out of memory")
+    engine.close()
+
+
+def test_the_training_engine_gives_up_after_its_attempts(cpu_backend, monkeypatch, scheduled):
+    import strategies.memferry.oom_recovery as oom_recovery
+
+    plan, budget = scheduled
+    monkeypatch.setattr(oom_recovery, "ATTEMPTS", 0)
+    engine = MemFerryEngine(_engine(cpu_backend, plan, budget))
+    _fail_once(monkeypatch, at_forward=1)
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        engine.train_batch(_micro())
+    assert engine.replans == 0
+    engine.close()
