@@ -7,7 +7,9 @@ gzip) and splits it at the device's ``bench:forward`` phases: per micro-batch, t
 window (until that phase ends) and the backward window (until the next micro-batch's forward),
 with the time the compute, host-to-device and device-to-host lanes were busy in each (overlaps
 counted once) and the mean time of a whole-block load (host-to-device copies over 1 ms). Then the compute lane's idle gaps: their total, the part while host-to-device
-copies ran (a link-bound pass) and the rest. Which micro-batches ran slower than the others, and
+copies ran (a link-bound pass) and the rest; and the gaps where the load stream idled too (the
+training thread late to issue both), with how much of them fell in backward and beside gradient
+copies home. Which micro-batches ran slower than the others, and
 with what beside them, is what the cost model's per-micro-batch terms are checked against.
 """
 from __future__ import annotations
@@ -80,7 +82,19 @@ def main() -> None:
     print(f"\nstep {end:.1f} ms; compute busy {busy(comp, 0, end):.1f}, h2d {busy(h2d, 0, end):.1f}, d2h "
           f"{busy(d2h, 0, end):.1f}; compute idle {total:.1f} ms: {linked:.1f} while h2d copies ran, "
           f"{total - linked:.1f} otherwise")
+    # Both streams the training thread feeds idle at once: the time of compute gaps over half a
+    # millisecond with no load running either (the thread was late to issue both).
+    long_gaps = [(a, b) for a, b in gaps if b - a > 0.5]
+    backward = [(f, fwd[i + 1][0] if i + 1 < len(fwd) else end) for i, (_, f) in enumerate(fwd)]
 
+    def both_idle(spans: list[tuple[float, float]]) -> float:
+        return sum(b - a - busy(h2d, a, b) for a, b in spans)
+
+    in_bwd = both_idle([(a, b) for a, b in long_gaps if any(lo <= a < hi for lo, hi in backward)])
+    homeward = both_idle([(a, b) for a, b in long_gaps if busy(d2h, a, b) > 0.5 * (b - a)])
+    print(f"compute and h2d both idle in compute gaps over 0.5 ms: {both_idle(long_gaps):.1f} ms over "
+          f"{len(long_gaps)} gaps ({in_bwd:.1f} in backward windows; {homeward:.1f} in gaps while gradient copies "
+          f"home ran)")
 
 if __name__ == "__main__":
     main()

@@ -46,8 +46,8 @@ ATTEMPTS = 3
 
 class StepOutOfMemoryError(XpuError, torch.OutOfMemoryError):
     """A step ran out of device memory and could not be planned again (the message says why and
-    what would work). An :class:`~xpu.errors.XpuError`: the ``xpu`` command prints its one line
-    and exits 2."""
+    what would work). Also a ``torch.OutOfMemoryError``: ``xpu train`` reports it as it reports
+    any (its first line, exit code 3)."""
 
 
 def _state_bytes(engine: "MemFerry") -> int:
@@ -112,10 +112,9 @@ def replan_after_oom(engine: "MemFerry", error: BaseException | str) -> str:
     setup["memory_margin"] = margin
     # Not held to the new prediction: the old one was just shown short, and this plan is not rehearsed.
     backend.set_memory_cap(device, budget if setup["device_budget"] is not None else None)
-    held = budget
     note = (f"out of memory in a step ({said[:120]}): planned again with a {margin:.0%} memory margin, predicted "
             f"peak {format_bytes(plan.predicted_peak_bytes or 0)} (was {format_bytes(old.predicted_peak_bytes or 0)}), "
-            f"the allocator held to {format_bytes(held)}; the step runs again")
+            f"the allocator capped at the budget, {format_bytes(budget)}; the step runs again")
     engine.plan.notes.append(note)
     _log.warning("MemFerry: %s", note)
     return note

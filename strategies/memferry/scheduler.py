@@ -326,7 +326,7 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
             2-core machine, 128 free blocks would take hours); a note says so.
         host_sums: with gradient accumulation, let a host-updated block sum its micro-batches
             on the host; False: every block that can (not DHA) sums them on the device
-            (``sum_placement.py`` rehearses such a plan where a host-summing one missed).
+            (``sum_placement.py`` races such a plan against a host-summing one).
 
     Returns:
         A :class:`Plan` with ``predicted_step_s`` and ``notes`` filled.
