@@ -144,7 +144,7 @@ class MemFerrySystem(BenchSystem):
     @property
     def metrics(self) -> dict[str, Any]:
         """The scheduler's ``predicted_step_s`` and ``predicted_peak_gb`` (its margin included;
-        plan ``auto``, else None), the rehearsal's last step (``rehearsal_step_s``: real devices
+        plan ``auto``, else None), the rehearsal's last steps' mean (``rehearsal_step_s``: real devices
         and plan ``auto``, else None), the host optimizer's rate, the plan's and host memory's
         floor (:func:`.host_rate.host_metrics`), the training thread's milliseconds per step in
         queuing gradients home (``grad_post_ms_per_step``: about 0 unless a copy blocks), and with

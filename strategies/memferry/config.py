@@ -196,7 +196,7 @@ class Plan:
         host_earlier_s_per_param: the part of ``host_s_per_param`` spent summing a step's
             micro-batches before its last (0 without accumulation); the rehearsal compares each
             part with what it measures.
-        rehearsed_step_s: the wall time of this layout's last rehearsal step (real devices;
+        rehearsed_step_s: the mean wall time of this layout's last rehearsal steps (real devices;
             None where not timed), beside ``predicted_step_s`` before training starts.
         notes: the scheduler's explanation lines.
         profile: the :class:`~strategies.memferry.profiler.StepProfile` the scheduler planned

@@ -16,8 +16,9 @@ made too, and where the model cannot tell the two apart (the device-summing one 
 :data:`WINDOW` of the other: the size of the misses seen) both are rehearsed, timed, and
 whichever took less wall-clock time per step is kept (the other is given back; building the
 first again costs one more untimed rehearsal). Without accumulation there is nothing to place.
-A rehearsed step is one step on the wall clock: the comparison can err where the two plans run
-within its noise (1-2 % on the H200 machine), which is also where the choice matters least.
+A rehearsed step is the mean of two on the wall clock (``rehearsal.CLOCKED_STEPS``): the
+comparison can err where the two plans run within its noise (one step varied by 1-2 % on the
+H200 machine), which is also where the choice matters least.
 """
 from __future__ import annotations
 
