@@ -51,8 +51,11 @@ class StepOutOfMemoryError(XpuError, torch.OutOfMemoryError):
 
 
 def _state_bytes(engine: "MemFerry") -> int:
-    """Host bytes a copy of the weights (fp32) and Adam moments takes."""
-    return sum(16 * p.numel() for s in engine.shadow.shadows for _, p in s.unit.params)
+    """Host bytes the state kept through a rebuild takes at most: the weights twice (fp32: the
+    copy kept, and the one the rebuild restores the model from) and the trainable parameters'
+    master and Adam moments."""
+    return sum(8 * p.numel() for s in engine.shadow.shadows for _, p in s.unit.params) + sum(
+        12 * p.numel() for s in engine.shadow.shadows for _, p in s.unit.trainable)
 
 
 def _refusal(engine: "MemFerry") -> str | None:
