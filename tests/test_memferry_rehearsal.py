@@ -208,3 +208,29 @@ def test_the_allocator_is_held_to_the_prediction_not_to_what_the_uncapped_cache_
     note = [n for n in engine.plan.notes if n.startswith("rehearsal:")]
     assert len(note) == 1 and " allocated, budget " in note[0], engine.plan.notes
     engine.close()
+
+
+@pytest.mark.parametrize("first", ["prefetch+recompute", "prefetch+offload", "prefetch+selective"])
+def test_a_rebuilt_engine_runs_its_own_plan_not_the_last_ones_wrappers(cpu_backend, first):
+    # A plan made again (margin, host rate, sum placement, an OOM) is built on the same blocks:
+    # the last plan's recomputation or offload must not stay wrapped around their forwards.
+    import functools
+
+    from strategies.memferry import Plan
+
+    model = qwen2_tied()
+    layers = model.blocks
+    theirs = functools.partial(layers[0].forward)  # another library's wrapper, there before us
+    layers[0].forward = theirs
+    engine = MemFerry(model, optim=AdamW(lr=1e-3), plan=first, backend=cpu_backend)
+    assert all("forward" in b.__dict__ for b in layers) and layers[0].forward is not theirs
+    rehearsal._rebuild(engine, Plan.from_spec("prefetch", len(layers)))
+    assert layers[0].forward is theirs
+    assert all("forward" not in b.__dict__ for b in layers[1:])
+    rehearsal._rebuild(engine, Plan.from_spec("prefetch+recompute", len(layers)))
+    inner = layers[1].forward.args[0]  # checkpoint(forward, ...): wrapped once, around the class's own
+    assert getattr(inner, "__func__", None) is type(layers[1]).forward
+    x, y = batch()
+    assert float(engine.train_step(x, y)) > 0
+    engine.close()
+    assert layers[0].forward is theirs

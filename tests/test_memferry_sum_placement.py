@@ -42,9 +42,9 @@ def _clocked(monkeypatch, host_summing_s: float, device_summing_s: float) -> lis
     return calls
 
 
-def _engine(plan, budget, cpu_backend):
+def _engine(plan, budget, cpu_backend, **kwargs):
     return MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=batch(), device_budget=budget,
-                    backend=cpu_backend, memory_margin=0.0, accumulation_steps=4)
+                    backend=cpu_backend, memory_margin=0.0, accumulation_steps=4, **kwargs)
 
 
 def test_the_scheduler_can_be_told_to_sum_every_block_it_can_on_the_device(accumulating_plan,  # noqa: F811
@@ -97,6 +97,19 @@ def test_a_device_summing_plan_predicted_far_slower_is_not_rehearsed(accumulatin
     said = [n for n in engine.plan.notes if n.startswith("sum placement:")]
     assert len(said) == 1 and said[0].endswith("not rehearsed"), said
     engine.close()
+
+
+def test_told_to_keep_the_schedulers_pick_the_engine_races_nothing(accumulating_plan,  # noqa: F811
+                                                                   cpu_backend, monkeypatch):
+    plan, budget = accumulating_plan
+    calls = _clocked(monkeypatch, host_summing_s=2.0, device_summing_s=1.0)
+    monkeypatch.setattr(sum_placement, "replan", lambda *a, **k: pytest.fail("sum_placement='plan': no race"))
+    engine = _engine(plan, budget, cpu_backend, sum_placement="plan")
+    assert same_layout(engine.plan, plan) and calls == [(host_summed_blocks(plan), True)]
+    assert not any(n.startswith("sum placement:") for n in engine.plan.notes)
+    engine.close()
+    with pytest.raises(ValueError, match=r"sum_placement must be one of \('race', 'plan'\), got 'fast'"):
+        MemFerry(qwen2_tied(), sum_placement="fast", backend=cpu_backend)
 
 
 def test_without_accumulation_there_is_nothing_to_place(host_plan, cpu_backend, monkeypatch):  # noqa: F811

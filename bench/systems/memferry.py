@@ -16,6 +16,9 @@ Options:
         plan's predicted peak) or ``budget`` (re-capped at the scenario's device cap after setup:
         fewer cache flushes, a reserved peak that may pass the prediction). For an A/B of what
         the allocator's retries (``alloc_retries``) cost a step.
+    sum_placement: ``race`` (default) or ``plan`` (``MemFerry(sum_placement=...)``): under
+        accumulation, rehearse a host-summing plan against the best device-summing one and keep
+        the faster, or keep the scheduler's pick. For an A/B of what the race gains.
     loss_chunks: compute the model's loss over this many token slices, each slice's logits
         recomputed in backward (``CausalLM.loss_chunks``): frees the fp32 logits' memory for
         the scheduler to spend on device-homed blocks. 1: the model as the baselines run it.
@@ -95,7 +98,8 @@ class MemFerrySystem(BenchSystem):
         self.engine = MemFerry(model, optim=cfg, plan=plan, backend=ctx.backend, device=ctx.device_index,
                                sample=sample, device_budget=cap, memory_margin=float(ctx.options["memory_margin"]),
                                compute_dtype=ctx.dtype, blocks=model.blocks,  # named: a 1-block model has no list to find
-                               accumulation_steps=ctx.accumulation_steps)
+                               accumulation_steps=ctx.accumulation_steps,
+                               sum_placement=ctx.options["sum_placement"])
         if hold == "budget":
             ctx.backend.set_memory_cap(ctx.device_index, cap)
         self._accumulation = ctx.accumulation_steps

@@ -44,6 +44,7 @@ from .host_optimizer import HostOptimizer
 from .planning import plan_for
 from .rehearsal import PlanOverBudgetError
 from .shadow import ShadowModel
+from .sum_placement import PLACEMENTS
 from .units import split_units
 
 __all__ = ["MemFerry"]
@@ -150,6 +151,10 @@ class MemFerry:
             they were; a scheduled plan whose real peak overshoots the budget (the allocator's
             reserve, or what the memory model misses) is made again with a larger margin, and a
             given one is refused (``PlanOverBudgetError``), instead of failing in training.
+        sum_placement: under accumulation with ``plan="auto"``, where the scheduled plan sums
+            micro-batches on the host: ``"race"`` (default) also rehearses the best plan summing
+            on the device where it is predicted close, and keeps the faster on the wall clock
+            (``sum_placement.py``); ``"plan"`` keeps the scheduler's pick unraced.
 
     Frozen parameters (``requires_grad=False``, e.g. a LoRA model's base weights) are homed and
     moved with their units like the others but have no optimizer state (no master, moments or
@@ -174,8 +179,11 @@ class MemFerry:
         accumulation_steps: int = 1,
         no_decay: Iterable[str] | None = None,
         rehearse: bool = True,
+        sum_placement: str = "race",
     ) -> None:
         check_accumulation_steps(accumulation_steps)
+        if sum_placement not in PLACEMENTS:
+            raise ValueError(f"sum_placement must be one of {PLACEMENTS}, got {sum_placement!r}")
         no_decay = no_decay_names(model) if no_decay is None else set(no_decay)
         no_kv_cache(model)
         if not 0.0 <= memory_margin < 1.0:
@@ -198,7 +206,7 @@ class MemFerry:
         #: what building the engine's parts for another plan needs again (``_assemble``, ``rehearsal.py``)
         self._setup = {"blocks": blocks, "no_decay": no_decay, "device_budget": device_budget,
                        "compute_dtype": compute_dtype, "accumulation_steps": accumulation_steps,
-                       "multipath": multipath, "memory_margin": memory_margin}
+                       "multipath": multipath, "memory_margin": memory_margin, "sum_placement": sum_placement}
         try:
             if process_group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
                 self.dp = DataParallel.create(self.backend.device(self.device), process_group)

@@ -7,8 +7,8 @@ unit's device memory is given back (kept when backward will need it soon).
 Backward: a hook on each block's output fires before the block's backward (and before any
 recomputation): the unit is loaded or bound for backward and the earlier units' loads are
 issued. When a unit's last gradient has accumulated, its gradients go to host memory on the
-device→host stream and the host optimizer is told; the device memory of weights and
-gradients is given back.
+device→host stream and the host optimizer is told; the device memory of weights and gradients
+is given back.
 
 Activation offload (``UnitPlan.offload``): inside the block's forward, what autograd saves is
 swapped into pinned host memory on a side stream (``strategies/activation_swap.py``, shared with
@@ -27,9 +27,8 @@ Gradient accumulation: on a backward that is not the step's last micro-batch, gr
 home as always but the host optimizer only sums them (no update, so the host copy stays
 current and the next forward does not wait); a unit planned ``accumulate="device"`` sums them
 in an fp32 device buffer instead and sends the sum home once, on the last micro-batch
-(``device_accumulation.py``). Units with frozen parameters are released after
-the next unit's backward hook (the input gradient through a frozen weight can follow the last
-trainable gradient); a unit with nothing to train never offloads a gradient.
+(``device_accumulation.py``). Frozen units are released after the next unit's backward hook
+(the input gradient through a frozen weight can follow the last trainable gradient).
 
 All ordering is by events: the compute stream waits for loads, the copy streams wait for
 compute; the host only waits for the optimizer before reading a unit's working copy.
@@ -134,11 +133,14 @@ class Executor:
             self._handles.append(module.register_forward_hook(functools.partial(self._post_forward, s)))
             if s.home == "host" and self.unit_plans[s.unit.index].forward == "dha":
                 self._route_linears(s)
-            if self.unit_plans[s.unit.index].selective:
+            up = self.unit_plans[s.unit.index]
+            if up.selective or up.recompute or up.offload:
+                self._handles.append(_Restore(module))  # taken before the wrap below
+            if up.selective:
                 module.forward = functools.partial(selective_checkpoint, module.forward)
-            elif self.unit_plans[s.unit.index].recompute:
+            elif up.recompute:
                 module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
-            elif self.unit_plans[s.unit.index].offload:
+            elif up.offload:
                 module.forward = functools.partial(self._offloaded, s, module.forward)
         for s in [self.rest] + [s for s in self.blocks if self.unit_plans[s.unit.index].forward == "resident"]:
             if s.home == "host":  # a device-homed unit's buffer is its home, allocated already
@@ -200,7 +202,7 @@ class Executor:
         executor, a cycle through autograd's graph that the garbage collector cannot see. Copies in
         flight are waited for first: their host buffers go back to the arena next (reused, unpinned)."""
         self.b.synchronize(self.dev)
-        for h in self._handles:
+        for h in reversed(self._handles):  # wrappers unwound last-on first-off
             h.remove()
         self._handles.clear()
         self._swap_groups.clear()
@@ -483,10 +485,16 @@ class _Gathered:
 
 
 class _Restore:
-    """Undo a routed module's ``forward`` (a handle like the hooks', for :meth:`Executor.close`)."""
+    """Undo a wrapped module's ``forward`` (a handle like the hooks', for :meth:`Executor.close`):
+    back to what it was (its own attribute or the class's), so a rebuilt engine does not keep
+    the last plan's recomputation or offload around its blocks (``rehearsal.py``)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
+        self._before = module.__dict__.get("forward")
 
     def remove(self) -> None:
-        self.module.__dict__.pop("forward", None)  # back to the class's forward
+        if self._before is None:
+            self.module.__dict__.pop("forward", None)
+        else:
+            self.module.forward = self._before

@@ -116,7 +116,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
     backend, device = engine.backend, engine.device
     started = time.perf_counter()
     setup_notes = [n for n in engine.plan.notes if n.startswith(SETUP_NOTE)]  # a plan made again has its own notes
-    placement = SumPlacement()  # a host-summing plan raced against a device-summing one
+    placement = SumPlacement(setup.get("sum_placement", "race") == "race")  # a host-summing plan raced against a device-summing one
     while True:
         backend.set_memory_cap(device, None)  # measure the overshoot rather than run into it
         try:

@@ -32,11 +32,13 @@ if TYPE_CHECKING:
     from .config import Plan
     from .engine import MemFerry
 
-__all__ = ["SumPlacement", "WINDOW", "host_summed_blocks"]
+__all__ = ["PLACEMENTS", "SumPlacement", "WINDOW", "host_summed_blocks"]
 
 #: Predictions this close (relative) do not tell two plans apart: the model missed host-summing
 #: plans by 7-11 % (H200, sessions 21-23).
 WINDOW = 0.10
+#: ``MemFerry(sum_placement=...)``: race the two placements, or keep the scheduler's pick.
+PLACEMENTS = ("race", "plan")
 
 
 def host_summed_blocks(plan: "Plan") -> int:
@@ -52,10 +54,10 @@ class SumPlacement:
         notes: what was compared and kept, for the plan's notes.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, race: bool = True) -> None:
         self.timing = False
         self.notes: list[str] = []
-        self._tried = False
+        self._tried = not race  # "plan": nothing to compare
         self._original: Plan | None = None
         self._original_s = 0.0
 
