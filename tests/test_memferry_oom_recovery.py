@@ -23,9 +23,10 @@ def _micro():
     return [(x[:half], y[:half]), (x[half:], y[half:])]
 
 
-def _engine(cpu_backend, plan, budget):
+def _engine(cpu_backend, plan, budget, compute_dtype=None):
     return MemFerry(qwen2_tied(), optim=AdamW(lr=LRS[0], weight_decay=0.1), plan=plan, sample=_micro()[0],
-                    device_budget=budget, backend=cpu_backend, memory_margin=0.0, accumulation_steps=2)
+                    device_budget=budget, backend=cpu_backend, memory_margin=0.0, accumulation_steps=2,
+                    compute_dtype=compute_dtype)
 
 
 def _fail_once(monkeypatch, at_forward: int) -> list[int]:
@@ -57,13 +58,14 @@ def _train(engine: MemFerryEngine) -> dict:
     return engine.state_dict()
 
 
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16])  # bf16: fp32 masters, the model restored from them
 def test_a_step_out_of_memory_is_planned_again_and_trains_as_if_it_had_not_failed(cpu_backend, monkeypatch,
-                                                                                   scheduled):
+                                                                                   scheduled, compute_dtype):
     plan, budget = scheduled
-    clean = MemFerryEngine(_engine(cpu_backend, plan, budget))
+    clean = MemFerryEngine(_engine(cpu_backend, plan, budget, compute_dtype))
     want = _train(clean)
     clean.close()
-    faulty = MemFerryEngine(_engine(cpu_backend, plan, budget))
+    faulty = MemFerryEngine(_engine(cpu_backend, plan, budget, compute_dtype))
     _fail_once(monkeypatch, at_forward=4)  # step 2's second micro-batch: its first backward has summed already
     got = _train(faulty)
     assert faulty.replans == 1
@@ -90,6 +92,23 @@ def test_an_error_in_the_step_s_last_backward_is_not_run_again(cpu_backend, sche
         replan_after_oom(engine, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert engine.plan is before  # nothing changed: the caller's error stands
     engine.step()
+    engine.close()
+
+
+def test_without_host_room_for_the_state_the_step_is_not_run_again(cpu_backend, monkeypatch, scheduled):
+    import strategies.memferry.oom_recovery as oom_recovery
+
+    plan, budget = scheduled
+    engine = _engine(cpu_backend, plan, budget)
+    params = sum(p.numel() for p in engine.model.parameters())
+    monkeypatch.setattr(oom_recovery, "_mem_available", lambda: 16 * params - 1)  # 4 B weights + 12 B state each
+    before = engine.plan
+    with pytest.raises(StepOutOfMemoryError, match="keeping the optimizer state through a rebuild takes"):
+        replan_after_oom(engine, "CUDA out of memory")
+    assert engine.plan is before
+    monkeypatch.setattr(oom_recovery, "_mem_available", lambda: 16 * params)
+    replan_after_oom(engine, "CUDA out of memory")
+    assert engine.plan is not before
     engine.close()
 
 

@@ -161,7 +161,9 @@ class HostOptimizer:
 
     def wait_consumed(self, index: int, zone: int = 0) -> None:
         """Block until the gradient in unit ``index``'s landing ``zone`` has been read (it is free)."""
+        t0 = time.perf_counter()
         self._zones.wait_free(index, zone, self._raise_if_failed)
+        self.time_s["zone_wait"] += time.perf_counter() - t0
 
     def grad_sqnorm(self) -> float:
         """Squared 2-norm of this step's host gradients; waits until all submitted ones are in.

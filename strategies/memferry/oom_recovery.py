@@ -51,10 +51,9 @@ class StepOutOfMemoryError(XpuError, torch.OutOfMemoryError):
 
 
 def _state_bytes(engine: "MemFerry") -> int:
-    """Host bytes the state kept through a rebuild takes at most: the weights twice (fp32: the
-    copy kept, and the one the rebuild restores the model from) and the trainable parameters'
-    master and Adam moments."""
-    return sum(8 * p.numel() for s in engine.shadow.shadows for _, p in s.unit.params) + sum(
+    """Host bytes the state kept through a rebuild takes at most: the weights (fp32; the rebuild
+    restores the model from this same copy) and the trainable parameters' master and Adam moments."""
+    return sum(4 * p.numel() for s in engine.shadow.shadows for _, p in s.unit.params) + sum(
         12 * p.numel() for s in engine.shadow.shadows for _, p in s.unit.trainable)
 
 
@@ -107,7 +106,7 @@ def replan_after_oom(engine: "MemFerry", error: BaseException | str) -> str:
     engine.optimizer.wait_all()  # the previous step's updates are part of the state kept
     state = {"model": engine.shadow.state_dict(), "optimizer": engine.shadow.optimizer_state_dict()}
     handle, lr = engine._handle, engine._lr
-    _rebuild(engine, plan)
+    _rebuild(engine, plan, state["model"])  # one copy of the weights: the model is restored from the state kept
     engine.load_state_dict(state)
     del state
     engine._handle = handle  # an LR scheduler's optimizer stays this engine's

@@ -328,11 +328,14 @@ def _reset(engine: "MemFerry") -> None:
         engine.clip.reset()
 
 
-def give_back(engine: "MemFerry") -> None:
+def give_back(engine: "MemFerry", weights: dict[str, torch.Tensor] | None = None) -> None:
     """Release ``engine``'s parts and point the model's parameters at ordinary host tensors of
-    its weights (the engine's are unchanged since it was built: rehearsals run at rate 0)."""
+    its weights (the engine's are unchanged since it was built: rehearsals run at rate 0):
+    ``weights`` where given (the caller's copy of ``engine.shadow.state_dict()``, taken after
+    the last update; the model then holds those very tensors), else a copy made here."""
     engine.optimizer.close()  # the worker first: nothing may write the masters while they are read
-    weights = engine.shadow.state_dict()  # the parameters' own dtypes: the fp32 originals where cast
+    if weights is None:
+        weights = engine.shadow.state_dict()  # the parameters' own dtypes: the fp32 originals where cast
     engine.executor.close()
     if engine.copier is not None:
         engine.copier.close()
@@ -342,9 +345,10 @@ def give_back(engine: "MemFerry") -> None:
     restore_parameters(engine.model, weights)
 
 
-def _rebuild(engine: "MemFerry", plan: Any) -> None:
-    """Build ``engine``'s parts again for ``plan`` from its (unchanged) weights."""
-    give_back(engine)
+def _rebuild(engine: "MemFerry", plan: Any, weights: dict[str, torch.Tensor] | None = None) -> None:
+    """Build ``engine``'s parts again for ``plan`` from its weights (``weights``: as
+    :func:`give_back` takes them)."""
+    give_back(engine, weights)
     model, setup = engine.model, engine._setup
     originals = cast_parameters(model, setup["compute_dtype"])
     engine._assemble(split_units(model, setup["blocks"], setup["no_decay"]), plan, originals)
