@@ -99,7 +99,7 @@ class MemFerrySystem(BenchSystem):
                                sample=sample, device_budget=cap, memory_margin=float(ctx.options["memory_margin"]),
                                compute_dtype=ctx.dtype, blocks=model.blocks,  # named: a 1-block model has no list to find
                                accumulation_steps=ctx.accumulation_steps,
-                               sum_placement=ctx.options["sum_placement"])
+                               sum_placement=ctx.options.get("sum_placement", "race"))
         if hold == "budget":
             ctx.backend.set_memory_cap(ctx.device_index, cap)
         self._accumulation = ctx.accumulation_steps

@@ -1,0 +1,161 @@
+"""The training thread's time to send one block's gradients home (``GradientPost.send``).
+
+Host-summing plans spend 99-121 ms a step in ``send`` on the H200 (``grad_post_ms_per_step``,
+session 24), about 0.6 ms per block and micro-batch, where a block's backward takes 3.3 ms on
+the device. This times ``send`` alone, with the device kept busy so that every copy only
+queues (the thread's own cost, not the copies'), in three forms and three host conditions:
+
+forms:
+  post     the engine's ``GradientPost.send`` (one ``Backend.copy`` and ``keep_alive`` per tensor)
+  foreach  the same copies as one ``torch._foreach_copy_`` in one stream context
+  flat     one copy of a single flat gradient buffer (what a unit whose gradients live in one
+           device buffer would send)
+host:
+  idle     nothing else runs
+  sums     a thread sums bf16 gradients into fp32 with the host kernel (C, GIL released), as
+           the host optimizer's worker does under accumulation
+  python   a thread runs pure Python (holds the GIL between switch intervals)
+
+Usage: XPU_BACKEND=cuda python3 bench/scripts/diag_grad_post.py [--hidden 2048] [--sends 200] [--switch-ms MS]
+  (on the device: bash bench/scripts/gpu_diag.sh grad_post)
+Prints microseconds per send (median and 90th percentile) for each form and condition.
+"""
+from __future__ import annotations
+
+import argparse
+import queue
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+import xpu
+from strategies.memferry.grad_post import GradientPost
+from strategies.memferry.host_loops import host_loops
+from strategies.models import build_model
+from xpu.timing import occupy
+
+
+class _Submitted:
+    """Stands in for the host optimizer: ``submit`` queues, as the real one does."""
+
+    def __init__(self) -> None:
+        self.tasks: queue.Queue = queue.Queue()
+
+    def submit(self, index, ready, final=True, landed=None, summed=False, zone=0) -> None:
+        self.tasks.put(("grad", index, (ready, final, landed, summed, zone)))
+
+
+def _busy(kind: str, stop: threading.Event) -> threading.Thread | None:
+    if kind == "idle":
+        return None
+    if kind == "sums":
+        loops, n = host_loops(), 32 << 20
+        acc, g = torch.zeros(n), torch.randn(n).to(torch.bfloat16)
+        threads = torch.get_num_threads()
+
+        def run() -> None:
+            while not stop.is_set():
+                loops.accumulate(acc, g, threads)
+    else:
+        def run() -> None:
+            x = 0
+            while not stop.is_set():
+                for i in range(10_000):
+                    x += i * i
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--sends", type=int, default=200)
+    ap.add_argument("--switch-ms", type=float, default=None, help="sys.setswitchinterval for the run (default 5 ms)")
+    a = ap.parse_args()
+    if a.switch_ms is not None:
+        sys.setswitchinterval(a.switch_ms / 1e3)
+    b = xpu.get_backend()
+    dev = b.device(0)
+    block = build_model("gpt", dtype=torch.bfloat16, layers=1, hidden=a.hidden, heads=a.heads, vocab=256,
+                        seq=128).blocks[0]
+    shapes = [p.shape for p in block.parameters()]
+    numel = sum(p.numel() for p in block.parameters())
+    sources = [torch.randn(s, dtype=torch.bfloat16, device=dev) for s in shapes]
+    flat_src = torch.randn(numel, dtype=torch.bfloat16, device=dev)
+    host = b.alloc_pinned(numel * 2).view(torch.bfloat16)
+    targets, off = [], 0
+    for s in shapes:
+        n = int(torch.Size(s).numel())
+        targets.append(host[off:off + n].view(s))
+        off += n
+    d2h = b.stream(0)
+    opt = _Submitted()
+    post = GradientPost(b, 0, d2h, opt)  # type: ignore[arg-type]
+
+    def send_post() -> None:
+        post.send(0, sources, targets, final=False)
+
+    def send_foreach() -> None:
+        computed = b.event()
+        computed.record(b.current_stream(0))
+        d2h.wait_event(computed)
+        with b.use_stream(d2h):
+            torch._foreach_copy_(targets, sources, non_blocking=True)
+            for g in sources:
+                b.keep_alive(g, d2h)
+            landed = b.event()
+            landed.record(d2h)
+        opt.submit(0, landed.synchronize, final=False, landed=landed.query)
+
+    def send_flat() -> None:
+        computed = b.event()
+        computed.record(b.current_stream(0))
+        d2h.wait_event(computed)
+        with b.use_stream(d2h):
+            host.copy_(flat_src, non_blocking=True)
+            b.keep_alive(flat_src, d2h)
+            landed = b.event()
+            landed.record(d2h)
+        opt.submit(0, landed.synchronize, final=False, landed=landed.query)
+
+    forms = {"post": send_post, "foreach": send_foreach, "flat": send_flat}
+    print(f"block of {len(shapes)} tensors, {numel:,} parameters ({numel * 2 / 2**20:.0f} MiB bf16); "
+          f"{a.sends} sends per cell; switch interval {1e3 * sys.getswitchinterval():.1f} ms")
+    rows = []
+    for cond in ("idle", "sums", "python"):
+        stop = threading.Event()
+        worker = _busy(cond, stop)
+        try:
+            for name, fn in forms.items():
+                fn()  # warm
+                b.synchronize(0)
+                times = []
+                for k in range(a.sends):
+                    if k % 20 == 0:  # the device busy ahead of the next 20 sends' copies
+                        b.synchronize(0)
+                        occupy(b, 0, b.current_stream(0), 0.05)
+                    t0 = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - t0)
+                b.synchronize(0)
+                while not opt.tasks.empty():
+                    opt.tasks.get_nowait()
+                times.sort()
+                rows.append((cond, name, statistics.median(times) * 1e6, times[int(0.9 * len(times))] * 1e6))
+        finally:
+            stop.set()
+            if worker is not None:
+                worker.join()
+    print("| host | form | us per send (median) | p90 |")
+    print("|---|---|---:|---:|")
+    for cond, name, med, p90 in rows:
+        print(f"| {cond} | {name} | {med:.0f} | {p90:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
