@@ -12,13 +12,17 @@ forms:
            device buffer would send)
 host:
   idle     nothing else runs
-  sums     a thread sums bf16 gradients into fp32 with the host kernel (C, GIL released), as
-           the host optimizer's worker does under accumulation
+  sums@T   a thread sums bf16 gradients into fp32 with the host kernel on T OpenMP threads (C,
+           GIL released), as the host optimizer's worker does under accumulation: with T at the
+           core count the team and the training thread share every core
   python   a thread runs pure Python (holds the GIL between switch intervals)
 
-Usage: XPU_BACKEND=cuda python3 bench/scripts/diag_grad_post.py [--hidden 2048] [--sends 200] [--switch-ms MS]
+Usage: XPU_BACKEND=cuda python3 bench/scripts/diag_grad_post.py [--hidden 2048] [--sends 200]
+       [--sum-threads 16,14] [--switch-ms MS]
   (on the device: bash bench/scripts/gpu_diag.sh grad_post)
-Prints microseconds per send (median and 90th percentile) for each form and condition.
+Prints microseconds per send (median and 90th percentile) for each form and condition, and the
+training thread's wait for a core per send (schedstat's run delay, which includes the occupying
+kernels' launches: compare conditions, not absolute values).
 """
 from __future__ import annotations
 
@@ -48,13 +52,23 @@ class _Submitted:
         self.tasks.put(("grad", index, (ready, final, landed, summed, zone)))
 
 
+def _run_delay_ns() -> int:
+    """Nanoseconds this thread has spent runnable but waiting for a core (Linux schedstat; 0
+    where it is not available): what sharing cores with a busy team costs the training thread."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def _busy(kind: str, stop: threading.Event) -> threading.Thread | None:
     if kind == "idle":
         return None
-    if kind == "sums":
+    if kind.startswith("sums@"):
         loops, n = host_loops(), 32 << 20
         acc, g = torch.zeros(n), torch.randn(n).to(torch.bfloat16)
-        threads = torch.get_num_threads()
+        threads = int(kind.split("@")[1])
 
         def run() -> None:
             while not stop.is_set():
@@ -75,6 +89,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--sends", type=int, default=200)
+    ap.add_argument("--sum-threads", default=f"{torch.get_num_threads()},{max(1, torch.get_num_threads() - 2)}",
+                    help="OpenMP team sizes of the summing thread, comma-separated")
     ap.add_argument("--switch-ms", type=float, default=None, help="sys.setswitchinterval for the run (default 5 ms)")
     a = ap.parse_args()
     if a.switch_ms is not None:
@@ -127,7 +143,7 @@ def main() -> None:
     print(f"block of {len(shapes)} tensors, {numel:,} parameters ({numel * 2 / 2**20:.0f} MiB bf16); "
           f"{a.sends} sends per cell; switch interval {1e3 * sys.getswitchinterval():.1f} ms")
     rows = []
-    for cond in ("idle", "sums", "python"):
+    for cond in ("idle", *(f"sums@{t}" for t in a.sum_threads.split(",")), "python"):
         stop = threading.Event()
         worker = _busy(cond, stop)
         try:
@@ -135,6 +151,7 @@ def main() -> None:
                 fn()  # warm
                 b.synchronize(0)
                 times = []
+                waited = _run_delay_ns()
                 for k in range(a.sends):
                     if k % 20 == 0:  # the device busy ahead of the next 20 sends' copies
                         b.synchronize(0)
@@ -142,19 +159,21 @@ def main() -> None:
                     t0 = time.perf_counter()
                     fn()
                     times.append(time.perf_counter() - t0)
+                waited = _run_delay_ns() - waited
                 b.synchronize(0)
                 while not opt.tasks.empty():
                     opt.tasks.get_nowait()
                 times.sort()
-                rows.append((cond, name, statistics.median(times) * 1e6, times[int(0.9 * len(times))] * 1e6))
+                rows.append((cond, name, statistics.median(times) * 1e6, times[int(0.9 * len(times))] * 1e6,
+                             waited / 1e3 / a.sends))
         finally:
             stop.set()
             if worker is not None:
                 worker.join()
-    print("| host | form | us per send (median) | p90 |")
-    print("|---|---|---:|---:|")
-    for cond, name, med, p90 in rows:
-        print(f"| {cond} | {name} | {med:.0f} | {p90:.0f} |")
+    print("| host | form | us per send (median) | p90 | us waiting for a core per send |")
+    print("|---|---|---:|---:|---:|")
+    for cond, name, med, p90, wait in rows:
+        print(f"| {cond} | {name} | {med:.0f} | {p90:.0f} | {wait:.0f} |")
 
 
 if __name__ == "__main__":
