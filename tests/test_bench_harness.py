@@ -288,6 +288,7 @@ def test_a_clipped_memferry_row_says_which_steps_clipped(cpu_backend):
     assert row["step_mean_after_clip_s"] == pytest.approx(sum(row["step_times_s"][1:3]) / 2, abs=1e-5)
     # the training thread's time queuing gradients home is a part of each step's
     assert 0 < row["grad_post_ms_per_step"] < 1e3 * sum(row["step_times_s"]) / len(row["step_times_s"])
+    assert row["issuing_wait_ms_per_step"] >= 0  # the issuing threads' waits for a core (0 off Linux)
     assert row["predicted_after_clip_step_s"] >= row["predicted_step_s"] > 0  # a fired clip never speeds a step
     # a planned row says what its plan priced the host's work at, beside what it took
     assert row["host_planned_update_ns_per_param"] > 0 and row["host_update_ns_per_param"] > 0

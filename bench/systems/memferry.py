@@ -43,12 +43,14 @@ scheduler's ``predicted_step_s`` beside the measured ``step_s``.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any
 
 import torch
 
 from .base import BenchSystem, SystemContext, engine_step, phase
 from .host_rate import host_metrics, host_note
+from ..thread_waits import run_delays, waited_s
 
 from strategies.memferry import AdamW, MemFerry, Plan
 from strategies.memferry.cost import links_from_probe, predict_clip_fired
@@ -151,7 +153,9 @@ class MemFerrySystem(BenchSystem):
         plan ``auto``, else None), the rehearsal's last steps' mean (``rehearsal_step_s``: real devices
         and plan ``auto``, else None), the host optimizer's rate, the plan's and host memory's
         floor (:func:`.host_rate.host_metrics`), the training thread's milliseconds per step in
-        queuing gradients home (``grad_post_ms_per_step``: about 0 unless a copy blocks), and with
+        queuing gradients home (``grad_post_ms_per_step``: about 0 unless a copy blocks), the
+        threads issuing device work (this one, and autograd's that sent gradients) waiting for a
+        core (``issuing_wait_ms_per_step``: Linux's run delay; 0 elsewhere), and with
         clipping each step's ``grad_norms`` and whether it ``clipped``, and the step predicted after
         a clipped one (``predicted_after_clip_step_s``: :func:`~strategies.memferry.cost.predict_clip_fired`)."""
         if not self._steps:
@@ -168,7 +172,9 @@ class MemFerrySystem(BenchSystem):
                 links = links_from_probe(self._ctx.backend, self._ctx.device_index)
                 clip["predicted_after_clip_step_s"] = predict_clip_fired(self.engine.plan, profile, links).step_s
         post = self.engine.executor.post  # the training thread's time queuing gradients home
+        waited = waited_s(self._waits0, run_delays(), post.threads | {self._main_thread})
         return {**clip, "grad_post_ms_per_step": round(post.seconds * 1e3 / self._steps, 3),
+                "issuing_wait_ms_per_step": round(waited * 1e3 / self._steps, 3),
                 "predicted_step_s": self.engine.plan.predicted_step_s,
                 "rehearsal_step_s": self.engine.plan.rehearsed_step_s,
                 "predicted_peak_gb": None if peak is None else round(peak / 1e9, 4), **self._host_rate_metrics(),
@@ -229,6 +235,8 @@ class MemFerrySystem(BenchSystem):
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         self._steps += 1
+        if self._steps == 1:  # the threads' waits for a core from here on (metrics)
+            self._waits0, self._main_thread = run_delays(), threading.get_native_id()
         if self._optimizer_alone:
             optimizer = self.engine.optimizer
             with phase("optimizer"):

@@ -8,6 +8,7 @@ home behind the copies (``clip_norms.GlobalNormClip``).
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -39,6 +40,9 @@ class GradientPost:
         #: seconds the training thread spent in :meth:`send` so far (queuing is all it should do:
         #: a copy that blocks shows here as the gradient's copy time)
         self.seconds = 0.0
+        #: native ids of the threads that sent (autograd's device thread issues backward): whose
+        #: waits for a core a caller may read from the OS
+        self.threads: set[int] = set()
 
     def send(self, index: int, sources: list[torch.Tensor], targets: list[torch.Tensor], final: bool,
              summed: bool = False, zone: int = 0) -> None:
@@ -46,6 +50,7 @@ class GradientPost:
         stream's work so far, and submit them (``final``, ``summed``, ``zone``: as
         :meth:`HostOptimizer.submit` takes them)."""
         t0 = time.perf_counter()
+        self.threads.add(threading.get_native_id())
         compute = self.b.current_stream(self.dev)
         if final and self.clip is not None:
             with self.b.device_scope(self.dev):
