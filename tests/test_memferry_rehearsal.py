@@ -210,23 +210,29 @@ def test_the_allocator_is_held_to_the_prediction_not_to_what_the_uncapped_cache_
     engine.close()
 
 
-@pytest.mark.parametrize("first", ["prefetch+recompute", "prefetch+offload", "prefetch+selective"])
-def test_a_rebuilt_engine_runs_its_own_plan_not_the_last_ones_wrappers(cpu_backend, first):
+@pytest.mark.parametrize("first", ["prefetch+recompute", "prefetch+offload", "prefetch+selective", "dha"])
+def test_a_rebuilt_engine_runs_its_own_plan_not_the_last_ones_wrappers(cpu_backend, monkeypatch, first):
     # A plan made again (margin, host rate, sum placement, an OOM) is built on the same blocks:
-    # the last plan's recomputation or offload must not stay wrapped around their forwards.
+    # the last plan's recomputation, offload or DHA routing must not stay wrapped around them.
     import functools
 
+    import strategies.memferry.executor as executor
     from strategies.memferry import Plan
 
+    monkeypatch.setattr(executor, "DHA_LINEAR_MIN_BYTES", 0)  # this tiny model's linears streamed too
     model = qwen2_tied()
     layers = model.blocks
     theirs = functools.partial(layers[0].forward)  # another library's wrapper, there before us
     layers[0].forward = theirs
+    linears = [m for b in layers for m in b.modules() if isinstance(m, torch.nn.Linear)]
     engine = MemFerry(model, optim=AdamW(lr=1e-3), plan=first, backend=cpu_backend)
-    assert all("forward" in b.__dict__ for b in layers) and layers[0].forward is not theirs
+    wrapped = [b for b in layers if "forward" in b.__dict__ and b.forward is not theirs]
+    routed = [m for m in linears if "forward" in m.__dict__]
+    assert (wrapped, routed) != ([], [])  # the first plan wrapped something
     rehearsal._rebuild(engine, Plan.from_spec("prefetch", len(layers)))
     assert layers[0].forward is theirs
     assert all("forward" not in b.__dict__ for b in layers[1:])
+    assert all("forward" not in m.__dict__ for m in linears)
     rehearsal._rebuild(engine, Plan.from_spec("prefetch+recompute", len(layers)))
     inner = layers[1].forward.args[0]  # checkpoint(forward, ...): wrapped once, around the class's own
     assert getattr(inner, "__func__", None) is type(layers[1]).forward

@@ -163,8 +163,8 @@ class Executor:
                 continue
             if grads is not None:
                 routed.add(id(m.weight))
+            self._handles.append(_Restore(m))  # before the wrap: it puts back what was there
             m.forward = functools.partial(self._dha_linear, s, m, weights[k], grads[k] if grads is not None else None)
-            self._handles.append(_Restore(m))
 
     def _dha_linear(self, s: UnitShadow, m: torch.nn.Linear, weight_host: torch.Tensor,
                     grad_host: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
