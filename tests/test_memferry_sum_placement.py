@@ -15,7 +15,7 @@ from strategies.memferry.cost import links_from_probe
 from strategies.memferry.host_calibration import same_layout
 from strategies.memferry.host_optimizer import HostOptimizer
 from strategies.memferry.scheduler import schedule, sums_on_host_by_choice
-from strategies.memferry.sum_placement import host_summed_blocks
+from strategies.memferry.sum_placement import device_summed_blocks, host_summed_blocks
 from tests.test_memferry_host_calibration import accumulating_plan, host_plan  # noqa: F401  (fixtures)
 from tests.test_memferry_rehearsal import true_min_budget  # noqa: F401  (a fixture)
 from tests.test_memferry_scheduler_accum import batch, qwen2_tied
@@ -96,6 +96,30 @@ def test_a_device_summing_plan_predicted_far_slower_is_not_rehearsed(accumulatin
     assert same_layout(engine.plan, plan) and calls == [(host_summed_blocks(plan), True)]
     said = [n for n in engine.plan.notes if n.startswith("sum placement:")]
     assert len(said) == 1 and said[0].endswith("not rehearsed"), said
+    engine.close()
+
+
+@pytest.mark.parametrize("device_faster", [False, True])
+def test_a_device_summing_pick_is_raced_against_the_best_host_summing_plan(accumulating_plan,  # noqa: F811
+                                                                           cpu_backend, monkeypatch, device_faster):
+    plan, budget = accumulating_plan
+    first = schedule(plan.profile, links_from_probe(cpu_backend, 0), budget, margin=0.0, host_sums=False)
+    assert host_summed_blocks(first) == 0 and device_summed_blocks(first) > 0  # the pick sums on the device
+    calls = _clocked(monkeypatch, host_summing_s=2.0 if device_faster else 1.0,
+                     device_summing_s=1.0 if device_faster else 2.0)
+    engine = _engine(first, budget, cpu_backend)
+    assert engine.executor.plan is engine.plan
+    said = [n for n in engine.plan.notes if n.startswith("sum placement:")]
+    assert said[0].startswith(f"sum placement: the plan summing {device_summed_blocks(first)} blocks' micro-batches "
+                              "on the device") and "the best plan summing on the host" in said[0], said
+    host_blocks = host_summed_blocks(schedule(plan.profile, links_from_probe(cpu_backend, 0), budget, margin=0.0,
+                                              device_sums=False))
+    if device_faster:  # the first plan built again, its memory rehearsed untimed
+        assert same_layout(engine.plan, first) and calls == [(0, True), (host_blocks, True), (0, False)]
+        assert said[-1].endswith("2000.0 ms: the device-summing plan kept"), said
+    else:
+        assert host_summed_blocks(engine.plan) == host_blocks > 0 and calls == [(0, True), (host_blocks, True)]
+        assert said[-1].endswith("1000.0 ms: kept") and engine.plan.rehearsed_step_s == 1.0, said
     engine.close()
 
 

@@ -124,10 +124,10 @@ def _profile_and_schedule(model: nn.Module, sample: Any, device_budget: Any, opt
 
 
 def replan(plan: Plan, budget_bytes: int, backend: Backend, device: int, margin: float, *,
-           profile: Any = None, host_sums: bool = True) -> Plan:
+           profile: Any = None, host_sums: bool = True, device_sums: bool = True) -> Plan:
     """``plan`` made again by the scheduler, from the profile it was made from (or ``profile``,
     e.g. one calibrated on the rehearsal step), under ``budget_bytes`` with ``margin`` (no new
-    profiling); ``host_sums``: as :func:`~.scheduler.schedule` takes it.
+    profiling); ``host_sums``, ``device_sums``: as :func:`~.scheduler.schedule` takes them.
 
     Raises:
         ValueError: ``plan`` was not made by the scheduler (it keeps no profile).
@@ -139,6 +139,7 @@ def replan(plan: Plan, budget_bytes: int, backend: Backend, device: int, margin:
     if plan.profile is None:
         raise ValueError("only a plan the scheduler made (plan='auto' or plan_for) can be made again under another budget")
     again = schedule(profile or plan.profile, links_from_probe(backend, device), budget_bytes, len(plan.units),
-                     allow_dha=backend.caps.dha, margin=margin, host_sums=host_sums)
+                     allow_dha=backend.caps.dha, margin=margin, host_sums=host_sums,
+                     device_sums=device_sums)
     _log.info("MemFerry plan made again under %d bytes, margin %.0f%%:\n%s", budget_bytes, margin * 100, again.describe())
     return again

@@ -301,7 +301,7 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
              allow_dha: bool = True, allow_device_optimizer: bool = True, depths: Iterable[int] = (1, 2),
              rest_optimizers: Iterable[str] = ("host", "device"), margin: float = 0.10,
              explain: bool = True, max_labels: int | None | str = "auto", group_blocks: int | None = None,
-             host_sums: bool = True) -> Plan:
+             host_sums: bool = True, device_sums: bool = True) -> Plan:
     """The plan with the smallest predicted step time whose predicted peak fits ``budget_bytes``.
 
     Args:
@@ -327,6 +327,8 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
         host_sums: with gradient accumulation, let a host-updated block sum its micro-batches
             on the host; False: every block that can (not DHA) sums them on the device
             (``sum_placement.py`` races such a plan against a host-summing one).
+        device_sums: False: no block sums its micro-batches on the device (the other side of
+            that race).
 
     Returns:
         A :class:`Plan` with ``predicted_step_s`` and ``notes`` filled.
@@ -345,6 +347,8 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
                             links)
     if not host_sums and profile.accumulation_steps > 1:
         choices = [u for u in choices if not sums_on_host_by_choice(u)]
+    if not device_sums:
+        choices = [u for u in choices if u.accumulate != "device"]
     depths = list(depths)
     rest_optimizers = list(rest_optimizers)
     group = group_blocks if group_blocks is not None else max(1, math.ceil(n / GROUP_ABOVE))

@@ -11,14 +11,17 @@ In the host-summing plan's backward the compute and load streams both waited 1.1
 each block while the previous one's gradients went home to be summed (the thread issuing them
 was late): a term the model does not have.
 
-So where a plan sums on the host, the scheduler's best plan that sums on the device instead is
-made too, and where the model cannot tell the two apart (the device-summing one predicted within
-:data:`WINDOW` of the other: the size of the misses seen) both are rehearsed, timed, and
-whichever took less wall-clock time per step is kept (the other is given back; building the
-first again costs one more untimed rehearsal). Without accumulation there is nothing to place.
-A rehearsed step is the mean of two on the wall clock (``rehearsal.CLOCKED_STEPS``): the
-comparison can err where the two plans run within its noise (one step varied by 1-2 % on the
-H200 machine), which is also where the choice matters least.
+So the rehearsal settles it on the wall clock. Where the scheduled plan sums any block on the
+host, the scheduler's best plan summing every block it can on the device is made too; where it
+sums on the device, its best plan summing none there (which on the H200 is the one that missed):
+where the model cannot tell the two apart (the other predicted within :data:`WINDOW` of the
+first: the size of the misses seen) both are rehearsed, timed, and whichever took less
+wall-clock time per step is kept (the other is given back; building the first again costs one
+more untimed rehearsal). Which side wins moved with the lease's host: the host-summing plan
+rehearsed 4 % faster on one lease and ran 8 % slower on another (session 24). Without
+accumulation there is nothing to place. A rehearsed step is the mean of two on the wall clock
+(``rehearsal.CLOCKED_STEPS``): the comparison can err where the two plans run within its noise
+(one step varied by 1-2 % on the H200 machine), which is also where the choice matters least.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ if TYPE_CHECKING:
     from .config import Plan
     from .engine import MemFerry
 
-__all__ = ["PLACEMENTS", "SumPlacement", "WINDOW", "host_summed_blocks"]
+__all__ = ["PLACEMENTS", "SumPlacement", "WINDOW", "host_summed_blocks", "device_summed_blocks"]
 
 #: Predictions this close (relative) do not tell two plans apart: the model missed host-summing
 #: plans by 7-11 % (H200, sessions 21-23).
@@ -44,6 +47,11 @@ PLACEMENTS = ("race", "plan")
 def host_summed_blocks(plan: "Plan") -> int:
     """Blocks of ``plan`` that sum micro-batches on the host where the device could."""
     return sum(sums_on_host_by_choice(u) for u in plan.units)
+
+
+def device_summed_blocks(plan: "Plan") -> int:
+    """Blocks of ``plan`` that sum micro-batches on the device (``accumulate="device"``)."""
+    return sum(u.accumulate == "device" for u in plan.units)
 
 
 class SumPlacement:
@@ -60,6 +68,7 @@ class SumPlacement:
         self._tried = not race  # "plan": nothing to compare
         self._original: Plan | None = None
         self._original_s = 0.0
+        self._side, self._other = "host", "device"  # where the first plan sums, and the alternative
 
     @property
     def original_s(self) -> float:
@@ -67,31 +76,34 @@ class SumPlacement:
         return self._original_s
 
     def alternative(self, engine: "MemFerry", step_s: float | None, budget: int, margin: float) -> "Plan | None":
-        """The device-summing plan to build and rehearse next, where ``engine.plan`` (rehearsed
-        at ``step_s``) sums on the host and the scheduler's best plan summing on the device is
-        predicted within :data:`WINDOW` of it; else None (also where none fits ``budget``)."""
+        """The plan to build and rehearse next: where ``engine.plan`` (rehearsed at ``step_s``)
+        sums on the host, the scheduler's best plan summing on the device, and where it sums on
+        the device, its best plan summing on the host; None where that is predicted more than
+        :data:`WINDOW` slower, where none fits ``budget``, or where the plan sums nothing."""
         plan = engine.plan
         predicted = plan.predicted_step_s
         if self._tried or step_s is None or not predicted or engine.micro.steps < 2 or plan.profile is None:
             return None
-        blocks = host_summed_blocks(plan)
-        if not blocks:
+        host, device = host_summed_blocks(plan), device_summed_blocks(plan)
+        if not host and not device:
             return None
         self._tried = True
-        said = (f"sum placement: the plan summing {blocks} blocks' micro-batches on the host (predicted "
-                f"{predicted * 1e3:.1f} ms) rehearsed at {step_s * 1e3:.1f} ms per step")
+        self._side, self._other = ("host", "device") if host else ("device", "host")
+        said = (f"sum placement: the plan summing {host or device} blocks' micro-batches on the {self._side} "
+                f"(predicted {predicted * 1e3:.1f} ms) rehearsed at {step_s * 1e3:.1f} ms per step")
         try:
-            other = replan(plan, budget, engine.backend, engine.device, margin, host_sums=False)
+            other = replan(plan, budget, engine.backend, engine.device, margin, host_sums=not host,
+                           device_sums=not device)
         except NoPlanFitsError:
-            self.notes.append(said + "; no plan summing on the device fits the budget")
+            self.notes.append(said + f"; no plan summing on the {self._other} fits the budget")
             return None
         guess = other.predicted_step_s or 0.0
         if same_layout(other, plan) or guess > predicted * (1 + WINDOW):
-            self.notes.append(said + f"; the best plan summing on the device is predicted at {guess * 1e3:.1f} ms: "
-                                     f"not rehearsed")
+            self.notes.append(said + f"; the best plan summing on the {self._other} is predicted at "
+                                     f"{guess * 1e3:.1f} ms: not rehearsed")
             return None
         self._original, self._original_s, self.timing = plan, step_s, True
-        self.notes.append(said + f"; the best plan summing on the device, predicted at {guess * 1e3:.1f} ms, is "
+        self.notes.append(said + f"; the best plan summing on the {self._other}, predicted at {guess * 1e3:.1f} ms, is "
                                  f"rehearsed too")
         return other
 
@@ -100,16 +112,17 @@ class SumPlacement:
         was compared with, to build again (it was faster)."""
         self.timing = False
         if step_s is not None and step_s < self._original_s:
-            self.notes.append(f"sum placement: the device-summing plan rehearsed at {step_s * 1e3:.1f} ms: kept")
+            self.notes.append(f"sum placement: the {self._other}-summing plan rehearsed at {step_s * 1e3:.1f} ms: kept")
             return None
         ran = f"{step_s * 1e3:.1f} ms" if step_s is not None else "an untimed step"
-        self.notes.append(f"sum placement: the device-summing plan rehearsed at {ran}: the host-summing plan kept")
+        self.notes.append(f"sum placement: the {self._other}-summing plan rehearsed at {ran}: the {self._side}-summing "
+                          f"plan kept")
         return self._original
 
     def overshot(self, peak: str) -> "Plan":
         """The alternative peaked over the budget (``peak``, as written): the plan to build again."""
         self.timing = False
-        self.notes.append(f"sum placement: the device-summing plan peaked at {peak}, over the budget: the "
-                          f"host-summing plan kept")
+        self.notes.append(f"sum placement: the {self._other}-summing plan peaked at {peak}, over the budget: the "
+                          f"{self._side}-summing plan kept")
         assert self._original is not None
         return self._original
