@@ -305,6 +305,7 @@ def test_a_memferry_row_carries_its_rehearsal_s_last_step(cpu_backend, monkeypat
     from strategies.memferry.host_optimizer import HostOptimizer
 
     monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
+    monkeypatch.setattr(rehearsal, "send_seconds", lambda post, since: None)  # this machine's sends: not priced
     # The host's rate as this machine measured it could make another plan (untimed): none measured.
     monkeypatch.setattr(HostOptimizer, "split_since", lambda self, start: None)
     system = {"name": "memferry", "label": "mf", "device_mem_gb": 1, "options": {"plan": "auto"}}  # a budget: rehearsed

@@ -18,7 +18,7 @@ import strategies.memferry.sum_placement as sum_placement
 from strategies.memferry import AdamW, MemFerry
 from strategies.memferry.config import Plan
 from strategies.memferry.cost import links_from_probe, predict
-from strategies.memferry.host_calibration import TOLERANCE, calibrated, ratios, repriced, same_layout
+from strategies.memferry.host_calibration import TOLERANCE, calibrated, ratios, repriced, same_layout, with_sends
 from strategies.memferry.host_optimizer import HostOptimizer
 from strategies.memferry.planning import plan_for
 from strategies.memferry.scheduler import min_budget
@@ -32,6 +32,7 @@ def _measuring(monkeypatch, update: float, earlier: float = 0.0) -> None:
     ``sum_placement.py`` would compare this machine's step times)."""
     monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
     monkeypatch.setattr(sum_placement, "WINDOW", -1.0)
+    monkeypatch.setattr(rehearsal, "send_seconds", lambda post, since: None)  # this machine's sends: not priced
     monkeypatch.setattr(HostOptimizer, "split_since",
                         lambda self, start: (update, earlier) if self.updated_numel else None)
 
@@ -200,4 +201,38 @@ def test_parts_off_in_opposite_ways_are_calibrated_though_their_total_is_not(cpu
     assert len(said) == 1 and "1.00x the" in said[0] and "plan kept" not in said[0], engine.plan.notes
     assert engine.plan.profile.host_update_scale == pytest.approx(slower)
     assert engine.plan.profile.host_earlier_scale == pytest.approx(1 - (slower - 1) * update / earlier)
+    engine.close()
+
+
+def test_a_send_before_the_last_micro_batch_is_priced_in_series_with_its_block_s_backward(accumulating_plan,
+                                                                                         cpu_backend):
+    # H200: host-summing plans ran over their predictions by the thread's send time in the
+    # micro-batches before a step's last; device-summing blocks send nothing there.
+    from strategies.memferry.scheduler import schedule, sums_on_host_by_choice
+
+    plan, budget = accumulating_plan
+    links = links_from_probe(cpu_backend, 0)
+    host_blocks = sum(sums_on_host_by_choice(u) for u in plan.units)
+    assert host_blocks > 0
+    send = 5e-3  # long beside these blocks' copies: every send lands on the chain
+    slowed = repriced(plan, with_sends(plan.profile, send), links, 0.0)
+    n = plan.profile.accumulation_steps
+    assert slowed.predicted_step_s == pytest.approx(plan.predicted_step_s + (n - 1) * host_blocks * send, rel=1e-6)
+    device = schedule(plan.profile, links, budget, margin=0.0, host_sums=False)
+    assert not any(sums_on_host_by_choice(u) for u in device.units)
+    assert repriced(device, with_sends(device.profile, send), links, 0.0).predicted_step_s == device.predicted_step_s
+
+
+def test_the_rehearsal_s_sends_calibrate_the_plan_though_its_host_rate_is_within_the_tolerance(
+        cpu_backend, monkeypatch, accumulating_plan):
+    plan, budget = accumulating_plan
+    _measuring(monkeypatch, plan.host_s_per_param - plan.host_earlier_s_per_param, plan.host_earlier_s_per_param)
+    monkeypatch.setattr(rehearsal, "send_seconds", lambda post, since: 2e-3)
+    monkeypatch.setattr(rehearsal, "SEARCH_AGAIN", 10.0)  # keep the layout: the pricing is what is checked
+    engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=batch(), device_budget=budget,
+                      backend=cpu_backend, memory_margin=0.0, accumulation_steps=4)
+    said = [n for n in engine.plan.notes if n.startswith("host rate:")]
+    assert len(said) == 1 and "(within the tolerance); sends before a step's last micro-batch took 2.00 ms" in said[0]
+    assert engine.plan.profile.earlier_send_s == 2e-3 and engine.plan.predicted_step_s > plan.predicted_step_s
+    assert same_layout(engine.plan, plan)
     engine.close()

@@ -83,6 +83,7 @@ def test_rehearsing_leaves_training_exactly_as_without_it(cpu_backend, monkeypat
     if rate_checked:
         monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
         monkeypatch.setattr(sum_placement, "WINDOW", -1.0)  # one plan timed: no device-summing rival rehearsed
+        monkeypatch.setattr(rehearsal, "send_seconds", lambda post, since: None)  # this machine's sends: not priced
         steps = []
         real_step = MemFerry.step
         monkeypatch.setattr(MemFerry, "step", lambda self: (steps.append(1), real_step(self))[1])
@@ -121,6 +122,7 @@ def test_the_host_rate_is_timed_over_the_last_of_three_whole_steps(cpu_backend, 
     plan = plan_for(qwen2_tied(), (x, y), None, backend=cpu_backend, memory_margin=0.0, accumulation_steps=3)
     monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
     monkeypatch.setattr(sum_placement, "WINDOW", -1.0)  # one plan timed: no device-summing rival rehearsed
+    monkeypatch.setattr(rehearsal, "send_seconds", lambda post, since: None)  # this machine's sends: not priced
     events: list[str] = []
     times: list[float] = []  # when each event's call returned
 
@@ -165,8 +167,8 @@ def test_the_rehearsal_step_holds_what_a_training_step_holds(cpu_backend):
     engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=(x, y),
                       device_budget=plan.predicted_peak_bytes * 2, backend=cpu_backend, rehearse=False)
     cpu_backend.set_memory_cap(0, None)
-    peak, allocated, rate, step_s = rehearsal._rehearse(engine, (x, y))
-    assert rate is None and step_s is None and peak >= allocated > 0
+    peak, allocated, rate, step_s, send_s = rehearsal._rehearse(engine, (x, y))
+    assert rate is None and step_s is None and send_s is None and peak >= allocated > 0
     engine.synchronize()
     cpu_backend.reset_peak_memory(0)
     engine.train_step(x, y)

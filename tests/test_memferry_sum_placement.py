@@ -26,6 +26,7 @@ def _clocked(monkeypatch, host_summing_s: float, device_summing_s: float) -> lis
     host, else ``device_summing_s``; the host runs at each plan's own rate. Returns the
     rehearsals as (host-summed blocks, timed)."""
     monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
+    monkeypatch.setattr(rehearsal, "send_seconds", lambda post, since: None)  # this machine's sends: not priced
     monkeypatch.setattr(HostOptimizer, "split_since", lambda self, start: None)  # nothing to calibrate
     real = rehearsal._rehearse
     calls: list[tuple[int, bool]] = []

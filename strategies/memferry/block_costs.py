@@ -150,6 +150,7 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
     # Summing micro-batches on the device (accumulate="device"): an fp32 add per micro-batch, and
     # the sum goes home once, 4 B per parameter; a plan the executor refuses never wins.
     summed = host and unit.accumulate == "device"
+    host_sums = host and not summed and "dha" not in (unit.forward, unit.backward)  # DHA writes its gradients home
     if summed and (profile.accumulation_steps < 2 or "dha" in (unit.forward, unit.backward)):
         a = math.inf
     b += u + (blk.numel * profile.device_adamw_s_per_param * DEVICE_ADD_SHARE if summed else 0.0)
@@ -198,7 +199,8 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
         dha_fwd=unit.forward == "dha",
         h_acc=h_acc,
         hm=hm,
-        b0=b - u if profile.accumulation_steps > 1 else 0.0,
+        # an earlier micro-batch sends a host-summing block's gradients home: the issuing thread's time
+        b0=b - u + (profile.earlier_send_s if host_sums else 0.0) if profile.accumulation_steps > 1 else 0.0,
         y0=y if profile.accumulation_steps > 1 else 0.0,
         by_deadline=profile.host_order == "deadline",
     )

@@ -43,6 +43,9 @@ class GradientPost:
         #: native ids of the threads that sent (autograd's device thread issues backward): whose
         #: waits for a core a caller may read from the OS
         self.threads: set[int] = set()
+        #: sends of micro-batches before a step's last, and the seconds they took (of ``seconds``)
+        self.earlier_sends = 0
+        self.earlier_seconds = 0.0
 
     def send(self, index: int, sources: list[torch.Tensor], targets: list[torch.Tensor], final: bool,
              summed: bool = False, zone: int = 0) -> None:
@@ -68,4 +71,8 @@ class GradientPost:
             landed.record(self.d2h)
         self.bytes += sum(t.numel() * t.element_size() for t in targets)
         self.opt.submit(index, landed.synchronize, final=final, landed=landed.query, summed=summed, zone=zone)
-        self.seconds += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.seconds += took
+        if not final:
+            self.earlier_sends += 1
+            self.earlier_seconds += took

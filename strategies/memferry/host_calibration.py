@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from .links import Links
     from .profiler import StepProfile
 
-__all__ = ["TOLERANCE", "SEARCH_AGAIN", "applies", "ratios", "calibrated", "repriced", "same_layout"]
+__all__ = ["TOLERANCE", "SEARCH_AGAIN", "applies", "ratios", "calibrated", "with_sends", "repriced", "same_layout"]
 
 #: Measured over planned host rate beyond which the plan is priced again (either way).
 TOLERANCE = 1.10
@@ -73,6 +73,16 @@ def calibrated(profile: "StepProfile", update: float, earlier: float = 1.0) -> "
     note = f"host work scaled to the rehearsal's: updates {update:.2f}x, earlier micro-batches' sums {earlier:.2f}x"
     return dataclasses.replace(profile, host_update_scale=profile.host_update_scale * update,
                                host_earlier_scale=profile.host_earlier_scale * earlier, notes=[*profile.notes, note])
+
+
+def with_sends(profile: "StepProfile", send_s: float) -> "StepProfile":
+    """``profile`` with the issuing thread's ``send_s`` seconds per gradient send before a step's
+    last micro-batch (``StepProfile.earlier_send_s``: in series with a host-summing block's
+    backward there). On the H200 host-summing plans ran over their predictions by 7/8 of the
+    thread's send time, 0.6-0.7 ms a send, and device-summing ones did not
+    (bench/results/2026-12-04-h200-session24/)."""
+    note = f"sends before a step's last micro-batch: {send_s * 1e3:.2f} ms each on the issuing thread"
+    return dataclasses.replace(profile, earlier_send_s=send_s, notes=[*profile.notes, note])
 
 
 def repriced(plan: Plan, profile: "StepProfile", links: "Links", margin: float) -> Plan:

@@ -155,6 +155,11 @@ class StepProfile:
             (``host_calibration.calibrated``): what the host's work once a step's last gradient
             has landed, and its sums of the step's earlier micro-batches, took in real steps over
             what the cost model priced them at (1: not calibrated).
+        earlier_send_s: the rehearsal's calibration too: the issuing thread's seconds per send
+            of a block's gradients home in a micro-batch before a step's last (0: not measured).
+            The cost model puts it in series with that block's backward where the block sums on
+            the host: on the H200 host-summing plans ran over their predictions by 7/8 of the
+            thread's send time, the sends of those micro-batches (bench/results/2026-12-04-h200-session24/).
     """
 
     blocks: list[BlockProfile]
@@ -184,6 +189,7 @@ class StepProfile:
     host_order: str = "landing"
     host_update_scale: float = 1.0
     host_earlier_scale: float = 1.0
+    earlier_send_s: float = 0.0
 
     def to_json(self, indent: int | None = 1) -> str:
         """The profile as a JSON string (``indent=None``: on one line)."""

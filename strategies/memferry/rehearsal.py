@@ -55,7 +55,7 @@ import torch
 from xpu.units import format_bytes, parse_bytes
 
 from .compute_dtype import cast_parameters, restore_parameters
-from .host_calibration import SEARCH_AGAIN, TOLERANCE, applies, calibrated, ratios, repriced, same_layout
+from .host_calibration import SEARCH_AGAIN, TOLERANCE, applies, calibrated, ratios, repriced, same_layout, with_sends
 from .links import links_from_probe
 from .planning import SETUP_NOTE, replan
 from .sum_placement import SumPlacement
@@ -121,7 +121,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
         backend.set_memory_cap(device, None)  # measure the overshoot rather than run into it
         try:
             timed = not rate_checked or placement.timing
-            peak, allocated, host, step_s = _rehearse(engine, sample, timed)
+            peak, allocated, host, step_s, send_s = _rehearse(engine, sample, timed)
         finally:
             backend.set_memory_cap(device, budget)
         predicted = engine.plan.predicted_peak_bytes or 0
@@ -130,7 +130,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                 rate_checked = True
                 if step_s is not None and engine.plan.predicted_step_s:
                     calibration.append(_step_note(step_s, engine.plan.predicted_step_s))
-                again = _host_rate_checked(engine, budget, margin, calibration, host)
+                again = _host_rate_checked(engine, budget, margin, calibration, host, send_s)
                 if again is not None and not same_layout(again, engine.plan):
                     _rebuild(engine, again)  # its memory is rehearsed again; its host rate is not
                     continue
@@ -189,12 +189,13 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
 
 
 def _host_rate_checked(engine: "MemFerry", budget: int, margin: float, found: list[str],
-                       measured: tuple[float, float] | None) -> Any:
+                       measured: tuple[float, float] | None, send_s: float | None = None) -> Any:
     """The plan priced again (and, where the host bounds it, searched again) on a profile
     calibrated to the rehearsal's host work ``measured`` (seconds per parameter: the updates,
     the earlier micro-batches' sums), where either part was off the plan's by more than
-    ``host_calibration.TOLERANCE``; None where both were within it, or where nothing was
-    measured. What it found is appended to ``found``."""
+    ``host_calibration.TOLERANCE``, and to the issuing thread's ``send_s`` (seconds per send
+    before a step's last micro-batch: ``StepProfile.earlier_send_s``) where it was measured;
+    None where neither applies. What it found is appended to ``found``."""
     plan = engine.plan
     links = links_from_probe(engine.backend, engine.device)
     planned = plan.host_s_per_param  # the rehearsal's steps are whole ones: the plan's own rate
@@ -204,10 +205,15 @@ def _host_rate_checked(engine: "MemFerry", budget: int, margin: float, found: li
     total = sum(measured) / planned
     said = (f"host rate: the rehearsal's host work ran at {sum(measured) * 1e9:.3f} ns/param, {total:.2f}x the "
             f"{planned * 1e9:.3f} the plan assumed (updates {update:.2f}x, earlier micro-batches' sums {earlier:.2f}x)")
-    if all(1 / TOLERANCE <= r <= TOLERANCE for r in (update, earlier)):
+    rates_off = not all(1 / TOLERANCE <= r <= TOLERANCE for r in (update, earlier))
+    if not rates_off and not send_s:
         found.append(said + " (within the tolerance: plan kept)")
         return None
-    profile = calibrated(plan.profile, update, earlier)
+    profile = calibrated(plan.profile, update, earlier) if rates_off else plan.profile
+    if send_s:
+        profile = with_sends(profile, send_s)
+        said += (f"{'' if rates_off else ' (within the tolerance)'}; sends before a step's last micro-batch took "
+                 f"{send_s * 1e3:.2f} ms each on the issuing thread")
     kept = repriced(plan, profile, links, margin)
     before, now = plan.predicted_step_s or 0.0, kept.predicted_step_s or 0.0
     again, how = kept, "the host does not bound it: same plan, not searched again"
@@ -261,12 +267,15 @@ class Rehearsed(NamedTuple):
         step_s: timed only: the mean wall time of the last :data:`CLOCKED_STEPS` steps, the
             device synchronised around each as the benchmark times steps (the previous step's
             host work running beside it); else None.
+        send_s: timed only: the issuing thread's mean seconds per gradient send in those steps'
+            micro-batches before their last (``GradientPost.earlier_seconds``); None where none sent.
     """
 
     peak: int
     allocated: int
     host: tuple[float, float] | None = None
     step_s: float | None = None
+    send_s: float | None = None
 
 
 def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) -> Rehearsed:
@@ -288,10 +297,14 @@ def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) 
         backend.synchronize(device)
         backend.reset_peak_memory(device)
         clocked: list[float] = []
+        post = engine.executor.post
+        sends = (0, 0.0)
         for k in range(steps):
             clock = timed and k >= steps - CLOCKED_STEPS
             if clock:
                 backend.synchronize(device)
+                if not clocked:
+                    sends = (post.earlier_sends, post.earlier_seconds)
                 t0 = time.perf_counter()
             for _ in range(n):
                 loss = engine._loss(inputs, targets)  # held through backward, as a loop that logs it holds it
@@ -306,10 +319,19 @@ def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) 
             if timed and k == steps - 1:
                 host = engine.optimizer.split_since(start)  # updates still under way are left out
         step_s = sum(clocked) / len(clocked) if clocked else None
+        send_s = send_seconds(post, sends) if clocked else None
         engine.synchronize()
     engine.set_lr(engine.cfg.lr)
     stats = backend.memory_stats(device)
-    return Rehearsed(max(stats.peak_allocated, stats.peak_reserved), stats.peak_allocated, host, step_s)
+    return Rehearsed(max(stats.peak_allocated, stats.peak_reserved), stats.peak_allocated, host, step_s, send_s)
+
+
+def send_seconds(post: Any, since: tuple[int, float]) -> float | None:
+    """The issuing thread's mean seconds per gradient send of micro-batches before a step's last
+    since ``since`` (``GradientPost.earlier_sends``, ``earlier_seconds`` then); None where none
+    was sent (no block sums on the host)."""
+    sent = post.earlier_sends - since[0]
+    return (post.earlier_seconds - since[1]) / sent if sent else None
 
 
 def _reset(engine: "MemFerry") -> None:
@@ -322,7 +344,8 @@ def _reset(engine: "MemFerry") -> None:
     engine.optimizer.sync_steps_from_shadows()
     engine.device_optimizer.sync_steps_from_shadows(engine.shadow.shadows)
     engine.executor.invalidate_device_copies()
-    engine.executor.post.seconds = 0.0
+    engine.executor.post.seconds = engine.executor.post.earlier_seconds = 0.0
+    engine.executor.post.earlier_sends = 0
     engine._steps = 0
     if engine.clip is not None:
         engine.clip.reset()
