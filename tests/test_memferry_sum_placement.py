@@ -146,3 +146,22 @@ def test_without_accumulation_there_is_nothing_to_place(host_plan, cpu_backend, 
     assert same_layout(engine.plan, plan)
     assert not any(n.startswith("sum placement:") for n in engine.plan.notes)
     engine.close()
+
+
+def test_a_plan_the_host_rate_check_made_again_is_timed_and_raced_too(accumulating_plan,  # noqa: F811
+                                                                     cpu_backend, monkeypatch):
+    # The calibrated search can move to the other placement (H200, session 24: to device sums,
+    # which ran 8 % faster there; on another lease host sums had rehearsed 4 % faster).
+    plan, budget = accumulating_plan
+    device = schedule(plan.profile, links_from_probe(cpu_backend, 0), budget, margin=0.0, host_sums=False)
+    calls = _clocked(monkeypatch, host_summing_s=1.0, device_summing_s=2.0)
+    checked = []
+    monkeypatch.setattr(rehearsal, "_host_rate_checked", lambda engine, *a, **k: checked.append(1) or device)
+    engine = _engine(plan, budget, cpu_backend)
+    assert checked == [1]  # once per engine
+    assert [timed for _, timed in calls] == [True, True, True]  # the first, the calibrated, its rival
+    assert calls[1][0] == 0 and calls[2][0] > 0
+    assert host_summed_blocks(engine.plan) > 0 and engine.plan.rehearsed_step_s == 1.0
+    said = [n for n in engine.plan.notes if n.startswith("sum placement:")]
+    assert "on the device" in said[0] and said[-1].endswith("1000.0 ms: kept"), said
+    engine.close()

@@ -116,11 +116,12 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
     backend, device = engine.backend, engine.device
     started = time.perf_counter()
     setup_notes = [n for n in engine.plan.notes if n.startswith(SETUP_NOTE)]  # a plan made again has its own notes
-    placement = SumPlacement(setup.get("sum_placement", "race") == "race")  # a host-summing plan raced against a device-summing one
+    placement = SumPlacement(setup.get("sum_placement", "race") == "race")  # where sums go, raced on the wall clock
+    race_next = False  # a calibrated plan of another layout: its rehearsal is timed, and raced
     while True:
         backend.set_memory_cap(device, None)  # measure the overshoot rather than run into it
         try:
-            timed = not rate_checked or placement.timing
+            timed = not rate_checked or placement.timing or race_next
             peak, allocated, host, step_s, send_s = _rehearse(engine, sample, timed)
         finally:
             backend.set_memory_cap(device, budget)
@@ -133,6 +134,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                 again = _host_rate_checked(engine, budget, margin, calibration, host, send_s)
                 if again is not None and not same_layout(again, engine.plan):
                     _rebuild(engine, again)  # its memory is rehearsed again; its host rate is not
+                    race_next = placement.may_race(engine)  # timed then, where its sums can be placed
                     continue
                 if again is not None:
                     engine.plan = again
@@ -140,6 +142,13 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                 other = placement.alternative(engine, step_s, budget, margin)
                 if other is not None:
                     _rebuild(engine, other)  # rehearsed next, timed
+                    continue
+            elif race_next:
+                race_next = False
+                rehearsed_s = step_s
+                other = placement.alternative(engine, step_s, budget, margin)
+                if other is not None:
+                    _rebuild(engine, other)
                     continue
             elif placement.timing:
                 back = placement.settle(step_s)

@@ -75,6 +75,10 @@ class SumPlacement:
         """The wall-clock step of the plan the comparison started from (seconds)."""
         return self._original_s
 
+    def may_race(self, engine: "MemFerry") -> bool:
+        """Whether a comparison may still start from ``engine``'s plan (none has; it accumulates)."""
+        return not self._tried and engine.micro.steps > 1
+
     def alternative(self, engine: "MemFerry", step_s: float | None, budget: int, margin: float) -> "Plan | None":
         """The plan to build and rehearse next: where ``engine.plan`` (rehearsed at ``step_s``)
         sums on the host, the scheduler's best plan summing on the device, and where it sums on
