@@ -148,20 +148,50 @@ def test_without_accumulation_there_is_nothing_to_place(host_plan, cpu_backend, 
     engine.close()
 
 
-def test_a_plan_the_host_rate_check_made_again_is_timed_and_raced_too(accumulating_plan,  # noqa: F811
-                                                                     cpu_backend, monkeypatch):
+@pytest.mark.parametrize("device_faster", [False, True])
+def test_a_plan_the_host_rate_check_moved_to_the_other_side_races_the_one_it_replaced(  # noqa: F811
+        accumulating_plan, cpu_backend, monkeypatch, device_faster):
     # The calibrated search can move to the other placement (H200, session 24: to device sums,
-    # which ran 8 % faster there; on another lease host sums had rehearsed 4 % faster).
+    # which ran 8 % faster there; on another lease host sums had rehearsed 4 % faster). Both
+    # are then timed already: no search for another rival.
     plan, budget = accumulating_plan
     device = schedule(plan.profile, links_from_probe(cpu_backend, 0), budget, margin=0.0, host_sums=False)
-    calls = _clocked(monkeypatch, host_summing_s=1.0, device_summing_s=2.0)
+    calls = _clocked(monkeypatch, host_summing_s=2.0 if device_faster else 1.0,
+                     device_summing_s=1.0 if device_faster else 2.0)
     checked = []
     monkeypatch.setattr(rehearsal, "_host_rate_checked", lambda engine, *a, **k: checked.append(1) or device)
+    monkeypatch.setattr(sum_placement, "replan", lambda *a, **k: pytest.fail("both sides are timed: no search"))
     engine = _engine(plan, budget, cpu_backend)
     assert checked == [1]  # once per engine
-    assert [timed for _, timed in calls] == [True, True, True]  # the first, the calibrated, its rival
-    assert calls[1][0] == 0 and calls[2][0] > 0
-    assert host_summed_blocks(engine.plan) > 0 and engine.plan.rehearsed_step_s == 1.0
+    hb = host_summed_blocks(plan)
     said = [n for n in engine.plan.notes if n.startswith("sum placement:")]
-    assert "on the device" in said[0] and said[-1].endswith("1000.0 ms: kept"), said
+    assert said[0].startswith("sum placement: the host-rate check moved the plan from summing on the host "
+                              f"(rehearsed at {2000.0 if device_faster else 1000.0:.1f} ms per step) to summing "
+                              "on the device"), said
+    assert engine.plan.rehearsed_step_s == 1.0 and engine.executor.plan is engine.plan
+    if device_faster:
+        assert calls == [(hb, True), (0, True)] and same_layout(engine.plan, device)
+        assert said[-1].endswith("1000.0 ms: kept"), said
+    else:  # the replaced plan built again, its memory rehearsed untimed
+        assert calls == [(hb, True), (0, True), (hb, False)] and same_layout(engine.plan, plan)
+        assert said[-1].endswith("2000.0 ms: the host-summing plan kept"), said
+    engine.close()
+
+
+def test_a_plan_the_host_rate_check_replaced_on_the_same_side_is_raced_against_a_searched_rival(  # noqa: F811
+        accumulating_plan, cpu_backend, monkeypatch):
+    import dataclasses
+
+    plan, budget = accumulating_plan
+    deeper = dataclasses.replace(plan, prefetch_depth=plan.prefetch_depth + 1, notes=list(plan.notes))
+    assert not same_layout(deeper, plan) and host_summed_blocks(deeper) == host_summed_blocks(plan)
+    calls = _clocked(monkeypatch, host_summing_s=1.0, device_summing_s=2.0)
+    monkeypatch.setattr(rehearsal, "_host_rate_checked", lambda engine, *a, **k: deeper)
+    engine = _engine(plan, budget, cpu_backend)
+    hb = host_summed_blocks(plan)
+    # the first, the replacing one (timed: it may race), its searched rival, the replacing one again
+    assert calls == [(hb, True), (hb, True), (0, True), (hb, False)]
+    assert same_layout(engine.plan, deeper) and engine.plan.rehearsed_step_s == 1.0
+    said = [n for n in engine.plan.notes if n.startswith("sum placement:")]
+    assert "rehearsed too" in said[0] and said[-1].endswith("2000.0 ms: the host-summing plan kept"), said
     engine.close()

@@ -133,6 +133,8 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                     calibration.append(_step_note(step_s, engine.plan.predicted_step_s))
                 again = _host_rate_checked(engine, budget, margin, calibration, host, send_s)
                 if again is not None and not same_layout(again, engine.plan):
+                    if placement.may_race(engine):
+                        placement.replaced(engine.plan, step_s)
                     _rebuild(engine, again)  # its memory is rehearsed again; its host rate is not
                     race_next = placement.may_race(engine)  # timed then, where its sums can be placed
                     continue
@@ -146,9 +148,12 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
             elif race_next:
                 race_next = False
                 rehearsed_s = step_s
-                other = placement.alternative(engine, step_s, budget, margin)
+                timing = placement.timing
+                other = placement.after_replacement(engine, step_s, budget, margin)
                 if other is not None:
-                    _rebuild(engine, other)
+                    _rebuild(engine, other)  # a rival (timed next), or the replaced plan back (untimed)
+                    if not placement.timing and not timing:
+                        rehearsed_s = placement.original_s
                     continue
             elif placement.timing:
                 back = placement.settle(step_s)

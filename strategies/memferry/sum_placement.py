@@ -17,7 +17,9 @@ sums on the device, its best plan summing none there (which on the H200 is the o
 where the model cannot tell the two apart (the other predicted within :data:`WINDOW` of the
 first: the size of the misses seen) both are rehearsed, timed, and whichever took less
 wall-clock time per step is kept (the other is given back; building the first again costs one
-more untimed rehearsal). Which side wins moved with the lease's host: the host-summing plan
+more untimed rehearsal). A plan the host-rate check (``host_calibration.py``) made again in
+another layout is timed as well; where it sums on the other side of the plan it replaced, those
+two are the race. Which side wins moved with the lease's host: the host-summing plan
 rehearsed 4 % faster on one lease and ran 8 % slower on another (session 24). Without
 accumulation there is nothing to place. A rehearsed step is the mean of two on the wall clock
 (``rehearsal.CLOCKED_STEPS``): the comparison can err where the two plans run within its noise
@@ -27,7 +29,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .host_calibration import same_layout
+from .host_calibration import repriced, same_layout
+from .links import links_from_probe
 from .planning import replan
 from .scheduler import NoPlanFitsError, sums_on_host_by_choice
 
@@ -54,6 +57,11 @@ def device_summed_blocks(plan: "Plan") -> int:
     return sum(u.accumulate == "device" for u in plan.units)
 
 
+def _side(plan: "Plan") -> str | None:
+    """Where ``plan`` sums: ``"host"`` (any block on the host), ``"device"``, or None (nowhere)."""
+    return "host" if host_summed_blocks(plan) else "device" if device_summed_blocks(plan) else None
+
+
 class SumPlacement:
     """One comparison inside :func:`~.rehearsal.fit_by_rehearsal`: at most one per engine.
 
@@ -69,6 +77,7 @@ class SumPlacement:
         self._original: Plan | None = None
         self._original_s = 0.0
         self._side, self._other = "host", "device"  # where the first plan sums, and the alternative
+        self._before: tuple[Plan, float] | None = None  # a timed plan the host-rate check replaced
 
     @property
     def original_s(self) -> float:
@@ -78,6 +87,30 @@ class SumPlacement:
     def may_race(self, engine: "MemFerry") -> bool:
         """Whether a comparison may still start from ``engine``'s plan (none has; it accumulates)."""
         return not self._tried and engine.micro.steps > 1
+
+    def replaced(self, plan: "Plan", step_s: float | None) -> None:
+        """The host-rate check replaced ``plan``, rehearsed at ``step_s``, by a plan of another
+        layout: where that one sums on the other side, the two race on their timed rehearsals
+        (:meth:`after_replacement`), with no search for another rival."""
+        if step_s is not None:
+            self._before = (plan, step_s)
+
+    def after_replacement(self, engine: "MemFerry", step_s: float | None, budget: int, margin: float) -> "Plan | None":
+        """After the replacing plan's timed rehearsal (``step_s``): where it sums on the other side
+        of the replaced one, keep the faster (None: keep it; else the replaced plan, priced on the
+        calibrated profile, to build again); otherwise :meth:`alternative`."""
+        before = self._before
+        now = _side(engine.plan)
+        if before is None or step_s is None or now is None or _side(before[0]) in (None, now) or self._tried:
+            return self.alternative(engine, step_s, budget, margin)
+        plan, before_s = before
+        self._tried = True
+        self._side, self._other = str(_side(plan)), now
+        links = links_from_probe(engine.backend, engine.device)
+        self._original, self._original_s = repriced(plan, engine.plan.profile, links, margin), before_s
+        self.notes.append(f"sum placement: the host-rate check moved the plan from summing on the {self._side} "
+                          f"(rehearsed at {before_s * 1e3:.1f} ms per step) to summing on the {now}")
+        return self.settle(step_s)
 
     def alternative(self, engine: "MemFerry", step_s: float | None, budget: int, margin: float) -> "Plan | None":
         """The plan to build and rehearse next: where ``engine.plan`` (rehearsed at ``step_s``)
