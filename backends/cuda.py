@@ -93,6 +93,7 @@ class CudaBackend(Backend):
         self._registered: dict[int, int] = {}  # host address -> registered bytes
         self._reg_lock = threading.Lock()
         self._topology: Topology | None = None
+        self._expandable = False  # avoid_fragmentation turned expandable segments on
 
     def _detect_caps(self) -> Capabilities:
         n = self.device_count()
@@ -198,14 +199,23 @@ class CudaBackend(Backend):
         torch.cuda.reset_peak_memory_stats(self.index_of(device))
 
     def avoid_fragmentation(self) -> bool:
-        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") or os.environ.get("PYTORCH_ALLOC_CONF", "")
-        said = [item.split(":", 1) for item in conf.split(",") if item.strip().startswith("expandable_segments")]
-        if said:  # the user chose; keep it
-            return said[-1][-1].strip().lower() == "true"
+        said = _users_expandable_segments()
+        if said is not None:  # the user chose; keep it
+            return said
         # A 3.2 B plan under 16 GB failed a 3.9 GiB allocation with 2.7 GiB reserved but free
         # (H200, 2026-12-01): fixed-size cached blocks fragment as prefetch slots come and go.
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        self._expandable = True
         return True
+
+    def cap_overshoot(self, device: Any = None) -> int:
+        """One expandable-segment page (20 MiB) where segments expand, else 0: the allocator checks
+        its memory fraction against the bytes asked, then maps whole pages (c10's
+        ``try_allocate_expandable_block``), so reserved memory passed a plan's held cap by 11 MB
+        on the H200 (session 24)."""
+        self.index_of(device)
+        on = _users_expandable_segments()
+        return EXPANDABLE_PAGE if (self._expandable if on is None else on) else 0
 
     def _apply_memory_cap(self, index: int, nbytes: int | None) -> None:
         total = torch.cuda.get_device_properties(index).total_memory
@@ -216,6 +226,17 @@ class CudaBackend(Backend):
         if self._topology is None:
             self._topology = _nvml_topology(self.device_count())
         return self._topology
+
+
+#: The large pool's expandable-segment page: segments grow by whole pages (2 MiB in the small pool).
+EXPANDABLE_PAGE = 20 << 20
+
+
+def _users_expandable_segments() -> bool | None:
+    """Whether the environment's allocator settings turn expandable segments on (None: not said)."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") or os.environ.get("PYTORCH_ALLOC_CONF", "")
+    said = [item.split(":", 1) for item in conf.split(",") if item.strip().startswith("expandable_segments")]
+    return said[-1][-1].strip().lower() == "true" if said else None
 
 
 def _torch_devices(n: int) -> tuple[DeviceSpec, ...]:

@@ -191,9 +191,12 @@ def test_avoid_fragmentation_keeps_the_users_choice(backend, monkeypatch):
     (the cpu reference has no allocator of its own: nothing to set)."""
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512,expandable_segments:False")
     assert backend.avoid_fragmentation() is False
+    assert backend.cap_overshoot(0) == 0  # fixed blocks: a cap binds exactly
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     assert backend.avoid_fragmentation() is (backend.name == "cuda")
+    # expandable segments map whole 20 MiB pages after checking the cap against the bytes asked
+    assert backend.cap_overshoot(0) == (20 << 20 if backend.name == "cuda" else 0)
 
 
 @pytest.mark.parametrize("bad", [0, -1, "lots"])

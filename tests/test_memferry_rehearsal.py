@@ -242,3 +242,18 @@ def test_a_rebuilt_engine_runs_its_own_plan_not_the_last_ones_wrappers(cpu_backe
     assert float(engine.train_step(x, y)) > 0
     engine.close()
     assert layers[0].forward is theirs
+
+
+@pytest.mark.parametrize("allocated_mib,held_mib", [(900, 999), (999, 999), (1000, 1500)])
+def test_the_hold_leaves_room_for_what_the_allocator_may_pass_its_cap_by(allocated_mib, held_mib, cpu_backend,
+                                                                         monkeypatch):
+    # CUDA checks its fraction against the bytes asked, then maps whole 20 MiB pages: held at a
+    # 1000 MiB prediction, a plan reserved a page's fraction over it (H200, session 24).
+    import types
+
+    MiB = 1 << 20
+    monkeypatch.setattr(type(cpu_backend), "cap_overshoot", lambda self, device=None: MiB)
+    engine = types.SimpleNamespace(backend=cpu_backend, device=0)
+    held = rehearsal.hold_to_plan(engine, 1500 * MiB, 1000 * MiB, allocated_mib * MiB)
+    assert held == held_mib * MiB == cpu_backend.memory_cap(0)
+    cpu_backend.set_memory_cap(0, None)

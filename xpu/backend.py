@@ -406,6 +406,13 @@ class Backend(abc.ABC):
         """The cap set by :meth:`set_memory_cap`, or None."""
         return self._caps_bytes.get(self.index_of(device))
 
+    def cap_overshoot(self, device: Any = None) -> int:
+        """Bytes by which the allocator's reserved memory may pass a cap set by
+        :meth:`set_memory_cap` (0: the cap is exact), so a caller that must stay under a figure
+        caps this much below it."""
+        self.index_of(device)
+        return 0
+
     @abc.abstractmethod
     def topology(self) -> Topology:
         """Devices, host links and peer links with kinds and nominal rates."""

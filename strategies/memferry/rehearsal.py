@@ -249,9 +249,10 @@ def _step_note(measured: float, predicted: float) -> str:
 
 
 def hold_to_plan(engine: "MemFerry", budget: int, predicted: int, allocated: int) -> int:
-    """Cap the device's allocator at the plan's predicted peak, or at ``budget`` where the
-    rehearsal's ``allocated`` peak was higher (the memory model missed: no prediction to hold
-    to), and return the cap.
+    """Cap the device's allocator at the plan's predicted peak, less what the allocator may pass
+    a cap by (``Backend.cap_overshoot``: CUDA's expandable-segment page), or at ``budget`` where
+    the rehearsal's ``allocated`` peak was higher than that (the memory model missed: no
+    prediction to hold to), and return the cap.
 
     A caching allocator keeps freed blocks reserved until it meets its cap: left at the
     budget, a plan predicted at 7.94 GB of an 8 GB budget reserved 7.99 GB in its steps
@@ -264,7 +265,10 @@ def hold_to_plan(engine: "MemFerry", budget: int, predicted: int, allocated: int
     prediction; H200, 2026-12-03). Nor is the allocated peak a cap to hold a plan the model
     missed to: a caller's loop may hold a little more than the rehearsal did (held there, a
     tiny plan ran out of memory by the 4 bytes of a loss kept through backward)."""
-    held = (budget if allocated > predicted else min(budget, predicted)) if predicted else budget
+    # The allocator may pass its cap by a page (``Backend.cap_overshoot``): held that much lower, its
+    # reserved peak stays at the prediction, where the step's allocated peak leaves that room.
+    slack = engine.backend.cap_overshoot(engine.device)
+    held = (budget if allocated > predicted - slack else min(budget, predicted) - slack) if predicted else budget
     engine.backend.set_memory_cap(engine.device, held)
     return held
 
