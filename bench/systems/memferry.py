@@ -17,8 +17,9 @@ Options:
         fewer cache flushes, a reserved peak that may pass the prediction). For an A/B of what
         the allocator's retries (``alloc_retries``) cost a step.
     sum_placement: ``race`` (default) or ``plan`` (``MemFerry(sum_placement=...)``): under
-        accumulation, rehearse a host-summing plan against the best device-summing one and keep
-        the faster, or keep the scheduler's pick. For an A/B of what the race gains.
+        accumulation, rehearse the scheduler's pick against its best plan summing micro-batches
+        on the other side (host or device) and keep the faster, or keep the pick. For an A/B of
+        what the race gains.
     loss_chunks: compute the model's loss over this many token slices, each slice's logits
         recomputed in backward (``CausalLM.loss_chunks``): frees the fp32 logits' memory for
         the scheduler to spend on device-homed blocks. 1: the model as the baselines run it.

@@ -20,7 +20,7 @@ from .memory_terms import device_bytes_per_param, device_sum_bytes, grads_persis
 if TYPE_CHECKING:
     from .profiler import BlockProfile, StepProfile
 
-__all__ = ["OptionCost", "option_cost", "STREAM_OVERHEAD", "DEVICE_ADD_SHARE", "RING_SERIAL"]
+__all__ = ["OptionCost", "option_cost", "sums_on_host_by_choice", "STREAM_OVERHEAD", "DEVICE_ADD_SHARE", "RING_SERIAL"]
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,12 @@ def _kept_bytes(blk: "BlockProfile", unit: UnitPlan) -> int:
     return blk.act_bytes_offload_kept if unit.offload else blk.act_bytes
 
 
+def sums_on_host_by_choice(unit: UnitPlan) -> bool:
+    """Whether ``unit`` sums accumulated micro-batches on the host where it could on the device
+    (host-updated, neither pass DHA, ``accumulate`` left to the host)."""
+    return unit.optimizer == "host" and unit.accumulate != "device" and "dha" not in (unit.forward, unit.backward)
+
+
 def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan, prefetch_depth: int = 1) -> OptionCost:
     """The cost-model terms of block ``index`` run as ``unit`` (see :class:`OptionCost`)."""
     blk = profile.blocks[index]
@@ -150,7 +156,6 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
     # Summing micro-batches on the device (accumulate="device"): an fp32 add per micro-batch, and
     # the sum goes home once, 4 B per parameter; a plan the executor refuses never wins.
     summed = host and unit.accumulate == "device"
-    host_sums = host and not summed and "dha" not in (unit.forward, unit.backward)  # DHA writes its gradients home
     if summed and (profile.accumulation_steps < 2 or "dha" in (unit.forward, unit.backward)):
         a = math.inf
     b += u + (blk.numel * profile.device_adamw_s_per_param * DEVICE_ADD_SHARE if summed else 0.0)
@@ -200,7 +205,8 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
         h_acc=h_acc,
         hm=hm,
         # an earlier micro-batch sends a host-summing block's gradients home: the issuing thread's time
-        b0=b - u + (profile.earlier_send_s if host_sums else 0.0) if profile.accumulation_steps > 1 else 0.0,
+        b0=b - u + (profile.earlier_send_s if sums_on_host_by_choice(unit) else 0.0)
+        if profile.accumulation_steps > 1 else 0.0,
         y0=y if profile.accumulation_steps > 1 else 0.0,
         by_deadline=profile.host_order == "deadline",
     )

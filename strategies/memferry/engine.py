@@ -151,9 +151,9 @@ class MemFerry:
             they were; a scheduled plan whose real peak overshoots the budget (the allocator's
             reserve, or what the memory model misses) is made again with a larger margin, and a
             given one is refused (``PlanOverBudgetError``), instead of failing in training.
-        sum_placement: under accumulation with ``plan="auto"``, where the scheduled plan sums
-            micro-batches on the host: ``"race"`` (default) also rehearses the best plan summing
-            on the device where it is predicted close, and keeps the faster on the wall clock
+        sum_placement: under accumulation with ``plan="auto"``: ``"race"`` (default) also
+            rehearses the best plan summing micro-batches on the other side (host or device)
+            where it is predicted close, and keeps the faster on the wall clock
             (``sum_placement.py``); ``"plan"`` keeps the scheduler's pick unraced.
 
     Frozen parameters (``requires_grad=False``, e.g. a LoRA model's base weights) are homed and

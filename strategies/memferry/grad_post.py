@@ -47,6 +47,12 @@ class GradientPost:
         self.earlier_sends = 0
         self.earlier_seconds = 0.0
 
+    def reset_counters(self) -> None:
+        """The training thread's seconds and sends counted so far back to zero (``bytes`` and
+        the thread ids stay)."""
+        self.earlier_sends = 0
+        self.seconds = self.earlier_seconds = 0.0
+
     def send(self, index: int, sources: list[torch.Tensor], targets: list[torch.Tensor], final: bool,
              summed: bool = False, zone: int = 0) -> None:
         """Copy gradients ``sources`` of unit ``index`` into host ``targets`` after the compute

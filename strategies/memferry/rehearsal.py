@@ -28,9 +28,9 @@ priced again on the profile calibrated to both, the
 scheduler searches again where the host bounds the plan (``host_calibration.py``), and a faster
 plan is built and rehearsed in its turn (real devices only).
 
-Under gradient accumulation a plan that sums any block's micro-batches on the host is then
-raced against the scheduler's best plan summing them on the device, where the model predicts the
-two close: both rehearsed and timed, the faster kept (``sum_placement.py``).
+Under gradient accumulation a plan is then raced against the scheduler's best plan summing its
+micro-batches on the other side (host or device), where the model predicts the two close: both
+rehearsed and timed, the faster kept (``sum_placement.py``).
 
 A plan that fits is then held to its prediction: the allocator's cap comes down from the budget
 to the predicted peak (:func:`hold_to_plan`; it stays at the budget where the rehearsal allocated
@@ -148,11 +148,10 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
             elif race_next:
                 race_next = False
                 rehearsed_s = step_s
-                timing = placement.timing
                 other = placement.after_replacement(engine, step_s, budget, margin)
                 if other is not None:
                     _rebuild(engine, other)  # a rival (timed next), or the replaced plan back (untimed)
-                    if not placement.timing and not timing:
+                    if not placement.timing:
                         rehearsed_s = placement.original_s
                     continue
             elif placement.timing:
@@ -362,8 +361,7 @@ def _reset(engine: "MemFerry") -> None:
     engine.optimizer.sync_steps_from_shadows()
     engine.device_optimizer.sync_steps_from_shadows(engine.shadow.shadows)
     engine.executor.invalidate_device_copies()
-    engine.executor.post.seconds = engine.executor.post.earlier_seconds = 0.0
-    engine.executor.post.earlier_sends = 0
+    engine.executor.post.reset_counters()
     engine._steps = 0
     if engine.clip is not None:
         engine.clip.reset()

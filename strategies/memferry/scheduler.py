@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 from xpu.errors import XpuError
 from xpu.units import format_bytes
 
+from .block_costs import sums_on_host_by_choice  # re-exported: where the scheduler's choices are filtered
 from .config import Plan, UnitPlan
 from .cost import (SCALARS, Links, OptionCost, Prediction, State, advance_rows, describe_units, finish, initial_state, option_cost,
                    predict, predict_options, rest_resident_bytes, transient_bytes)
@@ -99,12 +100,6 @@ def unit_choices(allow_dha: bool = True, allow_device_optimizer: bool = True,
     if device_sum:
         out += [replace(u, accumulate="device") for u in out if u.optimizer == "host" and "dha" not in (u.forward, u.backward)]
     return out
-
-
-def sums_on_host_by_choice(unit: UnitPlan) -> bool:
-    """Whether ``unit`` sums accumulated micro-batches on the host where it could on the device
-    (host-updated, neither pass DHA, ``accumulate`` left to the host)."""
-    return unit.optimizer == "host" and unit.accumulate != "device" and "dha" not in (unit.forward, unit.backward)
 
 
 def prune_choices(choices: Sequence[UnitPlan], profile: "StepProfile", links: Links) -> list[UnitPlan]:
