@@ -369,6 +369,10 @@ class CpuBackend(Backend):
         with self.host_scope():
             dst.copy_(src)
 
+    def copy_many(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], stream: Any = None) -> None:
+        with self.host_scope():
+            super().copy_many(dsts, srcs, stream)
+
     def free_storage(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
         record = self._records.get(storage)

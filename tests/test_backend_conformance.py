@@ -141,6 +141,40 @@ def test_copy_refuses_shape_mismatch(backend):
         backend.copy(backend.empty(4, torch.float32, 0), torch.zeros(5))
 
 
+def test_copy_many_sends_views_of_one_host_buffer_and_back(backend):
+    """A unit's gradients go home as views of one pinned buffer (GradientPost.send)."""
+    shapes = [(3, 5), (7,), (2, 2, 2), (0,)]
+    refs = [torch.randn(sh).to(torch.bfloat16) for sh in shapes]
+    devs = [backend.to_device(r, 0) for r in refs]
+    total = sum(r.numel() for r in refs)
+    host = backend.host_arena.empty(total, torch.bfloat16)
+    host.fill_(7)
+    views, o = [], 0
+    for r in refs:
+        views.append(host[o:o + r.numel()].view(r.shape))
+        o += r.numel()
+    s = backend.stream(0)
+    backend.copy_many(views, devs, s)
+    s.synchronize()
+    assert torch.equal(host, torch.cat([r.reshape(-1) for r in refs]))
+    backs = [backend.empty(r.shape, torch.float32, 0) for r in refs]  # with a cast, as the device sums do
+    backend.copy_many(backs, views)
+    backend.synchronize(0)
+    assert all(torch.equal(b.cpu(), r.float()) for b, r in zip(backs, refs))
+    backend.host_arena.release(host)
+
+
+def test_copy_many_refuses_bad_pairs_before_copying_any(backend):
+    dst = [backend.empty(4, torch.float32, 0), backend.empty(4, torch.float32, 0)]
+    for d in dst:
+        d.zero_()
+    with pytest.raises(ValueError, match="pair 1 has dst"):
+        backend.copy_many(dst, [torch.ones(4), torch.ones(5)])
+    with pytest.raises(ValueError, match="as many sources as targets, got 1 and 2"):
+        backend.copy_many(dst, [torch.ones(4)])
+    assert all(float(d.abs().sum()) == 0 for d in dst)
+
+
 def test_device_to_device_and_peer(backend):
     src = backend.to_device(torch.arange(1000, dtype=torch.float32), 0)
     same = backend.empty(1000, torch.float32, 0)

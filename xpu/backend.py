@@ -280,6 +280,30 @@ class Backend(abc.ABC):
         with self.use_stream(stream):
             dst.copy_(src, non_blocking=non_blocking)
 
+    def copy_many(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor],
+                  stream: torch.Stream | None = None) -> None:
+        """:meth:`copy` of each ``srcs[i]`` into ``dsts[i]``, issued as one call.
+
+        Same ordering, asynchrony and lifetime rules as :meth:`copy`. One ``_foreach_copy_``
+        costs the issuing thread far less than a copy per tensor: a block's 12 gradients sent
+        home took 145 us of the training thread instead of 526 (H200, 2026-12-04,
+        ``bench/scripts/diag_grad_post.py``).
+
+        Raises:
+            ValueError: the lists differ in length, or a pair in shape.
+        """
+        if len(dsts) != len(srcs):
+            raise ValueError(f"copy_many needs as many sources as targets, got {len(srcs)} and {len(dsts)}")
+        for i, (dst, src) in enumerate(zip(dsts, srcs)):
+            if dst.shape != src.shape:
+                raise ValueError(f"copy_many needs equal shapes, pair {i} has dst {tuple(dst.shape)} "
+                                 f"and src {tuple(src.shape)}")
+        if not dsts:
+            return
+        non_blocking = all(t.device.type != "cpu" or self.is_pinned(t) for t in (*dsts, *srcs))
+        with self.use_stream(stream) if stream is not None else contextlib.nullcontext():
+            torch._foreach_copy_(list(dsts), list(srcs), non_blocking=non_blocking)
+
     def free_storage(self, tensor: torch.Tensor) -> None:
         """Give back ``tensor``'s device memory but keep the tensor (and every view of it).
 

@@ -27,11 +27,13 @@ __all__ = ["DeviceSums", "add_grads", "check_accumulate"]
 def add_grads(s: UnitShadow, flat: torch.Tensor, first: bool) -> None:
     """Upcast (``first``) or add the unit's trainable gradients into the fp32 ``flat`` (laid out as
     its trainable prefix), and drop them."""
-    for view, (_, p) in zip(s.train_slices(flat), s.unit.trainable):
-        if first:
-            view.copy_(p.grad)
-        else:
-            view.add_(p.grad)  # fp32 += upcast value: what the host's accumulate computes
+    views, grads = list(s.train_slices(flat)), [p.grad for _, p in s.unit.trainable]
+    # One call per unit, not one per tensor (the training thread issues these every micro-batch).
+    if first:
+        torch._foreach_copy_(views, grads)
+    else:
+        torch._foreach_add_(views, grads)  # fp32 += upcast value: what the host's accumulate computes
+    for _, p in s.unit.trainable:
         p.grad = None
 
 

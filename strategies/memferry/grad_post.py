@@ -68,8 +68,10 @@ class GradientPost:
         computed.record(compute)
         self.d2h.wait_event(computed)
         with self.b.device_scope(self.dev), self.b.use_stream(self.d2h):
-            for view, g in zip(targets, sources):
-                self.b.copy(view, g, self.d2h)
+            # One call for the unit's tensors (already on d2h): a copy per tensor cost the
+            # training thread 0.6 ms a send, which host-summing plans pay in every micro-batch.
+            self.b.copy_many(targets, sources)
+            for g in sources:
                 self.b.keep_alive(g, self.d2h)
             if final and self.clip is not None:
                 self.clip.send_running_sum(index, self.d2h)
