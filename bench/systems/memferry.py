@@ -154,7 +154,8 @@ class MemFerrySystem(BenchSystem):
         plan ``auto``, else None), the rehearsal's last steps' mean (``rehearsal_step_s``: real devices
         and plan ``auto``, else None), the host optimizer's rate, the plan's and host memory's
         floor (:func:`.host_rate.host_metrics`), the training thread's milliseconds per step in
-        queuing gradients home (``grad_post_ms_per_step``: about 0 unless a copy blocks), the
+        queuing gradients home (``grad_post_ms_per_step``: about 0 unless a copy blocks; by part and
+        its CPU time in ``grad_post_parts_ms_per_step``, ``GradientPost.parts``), the
         threads issuing device work (this one, and autograd's that sent gradients) waiting for a
         core (``issuing_wait_ms_per_step``: Linux's run delay; 0 elsewhere), and with
         clipping each step's ``grad_norms`` and whether it ``clipped``, and the step predicted after
@@ -175,6 +176,7 @@ class MemFerrySystem(BenchSystem):
         post = self.engine.executor.post  # the training thread's time queuing gradients home
         waited = waited_s(self._waits0, run_delays(), post.threads | {self._main_thread})
         return {**clip, "grad_post_ms_per_step": round(post.seconds * 1e3 / self._steps, 3),
+                "grad_post_parts_ms_per_step": {k: round(v * 1e3 / self._steps, 3) for k, v in post.parts.items()},
                 "issuing_wait_ms_per_step": round(waited * 1e3 / self._steps, 3),
                 "predicted_step_s": self.engine.plan.predicted_step_s,
                 "rehearsal_step_s": self.engine.plan.rehearsed_step_s,

@@ -46,19 +46,24 @@ class GradientPost:
         #: sends of micro-batches before a step's last, and the seconds they took (of ``seconds``)
         self.earlier_sends = 0
         self.earlier_seconds = 0.0
+        #: ``seconds`` by part: ordering after compute (``fence``), queuing the copies (``copies``),
+        #: handing over to the optimizer (``submit``); and the thread's CPU time in them (``cpu``:
+        #: wall far above it means the thread waited, for the GIL, a core or a driver lock)
+        self.parts = dict.fromkeys(("fence", "copies", "submit", "cpu"), 0.0)
 
     def reset_counters(self) -> None:
         """The training thread's seconds and sends counted so far back to zero (``bytes`` and
         the thread ids stay)."""
         self.earlier_sends = 0
         self.seconds = self.earlier_seconds = 0.0
+        self.parts = dict.fromkeys(self.parts, 0.0)
 
     def send(self, index: int, sources: list[torch.Tensor], targets: list[torch.Tensor], final: bool,
              summed: bool = False, zone: int = 0) -> None:
         """Copy gradients ``sources`` of unit ``index`` into host ``targets`` after the compute
         stream's work so far, and submit them (``final``, ``summed``, ``zone``: as
         :meth:`HostOptimizer.submit` takes them)."""
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         self.threads.add(threading.get_native_id())
         compute = self.b.current_stream(self.dev)
         if final and self.clip is not None:
@@ -67,9 +72,11 @@ class GradientPost:
         computed = self.b.event()
         computed.record(compute)
         self.d2h.wait_event(computed)
+        t1 = time.perf_counter()
         with self.b.device_scope(self.dev), self.b.use_stream(self.d2h):
-            # One call for the unit's tensors (already on d2h): a copy per tensor cost the
-            # training thread 0.6 ms a send, which host-summing plans pay in every micro-batch.
+            # One call for the unit's tensors (already on d2h): alone, a copy per tensor cost the
+            # thread 526 us a block, one call 145 (diag_grad_post.py); host-summing plans send
+            # in every micro-batch.
             self.b.copy_many(targets, sources)
             for g in sources:
                 self.b.keep_alive(g, self.d2h)
@@ -78,9 +85,13 @@ class GradientPost:
             landed = self.b.event()
             landed.record(self.d2h)
         self.bytes += sum(t.numel() * t.element_size() for t in targets)
+        t2 = time.perf_counter()
         self.opt.submit(index, landed.synchronize, final=final, landed=landed.query, summed=summed, zone=zone)
-        took = time.perf_counter() - t0
+        t3 = time.perf_counter()
+        took = t3 - t0
         self.seconds += took
+        for part, dt in (("fence", t1 - t0), ("copies", t2 - t1), ("submit", t3 - t2), ("cpu", time.thread_time() - c0)):
+            self.parts[part] += dt
         if not final:
             self.earlier_sends += 1
             self.earlier_seconds += took
