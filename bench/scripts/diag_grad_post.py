@@ -10,12 +10,20 @@ forms:
   foreach  the same copies as one ``torch._foreach_copy_`` in one stream context
   flat     one copy of a single flat gradient buffer (what a unit whose gradients live in one
            device buffer would send)
+  sum32    ``GradientPost.send`` of one fp32 tensor of the block's size (a device-summed unit's
+           sum: 1.2 ms a send in a real step, session 25)
 host:
   idle     nothing else runs
   sums@T   a thread sums bf16 gradients into fp32 with the host kernel on T OpenMP threads (C,
            GIL released), as the host optimizer's worker does under accumulation: with T at the
            core count the team and the training thread share every core
-  python   a thread runs pure Python (holds the GIL between switch intervals)
+  python   a thread runs pure Python (holds the GIL between switch intervals); a tenth of the sends
+  spin     a thread waits on device events in a loop, as the host optimizer's worker waits for a
+           landing (``Event.synchronize``: the runtime spins in its default mode)
+  sleep    the same with blocking-sync events (the waiting thread sleeps)
+In a real step a send of one micro-batch took 0.45-0.60 ms of the training thread, all of it CPU
+time (``GradientPost.parts``, H200, 2026-12-04), against 0.15 ms here for the same call idle:
+the conditions above are the candidates for the difference.
 
 Usage: XPU_BACKEND=cuda python3 bench/scripts/diag_grad_post.py [--hidden 2048] [--sends 200]
        [--sum-threads 16,14] [--switch-ms MS]
@@ -48,7 +56,7 @@ class _Submitted:
     def __init__(self) -> None:
         self.tasks: queue.Queue = queue.Queue()
 
-    def submit(self, index, ready, final=True, landed=None, summed=False, zone=0) -> None:
+    def submit(self, index, ready, final=True, landed=None, summed=False, zone=0) -> None:  # noqa: D102
         self.tasks.put(("grad", index, (ready, final, landed, summed, zone)))
 
 
@@ -73,6 +81,16 @@ def _busy(kind: str, stop: threading.Event) -> threading.Thread | None:
         def run() -> None:
             while not stop.is_set():
                 loops.accumulate(acc, g, threads)
+    elif kind in ("spin", "sleep"):
+        b = xpu.get_backend()
+        side = b.stream(0)
+
+        def run() -> None:
+            while not stop.is_set():
+                occupy(b, 0, side, 0.002)
+                done = torch.cuda.Event(blocking=kind == "sleep")
+                done.record(side)
+                done.synchronize()
     else:
         def run() -> None:
             x = 0
@@ -139,11 +157,18 @@ def main() -> None:
             landed.record(d2h)
         opt.submit(0, landed.synchronize, final=False, landed=landed.query)
 
-    forms = {"post": send_post, "foreach": send_foreach, "flat": send_flat}
+    sum_src = torch.randn(numel, dtype=torch.float32, device=dev)
+    sum_host = b.alloc_pinned(numel * 4).view(torch.float32)
+
+    def send_sum() -> None:  # a device-summed unit's fp32 sum: one tensor, through GradientPost
+        post.send(0, [sum_src], [sum_host], final=True, summed=True)
+
+    forms = {"post": send_post, "foreach": send_foreach, "flat": send_flat, "sum32": send_sum}
     print(f"block of {len(shapes)} tensors, {numel:,} parameters ({numel * 2 / 2**20:.0f} MiB bf16); "
           f"{a.sends} sends per cell; switch interval {1e3 * sys.getswitchinterval():.1f} ms")
     rows = []
-    for cond in ("idle", *(f"sums@{t}" for t in a.sum_threads.split(",")), "python"):
+    for cond in ("idle", *(f"sums@{t}" for t in a.sum_threads.split(",")), "spin", "sleep", "python"):
+        sends = a.sends // 10 if cond == "python" else a.sends  # each takes ~0.3 s there
         stop = threading.Event()
         worker = _busy(cond, stop)
         try:
@@ -152,7 +177,7 @@ def main() -> None:
                 b.synchronize(0)
                 times = []
                 waited = _run_delay_ns()
-                for k in range(a.sends):
+                for k in range(sends):
                     if k % 20 == 0:  # the device busy ahead of the next 20 sends' copies
                         b.synchronize(0)
                         occupy(b, 0, b.current_stream(0), 0.05)
@@ -165,7 +190,7 @@ def main() -> None:
                     opt.tasks.get_nowait()
                 times.sort()
                 rows.append((cond, name, statistics.median(times) * 1e6, times[int(0.9 * len(times))] * 1e6,
-                             waited / 1e3 / a.sends))
+                             waited / 1e3 / sends))
         finally:
             stop.set()
             if worker is not None:
