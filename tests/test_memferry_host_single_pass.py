@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from strategies.memferry import host_loops
+from strategies.memferry import c_library, host_loops
 from strategies.memferry.config import AdamW
 from strategies.memferry.host_kernel import SinglePassKernel, TorchKernel, make_host_kernel
 from strategies.memferry.shadow import UnitShadow
@@ -144,7 +144,7 @@ def no_compiler(monkeypatch, tmp_path):
 
     host_loops.clear_cache()
     monkeypatch.setenv("XPU_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(host_loops, "_compiler", missing)
+    monkeypatch.setattr(c_library, "compiler", missing)
     yield
     host_loops.clear_cache()
 

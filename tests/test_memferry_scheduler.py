@@ -14,6 +14,7 @@ from strategies.memferry.block_costs import option_cost
 from strategies.memferry.config import Plan, UnitPlan
 from strategies.memferry.cost import H200_DHA_ROWS, Links, links_from_probe, predict
 from strategies.memferry.profiler import BlockProfile, StepProfile, profile_step
+from strategies.memferry import c_library, pareto
 from strategies.memferry.pareto import pareto_front
 from strategies.memferry.scheduler import brute_force, min_budget, prune_choices, schedule, unit_choices
 from strategies.memferry.units import split_units
@@ -327,8 +328,14 @@ def _front_by_definition(rows, cap):
     return (kept[:cap], True) if cap is not None and len(kept) > cap else (kept, False)
 
 
-def test_pareto_front_keeps_exactly_the_rows_no_earlier_row_dominates():
-    """Ties, "none yet" (-inf) entries, constant columns, chunks past the first, and the cap."""
+@pytest.mark.parametrize("scan", ["c", "numpy"])
+def test_pareto_front_keeps_exactly_the_rows_no_earlier_row_dominates(scan, monkeypatch):
+    """Ties, "none yet" (-inf) entries, constant columns, chunks past the first, and the cap:
+    the C scan and numpy's keep the same rows."""
+    if scan == "numpy":
+        monkeypatch.setattr(pareto, "_c_scan", lambda: None)
+    elif pareto._c_scan() is None:
+        pytest.skip("no C compiler here")
     rng = np.random.default_rng(0)
     for trial in range(60):
         n, d = int(rng.integers(1, 700)), int(rng.integers(1, 6))
@@ -339,6 +346,24 @@ def test_pareto_front_keeps_exactly_the_rows_no_earlier_row_dominates():
         got, cut = pareto_front(rows, cap)
         want, want_cut = _front_by_definition(rows, cap)
         assert list(got) == want and cut == want_cut, trial
+
+
+def test_without_a_compiler_the_search_scans_in_numpy(monkeypatch, tmp_path, caplog):
+    def missing():
+        raise c_library.UnavailableError("no C compiler found (set CC, or install gcc)")
+
+    monkeypatch.setenv("XPU_CACHE_DIR", str(tmp_path))  # nothing built here
+    monkeypatch.setattr(c_library, "compiler", missing)
+    monkeypatch.setattr(pareto, "_WARNED", False)
+    pareto._LIBRARY.clear()
+    try:
+        rows = np.array([[1.0, 2.0], [0.0, 3.0], [1.0, 1.0], [2.0, 2.0]])
+        with caplog.at_level("INFO", logger="xpu.memferry"):
+            got, cut = pareto_front(rows, None)
+        assert list(got) == [1, 2] and not cut  # (0, 3) and (1, 1); (1, 2) and (2, 2) dominated by (1, 1)
+        assert "C dominance scan is unavailable (no C compiler found" in caplog.text
+    finally:
+        pareto._LIBRARY.clear()
 
 
 def test_recomputation_is_priced_at_the_forward_as_autograd_issues_it():

@@ -7,91 +7,28 @@ work: on the H200 machine (2026-12-02, bench/results/2026-12-02-h200-session9/) 
 single pass made the 17-layer starved step 0.174 s against 0.119 s for torch's ops, which
 release the GIL. A ``ctypes`` call releases it for its whole duration.
 
-``host_loops.c`` is built once per machine with the C compiler (``$CC``, else ``cc``/``gcc``;
-``-O3 -march=native``, no FMA contraction beyond the one ATen's lerp has), cached under
-``$XPU_CACHE_DIR`` (default ``~/.cache/xpu``) keyed by the source, flags and CPU, and loaded
-once per process. Its loops split a range over ``threads`` POSIX threads (no OpenMP: a second
-OpenMP runtime beside torch's would fight it for the cores).
+``host_loops.c`` is built once per machine (``c_library.py``: ``-O3 -march=native``, no FMA
+contraction beyond the one ATen's lerp has), cached, and loaded once per process. Its loops
+split a range over ``threads`` POSIX threads (no OpenMP: a second OpenMP runtime beside torch's
+would fight it for the cores).
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import torch
 
 from xpu.hostmem import in_host_memory
 
+from .c_library import CLibrary, UnavailableError
+
 __all__ = ["HostLoops", "host_loops", "clear_cache", "UnavailableError"]
 
 _SOURCE = Path(__file__).with_name("host_loops.c")
 _FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-ffp-contract=off", "-std=gnu11"]
+_ATTEMPTS = [["-march=native"], ["-march=native", "-DXPU_NO_F16"], [], ["-DXPU_NO_F16"]]
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
-class UnavailableError(RuntimeError):
-    """The loops cannot be built or loaded here (no C compiler, or it failed)."""
-
-
-def _cpu_key() -> str:
-    # -march=native code is only valid on the CPU it was built for: a shared home directory
-    # seen by different machines must not share the build.
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags", "Features", "CPU part"))]
-        return "\n".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor()
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("XPU_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
-                                                           "xpu")
-    return Path(root) / "host-loops"
-
-
-def _compiler() -> str:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    raise UnavailableError("no C compiler found (set CC, or install gcc)")
-
-
-def _build() -> Path:
-    cc = _compiler()
-    source = _SOURCE.read_text()
-    attempts = [["-march=native"], ["-march=native", "-DXPU_NO_F16"], [], ["-DXPU_NO_F16"]]
-    errors = []
-    for extra in attempts:
-        flags = _FLAGS + extra
-        key = hashlib.sha256("\0".join([source, cc, *flags, platform.machine(), _cpu_key()]).encode()).hexdigest()[:20]
-        out = _cache_dir() / f"host_loops-{key}.so"
-        if out.exists():
-            return out
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        try:
-            proc = subprocess.run([cc, *flags, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
-                                  timeout=120)
-            if proc.returncode == 0:
-                os.replace(tmp, out)  # atomic: a concurrent build by another process is the same bytes
-                return out
-            last = (proc.stderr.strip().splitlines() or ["failed"])[-1]
-            errors.append(f"{cc} {' '.join(extra) or '(portable)'}: {last}")
-        except (OSError, subprocess.SubprocessError) as exc:
-            errors.append(f"{cc}: {exc}")
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    raise UnavailableError("could not build host_loops.c: " + "; ".join(errors))
 
 
 class HostLoops:
@@ -216,29 +153,15 @@ class HostLoops:
         return out.value
 
 
-_LOADED: HostLoops | None = None
-_FAILED: str | None = None
-_LOCK = threading.Lock()
+_LIBRARY = CLibrary(_SOURCE, _FLAGS, _ATTEMPTS, HostLoops, libs=["-lm"])
 
 
 def host_loops() -> HostLoops:
     """The loops, built on first use and shared by the process; raises :class:`UnavailableError`
     (remembering why) where they cannot be built."""
-    global _LOADED, _FAILED
-    with _LOCK:
-        if _LOADED is None:
-            if _FAILED is not None:
-                raise UnavailableError(_FAILED)
-            try:
-                _LOADED = HostLoops(_build())
-            except (UnavailableError, OSError) as exc:
-                _FAILED = str(exc)
-                raise UnavailableError(_FAILED) from exc
-        return _LOADED
+    return _LIBRARY.get()
 
 
 def clear_cache() -> None:
     """Forget the loaded loops and any remembered failure (tests that simulate another machine)."""
-    global _LOADED, _FAILED
-    with _LOCK:
-        _LOADED, _FAILED = None, None
+    _LIBRARY.clear()
