@@ -45,13 +45,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from backends.npu_hostreg import HostRegistrations
 from backends.npu_topology import VISIBLE_ENV, build_topology, visible_devices
-from xpu.backend import Backend, MemoryStats
+from xpu.backend import Backend, MemoryStats, check_copy_pairs
 from xpu.capabilities import Capabilities
 from xpu.errors import CapabilityError, XpuError
 from xpu.hostmem import anonymous_mapping
@@ -313,6 +313,15 @@ class NpuBackend(Backend):
         """
         self._npurt()
         self._host_regs.release(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+    def copy_many(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], stream: Any = None) -> None:
+        """:meth:`copy` of each pair, in one stream context. Not one ``_foreach_copy_``: whether
+        torch_npu's (aclnn ForeachCopy, documented for Atlas A2 and not A3) takes host targets
+        beside device sources is unverified; a copy per tensor is what :meth:`copy` does."""
+        check_copy_pairs(dsts, srcs)
+        with self.use_stream(stream) if stream is not None else contextlib.nullcontext():
+            for dst, src in zip(dsts, srcs):
+                self.copy(dst, src)
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` lies in memory this backend registered or torch_npu pinned.

@@ -191,6 +191,19 @@ def test_copy_is_non_blocking_only_from_pinned_memory(backend, fake):
     assert fake.named("stream") == [("stream", (stream,), {})]
 
 
+def test_copy_many_copies_each_pair_in_one_stream_context(backend, fake):
+    srcs = [backend.alloc_pinned(64), torch.zeros(32, dtype=torch.uint8)]
+    dsts = [backend.alloc_pinned(64), backend.alloc_pinned(32)]
+    srcs[0].fill_(3)
+    srcs[1].fill_(5)
+    stream = backend.stream(0)
+    backend.copy_many(dsts, srcs, stream)
+    assert int(dsts[0].sum()) == 3 * 64 and int(dsts[1].sum()) == 5 * 32
+    assert fake.named("stream") == [("stream", (stream,), {})]  # one context for both
+    with pytest.raises(ValueError, match="pair 0 has dst"):
+        backend.copy_many([dsts[1]], [srcs[0]])
+
+
 # ---------------------------------------------------------------------------- memory
 def test_set_memory_cap_sets_fraction_of_device_total(backend, fake):
     backend.set_memory_cap(2, 16 * GiB)

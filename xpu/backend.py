@@ -34,7 +34,7 @@ from .errors import CapabilityError
 from .topology import Topology
 from .units import env_bytes, parse_bytes
 
-__all__ = ["Backend", "MemoryStats", "BufferHandle"]
+__all__ = ["Backend", "MemoryStats", "BufferHandle", "check_copy_pairs"]
 
 
 @dataclass(frozen=True)
@@ -292,12 +292,7 @@ class Backend(abc.ABC):
         Raises:
             ValueError: the lists differ in length, or a pair in shape.
         """
-        if len(dsts) != len(srcs):
-            raise ValueError(f"copy_many needs as many sources as targets, got {len(srcs)} and {len(dsts)}")
-        for i, (dst, src) in enumerate(zip(dsts, srcs)):
-            if dst.shape != src.shape:
-                raise ValueError(f"copy_many needs equal shapes, pair {i} has dst {tuple(dst.shape)} "
-                                 f"and src {tuple(src.shape)}")
+        check_copy_pairs(dsts, srcs)
         if not dsts:
             return
         non_blocking = all(t.device.type != "cpu" or self.is_pinned(t) for t in (*dsts, *srcs))
@@ -457,3 +452,13 @@ class Backend(abc.ABC):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name!r} devices={self.device_count()}>"
 
+
+
+def check_copy_pairs(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """Raise ValueError unless ``dsts`` and ``srcs`` pair up one to one with equal shapes
+    (:meth:`Backend.copy_many`'s arguments; checked before anything is copied)."""
+    if len(dsts) != len(srcs):
+        raise ValueError(f"copy_many needs as many sources as targets, got {len(srcs)} and {len(dsts)}")
+    for i, (dst, src) in enumerate(zip(dsts, srcs)):
+        if dst.shape != src.shape:
+            raise ValueError(f"copy_many needs equal shapes, pair {i} has dst {tuple(dst.shape)} and src {tuple(src.shape)}")
