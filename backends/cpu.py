@@ -314,7 +314,8 @@ class CpuBackend(Backend):
     def use_stream(self, stream: Any) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext(stream)
 
-    def event(self, timing: bool = False) -> CpuEvent:
+    def event(self, timing: bool = False, blocking: bool = False) -> CpuEvent:
+        """A :class:`CpuEvent` (``blocking`` changes nothing: nothing is ever waited for)."""
         return CpuEvent(enable_timing=timing)
 
     def synchronize(self, device: Any = None) -> None:

@@ -125,8 +125,8 @@ class CudaBackend(Backend):
         # the wait was a no-op and a kernel read a buffer still being copied).
         return torch.cuda.current_stream(self.index_of(device))
 
-    def event(self, timing: bool = False) -> torch.cuda.Event:
-        return torch.cuda.Event(enable_timing=timing)
+    def event(self, timing: bool = False, blocking: bool = False) -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=timing, blocking=blocking)
 
     def use_stream(self, stream: torch.Stream):
         return torch.cuda.stream(stream)

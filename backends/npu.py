@@ -220,9 +220,10 @@ class NpuBackend(Backend):
         """Context that makes ``stream`` current (``torch.npu.stream``)."""
         return _npu().stream(stream)
 
-    def event(self, timing: bool = False) -> Any:
-        """A new ``torch.npu.Event``; ``timing=True`` enables ``elapsed_time``."""
-        return _npu().Event(enable_timing=timing)
+    def event(self, timing: bool = False, blocking: bool = False) -> Any:
+        """A new ``torch.npu.Event``; ``timing=True`` enables ``elapsed_time``, ``blocking=True``
+        makes ``synchronize`` sleep instead of spin."""
+        return _npu().Event(enable_timing=timing, blocking=blocking)
 
     def synchronize(self, device: Any = None) -> None:
         """Block until all work queued on ``device`` has finished (``aclrtSynchronizeDevice``)."""

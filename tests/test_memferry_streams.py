@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -194,3 +195,36 @@ def test_a_clipped_step_with_norms_on_the_device_keeps_the_stream_contract(cpu_b
         engine.close()
     assert check.breaches == []
     assert len(history) == 2 and all(c < 1.0 for _, c in history)
+
+
+def test_landing_wait_sleep_makes_blocking_landing_events_and_the_same_weights(cpu_backend, monkeypatch):
+    """``AdamW(landing_wait="sleep")``: every event a gradient's landing is waited on is made
+    blocking (the worker sleeps in it), and training is unchanged; the default spins."""
+    made = []
+    real = type(cpu_backend).event
+
+    def recording(self, timing=False, blocking=False):
+        made.append(blocking)
+        return real(self, timing, blocking)
+
+    monkeypatch.setattr(type(cpu_backend), "event", recording)
+    weights = {}
+    for wait in ("spin", "sleep"):
+        made.clear()
+        torch.manual_seed(0)
+        engine = MemFerry(TinyGPT(), optim=AdamW(lr=1e-3, landing_wait=wait), plan="prefetch", backend=cpu_backend,
+                          loss_fn=lm_loss)
+        for x, y in _data(2, rows=64):
+            engine.train_step(x, y)
+        weights[wait] = engine.state_dict()["model"]
+        post = engine.executor.post
+        engine.close()
+        sends = post.earlier_sends + 2 * 5  # no accumulation: every send is final, 5 host units a step
+        assert made.count(True) == (sends if wait == "sleep" else 0), wait
+    for name, w in weights["spin"].items():
+        assert torch.equal(w, weights["sleep"][name]), name
+
+
+def test_landing_wait_is_checked():
+    with pytest.raises(ValueError, match="landing_wait must be 'spin' or 'sleep', got 'busy'"):
+        AdamW(landing_wait="busy")

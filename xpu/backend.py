@@ -191,9 +191,13 @@ class Backend(abc.ABC):
         """Context that makes ``stream`` current for its device."""
         return stream
 
-    def event(self, timing: bool = False) -> torch.Event:
-        """A new event; ``timing=True`` lets ``elapsed_time`` measure between two records."""
-        return torch.Event(self.device_type, enable_timing=timing)
+    def event(self, timing: bool = False, blocking: bool = False) -> torch.Event:
+        """A new event; ``timing=True`` lets ``elapsed_time`` measure between two records.
+
+        ``blocking=True``: a thread in its ``synchronize`` sleeps until it completes, where by
+        default the runtime may spin on a core (lower latency, a core busy while it waits).
+        """
+        return torch.Event(self.device_type, enable_timing=timing, blocking=blocking)
 
     def synchronize(self, device: Any = None) -> None:
         """Block the host until all work queued on ``device`` has finished."""

@@ -20,7 +20,8 @@ host:
   python   a thread runs pure Python (holds the GIL between switch intervals); a tenth of the sends
   spin     a thread waits on device events in a loop, as the host optimizer's worker waits for a
            landing (``Event.synchronize``: the runtime spins in its default mode)
-  sleep    the same with blocking-sync events (the waiting thread sleeps)
+  sleep    the same with blocking-sync events (the waiting thread sleeps; in steps:
+           ``AdamW(landing_wait="sleep")``, bench option ``landing_wait: sleep``)
 In a real step a send of one micro-batch took 0.45-0.60 ms of the training thread, all of it CPU
 time (``GradientPost.parts``, H200, 2026-12-04), against 0.15 ms here for the same call idle:
 the conditions above are the candidates for the difference.
@@ -88,7 +89,7 @@ def _busy(kind: str, stop: threading.Event) -> threading.Thread | None:
         def run() -> None:
             while not stop.is_set():
                 occupy(b, 0, side, 0.002)
-                done = torch.cuda.Event(blocking=kind == "sleep")
+                done = b.event(blocking=kind == "sleep")
                 done.record(side)
                 done.synchronize()
     else:

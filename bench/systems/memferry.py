@@ -11,6 +11,8 @@ Options:
     host_threads: CPU threads of the host optimizer (None: torch's default).
     host_kernel: ``auto``, ``torch`` or ``single-pass`` (see ``host_kernel.py``).
     host_order: ``deadline`` (default) or ``landing`` (``AdamW.host_order``; the plan is priced for the order given).
+    landing_wait: ``spin`` (default) or ``sleep`` (``AdamW.landing_wait``): how the host optimizer's
+        worker waits for gradients to land. For an A/B of what a spinning wait costs the sends.
     memory_margin: the scheduler's fragmentation margin on predicted peak memory (plan auto).
     allocator_cap: ``plan`` (the engine's own: the caching allocator held to the rehearsed
         plan's predicted peak) or ``budget`` (re-capped at the scenario's device cap after setup:
@@ -90,7 +92,8 @@ class MemFerrySystem(BenchSystem):
         spec = "prefetch" if self._optimizer_alone else ctx.options["plan"]
         cfg = AdamW(**ctx.adamw_kwargs(), max_grad_norm=ctx.options["max_grad_norm"],
                     host_threads=ctx.options["host_threads"], host_kernel=ctx.options["host_kernel"],
-                    clip_mode=ctx.options.get("clip_mode", "speculative"), host_order=ctx.options.get("host_order", "deadline"))
+                    clip_mode=ctx.options.get("clip_mode", "speculative"), host_order=ctx.options.get("host_order", "deadline"),
+                    landing_wait=ctx.options["landing_wait"])
         sample = None
         if spec == "auto":  # the scheduler profiles one batch of the scenario's shape under the device cap
             vocab = _vocab(ctx)

@@ -56,6 +56,11 @@ class AdamW:
             session 17) deadline order took the 128-layer starved GPT to 1.47 s per step where
             landing order, before the loop's chunks, took 1.82; on §3 the two were within 1.3 %
             (0.1742 and 0.1720 s mean). Data parallelism always takes ``"landing"``.
+        landing_wait: how the host optimizer's worker waits for a gradient copy to land:
+            ``"spin"`` (default: the runtime's own wait, which may keep a core polling) or
+            ``"sleep"`` (blocking-sync events: the worker sleeps until the copy ends). Inside
+            steps a send of gradients home costs the training thread about three times what it
+            costs alone (H200, session 25); a worker spinning beside it is one candidate.
     """
 
     lr: float = 1e-3
@@ -68,6 +73,7 @@ class AdamW:
     clip_mode: str = "speculative"
     host_order: str = "deadline"
     clip_backup_bytes: int | str | None = "auto"
+    landing_wait: str = "spin"
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -84,6 +90,8 @@ class AdamW:
             raise ValueError(f"host_kernel must be 'auto', 'torch' or 'single-pass', got {self.host_kernel!r}")
         if self.host_order not in ("deadline", "landing"):
             raise ValueError(f"host_order must be 'deadline' or 'landing', got {self.host_order!r}")
+        if self.landing_wait not in ("spin", "sleep"):
+            raise ValueError(f"landing_wait must be 'spin' or 'sleep', got {self.landing_wait!r}")
         if self.clip_mode not in CLIP_MODES:
             raise ValueError(f"clip_mode must be 'speculative' or 'wait', got {self.clip_mode!r}")
         self.backup_budget()  # refuses a bad size now

@@ -30,11 +30,14 @@ class GradientPost:
         d2h: the device→host copy stream.
         optimizer: the host optimizer the gradients are submitted to.
         clip: global-norm clipping (None without ``max_grad_norm``).
+        sleep: the landing events are blocking-sync (``AdamW.landing_wait="sleep"``): the
+            worker waiting on one sleeps instead of spinning.
     """
 
     def __init__(self, backend: Backend, device: int, d2h: Any, optimizer: HostOptimizer,
-                 clip: GlobalNormClip | None = None) -> None:
+                 clip: GlobalNormClip | None = None, sleep: bool = False) -> None:
         self.b, self.dev, self.d2h, self.opt, self.clip = backend, device, d2h, optimizer, clip
+        self.sleep = sleep
         #: bytes copied home so far
         self.bytes = 0
         #: seconds the training thread spent in :meth:`send` so far (queuing is all it should do:
@@ -89,7 +92,7 @@ class GradientPost:
                 self.b.keep_alive(g, self.d2h)
             if final and self.clip is not None:
                 self.clip.send_running_sum(index, self.d2h)
-            landed = self.b.event()
+            landed = self.b.event(blocking=self.sleep)
             landed.record(self.d2h)
         self.bytes += sum(t.numel() * t.element_size() for t in targets)
         t2 = time.perf_counter()
@@ -97,7 +100,8 @@ class GradientPost:
         t3 = time.perf_counter()
         took = t3 - t0
         self.seconds += took
-        for part, dt in (("fence", t1 - t0), ("copies", t2 - t1), ("submit", t3 - t2), ("cpu", time.thread_time() - c0)):
+        cpu = time.thread_time() - c0
+        for part, dt in (("fence", t1 - t0), ("copies", t2 - t1), ("submit", t3 - t2), ("cpu", cpu)):
             self.parts[part] += dt
         if not final:
             self.earlier_sends += 1
