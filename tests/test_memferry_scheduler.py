@@ -341,6 +341,10 @@ def test_pareto_front_keeps_exactly_the_rows_no_earlier_row_dominates(scan, monk
         n, d = int(rng.integers(1, 700)), int(rng.integers(1, 6))
         rows = rng.integers(0, 6, size=(n, d)).astype(float)
         rows[rng.random((n, d)) < 0.1] = -np.inf
+        if trial % 5 == 1:
+            rows[rng.random((n, d)) < 0.05] = np.inf
+        if trial % 7 == 2:  # no state key has one, but the C scan must not order it differently
+            rows[rng.random((n, d)) < 0.05] = np.nan
         rows[:, 0] = 3.0 if trial % 4 == 0 else rows[:, 0]  # a column that decides nothing
         cap = int(rng.integers(1, 50)) if trial % 3 == 0 else None
         got, cut = pareto_front(rows, cap)

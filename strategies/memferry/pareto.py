@@ -48,7 +48,7 @@ def pareto_front(rows: np.ndarray, cap: int | None) -> tuple[np.ndarray, bool]:
     if keys.shape[1] == 0:  # every row the same: one stands for all
         return np.arange(1), False
     scan = _c_scan()
-    if scan is not None:
+    if scan is not None and not np.isnan(keys).any():  # NaN has no place in the C sort's order
         kept = scan(np.ascontiguousarray(keys), cap)
         return kept[:cap] if cap is not None else kept, cap is not None and len(kept) > cap
     # Lexicographic order (stable): a row that dominates another (and differs) sorts before it.
