@@ -50,7 +50,7 @@ def _cpu_key() -> str:
 def _cache_dir() -> Path:
     root = os.environ.get("XPU_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
                                                            "xpu")
-    return Path(root) / "host-loops"
+    return Path(root) / "c-library"
 
 
 def build(source: Path, flags: Sequence[str], attempts: Sequence[Sequence[str]], libs: Sequence[str] = ()) -> Path:
