@@ -11,6 +11,8 @@ Options:
     host_threads: CPU threads of the host optimizer (None: torch's default).
     host_kernel: ``auto``, ``torch`` or ``single-pass`` (see ``host_kernel.py``).
     host_order: ``deadline`` (default) or ``landing`` (``AdamW.host_order``; the plan is priced for the order given).
+    clip_fire_rate: with ``max_grad_norm``, the share of steps expected to clip (``AdamW.clip_fire_rate``):
+        the scheduler weighs the steps after clipped ones too. 0 (default): it does not.
     landing_wait: ``spin`` (default) or ``sleep`` (``AdamW.landing_wait``): how the host optimizer's
         worker waits for gradients to land. For an A/B of what a spinning wait costs the sends.
     memory_margin: the scheduler's fragmentation margin on predicted peak memory (plan auto).
@@ -93,7 +95,8 @@ class MemFerrySystem(BenchSystem):
         cfg = AdamW(**ctx.adamw_kwargs(), max_grad_norm=ctx.options["max_grad_norm"],
                     host_threads=ctx.options["host_threads"], host_kernel=ctx.options["host_kernel"],
                     clip_mode=ctx.options.get("clip_mode", "speculative"),
-                    host_order=ctx.options.get("host_order", "deadline"), landing_wait=ctx.options["landing_wait"])
+                    host_order=ctx.options.get("host_order", "deadline"), landing_wait=ctx.options["landing_wait"],
+                    clip_fire_rate=ctx.options["clip_fire_rate"])
         sample = None
         if spec == "auto":  # the scheduler profiles one batch of the scenario's shape under the device cap
             vocab = _vocab(ctx)

@@ -56,6 +56,11 @@ class AdamW:
             session 17) deadline order took the 128-layer starved GPT to 1.47 s per step where
             landing order, before the loop's chunks, took 1.82; on §3 the two were within 1.3 %
             (0.1742 and 0.1720 s mean). Data parallelism always takes ``"landing"``.
+        clip_fire_rate: with ``max_grad_norm``, the share of steps expected to clip (0 to 1). A
+            step after a clipped one waits for every host update (they start only once the
+            coefficient is known), so the scheduler picks the plan of least expected step over
+            both kinds: fewer host-updated blocks, placed late in the model, where the clip fires
+            often (``clip_plan.py``). 0 (default): plan for steps that do not clip.
         landing_wait: how the host optimizer's worker waits for a gradient copy to land:
             ``"spin"`` (default: the runtime's own wait, which may keep a core polling) or
             ``"sleep"`` (blocking-sync events: the worker sleeps until the copy ends). Inside
@@ -74,6 +79,7 @@ class AdamW:
     host_order: str = "deadline"
     clip_backup_bytes: int | str | None = "auto"
     landing_wait: str = "spin"
+    clip_fire_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -90,6 +96,11 @@ class AdamW:
             raise ValueError(f"host_kernel must be 'auto', 'torch' or 'single-pass', got {self.host_kernel!r}")
         if self.host_order not in ("deadline", "landing"):
             raise ValueError(f"host_order must be 'deadline' or 'landing', got {self.host_order!r}")
+        if not 0 <= self.clip_fire_rate <= 1:
+            raise ValueError(f"clip_fire_rate is a share of steps, from 0 to 1; got {self.clip_fire_rate!r}")
+        if self.clip_fire_rate and self.max_grad_norm is None:
+            raise ValueError(f"clip_fire_rate={self.clip_fire_rate} weighs steps whose clip fires, but max_grad_norm is "
+                             f"None (no clipping): set max_grad_norm, or leave clip_fire_rate at 0")
         if self.landing_wait not in ("spin", "sleep"):
             raise ValueError(f"landing_wait must be 'spin' or 'sleep', got {self.landing_wait!r}")
         if self.clip_mode not in CLIP_MODES:

@@ -160,6 +160,8 @@ class StepProfile:
             The cost model puts it in series with that block's backward where the block sums on
             the host: on the H200 host-summing plans ran over their predictions by 7/8 of the
             thread's send time, the sends of those micro-batches (bench/results/2026-12-04-h200-session24/).
+        clip_fire_rate: a setting (``plan_for`` sets it): ``AdamW.clip_fire_rate``, the share of
+            steps expected to clip, which the scheduler weighs plans by (``clip_plan.py``).
     """
 
     blocks: list[BlockProfile]
@@ -190,6 +192,7 @@ class StepProfile:
     host_update_scale: float = 1.0
     host_earlier_scale: float = 1.0
     earlier_send_s: float = 0.0
+    clip_fire_rate: float = 0.0
 
     def to_json(self, indent: int | None = 1) -> str:
         """The profile as a JSON string (``indent=None``: on one line)."""

@@ -45,6 +45,7 @@ from xpu.errors import XpuError
 from xpu.units import format_bytes
 
 from .block_costs import sums_on_host_by_choice  # re-exported: where the scheduler's choices are filtered
+from .clip_plan import for_clip, named_plans
 from .config import Plan, UnitPlan
 from .cost import (SCALARS, Links, OptionCost, Prediction, State, advance_rows, describe_units, finish, initial_state, option_cost,
                    predict, predict_options, rest_resident_bytes, transient_bytes)
@@ -242,21 +243,11 @@ def _run_dp(profile: "StepProfile", links: Links, budget: float, choices: Sequen
 def _incumbent(profile: "StepProfile", links: Links, budget: float, choices: Sequence[UnitPlan],
                rest_optimizers: Sequence[str], depths: Sequence[int], margin: float) -> tuple[float, Plan] | None:
     """The best of the plans ``Plan.from_spec`` names (a starting bound for the DP)."""
-    n = len(profile.blocks)
-    allowed = set(choices)
     best: tuple[float, Plan] | None = None
-    specs = ["prefetch", "prefetch2", "dha"] + [f"{k}{i}" for k in ("resident", "device") for i in range(n + 1)]
-    for spec in specs:
-        for suffix in ("", "+recompute", "+offload"):
-            base = Plan.from_spec(spec + suffix, n)
-            for depth in depths:
-                for rest in rest_optimizers:
-                    plan = Plan(list(base.units), depth, rest)
-                    if not set(plan.units) <= allowed:
-                        continue
-                    p = predict(plan, profile, links, margin)
-                    if p.peak_bytes <= budget and (best is None or p.step_s < best[0]):
-                        best = (p.step_s, plan)
+    for plan in named_plans(len(profile.blocks), choices, rest_optimizers, depths):
+        p = predict(plan, profile, links, margin)
+        if p.peak_bytes <= budget and (best is None or p.step_s < best[0]):
+            best = (p.step_s, plan)
     return best
 
 
@@ -373,9 +364,15 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
         raise NoPlanFitsError(f"no plan fits a device budget of {format_bytes(budget_bytes)}: the smallest plan needs "
                               f"{format_bytes(need)} ({need} bytes, {margin:.0%} fragmentation margin included); "
                               f"raise device_budget to at least that{_loss_hint(profile, need, margin)}", minimum=need)
-    plan = best[1]
+    plan, clip_note = best[1], None
+    rate = getattr(profile, "clip_fire_rate", 0.0)
+    if rate and getattr(profile, "clipping", False):  # weigh the steps after clipped ones too (clip_plan.py)
+        plan, clip_note = for_clip(plan, profile, links, float(budget_bytes), margin, rate,
+                                   named_plans(n, choices, rest_optimizers, depths))
     pred = price(plan, profile, links, margin)  # the same numbers, with the host-work total filled in
     plan.notes = _explain(plan, pred, profile, links, float(budget_bytes), choices, margin) if explain else []
+    if clip_note:
+        plan.notes.append(clip_note)
     if group > 1:
         plan.notes.append(f"note: blocks were decided in groups of {group} consecutive blocks ({n} blocks); "
                           f"group_blocks=1 searches every block's choice (slower)")

@@ -1,0 +1,70 @@
+"""Plans for a clip that fires: the scheduler's pick weighed against plans that lose less when it does.
+
+The scheduler's search minimises the step whose clip does not fire. When it fires, every host
+update waits for the coefficient at backward's end (:func:`~.cost.predict_clip_fired`), and a
+plan that overlapped much host work with backward loses all of it. Plans with fewer
+host-updated blocks, and those at the end of the model (updated while the next forward runs
+the device-homed ones first), lose less. Given the share of steps expected to clip
+(``AdamW.clip_fire_rate``), :func:`for_clip` keeps the search's plan unless a named plan
+(:func:`named_plans`: ``deviceN``, ``residentN``, ``prefetch``, with or without recomputation)
+has a smaller expected step, ``(1 - rate) * step + rate * fired step``, within the budget.
+
+On the 17-layer starved GPT's profile (16 GB, bench/results/2026-12-03-h200-session17/call1/s17)
+the search's plan predicts 128 ms and 202 ms after a clipped step; fifteen device-homed blocks
+predict 135 and 152: at the 36 % firing rate measured there, 141 ms against 155 expected.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+
+from .config import Plan, UnitPlan
+from .cost import Links, predict, predict_clip_fired
+
+if TYPE_CHECKING:
+    from .profiler import StepProfile
+
+__all__ = ["named_plans", "expected_step", "for_clip"]
+
+
+def named_plans(n: int, choices: Sequence[UnitPlan], rest_optimizers: Sequence[str],
+                depths: Sequence[int]) -> Iterator[Plan]:
+    """Every plan :meth:`Plan.from_spec` names for ``n`` blocks (``prefetch``, ``prefetch2``,
+    ``dha``, ``residentK``, ``deviceK``; plain, ``+recompute`` or ``+offload``) at each prefetch
+    depth and place of ``rest``'s update, whose blocks all take one of ``choices``."""
+    allowed = set(choices)
+    specs = ["prefetch", "prefetch2", "dha"] + [f"{k}{i}" for k in ("resident", "device") for i in range(n + 1)]
+    for spec in specs:
+        for suffix in ("", "+recompute", "+offload"):
+            base = Plan.from_spec(spec + suffix, n)
+            if not set(base.units) <= allowed:
+                continue
+            for depth in depths:
+                for rest in rest_optimizers:
+                    yield Plan(list(base.units), depth, rest)
+
+
+def expected_step(plan: Plan, profile: "StepProfile", links: Links, margin: float, rate: float) -> float:
+    """``(1 - rate) * predict + rate * predict_clip_fired`` for ``plan``: its mean step when a share
+    ``rate`` of steps clip (each such step's cost shows in the step after it)."""
+    normal = predict(plan, profile, links, margin).step_s
+    return normal if rate == 0 else (1 - rate) * normal + rate * predict_clip_fired(plan, profile, links, margin).step_s
+
+
+def for_clip(plan: Plan, profile: "StepProfile", links: Links, budget: float, margin: float, rate: float,
+             candidates: Iterable[Plan]) -> tuple[Plan, str]:
+    """The plan of least :func:`expected_step` among ``plan`` and ``candidates`` that fit
+    ``budget`` (``plan`` on a tie), and a note saying what was weighed."""
+    best, best_e = plan, expected_step(plan, profile, links, margin, rate)
+    first = best_e
+    for cand in candidates:
+        if predict(cand, profile, links, margin).peak_bytes > budget:
+            continue
+        e = expected_step(cand, profile, links, margin, rate)
+        if e < best_e:
+            best, best_e = cand, e
+    if best is plan:
+        return plan, (f"note: with the clip firing in {rate:.0%} of steps (AdamW.clip_fire_rate) the search's plan "
+                      f"has the least expected step, {first * 1e3:.1f} ms")
+    return best, (f"note: with the clip firing in {rate:.0%} of steps (AdamW.clip_fire_rate) this plan's expected step "
+                  f"is {best_e * 1e3:.1f} ms against {first * 1e3:.1f} for the search's plan, which is faster "
+                  f"when the clip does not fire")
