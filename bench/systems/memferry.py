@@ -95,8 +95,9 @@ class MemFerrySystem(BenchSystem):
         cfg = AdamW(**ctx.adamw_kwargs(), max_grad_norm=ctx.options["max_grad_norm"],
                     host_threads=ctx.options["host_threads"], host_kernel=ctx.options["host_kernel"],
                     clip_mode=ctx.options.get("clip_mode", "speculative"),
-                    host_order=ctx.options.get("host_order", "deadline"), landing_wait=ctx.options["landing_wait"],
-                    clip_fire_rate=ctx.options["clip_fire_rate"])
+                    host_order=ctx.options.get("host_order", "deadline"),
+                    landing_wait=ctx.options.get("landing_wait", "spin"),
+                    clip_fire_rate=ctx.options.get("clip_fire_rate", 0.0))
         sample = None
         if spec == "auto":  # the scheduler profiles one batch of the scenario's shape under the device cap
             vocab = _vocab(ctx)
