@@ -31,6 +31,13 @@ def _check_memferry(options: dict[str, Any], config: TrainConfig) -> None:
         raise TrainConfigError(f"strategy.options.loss_chunks must be a positive integer (1: the loss over all tokens "
                                f"at once) or auto (slices when the fp32 logits are large for device_budget), "
                                f"got {chunks!r}")
+    rate = options["clip_fire_rate"]
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
+        raise TrainConfigError(f"strategy.options.clip_fire_rate is the share of steps expected to clip, from 0 to 1; "
+                               f"got {rate!r}")
+    if rate and options.get("max_grad_norm") is None:
+        raise TrainConfigError("strategy.options.clip_fire_rate weighs steps whose clip fires, but max_grad_norm is "
+                               "not set: set strategy.options.max_grad_norm, or leave clip_fire_rate at 0")
     margin = options["memory_margin"]
     if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise TrainConfigError(f"strategy.options.memory_margin must lie in [0, 1), got {margin!r}")
@@ -48,7 +55,8 @@ def _build_memferry(model: nn.Module, config: TrainConfig, backend: Any, device:
     from strategies.memferry import AdamW, MemFerry, Plan
 
     o, opts = config.optimizer, config.strategy.options
-    cfg = AdamW(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=opts["max_grad_norm"])
+    cfg = AdamW(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=opts["max_grad_norm"],
+                clip_fire_rate=float(opts["clip_fire_rate"]))
     sample = None
     if opts["plan"] == "auto" or config.device_budget is not None:
         # the scheduler profiles one batch of the run's shape (its values do not matter), and the
@@ -225,7 +233,7 @@ def _check_torch(options: dict[str, Any], config: TrainConfig) -> None:
 
 
 MEMFERRY = StrategySpec(_build_memferry, {"plan": "prefetch", "max_grad_norm": None, "loss_chunks": "auto",
-                                          "memory_margin": 0.10},
+                                          "memory_margin": 0.10, "clip_fire_rate": 0.0},
                         "MemFerry: parameters homed in host memory, per-block plan, host AdamW", _check_memferry,
                         takes_budget=True, fp32_model=True, data_parallel=True)
 TORCH = StrategySpec(TorchEngine, {"max_grad_norm": None, "recompute": False},
