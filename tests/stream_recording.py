@@ -221,9 +221,9 @@ class StreamCheck:
         finally:
             self._stack().pop()
 
-    def event(self, timing: bool = False) -> _Event:
-        """A new event."""
-        return _Event(self, self._inner.event(timing))
+    def event(self, timing: bool = False, blocking: bool = False) -> _Event:
+        """A new event (``blocking`` changes how a host waits on it, not what it orders)."""
+        return _Event(self, self._inner.event(timing, blocking))
 
     def synchronize(self, device: Any = None) -> None:
         """The host is past everything queued on every stream."""
