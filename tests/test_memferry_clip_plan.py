@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from strategies.memferry.clip_plan import expected_step, named_plans
+from strategies.memferry.clip_plan import expected_step, fire_rate_hint, named_plans
 from strategies.memferry.config import AdamW, Plan
 from strategies.memferry.cost import Links, predict, predict_clip_fired
 from strategies.memferry.scheduler import schedule, unit_choices
@@ -67,3 +67,42 @@ def test_the_expected_step_mixes_the_two_predictions():
 def test_a_bad_fire_rate_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AdamW(**kwargs)
+
+
+@pytest.mark.parametrize("clipped, steps, planned, says", [
+    (30, 50, 0.0, True),  # 60 % against none planned
+    (9, 50, 0.0, False),  # 18 %: rare enough for speculation's bet
+    (30, 50, 0.5, False),  # as planned, within 0.15
+    (5, 50, 0.6, False),  # 10 %: fewer than planned, but rare (the plan is merely cautious)
+])
+def test_the_fire_rate_hint_speaks_only_when_firing_is_common_and_unplanned(clipped, steps, planned, says):
+    hint = fire_rate_hint(clipped, steps, planned)
+    assert (hint is not None) == says
+    if says:
+        assert f"fired in {clipped} of the first {steps} steps" in hint and "clip_fire_rate=0.60" in hint
+
+
+def test_the_engine_hints_at_the_fire_rate_once(cpu_backend, caplog, monkeypatch):
+    import torch
+
+    from strategies.memferry import MemFerry
+    from strategies.models import build_model
+
+    monkeypatch.setattr("strategies.memferry.engine.HINT_STEP", 3)
+    torch.manual_seed(0)
+    model = build_model("gpt", layers=2, hidden=32, heads=2, vocab=64, seq=16)
+    tok = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    x, y = tok[:, :-1], tok[:, 1:]
+    for rate, hinted in ((0.0, True), (1.0, False)):
+        caplog.clear()
+        engine = MemFerry(model, optim=AdamW(lr=1e-3, max_grad_norm=1e-6, clip_fire_rate=rate), plan="auto",
+                          sample=(x, y), backend=cpu_backend, blocks=model.blocks)
+        with caplog.at_level("WARNING", logger="xpu.memferry"):
+            for _ in range(4):
+                engine.train_step(x, y)
+        assert engine.clipped_steps == 4  # a norm of 1e-6 clips every step
+        engine.close()
+        said = [r.getMessage() for r in caplog.records if "clip fired" in r.getMessage()]
+        assert len(said) == (1 if hinted else 0), said
+        if hinted:
+            assert "fired in 3 of the first 3 steps" in said[0]

@@ -23,7 +23,10 @@ from .cost import Links, predict, predict_clip_fired
 if TYPE_CHECKING:
     from .profiler import StepProfile
 
-__all__ = ["named_plans", "expected_step", "for_clip"]
+__all__ = ["named_plans", "expected_step", "for_clip", "fire_rate_hint", "HINT_STEP"]
+
+#: The step after which the engine compares the clip's firing with the rate planned for.
+HINT_STEP = 50
 
 
 def named_plans(n: int, choices: Sequence[UnitPlan], rest_optimizers: Sequence[str],
@@ -68,3 +71,15 @@ def for_clip(plan: Plan, profile: "StepProfile", links: Links, budget: float, ma
     return best, (f"note: with the clip firing in {rate:.0%} of steps (AdamW.clip_fire_rate) this plan's expected step "
                   f"is {best_e * 1e3:.1f} ms against {first * 1e3:.1f} for the search's plan, which is faster "
                   f"when the clip does not fire")
+
+
+def fire_rate_hint(clipped: int, steps: int, planned: float) -> str | None:
+    """A line for the log when the clip fired in a share of ``steps`` at least 0.2 and over 0.15
+    from the ``planned`` rate (``AdamW.clip_fire_rate``): the plan may then not be the one of
+    least expected step. None otherwise."""
+    rate = clipped / steps if steps else 0.0
+    if rate < 0.2 or abs(rate - planned) <= 0.15:
+        return None
+    return (f"MemFerry: the clip fired in {clipped} of the first {steps} steps, the plan assumed {planned:.0%}; each "
+            f"such step waits for every host update after backward. AdamW(clip_fire_rate={rate:.2f}) (xpu train: "
+            f"strategy.options.clip_fire_rate) makes plan='auto' weigh those steps")

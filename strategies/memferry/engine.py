@@ -33,6 +33,7 @@ from ..weight_decay import no_decay_names
 from .accumulation import AccumulationError, MicroBatches, check_accumulation_steps, paired_units
 from .backward_gate import gate_outputs, queue_at_backward_end
 from .clip_norms import GlobalNormClip
+from .clip_plan import HINT_STEP, fire_rate_hint
 from .compute_dtype import cast_parameters, check_compute_dtype, restore_parameters
 from .config import AdamW, Plan, UnitPlan
 from .data_parallel import DataParallel
@@ -370,6 +371,9 @@ class MemFerry:
         self._steps += 1
         if self._steps == _RATE_CHECK_STEP:
             self._check_host_rate()
+        if self._steps == HINT_STEP and self.clip is not None and self.plan.profile is not None and (
+                hint := fire_rate_hint(self.clipped_steps, self._steps, self.cfg.clip_fire_rate)):
+            _log.warning(hint)  # the plan was searched (profile) for another firing rate
 
     def _host_sqnorm(self) -> float:
         """The host's part of the squared global norm (its gradients' squares; every rank's)."""
