@@ -41,6 +41,18 @@ def test_calls_are_split_exclusively_and_the_rest_is_python(trace_sends):
     assert "aten::add_" not in parts and "cudaEventRecord" not in parts
 
 
+def test_other_threads_runtime_calls_are_measured_where_they_overlap_the_sends(trace_sends):
+    events = [
+        _x("grad_post:send", "user_annotation", 100, 100),
+        _x("grad_post:send", "user_annotation", 300, 50),
+        _x("cudaEventSynchronize", "cuda_runtime", 150, 200, tid=2),  # 50 in the first, 50 in the second
+        _x("cudaMemcpyAsync", "cuda_runtime", 120, 10),  # the sending thread's own: not "beside"
+        _x("aten::add_", "cpu_op", 100, 100, tid=2),  # an operator, not a runtime call
+    ]
+    total, over = trace_sends.beside_sends(events)
+    assert total == 150.0 and over == {"cudaEventSynchronize": 100.0}
+
+
 def test_a_real_send_is_named_in_a_profile(trace_sends, cpu_backend, tmp_path):
     from strategies.memferry.grad_post import GradientPost
 
