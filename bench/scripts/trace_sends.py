@@ -61,7 +61,8 @@ def beside_sends(events: list[dict], span: str = "grad_post:send") -> tuple[floa
     spans = [e for e in events if e.get("ph") == "X" and e.get("name") == span]
     calls = [e for e in events if e.get("ph") == "X" and e.get("cat") in CALLS[1:]]
     names = sorted({c["name"] for c in calls})
-    code = np.array([names.index(c["name"]) for c in calls], dtype=np.int64)
+    index = {n: i for i, n in enumerate(names)}
+    code = np.array([index[c["name"]] for c in calls], dtype=np.int64)
     start = np.array([c["ts"] for c in calls], dtype=np.float64)
     end = start + np.array([c["dur"] for c in calls], dtype=np.float64)
     thread = [(c["pid"], c["tid"]) for c in calls]
