@@ -49,7 +49,7 @@ def pareto_front(rows: np.ndarray, cap: int | None) -> tuple[np.ndarray, bool]:
         return np.arange(1), False
     scan = _c_scan()
     if scan is not None and not np.isnan(keys).any():  # NaN has no place in the C sort's order
-        kept = scan(np.ascontiguousarray(keys), cap)
+        kept = scan(np.ascontiguousarray(keys, dtype=np.float64), cap)
         return kept[:cap] if cap is not None else kept, cap is not None and len(kept) > cap
     # Lexicographic order (stable): a row that dominates another (and differs) sorts before it.
     order = np.lexsort(keys.T[::-1])
