@@ -14,6 +14,7 @@ host optimizer's worker waiting on a landing event, spinning by default: ``AdamW
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 from collections import defaultdict
@@ -27,13 +28,21 @@ def send_parts(events: list[dict], span: str = "grad_post:send") -> tuple[int, f
     """Spans named ``span``: how many, their total microseconds, and per call name inside them
     (same process and thread) its count and exclusive microseconds; ``"(python)"`` is the rest."""
     spans = [e for e in events if e.get("ph") == "X" and e.get("name") == span]
-    calls = [e for e in events if e.get("ph") == "X" and e.get("cat") in CALLS]
+    by_thread: dict[tuple, list[dict]] = defaultdict(list)  # each thread's calls by start, for bisection
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in CALLS:
+            by_thread[(e["pid"], e["tid"])].append(e)
+    starts = {}
+    for key, calls in by_thread.items():
+        calls.sort(key=lambda c: (c["ts"], -c["dur"]))
+        starts[key] = [c["ts"] for c in calls]
     parts: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     total = 0.0
     for sp in spans:
-        a, b = sp["ts"], sp["ts"] + sp["dur"]
-        inside = sorted((c for c in calls if c["pid"] == sp["pid"] and c["tid"] == sp["tid"]
-                         and a <= c["ts"] and c["ts"] + c["dur"] <= b), key=lambda c: (c["ts"], -c["dur"]))
+        a, b, key = sp["ts"], sp["ts"] + sp["dur"], (sp["pid"], sp["tid"])
+        calls = by_thread.get(key, [])
+        lo, hi = bisect.bisect_left(starts.get(key, []), a), bisect.bisect_right(starts.get(key, []), b)
+        inside = [c for c in calls[lo:hi] if c["ts"] + c["dur"] <= b]
         covered = 0.0
         stack: list[tuple[float, dict]] = []  # open calls (end, event), to take children's time off
         exclusive = {id(c): float(c["dur"]) for c in inside}
