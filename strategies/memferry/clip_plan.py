@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 from .config import Plan, UnitPlan
-from .cost import Links, predict, predict_clip_fired
+from .cost import Links, Prediction, predict, predict_clip_fired
 
 if TYPE_CHECKING:
     from .profiler import StepProfile
@@ -54,15 +54,16 @@ def expected_step(plan: Plan, profile: "StepProfile", links: Links, margin: floa
 
 
 def for_clip(plan: Plan, profile: "StepProfile", links: Links, budget: float, margin: float, rate: float,
-             candidates: Iterable[Plan]) -> tuple[Plan, str]:
-    """The plan of least :func:`expected_step` among ``plan`` and ``candidates`` that fit
-    ``budget`` (``plan`` on a tie), and a note saying what was weighed."""
+             candidates: Iterable[tuple[Plan, Prediction]]) -> tuple[Plan, str]:
+    """The plan of least :func:`expected_step` among ``plan`` and ``candidates`` (each with its
+    :func:`~.cost.predict`) that fit ``budget`` (``plan`` on a tie), and a note saying what was
+    weighed."""
     best, best_e = plan, expected_step(plan, profile, links, margin, rate)
     first = best_e
-    for cand in candidates:
-        if predict(cand, profile, links, margin).peak_bytes > budget:
+    for cand, normal in candidates:
+        if normal.peak_bytes > budget or normal.step_s >= best_e:  # a fired step is never faster
             continue
-        e = expected_step(cand, profile, links, margin, rate)
+        e = (1 - rate) * normal.step_s + rate * predict_clip_fired(cand, profile, links, margin).step_s
         if e < best_e:
             best, best_e = cand, e
     if best is plan:

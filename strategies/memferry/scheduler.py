@@ -240,15 +240,11 @@ def _run_dp(profile: "StepProfile", links: Links, budget: float, choices: Sequen
     return best[0], picks, capped
 
 
-def _incumbent(profile: "StepProfile", links: Links, budget: float, choices: Sequence[UnitPlan],
-               rest_optimizers: Sequence[str], depths: Sequence[int], margin: float) -> tuple[float, Plan] | None:
-    """The best of the plans ``Plan.from_spec`` names (a starting bound for the DP)."""
-    best: tuple[float, Plan] | None = None
-    for plan in named_plans(len(profile.blocks), choices, rest_optimizers, depths):
-        p = predict(plan, profile, links, margin)
-        if p.peak_bytes <= budget and (best is None or p.step_s < best[0]):
-            best = (p.step_s, plan)
-    return best
+def _incumbent(named: Sequence[tuple[Plan, Prediction]], budget: float) -> tuple[float, Plan] | None:
+    """The best of the plans ``Plan.from_spec`` names, with their predictions (a starting bound
+    for the DP)."""
+    fits = [(p.step_s, plan) for plan, p in named if p.peak_bytes <= budget]
+    return min(fits, key=lambda f: f[0]) if fits else None
 
 
 def min_budget(profile: "StepProfile", links: Links, choices: Sequence[UnitPlan] | None = None,
@@ -342,7 +338,8 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
         max_labels = LABELS if n <= GROUP_ABOVE else LONG_MODEL_LABELS
     if group < 1:
         raise ValueError(f"group_blocks must be a positive number of blocks, got {group_blocks}")
-    inc = _incumbent(profile, links, float(budget_bytes), choices, rest_optimizers, depths, margin)
+    named = [(plan, predict(plan, profile, links, margin)) for plan in named_plans(n, choices, rest_optimizers, depths)]
+    inc = _incumbent(named, float(budget_bytes))
     upper = inc[0] * (1 + 1e-9) if inc else math.inf  # a DP plan must beat the incumbent to replace it
     best: tuple[Prediction, Plan] | None = None
     capped = False
@@ -367,8 +364,7 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
     plan, clip_note = best[1], None
     rate = getattr(profile, "clip_fire_rate", 0.0)
     if rate and getattr(profile, "clipping", False):  # weigh the steps after clipped ones too (clip_plan.py)
-        plan, clip_note = for_clip(plan, profile, links, float(budget_bytes), margin, rate,
-                                   named_plans(n, choices, rest_optimizers, depths))
+        plan, clip_note = for_clip(plan, profile, links, float(budget_bytes), margin, rate, named)
     pred = price(plan, profile, links, margin)  # the same numbers, with the host-work total filled in
     plan.notes = _explain(plan, pred, profile, links, float(budget_bytes), choices, margin) if explain else []
     if clip_note:
