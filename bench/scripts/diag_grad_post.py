@@ -10,8 +10,8 @@ forms:
   foreach  the same copies as one ``torch._foreach_copy_`` in one stream context
   flat     one copy of a single flat gradient buffer (what a unit whose gradients live in one
            device buffer would send)
-  sum32    ``GradientPost.send`` of one fp32 tensor of the block's size (a device-summed unit's
-           sum: 1.2 ms a send in a real step, session 25)
+  sum32    ``GradientPost.send`` of one fp32 tensor of the block's size (a device-summed unit's sum)
+  post@autograd  ``post`` from a backward hook, on autograd's device thread, where a step sends
 host:
   idle     nothing else runs
   sums@T   a thread sums bf16 gradients into fp32 with the host kernel on T OpenMP threads (C,
@@ -164,7 +164,23 @@ def main() -> None:
     def send_sum() -> None:  # a device-summed unit's fp32 sum: one tensor, through GradientPost
         post.send(0, [sum_src], [sum_host], final=True, summed=True)
 
-    forms = {"post": send_post, "foreach": send_foreach, "flat": send_flat, "sum32": send_sum}
+    leaf = torch.zeros(1, device=dev, requires_grad=True)
+
+    def send_in_backward() -> float:  # as in a step: GradientPost.send from autograd's device thread
+        took: list[float] = []
+
+        def hook(grad: torch.Tensor) -> None:
+            t0 = time.perf_counter()
+            send_post()
+            took.append(time.perf_counter() - t0)
+
+        out = leaf * 2.0
+        out.register_hook(hook)
+        out.sum().backward()
+        return took[0]
+
+    forms = {"post": send_post, "foreach": send_foreach, "flat": send_flat, "sum32": send_sum,
+             "post@autograd": send_in_backward}
     print(f"block of {len(shapes)} tensors, {numel:,} parameters ({numel * 2 / 2**20:.0f} MiB bf16); "
           f"{a.sends} sends per cell; switch interval {1e3 * sys.getswitchinterval():.1f} ms")
     rows = []
@@ -183,8 +199,8 @@ def main() -> None:
                         b.synchronize(0)
                         occupy(b, 0, b.current_stream(0), 0.05)
                     t0 = time.perf_counter()
-                    fn()
-                    times.append(time.perf_counter() - t0)
+                    inner = fn()  # a form that times its own send returns it
+                    times.append(inner if inner is not None else time.perf_counter() - t0)
                 waited = _run_delay_ns() - waited
                 b.synchronize(0)
                 while not opt.tasks.empty():
