@@ -277,7 +277,7 @@ class Backend(abc.ABC):
         """
         if dst.shape != src.shape:
             raise ValueError(f"copy needs equal shapes, got dst {tuple(dst.shape)} and src {tuple(src.shape)}")
-        non_blocking = all(t.device.type != "cpu" or self.is_pinned(t) for t in (dst, src))
+        non_blocking = self._asynchronous((dst, src))
         if stream is None:
             dst.copy_(src, non_blocking=non_blocking)
             return
@@ -299,9 +299,13 @@ class Backend(abc.ABC):
         check_copy_pairs(dsts, srcs)
         if not dsts:
             return
-        non_blocking = all(t.device.type != "cpu" or self.is_pinned(t) for t in (*dsts, *srcs))
+        non_blocking = self._asynchronous((*dsts, *srcs))
         with self.use_stream(stream) if stream is not None else contextlib.nullcontext():
             torch._foreach_copy_(list(dsts), list(srcs), non_blocking=non_blocking)
+
+    def _asynchronous(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether a copy among ``tensors`` may be non-blocking: each host one is pinned."""
+        return all(t.device.type != "cpu" or self.is_pinned(t) for t in tensors)
 
     def free_storage(self, tensor: torch.Tensor) -> None:
         """Give back ``tensor``'s device memory but keep the tensor (and every view of it).
@@ -455,7 +459,6 @@ class Backend(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name!r} devices={self.device_count()}>"
-
 
 
 def check_copy_pairs(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:

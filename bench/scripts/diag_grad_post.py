@@ -45,6 +45,7 @@ import time
 import torch
 
 import xpu
+from bench.thread_waits import run_delays, waited_s
 from strategies.memferry.grad_post import GradientPost
 from strategies.memferry.host_loops import host_loops
 from strategies.models import build_model
@@ -59,16 +60,6 @@ class _Submitted:
 
     def submit(self, index, ready, final=True, landed=None, summed=False, zone=0) -> None:  # noqa: D102
         self.tasks.put(("grad", index, (ready, final, landed, summed, zone)))
-
-
-def _run_delay_ns() -> int:
-    """Nanoseconds this thread has spent runnable but waiting for a core (Linux schedstat; 0
-    where it is not available): what sharing cores with a busy team costs the training thread."""
-    try:
-        with open("/proc/thread-self/schedstat") as f:
-            return int(f.read().split()[1])
-    except (OSError, IndexError, ValueError):
-        return 0
 
 
 def _busy(kind: str, stop: threading.Event) -> threading.Thread | None:
@@ -193,7 +184,7 @@ def main() -> None:
                 fn()  # warm
                 b.synchronize(0)
                 times = []
-                waited = _run_delay_ns()
+                before, me = run_delays(), {threading.get_native_id()}  # this thread's waits for a core
                 for k in range(sends):
                     if k % 20 == 0:  # the device busy ahead of the next 20 sends' copies
                         b.synchronize(0)
@@ -201,7 +192,7 @@ def main() -> None:
                     t0 = time.perf_counter()
                     inner = fn()  # a form that times its own send returns it
                     times.append(inner if inner is not None else time.perf_counter() - t0)
-                waited = _run_delay_ns() - waited
+                waited = waited_s(before, run_delays(), me) * 1e9
                 b.synchronize(0)
                 while not opt.tasks.empty():
                     opt.tasks.get_nowait()

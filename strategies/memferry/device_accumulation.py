@@ -27,7 +27,7 @@ __all__ = ["DeviceSums", "add_grads", "check_accumulate"]
 def add_grads(s: UnitShadow, flat: torch.Tensor, first: bool) -> None:
     """Upcast (``first``) or add the unit's trainable gradients into the fp32 ``flat`` (laid out as
     its trainable prefix), and drop them."""
-    views, grads = list(s.train_slices(flat)), [p.grad for _, p in s.unit.trainable]
+    views, grads = s.train_slices(flat), [p.grad for _, p in s.unit.trainable]
     # One call per unit, not one per tensor (the training thread issues these every micro-batch).
     if first:
         torch._foreach_copy_(views, grads)
