@@ -22,6 +22,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from strategies.memferry import pareto  # noqa: E402
 from strategies.memferry.cost import predict, predict_clip_fired  # noqa: E402
 from strategies.memferry.links import links_from_probe  # noqa: E402
 from strategies.memferry.profiler import StepProfile  # noqa: E402
@@ -60,16 +61,24 @@ def main() -> None:
     ap.add_argument("--budget-gb", type=float, required=True, help="device budget of the search, GB")
     ap.add_argument("--margin", type=float, default=0.05, help="memory margin (the bench scenarios' 0.05)")
     ap.add_argument("--host-scale", default="1,1.5,3", help="host speed factors, comma-separated")
+    ap.add_argument("--clip-fire-rate", type=float, default=None,
+                    help="search with this share of steps clipping (AdamW.clip_fire_rate; a clipped run's profile)")
+    ap.add_argument("--numpy-scan", action="store_true", help="the search's dominance scan in numpy, not C")
     args = ap.parse_args()
+    if args.numpy_scan:
+        pareto._c_scan = lambda: None
     lines = [ln for ln in open(args.log) if ln.startswith(PREFIX)]
     if not lines:
         sys.exit(f"error: {args.log} has no '{PREFIX.strip()}' line; give the log of a MemFerry row with plan=auto")
     base = StepProfile.from_json(lines[0][len(PREFIX):])
+    if args.clip_fire_rate is not None:
+        base = dataclasses.replace(base, clip_fire_rate=args.clip_fire_rate)
     probe = json.load(open(args.probe))
     clipped = getattr(base, "clipping", False)  # then also the step after a clipped one (cost.predict_clip_fired)
     print("| host scale | search (s) | predicted step (ms) | " + ("after a clipped step (ms) | " if clipped else "")
           + "compute chain (ms) | bound | activations | device-updated |")
     print("|---:|---:|---:|" + ("---:|" if clipped else "") + "---:|---|---|---:|")
+    said: list[str] = []  # the clip-aware choice's notes, after the table
     for scale in (float(s) for s in args.host_scale.split(",")):
         profile, p = scaled(base, probe, scale)
         links = links_from_probe(_ProbedDevice(), 0, probe=p)
@@ -80,8 +89,11 @@ def main() -> None:
         acts = [u.activations for u in plan.units]
         kinds = ", ".join(f"{acts.count(a)} {a}" for a in sorted(set(acts)))
         fired = f"{predict_clip_fired(plan, profile, links, margin=args.margin).step_s * 1e3:.1f} | " if clipped else ""
-        print(f"| {scale:g} | {took:.0f} | {pr.step_s * 1e3:.1f} | {fired}{pr.compute_s * 1e3:.1f} | {pr.bound} | {kinds} | "
+        said += [n for n in plan.notes if "clip_fire_rate" in n]
+        print(f"| {scale:g} | {took:.1f} | {pr.step_s * 1e3:.1f} | {fired}{pr.compute_s * 1e3:.1f} | {pr.bound} | {kinds} | "
               f"{sum(u.optimizer == 'device' for u in plan.units)} |", flush=True)
+    for note in said:
+        print(note)
 
 
 if __name__ == "__main__":
