@@ -6,8 +6,8 @@ component-wise at least another row can never complete into a better plan and is
 
 The scan runs in C (``pareto.c``, built once per machine by ``c_library.py``) where a compiler
 is there, else in numpy; both keep the same rows. The search for the DESIGN §3 model under
-accumulation 8 makes about 1,800 scans of 12-19 thousand rows: 29 s of its 37 in numpy on one
-core here, and 58 s of the H200 machine's setup (session 25).
+accumulation 8 makes about 1,800 scans of 12-19 thousand rows: 37.3 s in numpy on one core, 11.6 s
+in C (bench/results/2026-12-04-cpu-session25/search.md); it took 58 s of the H200 machine's setup.
 """
 from __future__ import annotations
 
