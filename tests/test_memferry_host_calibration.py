@@ -116,15 +116,26 @@ def test_repricing_keeps_the_layout_and_predicts_on_the_new_profile(host_plan, c
     assert slow.host_update_scale == 4 and slow.notes[-1].startswith("host work scaled to the rehearsal's: updates 4.00x")
 
 
-def test_a_host_rate_within_the_tolerance_keeps_the_plan(cpu_backend, monkeypatch, host_plan):
+def test_a_host_rate_within_the_tolerance_keeps_the_layout_and_predicts_on_the_measured_rate(
+        cpu_backend, monkeypatch, host_plan):
     plan, budget = host_plan
     _measuring(monkeypatch, plan.host_s_per_param * (TOLERANCE - 0.05))
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("searched again for a host rate within the tolerance")
+
+    monkeypatch.setattr(rehearsal, "replan", no_search)
     engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=batch(), device_budget=budget,
                       backend=cpu_backend, memory_margin=0.0)
     said = [n for n in engine.plan.notes if n.startswith("host rate:")]
-    assert len(said) == 1 and "plan kept" in said[0]
-    assert same_layout(engine.plan, plan) and engine.plan.predicted_step_s == plan.predicted_step_s
-    assert engine.plan.profile is plan.profile
+    assert len(said) == 1 and "within the tolerance: same plan, not searched again" in said[0], said
+    assert same_layout(engine.plan, plan)
+    assert engine.plan.profile.host_update_scale == pytest.approx(TOLERANCE - 0.05)
+    links = links_from_probe(cpu_backend, 0)
+    expected = predict(plan, calibrated(plan.profile, TOLERANCE - 0.05), links, 0.0)
+    assert engine.plan.predicted_step_s == pytest.approx(expected.step_s)
+    assert engine.plan.host_s_per_param > plan.host_s_per_param
+    assert engine.plan.predicted_peak_bytes == plan.predicted_peak_bytes
     engine.close()
 
 

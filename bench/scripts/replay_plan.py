@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from strategies.memferry import pareto  # noqa: E402
 from strategies.memferry.cost import predict, predict_clip_fired  # noqa: E402
+from strategies.memferry.host_calibration import calibrated  # noqa: E402
 from strategies.memferry.links import links_from_probe  # noqa: E402
 from strategies.memferry.profiler import StepProfile  # noqa: E402
 from strategies.memferry.scheduler import schedule  # noqa: E402
@@ -64,6 +65,9 @@ def main() -> None:
     ap.add_argument("--clip-fire-rate", type=float, default=None,
                     help="search with this share of steps clipping (AdamW.clip_fire_rate; a clipped run's profile)")
     ap.add_argument("--numpy-scan", action="store_true", help="the search's dominance scan in numpy, not C")
+    ap.add_argument("--calibrate", default=None, metavar="UPDATE[,EARLIER]",
+                    help="also price each plan on the profile calibrated to a rehearsal's host ratios "
+                         "(host_calibration.calibrated: the 'host rate:' line's updates and sums factors)")
     args = ap.parse_args()
     if args.numpy_scan:
         pareto._c_scan = lambda: None
@@ -75,9 +79,11 @@ def main() -> None:
         base = dataclasses.replace(base, clip_fire_rate=args.clip_fire_rate)
     probe = json.load(open(args.probe))
     clipped = getattr(base, "clipping", False)  # then also the step after a clipped one (cost.predict_clip_fired)
+    ratios = [float(r) for r in args.calibrate.split(",")] if args.calibrate else None
     print("| host scale | search (s) | predicted step (ms) | " + ("after a clipped step (ms) | " if clipped else "")
+          + (f"calibrated {args.calibrate} (ms) | " if ratios else "")
           + "compute chain (ms) | bound | activations | device-updated |")
-    print("|---:|---:|---:|" + ("---:|" if clipped else "") + "---:|---|---|---:|")
+    print("|---:|---:|---:|" + ("---:|" if clipped else "") + ("---:|" if ratios else "") + "---:|---|---|---:|")
     said: list[str] = []  # the clip-aware choice's notes, after the table
     for scale in (float(s) for s in args.host_scale.split(",")):
         profile, p = scaled(base, probe, scale)
@@ -90,6 +96,8 @@ def main() -> None:
         kinds = ", ".join(f"{acts.count(a)} {a}" for a in sorted(set(acts)))
         fired = f"{predict_clip_fired(plan, profile, links, margin=args.margin).step_s * 1e3:.1f} | " if clipped else ""
         said += [n for n in plan.notes if "clip_fire_rate" in n]
+        if ratios:  # the same plan, priced as the rehearsal's host-rate check prices it (rehearsal.py)
+            fired += f"{predict(plan, calibrated(profile, *ratios), links, margin=args.margin).step_s * 1e3:.1f} | "
         print(f"| {scale:g} | {took:.1f} | {pr.step_s * 1e3:.1f} | {fired}{pr.compute_s * 1e3:.1f} | {pr.bound} | {kinds} | "
               f"{sum(u.optimizer == 'device' for u in plan.units)} |", flush=True)
     for note in said:

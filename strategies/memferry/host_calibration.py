@@ -11,15 +11,15 @@ The rehearsal step (``rehearsal.py``) runs the plan's host work for real, and th
 optimizer's clock (``host_clock.py``) keeps its two parts apart: the work once a unit's last
 gradient has landed (the update, which the next forward may wait for) and the sums of the step's
 earlier micro-batches (which run while later ones compute). This module compares each with what
-the plan assumed (:func:`ratios`); where either differs by more than :data:`TOLERANCE`, the
-profile is calibrated to the measured ratios (``StepProfile.host_update_scale`` and
+the plan assumed (:func:`ratios`); the profile is calibrated to the measured ratios (``StepProfile.host_update_scale`` and
 ``host_earlier_scale`` scale the cost model's host-memory bytes of each part; what a copy byte
 costs stays) and the plan is priced again on it (:func:`repriced`). One ratio for both parts
 priced the update too cheaply where it matters: on the H200 the update ran 1.00-1.38x its price
 inside steps of 8 micro-batches while the sums ran 0.73-1.13x theirs, and with a single ratio
 the step of a plan bound by the host was predicted 6-12 % short (−7.3 to +0.8 % with two:
-bench/results/2026-12-04-h200-session21/). Only where that moves its plan's
-predicted step by more than :data:`SEARCH_AGAIN` (the host bounds it) does the scheduler search
+bench/results/2026-12-04-h200-session21/). Within :data:`TOLERANCE` that is all (the same
+plan, its prediction on the measured rates). Beyond it, and only where that moves its plan's
+predicted step by more than :data:`SEARCH_AGAIN` (the host bounds it), the scheduler searches
 again, without profiling again; its plan replaces the old one only when predicted faster by more
 than :data:`SEARCH_AGAIN` (on the H200 a search of 24 blocks takes tens of seconds, and a new
 plan means building the engine again). The plan's notes keep the uncalibrated prediction beside
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TOLERANCE", "SEARCH_AGAIN", "applies", "ratios", "calibrated", "with_sends", "repriced", "same_layout"]
 
-#: Measured over planned host rate beyond which the plan is priced again (either way).
+#: Measured over planned host rate beyond which the scheduler may search again (either way).
 TOLERANCE = 1.10
 #: Relative change of a predicted step worth a new search, and a new plan's least gain over the old.
 SEARCH_AGAIN = 0.02
