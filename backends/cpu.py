@@ -429,6 +429,9 @@ class CpuBackend(Backend):
         dev = self._devices[self.index_of(device)]
         dev.peak = dev.allocated
 
+    def release_cache(self, device: Any = None) -> None:
+        self.index_of(device)  # a virtual device reserves what it allocates: no cache to give back
+
     def _apply_memory_cap(self, index: int, nbytes: int | None) -> None:
         dev = self._devices[index]
         dev.limit = dev.capacity if nbytes is None else nbytes

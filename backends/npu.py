@@ -414,6 +414,11 @@ class NpuBackend(Backend):
         """Start the peaks of :meth:`memory_stats` afresh."""
         _npu().reset_peak_memory_stats(self.index_of(device))
 
+    def release_cache(self, device: Any = None) -> None:
+        """``torch.npu.empty_cache()`` on ``device`` (asked of ``torch.npu``, as :meth:`memory_stats` is)."""
+        with self.device_scope(device):
+            _npu().empty_cache()
+
     def _apply_memory_cap(self, index: int, nbytes: int | None) -> None:
         """``torch.npu.set_per_process_memory_fraction(nbytes / total, index)``.
 

@@ -71,6 +71,29 @@ def test_a_plan_over_its_budget_is_made_again_and_trains_under_the_cap(cpu_backe
     engine.close()
 
 
+def test_what_earlier_work_left_cached_is_not_the_plan_s_peak(cpu_backend, monkeypatch, true_min_budget):
+    """A caching allocator's peak of reserved bytes starts, after a reset, at what it holds:
+    blocks cached by earlier work (the profiler's runs, a previous attempt) over the budget would
+    make every plan "peak" over it. The rehearsal gives the cache back before it measures."""
+    budget = int(true_min_budget * 1.1)
+    cached = {"bytes": budget + (64 << 20)}  # reserved before the rehearsal, none of it in use
+    real_stats = type(cpu_backend).memory_stats
+
+    def stats(self, device=None):
+        s = real_stats(self, device)
+        return dataclasses.replace(s, peak_reserved=max(s.peak_reserved, cached["bytes"]))
+
+    monkeypatch.setattr(type(cpu_backend), "memory_stats", stats)
+    monkeypatch.setattr(type(cpu_backend), "release_cache", lambda self, device=None: cached.update(bytes=0))
+    x, y = batch()
+    engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan="auto", sample=(x, y), device_budget=budget,
+                      backend=cpu_backend, memory_margin=0.0)
+    note = [n for n in engine.plan.notes if n.startswith("rehearsal:")]
+    assert len(note) == 1 and "after margin" not in note[0], note  # the first plan fitted: not made again
+    assert cached["bytes"] == 0
+    engine.close()
+
+
 @pytest.mark.parametrize("rate_checked", [False, True])
 def test_rehearsing_leaves_training_exactly_as_without_it(cpu_backend, monkeypatch, rate_checked):
     """Same plan, with and without the rehearsal: every weight and moment equal after three

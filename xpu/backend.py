@@ -396,6 +396,13 @@ class Backend(abc.ABC):
         """Start the peaks of :meth:`memory_stats` afresh."""
         torch.accelerator.memory.reset_peak_memory_stats(self.index_of(device))
 
+    def release_cache(self, device: Any = None) -> None:
+        """Give the allocator's cached, unused blocks on ``device`` back to the device: reserved
+        bytes fall to what is in use, so a peak of reserved memory measured from here (after
+        :meth:`reset_peak_memory`) counts only what is reserved from here on."""
+        with self.device_scope(device):
+            torch.accelerator.memory.empty_cache()
+
     def avoid_fragmentation(self) -> bool:
         """Ask the device allocator to grow segments in place rather than cache fixed blocks
         (CUDA's ``expandable_segments``), so reserved memory stays close to allocated memory
