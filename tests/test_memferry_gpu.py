@@ -275,19 +275,21 @@ def test_the_profiler_times_recomputation_issued_ahead_and_gives_its_lead_memory
 def test_one_call_sends_device_sums_and_a_sleeping_worker_train_bit_equal(gpu_backend):
     """A unit's gradients go home in one ``_foreach_copy_`` and device sums add in one
     ``_foreach_add_`` (session 25): summing a block on the device trains bit-equal to summing it
-    on the host, and a worker that sleeps on its landing events (``landing_wait="sleep"``) bit-equal
-    to one that spins."""
+    on the host, a worker that sleeps on its landing events (``landing_wait="sleep"``) bit-equal
+    to one that spins, and gradients gathered for one copy home (``flat_sends``) bit-equal to
+    copies tensor by tensor."""
     b = gpu_backend
     micro = 3
     tok = torch.randint(0, DIMS["vocab"], (micro * BATCH, DIMS["seq"] + 1), generator=torch.Generator().manual_seed(7))
     batches = [(b.to_device(t[:, :-1].contiguous(), 0), b.to_device(t[:, 1:].contiguous(), 0)) for t in tok.split(BATCH)]
     states = {}
-    for name, accumulate, wait in (("host", "host", "spin"), ("device", "device", "spin"), ("sleep", "device", "sleep")):
+    for name, accumulate, wait, flat in (("host", "host", "spin", False), ("device", "device", "spin", False),
+                                         ("sleep", "device", "sleep", False), ("flat", "host", "spin", True)):
         plan = Plan([UnitPlan("prefetch", "prefetch"), UnitPlan("prefetch", "prefetch", accumulate=accumulate),
                      UnitPlan("prefetch", "prefetch", recompute=True), UnitPlan("resident", "resident", optimizer="device")])
         torch.manual_seed(0)
         model = build_model("gpt", dtype=torch.bfloat16, **DIMS)
-        engine = MemFerry(model, optim=AdamW(lr=1e-3, weight_decay=0.1, landing_wait=wait), plan=plan, backend=b,
+        engine = MemFerry(model, optim=AdamW(lr=1e-3, weight_decay=0.1, landing_wait=wait, flat_sends=flat), plan=plan, backend=b,
                           device=0, accumulation_steps=micro)
         for _ in range(3):
             for x, y in batches:
@@ -295,6 +297,6 @@ def test_one_call_sends_device_sums_and_a_sleeping_worker_train_bit_equal(gpu_ba
             engine.step()
         states[name] = engine.state_dict()["optimizer"]
         engine.close()
-    for other in ("device", "sleep"):
+    for other in ("device", "sleep", "flat"):
         for unit, st in states["host"].items():
             assert all(torch.equal(st[k], states[other][unit][k]) for k in ("master", "exp_avg", "exp_avg_sq")), (other, unit)

@@ -15,6 +15,8 @@ Options:
         the scheduler weighs the steps after clipped ones too. 0 (default): it does not.
     landing_wait: ``spin`` (default) or ``sleep`` (``AdamW.landing_wait``): how the host optimizer's
         worker waits for gradients to land. For an A/B of what a spinning wait costs the sends.
+    flat_sends: ``false`` (default) or ``true`` (``AdamW.flat_sends``): a unit's gradients gathered
+        on the device and sent home in one copy. For an A/B of what the per-tensor copies cost.
     memory_margin: the scheduler's fragmentation margin on predicted peak memory (plan auto).
     allocator_cap: ``plan`` (the engine's own: the caching allocator held to the rehearsed
         plan's predicted peak) or ``budget`` (re-capped at the scenario's device cap after setup:
@@ -97,7 +99,8 @@ class MemFerrySystem(BenchSystem):
                     clip_mode=ctx.options.get("clip_mode", "speculative"),
                     host_order=ctx.options.get("host_order", "deadline"),
                     landing_wait=ctx.options.get("landing_wait", "spin"),
-                    clip_fire_rate=ctx.options.get("clip_fire_rate", 0.0))
+                    clip_fire_rate=ctx.options.get("clip_fire_rate", 0.0),
+                    flat_sends=ctx.options.get("flat_sends", False))
         sample = None
         if spec == "auto":  # the scheduler profiles one batch of the scenario's shape under the device cap
             vocab = _vocab(ctx)

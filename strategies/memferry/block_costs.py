@@ -197,6 +197,7 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
         # the next one's (look-ahead) back on the device
         trans=(blk.act_bytes if unit.recompute else 2 * blk.act_bytes if unit.offload else 0) + grad_bytes
         + (0 if host or held else blk.numel * 4)
+        + (grad_bytes if host and not summed and profile.flat_sends and not profile.data_parallel else 0)  # gathered for one copy home
         + (_ring_bytes(profile.tokens) if unit.forward == "dha" else 0),
         slot=w if "prefetch" in (unit.forward, unit.backward) else 0,
         host=host,

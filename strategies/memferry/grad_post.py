@@ -17,6 +17,7 @@ import torch
 from xpu import Backend
 
 from .clip_norms import GlobalNormClip
+from .flat_sends import gather, host_span
 from .host_optimizer import HostOptimizer
 
 __all__ = ["GradientPost"]
@@ -32,12 +33,14 @@ class GradientPost:
         clip: global-norm clipping (None without ``max_grad_norm``).
         sleep: the landing events are blocking-sync (``AdamW.landing_wait="sleep"``): the
             worker waiting on one sleeps instead of spinning.
+        flat: gather a unit's gradients into one device buffer and send it home in one copy
+            where their targets lie back to back (``AdamW.flat_sends``; ``flat_sends.py``).
     """
 
     def __init__(self, backend: Backend, device: int, d2h: Any, optimizer: HostOptimizer,
-                 clip: GlobalNormClip | None = None, sleep: bool = False) -> None:
+                 clip: GlobalNormClip | None = None, sleep: bool = False, flat: bool = False) -> None:
         self.b, self.dev, self.d2h, self.opt, self.clip = backend, device, d2h, optimizer, clip
-        self.sleep = sleep
+        self.sleep, self.flat = sleep, flat
         #: bytes copied home so far
         self.bytes = 0
         #: seconds the training thread spent in :meth:`send` so far (queuing is all it should do:
@@ -79,6 +82,9 @@ class GradientPost:
         if final and self.clip is not None:
             with self.b.device_scope(self.dev):
                 self.clip.add(index, sources)  # the step's whole gradient (one micro-batch, or the device's sum)
+        if self.flat and (span := host_span(targets)) is not None:
+            with self.b.device_scope(self.dev):  # on the compute stream, before the copies wait for it
+                sources, targets = [gather(self.b, sources, self.dev, span.dtype)], [span]
         computed = self.b.event()
         computed.record(compute)
         self.d2h.wait_event(computed)

@@ -162,6 +162,9 @@ class StepProfile:
             thread's send time, the sends of those micro-batches (bench/results/2026-12-04-h200-session24/).
         clip_fire_rate: a setting (``plan_for`` sets it): ``AdamW.clip_fire_rate``, the share of
             steps expected to clip, which the scheduler weighs plans by (``clip_plan.py``).
+        flat_sends: a setting (``plan_for`` sets it): ``AdamW.flat_sends``, a host-homed unit's
+            gradients gathered into one more device buffer for their copy home (the block's
+            backward transient holds them twice).
     """
 
     blocks: list[BlockProfile]
@@ -193,6 +196,7 @@ class StepProfile:
     host_earlier_scale: float = 1.0
     earlier_send_s: float = 0.0
     clip_fire_rate: float = 0.0
+    flat_sends: bool = False
 
     def to_json(self, indent: int | None = 1) -> str:
         """The profile as a JSON string (``indent=None``: on one line)."""
