@@ -65,6 +65,10 @@ def main() -> None:
     ap.add_argument("--clip-fire-rate", type=float, default=None,
                     help="search with this share of steps clipping (AdamW.clip_fire_rate; a clipped run's profile)")
     ap.add_argument("--numpy-scan", action="store_true", help="the search's dominance scan in numpy, not C")
+    ap.add_argument("--earlier-send-ms", type=float, default=None,
+                    help="the issuing thread's ms per send before a step's last micro-batch (StepProfile.earlier_send_s)")
+    ap.add_argument("--flat-sends", action="store_true",
+                    help="search with AdamW.flat_sends (the gathered gradients in each block's backward transient)")
     ap.add_argument("--calibrate", default=None, metavar="UPDATE[,EARLIER]",
                     help="also price each plan on the profile calibrated to a rehearsal's host ratios "
                          "(host_calibration.calibrated: the 'host rate:' line's updates and sums factors)")
@@ -77,13 +81,17 @@ def main() -> None:
     base = StepProfile.from_json(lines[0][len(PREFIX):])
     if args.clip_fire_rate is not None:
         base = dataclasses.replace(base, clip_fire_rate=args.clip_fire_rate)
+    if args.earlier_send_ms is not None:
+        base = dataclasses.replace(base, earlier_send_s=args.earlier_send_ms / 1e3)
+    if args.flat_sends:
+        base = dataclasses.replace(base, flat_sends=True)
     probe = json.load(open(args.probe))
     clipped = getattr(base, "clipping", False)  # then also the step after a clipped one (cost.predict_clip_fired)
     ratios = [float(r) for r in args.calibrate.split(",")] if args.calibrate else None
     print("| host scale | search (s) | predicted step (ms) | " + ("after a clipped step (ms) | " if clipped else "")
           + (f"calibrated {args.calibrate} (ms) | " if ratios else "")
-          + "compute chain (ms) | bound | activations | device-updated |")
-    print("|---:|---:|---:|" + ("---:|" if clipped else "") + ("---:|" if ratios else "") + "---:|---|---|---:|")
+          + "compute chain (ms) | bound | peak GB | activations | device-updated |")
+    print("|---:|---:|---:|" + ("---:|" if clipped else "") + ("---:|" if ratios else "") + "---:|---|---:|---|---:|")
     said: list[str] = []  # the clip-aware choice's notes, after the table
     for scale in (float(s) for s in args.host_scale.split(",")):
         profile, p = scaled(base, probe, scale)
@@ -98,7 +106,8 @@ def main() -> None:
         said += [n for n in plan.notes if "clip_fire_rate" in n]
         if ratios:  # the same plan, priced as the rehearsal's host-rate check prices it (rehearsal.py)
             fired += f"{predict(plan, calibrated(profile, *ratios), links, margin=args.margin).step_s * 1e3:.1f} | "
-        print(f"| {scale:g} | {took:.1f} | {pr.step_s * 1e3:.1f} | {fired}{pr.compute_s * 1e3:.1f} | {pr.bound} | {kinds} | "
+        print(f"| {scale:g} | {took:.1f} | {pr.step_s * 1e3:.1f} | {fired}{pr.compute_s * 1e3:.1f} | {pr.bound} | "
+              f"{pr.peak_bytes / 1e9:.2f} | {kinds} | "
               f"{sum(u.optimizer == 'device' for u in plan.units)} |", flush=True)
     for note in said:
         print(note)
