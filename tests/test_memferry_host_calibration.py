@@ -1,8 +1,8 @@
-"""The rehearsal's host-rate check (``host_calibration.py``): where the step's host updates (or
-the sums of its earlier micro-batches) ran far off what the plan assumed, the plan is priced again
-on the profile calibrated to the measured ratios; where that moves its step (the host bounds it)
-the scheduler searches again, and a faster plan of another layout is built and rehearsed in its
-turn; within the tolerance the plan stays as it was.
+"""The rehearsal's host-rate check (``host_calibration.py``): the plan is priced again on the
+profile calibrated to the measured ratios of the step's host updates and of the sums of its
+earlier micro-batches; where either ran far off what the plan assumed and that moves its step (the
+host bounds it) the scheduler searches again, and a faster plan of another layout is built and
+rehearsed in its turn; within the tolerance the layout stays, priced on the measured rates.
 
 The cpu backend's virtual devices skip the check (``host_calibration.applies``); these tests
 turn it on and set the measured rate, so nothing depends on this machine's timing."""
