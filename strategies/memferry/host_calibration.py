@@ -11,9 +11,10 @@ The rehearsal step (``rehearsal.py``) runs the plan's host work for real, and th
 optimizer's clock (``host_clock.py``) keeps its two parts apart: the work once a unit's last
 gradient has landed (the update, which the next forward may wait for) and the sums of the step's
 earlier micro-batches (which run while later ones compute). This module compares each with what
-the plan assumed (:func:`ratios`); the profile is calibrated to the measured ratios (``StepProfile.host_update_scale`` and
-``host_earlier_scale`` scale the cost model's host-memory bytes of each part; what a copy byte
-costs stays) and the plan is priced again on it (:func:`repriced`). One ratio for both parts
+the plan assumed (:func:`ratios`); the profile is calibrated to the measured ratios
+(``StepProfile.host_update_scale`` and ``host_earlier_scale`` scale the cost model's host-memory
+bytes of each part; what a copy byte costs stays) and the plan is priced again on it
+(:func:`repriced`). One ratio for both parts
 priced the update too cheaply where it matters: on the H200 the update ran 1.00-1.38x its price
 inside steps of 8 micro-batches while the sums ran 0.73-1.13x theirs, and with a single ratio
 the step of a plan bound by the host was predicted 6-12 % short (−7.3 to +0.8 % with two:

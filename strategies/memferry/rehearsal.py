@@ -316,8 +316,8 @@ def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) 
     with torch.random.fork_rng(devices=forked, device_type=backend.device(device).type):
         backend.synchronize(device)
         # What earlier work left cached (the profiler's runs, a previous attempt's engine) would
-        # count as this plan's reserved peak: every attempt at 8 GB "peaked" at the 8.1 GB the
-        # first had reserved, 5.6 GB allocated (Qwen2-1.5B shape, H200, 2026-12-04).
+        # count as this plan's reserved peak: every attempt at 8 GB, margins 10 to 35 %, "peaked"
+        # at 8.1 GB reserved (Qwen2-1.5B shape, H200, 2026-12-04).
         backend.release_cache(device)
         backend.reset_peak_memory(device)
         clocked: list[float] = []
