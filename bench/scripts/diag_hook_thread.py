@@ -18,6 +18,7 @@ Pieces (each repeated ``--inner`` times per sample, microseconds per repetition)
   record_fn     entering and leaving ``torch.profiler.record_function``
   copy_many     one block's gradients home in one ``backend.copy_many`` (inner 1)
   send          ``GradientPost.send`` of the block (inner 1)
+  send_flat     the same with ``flat_sends`` (gathered on the device, one copy home; inner 1)
 
 Usage: XPU_BACKEND=cuda python3 bench/scripts/diag_hook_thread.py [--samples 100] [--inner 20]
   (on the device: bash bench/scripts/gpu_diag.sh hook_thread)
@@ -65,6 +66,7 @@ def _pieces(b: xpu.Backend, hidden: int, heads: int) -> dict[str, tuple[Callable
         off += n
     d2h, opt = b.stream(0), _Submitted()
     post = GradientPost(b, 0, d2h, opt)  # type: ignore[arg-type]
+    post_flat = GradientPost(b, 0, d2h, opt, flat=True)  # type: ignore[arg-type]
 
     def python() -> None:
         x = 0
@@ -95,10 +97,16 @@ def _pieces(b: xpu.Backend, hidden: int, heads: int) -> dict[str, tuple[Callable
         while not opt.tasks.empty():
             opt.tasks.get_nowait()
 
+    def send_flat() -> None:
+        post_flat.send(0, sources, targets, final=False)
+        while not opt.tasks.empty():
+            opt.tasks.get_nowait()
+
     return {"python": (python, True), "clock": (time.thread_time, True),
             "empty": (lambda: torch.empty(0), True), "event": (event, True),
             "stream_ctx": (stream_ctx, True), "device_ctx": (device_ctx, True),
-            "record_fn": (record_fn, True), "copy_many": (copy_many, False), "send": (send, False)}
+            "record_fn": (record_fn, True), "copy_many": (copy_many, False), "send": (send, False),
+            "send_flat": (send_flat, False)}
 
 
 def _timed(fn: Callable[[], None], inner: int) -> float:

@@ -9,7 +9,7 @@
 #                  into $OUT/engine/)
 #     NAME         bench/scripts/diag_NAME.py with ARGS: dha_linear, dha_triton, dw_write, grads,
 #                  host_adamw, host_rate, bare_baselines (needs the .whl DeepSpeed), stream_event,
-#                  grad_post
+#                  grad_post, hook_thread
 #   Runs from the checkout's root, for at most what is left of DEADLINE_S (570 s after GPU_T0,
 #   see gpu_env.sh).
 # Environment: LOG names the output file (default diag-WHAT.txt, under $OUT or /tmp).
