@@ -195,3 +195,33 @@ def test_a_plan_the_host_rate_check_replaced_on_the_same_side_is_raced_against_a
     said = [n for n in engine.plan.notes if n.startswith("sum placement:")]
     assert "rehearsed too" in said[0] and said[-1].endswith("2000.0 ms: the host-summing plan kept"), said
     engine.close()
+
+
+def test_a_raced_plan_kept_is_priced_on_its_own_host_rate(accumulating_plan, cpu_backend, monkeypatch):  # noqa: F811
+    """The race's winner was priced on the rates the first plan's rehearsal measured; its own
+    timed rehearsal measured its host work too, and the plan kept is priced on that."""
+    plan, budget = accumulating_plan
+    _clocked(monkeypatch, host_summing_s=2.0, device_summing_s=1.0)
+    rehearsing: dict[str, object] = {}
+    clocked = rehearsal._rehearse
+
+    def noting(engine, sample, timed=False):
+        rehearsing["plan"] = engine.plan
+        return clocked(engine, sample, timed)
+
+    def measured(self, start):  # the host-summing plan at its price, the device-summing one at half
+        p = rehearsing["plan"]
+        share = 1.0 if host_summed_blocks(p) else 0.5
+        return (p.host_update_s_per_param * share, p.host_earlier_s_per_param or 0.0) if self.updated_numel else None
+
+    monkeypatch.setattr(rehearsal, "_rehearse", noting)
+    monkeypatch.setattr(HostOptimizer, "split_since", measured)
+    engine = _engine(plan, budget, cpu_backend)
+    assert host_summed_blocks(engine.plan) == 0 and engine.executor.plan is engine.plan
+    said = [n for n in engine.plan.notes if "in its own rehearsal" in n]
+    assert len(said) == 1 and "ran 0.50x its updates' price" in said[0], engine.plan.notes
+    assert engine.plan.profile.host_update_scale == pytest.approx(0.5)
+    rival = rehearsing["plan"]  # the device-summing plan as built, priced on the first plan's rates
+    assert same_layout(engine.plan, rival)
+    assert engine.plan.host_update_s_per_param == pytest.approx(0.5 * rival.host_update_s_per_param)
+    engine.close()

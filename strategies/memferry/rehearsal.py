@@ -31,7 +31,8 @@ only).
 
 Under gradient accumulation a plan is then raced against the scheduler's best plan summing its
 micro-batches on the other side (host or device), where the model predicts the two close: both
-rehearsed and timed, the faster kept (``sum_placement.py``).
+rehearsed and timed, the faster kept (``sum_placement.py``) and priced on the host work its own
+rehearsal measured.
 
 A plan that fits is then held to its prediction: the allocator's cap comes down from the budget
 to the predicted peak (:func:`hold_to_plan`; it stays at the budget where the rehearsal allocated
@@ -155,6 +156,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                     if not placement.timing:
                         rehearsed_s = placement.original_s
                     continue
+                _priced_on_its_own_rate(engine, host, margin, placement.notes)
             elif placement.timing:
                 back = placement.settle(step_s)
                 rehearsed_s = step_s
@@ -162,6 +164,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                     _rebuild(engine, back)  # its memory is rehearsed again, untimed
                     rehearsed_s = placement.original_s
                     continue
+                _priced_on_its_own_rate(engine, host, margin, placement.notes)
             held = hold_to_plan(engine, budget, predicted, allocated)
             n = engine.micro.steps
             what = f"{RATE_STEPS} steps of {n} micro-batch{'es' if n > 1 else ''}" if timed else "one step"
@@ -241,6 +244,26 @@ def _host_rate_checked(engine: "MemFerry", budget: int, margin: float, found: li
                  f"{(again.predicted_step_s or 0.0) * 1e3:.1f} ms ({how})")
     _log.info("MemFerry: %s", found[-1])
     return again
+
+
+def _priced_on_its_own_rate(engine: "MemFerry", measured: tuple[float, float] | None, margin: float,
+                            found: list[str]) -> None:
+    """A plan kept after its own timed rehearsal (a race's winner, or a re-searched plan of
+    another layout) priced on the host work ``measured`` there: its layout was priced on the
+    rates the first plan's rehearsal measured, and a device-summing plan's updates read one fp32
+    sum where a host-summing one's add the step's last micro-batches (the HF model's
+    device-summing winner ran 10.5 % under its prediction; H200, session 26). Same layout, no
+    search; what it found is appended to ``found``."""
+    plan = engine.plan
+    if not measured or not plan.host_s_per_param or plan.profile is None:
+        return
+    update, earlier = ratios(plan, measured)
+    kept = repriced(plan, calibrated(plan.profile, update, earlier), links_from_probe(engine.backend, engine.device),
+                    margin)
+    found.append(f"sum placement: the kept plan's host work in its own rehearsal ran {update:.2f}x its updates' price "
+                 f"and {earlier:.2f}x its sums': predicted step {(plan.predicted_step_s or 0.0) * 1e3:.1f} -> "
+                 f"{(kept.predicted_step_s or 0.0) * 1e3:.1f} ms")
+    engine.plan = kept
 
 
 def _step_note(measured: float, predicted: float) -> str:
