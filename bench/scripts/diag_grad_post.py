@@ -36,7 +36,6 @@ kernels' launches: compare conditions, not absolute values).
 from __future__ import annotations
 
 import argparse
-import queue
 import statistics
 import sys
 import threading
@@ -45,21 +44,11 @@ import time
 import torch
 
 import xpu
+from bench.grad_sends import Submitted, block_gradients
 from bench.thread_waits import run_delays, waited_s
 from strategies.memferry.grad_post import GradientPost
 from strategies.memferry.host_loops import host_loops
-from strategies.models import build_model
 from xpu.timing import occupy
-
-
-class _Submitted:
-    """Stands in for the host optimizer: ``submit`` queues, as the real one does."""
-
-    def __init__(self) -> None:
-        self.tasks: queue.Queue = queue.Queue()
-
-    def submit(self, index, ready, final=True, landed=None, summed=False, zone=0) -> None:  # noqa: D102
-        self.tasks.put(("grad", index, (ready, final, landed, summed, zone)))
 
 
 def _busy(kind: str, stop: threading.Event) -> threading.Thread | None:
@@ -107,20 +96,11 @@ def main() -> None:
         sys.setswitchinterval(a.switch_ms / 1e3)
     b = xpu.get_backend()
     dev = b.device(0)
-    block = build_model("gpt", dtype=torch.bfloat16, layers=1, hidden=a.hidden, heads=a.heads, vocab=256,
-                        seq=128).blocks[0]
-    shapes = [p.shape for p in block.parameters()]
-    numel = sum(p.numel() for p in block.parameters())
-    sources = [torch.randn(s, dtype=torch.bfloat16, device=dev) for s in shapes]
+    grads = block_gradients(b, a.hidden, a.heads)
+    sources, targets, host, numel = grads.sources, grads.targets, grads.host, grads.numel
     flat_src = torch.randn(numel, dtype=torch.bfloat16, device=dev)
-    host = b.alloc_pinned(numel * 2).view(torch.bfloat16)
-    targets, off = [], 0
-    for s in shapes:
-        n = int(torch.Size(s).numel())
-        targets.append(host[off:off + n].view(s))
-        off += n
     d2h = b.stream(0)
-    opt = _Submitted()
+    opt = Submitted()
     post = GradientPost(b, 0, d2h, opt)  # type: ignore[arg-type]
 
     def send_post() -> None:
@@ -172,7 +152,7 @@ def main() -> None:
 
     forms = {"post": send_post, "foreach": send_foreach, "flat": send_flat, "sum32": send_sum,
              "post@autograd": send_in_backward}
-    print(f"block of {len(shapes)} tensors, {numel:,} parameters ({numel * 2 / 2**20:.0f} MiB bf16); "
+    print(f"block of {len(sources)} tensors, {numel:,} parameters ({numel * 2 / 2**20:.0f} MiB bf16); "
           f"{a.sends} sends per cell; switch interval {1e3 * sys.getswitchinterval():.1f} ms")
     rows = []
     for cond in ("idle", *(f"sums@{t}" for t in a.sum_threads.split(",")), "spin", "sleep", "python"):
@@ -194,8 +174,7 @@ def main() -> None:
                     times.append(inner if inner is not None else time.perf_counter() - t0)
                 waited = waited_s(before, run_delays(), me) * 1e9
                 b.synchronize(0)
-                while not opt.tasks.empty():
-                    opt.tasks.get_nowait()
+                opt.drain()
                 times.sort()
                 rows.append((cond, name, statistics.median(times) * 1e6, times[int(0.9 * len(times))] * 1e6,
                              waited / 1e3 / sends))

@@ -27,7 +27,6 @@ Prints a table: median microseconds per repetition, one column per place.
 from __future__ import annotations
 
 import argparse
-import queue
 import statistics
 import threading
 import time
@@ -36,35 +35,15 @@ from collections.abc import Callable
 import torch
 
 import xpu
+from bench.grad_sends import Submitted, block_gradients
 from strategies.memferry.grad_post import GradientPost
-from strategies.models import build_model
-
-
-class _Submitted:
-    """Stands in for the host optimizer: ``submit`` queues, as the real one does."""
-
-    def __init__(self) -> None:
-        self.tasks: queue.Queue = queue.Queue()
-
-    def submit(self, index, ready, final=True, landed=None, summed=False, zone=0) -> None:  # noqa: D102
-        self.tasks.put((index, ready, final, landed, summed, zone))
 
 
 def _pieces(b: xpu.Backend, hidden: int, heads: int) -> dict[str, tuple[Callable[[], None], bool]]:
     """Each piece: (one repetition, whether it repeats ``inner`` times)."""
-    dev = b.device(0)
-    block = build_model("gpt", dtype=torch.bfloat16, layers=1, hidden=hidden, heads=heads, vocab=256,
-                        seq=128).blocks[0]
-    shapes = [p.shape for p in block.parameters()]
-    sources = [torch.randn(s, dtype=torch.bfloat16, device=dev) for s in shapes]
-    numel = sum(int(torch.Size(s).numel()) for s in shapes)
-    host = b.alloc_pinned(numel * 2).view(torch.bfloat16)
-    targets, off = [], 0
-    for s in shapes:
-        n = int(torch.Size(s).numel())
-        targets.append(host[off:off + n].view(s))
-        off += n
-    d2h, opt = b.stream(0), _Submitted()
+    grads = block_gradients(b, hidden, heads)
+    sources, targets = grads.sources, grads.targets
+    d2h, opt = b.stream(0), Submitted()
     post = GradientPost(b, 0, d2h, opt)  # type: ignore[arg-type]
     post_flat = GradientPost(b, 0, d2h, opt, flat=True)  # type: ignore[arg-type]
 
@@ -94,13 +73,11 @@ def _pieces(b: xpu.Backend, hidden: int, heads: int) -> dict[str, tuple[Callable
 
     def send() -> None:
         post.send(0, sources, targets, final=False)
-        while not opt.tasks.empty():
-            opt.tasks.get_nowait()
+        opt.drain()
 
     def send_flat() -> None:
         post_flat.send(0, sources, targets, final=False)
-        while not opt.tasks.empty():
-            opt.tasks.get_nowait()
+        opt.drain()
 
     return {"python": (python, True), "clock": (time.thread_time, True),
             "empty": (lambda: torch.empty(0), True), "event": (event, True),
