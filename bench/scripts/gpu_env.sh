@@ -16,6 +16,9 @@
 #   left               seconds left before the deadline, DEADLINE_S (570) after GPU_T0
 #   within MAX CMD...  run CMD for at most MAX seconds and what is left; skipped (rc 124) under 20 s
 #   lap MESSAGE        print MESSAGE with the seconds since GPU_T0
+#   pack_out DIR...    the DIRs, and every file already under $OUT, into ONE $OUT/results.tar.gz
+#                      (the device tool brings back at most 8 files and silently drops the rest:
+#                      session 26 lost a diagnosis and a row that way); run it last
 # GPU_T0 is set here unless already exported: `export GPU_T0=$(date +%s)` before several
 # scripts in one device call gives them one deadline (the device allows 600 s per call).
 
@@ -71,6 +74,14 @@ probe_once() {
 
 left() { echo $(( DEADLINE_S - ($(date +%s) - GPU_T0) )); }
 lap() { echo "[$(( $(date +%s) - GPU_T0 )) s] $*"; }
+pack_out() {
+  [ -n "${OUT:-}" ] || return 0
+  local stage=/tmp/pack-out; rm -rf "$stage"; mkdir -p "$stage"
+  find "$OUT" -maxdepth 1 -type f -exec mv {} "$stage/" \;
+  for d in "$@"; do [ -e "$d" ] && cp -r "$d" "$stage/"; done
+  tar czf "$OUT/results.tar.gz" --exclude='*.raw.json.gz' --exclude='*.png' -C "$stage" .
+  lap "packed $(ls "$stage" | wc -l) entries into $OUT/results.tar.gz"
+}
 within() {
   local max=$1 n; shift; n=$(left)
   if [ "$n" -lt 20 ]; then lap "skipped (no time left): $*"; return 124; fi
