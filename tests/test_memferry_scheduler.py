@@ -290,6 +290,21 @@ def test_dha_forward_blocks_are_priced_as_streamed_linears_at_large_m():
     assert late.b > 10 * dha.b  # plain GEMMs over the host view re-read the weight per tile
 
 
+def test_plain_kernels_over_a_dha_view_are_priced_beside_the_host_optimizer():
+    """A block DHA only in backward runs plain kernels over the host view: its pass is the
+    probe's re-read time alone times ``DHA_VIEW_CONTENTION`` (the host optimizer reads the same
+    memory in such steps); a streamed host_linear block is not."""
+    from strategies.memferry.block_costs import DHA_VIEW_CONTENTION, option_cost
+
+    prof = h200_profile()
+    blk = prof.blocks[5]
+    alone = max(blk.bwd_s, blk.param_bytes / (H200_LINKS.dha_read_GBps * 1e9)) * H200_LINKS.dha_penalty(prof.tokens)
+    assert DHA_VIEW_CONTENTION > 1
+    assert option_cost(prof, H200_LINKS, 5, UnitPlan("prefetch", "dha")).b == pytest.approx(alone * DHA_VIEW_CONTENTION)
+    streamed = option_cost(prof, H200_LINKS, 5, UnitPlan("dha", "dha")).b
+    assert streamed < alone  # host_linear streams the weight once: no contention factor on it
+
+
 def test_a_long_model_is_decided_in_groups_and_still_fits_and_beats_uniform_plans():
     """Past GROUP_ABOVE blocks the search decides consecutive blocks together (its work grows
     faster than the block count): the plan is uniform within each group, fits the budget, says

@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from strategies.memferry import pareto  # noqa: E402
+from strategies.memferry import block_costs, pareto  # noqa: E402
 from strategies.memferry.cost import predict, predict_clip_fired  # noqa: E402
 from strategies.memferry.host_calibration import calibrated  # noqa: E402
 from strategies.memferry.links import links_from_probe  # noqa: E402
@@ -69,12 +69,16 @@ def main() -> None:
                     help="the issuing thread's ms per send before a step's last micro-batch (StepProfile.earlier_send_s)")
     ap.add_argument("--flat-sends", action="store_true",
                     help="search with AdamW.flat_sends (the gathered gradients in each block's backward transient)")
+    ap.add_argument("--dha-view-contention", type=float, default=None,
+                    help="price plain kernels over a DHA view at this factor (block_costs.DHA_VIEW_CONTENTION)")
     ap.add_argument("--calibrate", default=None, metavar="UPDATE[,EARLIER]",
                     help="also price each plan on the profile calibrated to a rehearsal's host ratios "
                          "(host_calibration.calibrated: the 'host rate:' line's updates and sums factors)")
     args = ap.parse_args()
     if args.numpy_scan:
         pareto._c_scan = lambda: None
+    if args.dha_view_contention is not None:
+        block_costs.DHA_VIEW_CONTENTION = args.dha_view_contention
     lines = [ln for ln in open(args.log) if ln.startswith(PREFIX)]
     if not lines:
         sys.exit(f"error: {args.log} has no '{PREFIX.strip()}' line; give the log of a MemFerry row with plan=auto")
@@ -90,8 +94,8 @@ def main() -> None:
     ratios = [float(r) for r in args.calibrate.split(",")] if args.calibrate else None
     print("| host scale | search (s) | predicted step (ms) | " + ("after a clipped step (ms) | " if clipped else "")
           + (f"calibrated {args.calibrate} (ms) | " if ratios else "")
-          + "compute chain (ms) | bound | peak GB | activations | device-updated |")
-    print("|---:|---:|---:|" + ("---:|" if clipped else "") + ("---:|" if ratios else "") + "---:|---|---:|---|---:|")
+          + "compute chain (ms) | bound | peak GB | activations | device-updated | DHA backward only |")
+    print("|---:|---:|---:|" + ("---:|" if clipped else "") + ("---:|" if ratios else "") + "---:|---|---:|---|---:|---:|")
     said: list[str] = []  # the clip-aware choice's notes, after the table
     for scale in (float(s) for s in args.host_scale.split(",")):
         profile, p = scaled(base, probe, scale)
@@ -108,7 +112,8 @@ def main() -> None:
             fired += f"{predict(plan, calibrated(profile, *ratios), links, margin=args.margin).step_s * 1e3:.1f} | "
         print(f"| {scale:g} | {took:.1f} | {pr.step_s * 1e3:.1f} | {fired}{pr.compute_s * 1e3:.1f} | {pr.bound} | "
               f"{pr.peak_bytes / 1e9:.2f} | {kinds} | "
-              f"{sum(u.optimizer == 'device' for u in plan.units)} |", flush=True)
+              f"{sum(u.optimizer == 'device' for u in plan.units)} | "
+              f"{sum(u.backward == 'dha' and u.forward != 'dha' for u in plan.units)} |", flush=True)
     for note in said:
         print(note)
 

@@ -20,7 +20,8 @@ from .memory_terms import device_bytes_per_param, device_sum_bytes, grads_persis
 if TYPE_CHECKING:
     from .profiler import BlockProfile, StepProfile
 
-__all__ = ["OptionCost", "option_cost", "sums_on_host_by_choice", "STREAM_OVERHEAD", "DEVICE_ADD_SHARE", "RING_SERIAL"]
+__all__ = ["OptionCost", "option_cost", "sums_on_host_by_choice", "STREAM_OVERHEAD", "DEVICE_ADD_SHARE", "RING_SERIAL",
+           "DHA_VIEW_CONTENTION"]
 
 
 @dataclass(frozen=True)
@@ -81,15 +82,23 @@ DEVICE_ADD_SHARE = 0.25
 #: measured at M = 1024 / 4096 / 16384, 3.0 / 3.5 / 7.4 ms modelled (diag_dha_linear.py,
 #: 2026-12-01).
 RING_SERIAL = 0.5
+#: Plain kernels over a DHA view (a block DHA only in backward) in a step, against the probe's
+#: rate alone: their re-reads of host memory meet the host optimizer's (a DHA block is host-
+#: updated, so such a step always updates on the host). On the H200 the three 8 GB plans with
+#: such a block ran 14-28 % over their predictions, by about the block's whole predicted backward
+#: (65 and 69 ms predicted; the steps 45 and 66 ms over), while plans without one came within
+#: 1-7 % (sessions 12, 18, 26; bench/results/2026-12-04-h200-session26/README.md).
+DHA_VIEW_CONTENTION = 2.0
 
 
 def _mode_time(mode: str, base: float, nbytes: int, links: Links, penalty: float) -> float:
-    """A pass of plain kernels whose weights are bound in ``mode``."""
+    """A pass of plain kernels whose weights are bound in ``mode`` (DHA: re-read from host
+    memory per tile, ``penalty``, beside the host optimizer: :data:`DHA_VIEW_CONTENTION`)."""
     if mode != "dha":
         return base
     if not links.dha_read_GBps:
         return math.inf  # no DHA here: never chosen
-    return max(base, nbytes / (links.dha_read_GBps * 1e9)) * penalty
+    return max(base, nbytes / (links.dha_read_GBps * 1e9)) * penalty * DHA_VIEW_CONTENTION
 
 
 def _ring_bytes(tokens: int) -> int:
