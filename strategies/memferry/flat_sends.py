@@ -8,10 +8,12 @@ bytes took 0.05-0.06 ms (``diag_grad_post.py``, form ``flat``). A plan summing o
 every block's gradients in every micro-batch, on the thread that issues the step's kernels.
 
 With ``AdamW.flat_sends`` the gradients are first gathered on the device, in one fused copy on
-the compute stream, into a buffer laid out as their host targets are, and the buffer goes home in
-one copy. The price: that fused copy (the unit's gradient bytes read and written once more in
-device memory) and one unit's gradients more of device memory until the copy home ends, which
-the cost model counts in the block's backward transient (``block_costs.option_cost``).
+the device→host stream (after the compute that made them, beside the next block's), into a
+buffer laid out as their host targets are, and the buffer goes home in one copy. The price: that
+fused copy (the unit's gradient bytes read and written once more in device memory, tens of
+microseconds off the compute stream) and one unit's gradients more of device memory until the
+copy home ends, which the cost model counts in the block's backward transient
+(``block_costs.option_cost``).
 """
 from __future__ import annotations
 

@@ -82,19 +82,22 @@ class GradientPost:
         if final and self.clip is not None:
             with self.b.device_scope(self.dev):
                 self.clip.add(index, sources)  # the step's whole gradient (one micro-batch, or the device's sum)
-        if self.flat and (span := host_span(targets)) is not None:
-            with self.b.device_scope(self.dev):  # on the compute stream, before the copies wait for it
-                sources, targets = [gather(self.b, sources, self.dev, span.dtype)], [span]
+        span = host_span(targets) if self.flat else None
         computed = self.b.event()
         computed.record(compute)
         self.d2h.wait_event(computed)
         t1 = time.perf_counter()
         with self.b.device_scope(self.dev), self.b.use_stream(self.d2h):
+            read = sources  # what d2h reads of the compute stream's: by the copies, or by the gather
+            if span is not None:
+                # Gathered on d2h (after the compute that made them, beside the next block's),
+                # in a buffer of d2h's own: one copy home instead of one per tensor.
+                sources, targets = [gather(self.b, sources, self.dev, span.dtype)], [span]
             # One call for the unit's tensors (already on d2h): alone, a copy per tensor cost the
             # thread 526 us a block, one call 145 (diag_grad_post.py); host-summing plans send
             # in every micro-batch.
             self.b.copy_many(targets, sources)
-            for g in sources:
+            for g in read:
                 self.b.keep_alive(g, self.d2h)
             if final and self.clip is not None:
                 self.clip.send_running_sum(index, self.d2h)
