@@ -203,6 +203,18 @@ def test_memory_stats_follow_allocations(backend):
     assert after.peak_allocated >= before.allocated + (4 << 20)
 
 
+def test_release_cache_leaves_reserved_at_what_is_in_use_and_live_tensors_intact(backend):
+    keep = backend.to_device(torch.arange(1 << 16, dtype=torch.float32), 0)
+    freed = backend.empty(8 << 20, torch.uint8, 0)
+    del freed  # cached by a caching allocator, gone on a virtual device
+    backend.release_cache(0)
+    backend.reset_peak_memory(0)
+    stats = backend.memory_stats(0)
+    assert stats.peak_reserved == stats.reserved  # the peak starts afresh from here
+    assert stats.reserved < stats.allocated + (8 << 20)  # the freed 8 MiB is no longer held
+    assert torch.equal(keep.cpu(), torch.arange(1 << 16, dtype=torch.float32))
+
+
 def test_memory_cap_makes_a_smaller_device(backend):
     free, total = backend.mem_info(0)
     assert 0 <= free <= total
