@@ -18,9 +18,10 @@ The step, as the executor runs it (``executor.py``), in steady state:
   weight in and its gradient home through the ring overlap on the full-duplex link, fitted on
   the H200: ``RING_SERIAL``); at small M it is
   read in place, ``max(compute, bytes / dha rate)``. Plain kernels over a DHA view (a block
-  DHA only in backward, with recompute) cost ``max(compute, bytes / dha rate) * penalty(M)``,
-  the penalty from the probe's ``dha_matmul`` rows (cuBLAS re-reads host weights per output
-  tile: docs/design.md §3). The first block's copy is not overlapped.
+  DHA only in backward, with recompute) cost ``max(compute, bytes / dha rate) * penalty(M)``
+  times ``DHA_VIEW_CONTENTION``, the penalty from the probe's ``dha_matmul`` rows (cuBLAS
+  re-reads host weights per output tile: docs/design.md §3), the factor for the host optimizer
+  reading the same memory in such steps (``block_costs.py``). The first block's copy is not overlapped.
 * **rest** (embeddings, head, loss) forward + backward between the passes: ``t_rest``.
 * **backward**, blocks ``N-1..0``: ``psi_i = max(b_i, y_{i-1})`` with ``b`` recompute (in the
   backward mode; the forward as autograd issues it, ``BlockProfile.recompute_time``) + backward
