@@ -106,11 +106,11 @@ def main() -> None:
         pr = predict(plan, profile, links, margin=args.margin)
         acts = [u.activations for u in plan.units]
         kinds = ", ".join(f"{acts.count(a)} {a}" for a in sorted(set(acts)))
-        fired = f"{predict_clip_fired(plan, profile, links, margin=args.margin).step_s * 1e3:.1f} | " if clipped else ""
+        extra = f"{predict_clip_fired(plan, profile, links, margin=args.margin).step_s * 1e3:.1f} | " if clipped else ""
         said += [n for n in plan.notes if "clip_fire_rate" in n]
         if ratios:  # the same plan, priced as the rehearsal's host-rate check prices it (rehearsal.py)
-            fired += f"{predict(plan, calibrated(profile, *ratios), links, margin=args.margin).step_s * 1e3:.1f} | "
-        print(f"| {scale:g} | {took:.1f} | {pr.step_s * 1e3:.1f} | {fired}{pr.compute_s * 1e3:.1f} | {pr.bound} | "
+            extra += f"{predict(plan, calibrated(profile, *ratios), links, margin=args.margin).step_s * 1e3:.1f} | "
+        print(f"| {scale:g} | {took:.1f} | {pr.step_s * 1e3:.1f} | {extra}{pr.compute_s * 1e3:.1f} | {pr.bound} | "
               f"{pr.peak_bytes / 1e9:.2f} | {kinds} | "
               f"{sum(u.optimizer == 'device' for u in plan.units)} | "
               f"{sum(u.backward == 'dha' and u.forward != 'dha' for u in plan.units)} |", flush=True)
