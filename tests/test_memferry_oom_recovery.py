@@ -67,8 +67,10 @@ def test_a_step_out_of_memory_is_planned_again_and_trains_as_if_it_had_not_faile
     clean.close()
     faulty = MemFerryEngine(_engine(cpu_backend, plan, budget, compute_dtype))
     _fail_once(monkeypatch, at_forward=4)  # step 2's second micro-batch: its first backward has summed already
+    released = []
+    monkeypatch.setattr(type(cpu_backend), "release_cache", lambda self, device=None: released.append(device))
     got = _train(faulty)
-    assert faulty.replans == 1
+    assert faulty.replans == 1 and released == [0]  # the failed step's cache given back before the re-run
     assert faulty.engine._setup["memory_margin"] == pytest.approx(0.05)
     said = [n for n in faulty.engine.plan.notes if n.startswith("out of memory in a step (CUDA out of memory")]
     assert len(said) == 1 and "planned again with a 5% memory margin" in said[0], faulty.engine.plan.notes

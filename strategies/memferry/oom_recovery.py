@@ -6,7 +6,7 @@ rehearsal reserved 17.2 GB of the 17.54 it was held to ran out in its second ste
 reserved but unallocated (the caching allocator's fragmentation grew over steps; session 23).
 :func:`replan_after_oom` turns such an error into a re-plan: the engine keeps the weights and
 optimizer state the step started from (no update of the step has begun), gives its buffers
-back, and is built again for the plan the scheduler makes from the same profile with the memory
+back (and the allocator its cache: ``Backend.release_cache``), and is built again for the plan the scheduler makes from the same profile with the memory
 margin raised by :data:`~.rehearsal.MARGIN_STEP`, its allocator capped at the budget (the old
 prediction was just shown short, and the new plan is not rehearsed); the caller then runs the
 step again from its first micro-batch. The training loop's MemFerry
@@ -109,6 +109,7 @@ def replan_after_oom(engine: "MemFerry", error: BaseException | str) -> str:
     _rebuild(engine, plan, state["model"])  # one copy of the weights: the model is restored from the state kept
     engine.load_state_dict(state)
     del state
+    backend.release_cache(device)  # the failed step's cached fragments: the new plan starts from what is in use
     engine._handle = handle  # an LR scheduler's optimizer stays this engine's
     engine.set_lr(lr)
     setup["memory_margin"] = margin
