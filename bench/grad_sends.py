@@ -9,16 +9,19 @@ from typing import Any
 
 import torch
 
+from strategies.memferry.config import AdamW
 from strategies.models import build_model
 
 __all__ = ["BlockGradients", "Submitted", "block_gradients"]
 
 
 class Submitted:
-    """Stands in for the host optimizer: ``submit`` queues, as the real one does."""
+    """Stands in for the host optimizer: ``submit`` queues, as the real one does; ``cfg`` is the
+    optimizer's settings ``GradientPost`` reads (the landing wait, flat sends)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cfg: AdamW | None = None) -> None:
         self.tasks: queue.Queue = queue.Queue()
+        self.cfg = cfg or AdamW()
 
     def submit(self, index, ready, final=True, landed=None, summed=False, zone=0) -> None:  # noqa: D102
         self.tasks.put(("grad", index, (ready, final, landed, summed, zone)))

@@ -54,9 +54,12 @@ def test_other_threads_runtime_calls_are_measured_where_they_overlap_the_sends(t
 
 
 def test_a_real_send_is_named_in_a_profile(trace_sends, cpu_backend, tmp_path):
+    from strategies.memferry.config import AdamW
     from strategies.memferry.grad_post import GradientPost
 
     class _Opt:
+        cfg = AdamW()  # what GradientPost reads of the optimizer's settings
+
         def submit(self, *args, **kwargs):
             self.args = args
 

@@ -36,6 +36,7 @@ import torch
 
 import xpu
 from bench.grad_sends import Submitted, block_gradients
+from strategies.memferry.config import AdamW
 from strategies.memferry.grad_post import GradientPost
 
 
@@ -43,9 +44,16 @@ def _pieces(b: xpu.Backend, hidden: int, heads: int) -> dict[str, tuple[Callable
     """Each piece: (one repetition, whether it repeats ``inner`` times)."""
     grads = block_gradients(b, hidden, heads)
     sources, targets = grads.sources, grads.targets
-    d2h, opt = b.stream(0), Submitted()
-    post = GradientPost(b, 0, d2h, opt)  # type: ignore[arg-type]
-    post_flat = GradientPost(b, 0, d2h, opt, flat=True)  # type: ignore[arg-type]
+    d2h = b.stream(0)
+
+    def sending(flat: bool) -> Callable[[], None]:  # GradientPost.send, per tensor or flat
+        opt = Submitted(AdamW(flat_sends=flat))
+        post = GradientPost(b, 0, d2h, opt)  # type: ignore[arg-type]
+
+        def send() -> None:
+            post.send(0, sources, targets, final=False)
+            opt.drain()
+        return send
 
     def python() -> None:
         x = 0
@@ -71,19 +79,11 @@ def _pieces(b: xpu.Backend, hidden: int, heads: int) -> dict[str, tuple[Callable
         with b.device_scope(0), b.use_stream(d2h):
             b.copy_many(targets, sources)
 
-    def send() -> None:
-        post.send(0, sources, targets, final=False)
-        opt.drain()
-
-    def send_flat() -> None:
-        post_flat.send(0, sources, targets, final=False)
-        opt.drain()
-
     return {"python": (python, True), "clock": (time.thread_time, True),
             "empty": (lambda: torch.empty(0), True), "event": (event, True),
             "stream_ctx": (stream_ctx, True), "device_ctx": (device_ctx, True),
-            "record_fn": (record_fn, True), "copy_many": (copy_many, False), "send": (send, False),
-            "send_flat": (send_flat, False)}
+            "record_fn": (record_fn, True), "copy_many": (copy_many, False), "send": (sending(False), False),
+            "send_flat": (sending(True), False)}
 
 
 def _timed(fn: Callable[[], None], inner: int) -> float:

@@ -107,8 +107,7 @@ class Executor:
         self._param_unit: dict[int, tuple[UnitShadow, int]] = {}
         self._handles: list[Any] = []
         self.bytes_h2d = 0
-        self.post = GradientPost(backend, device, self.d2h, optimizer, clip, optimizer.cfg.landing_wait == "sleep",
-                                 optimizer.cfg.flat_sends)
+        self.post = GradientPost(backend, device, self.d2h, optimizer, clip)
         #: traffic of DHA blocks' streamed linears (weights in, gradients written home)
         self.dha_counter = TransferCounter()
         self._routed: dict[int, set[int]] = {}  # unit index -> ids of weights whose gradient host_linear writes

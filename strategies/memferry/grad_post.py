@@ -29,18 +29,18 @@ class GradientPost:
     Args:
         backend, device: where the gradients are.
         d2h: the device→host copy stream.
-        optimizer: the host optimizer the gradients are submitted to.
+        optimizer: the host optimizer the gradients are submitted to; its ``cfg`` (``AdamW``)
+            says how: ``landing_wait="sleep"`` makes the landing events blocking-sync (the worker
+            waiting on one sleeps instead of spinning), ``flat_sends`` gathers a unit's gradients
+            into one device buffer sent home in one copy where their targets lie back to back
+            (``flat_sends.py``).
         clip: global-norm clipping (None without ``max_grad_norm``).
-        sleep: the landing events are blocking-sync (``AdamW.landing_wait="sleep"``): the
-            worker waiting on one sleeps instead of spinning.
-        flat: gather a unit's gradients into one device buffer and send it home in one copy
-            where their targets lie back to back (``AdamW.flat_sends``; ``flat_sends.py``).
     """
 
     def __init__(self, backend: Backend, device: int, d2h: Any, optimizer: HostOptimizer,
-                 clip: GlobalNormClip | None = None, sleep: bool = False, flat: bool = False) -> None:
+                 clip: GlobalNormClip | None = None) -> None:
         self.b, self.dev, self.d2h, self.opt, self.clip = backend, device, d2h, optimizer, clip
-        self.sleep, self.flat = sleep, flat
+        self.sleep, self.flat = optimizer.cfg.landing_wait == "sleep", optimizer.cfg.flat_sends
         #: bytes copied home so far
         self.bytes = 0
         #: seconds the training thread spent in :meth:`send` so far (queuing is all it should do:
