@@ -26,9 +26,12 @@ Options:
         accumulation, rehearse the scheduler's pick against its best plan summing micro-batches
         on the other side (host or device) and keep the faster, or keep the pick. For an A/B of
         what the race gains.
-    loss_chunks: compute the model's loss over this many token slices, each slice's logits
-        recomputed in backward (``CausalLM.loss_chunks``): frees the fp32 logits' memory for
-        the scheduler to spend on device-homed blocks. 1: the model as the baselines run it.
+    loss_chunks: compute the model's loss over this many token slices (``CausalLM.loss_chunks``):
+        frees the fp32 logits' memory for the scheduler to spend on device-homed blocks. 1: the
+        model as the baselines run it.
+    loss_grad_in_forward: ``true`` (default): each slice's gradients made in forward, the head
+        run once per slice; ``false``: each slice recomputed in backward
+        (``CausalLM.loss_grad_in_forward``, :mod:`strategies.models.sliced_loss`). For an A/B.
     lora: ``{r, alpha, dropout, target_modules}`` (model family ``hf``): peft LoRA adapters on
         the scenario's model, base weights frozen (homed and moved, no optimizer state), through
         the ``hf`` family's own ``lora`` key (:mod:`strategies.models.hf`). None: full fine-tuning.
@@ -92,6 +95,7 @@ class MemFerrySystem(BenchSystem):
             raise ValueError(f"memferry: loss_chunks must be >= 1 and needs a model with sliced-loss support, got {chunks}")
         if chunks > 1:
             model.loss_chunks = chunks
+            model.loss_grad_in_forward = bool(ctx.options.get("loss_grad_in_forward", True))
         self._optimizer_alone = measure == "host-optimizer"
         spec = "prefetch" if self._optimizer_alone else ctx.options["plan"]
         cfg = AdamW(**ctx.adamw_kwargs(), max_grad_norm=ctx.options["max_grad_norm"],

@@ -63,13 +63,13 @@ def loss_peak_estimate(tokens: int, vocab: int, hidden: int, chunks: int = 1, dt
     """Device bytes the head and loss add at their peak, from their shapes: an upper estimate
     of what the profiler measures (on the tiny test models it is 5-50 % above the measured).
 
-    The account, for ``chunks`` token slices (``loss_chunks``; each slice's logits recomputed
-    in backward): one slice's logits in fp32, their log-softmax and their gradient (3 x 4 B
-    per logit), plus the compute-dtype logits and their gradient where that is not fp32; the
-    head weight's gradient, one slice's contribution to it before accumulation, and (tied
-    to the input embedding) the lookup's dense gradient (3 x vocab x hidden in the compute
-    dtype); the final hidden states and their gradient (2 x tokens x
-    hidden). The head's weights themselves are the ``rest`` unit's, always resident on the
+    The account, for ``chunks`` token slices (``loss_chunks``; each slice's logits made again
+    in backward, or its gradients made in forward): one slice's logits in fp32, their
+    log-softmax and their gradient (3 x 4 B per logit), plus the compute-dtype logits and their
+    gradient where that is not fp32; the head weight's gradient, one slice's contribution to it
+    before accumulation, and (tied to the input embedding) the lookup's dense gradient (3 x
+    vocab x hidden in the compute dtype); the final hidden states and their gradient (2 x
+    tokens x hidden). The head's weights themselves are the ``rest`` unit's, always resident on the
     device (counted apart, with ``rest_param_bytes``).
     """
     chunks = max(1, min(int(chunks), int(tokens)))

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .sliced_loss import sliced_loss_sum
+
 __all__ = ["CausalLM", "RMSNorm", "Linear", "Embedding", "INIT_STD"]
 
 INIT_STD = 0.02
@@ -63,6 +65,11 @@ class CausalLM(nn.Module):
         #: gradient (3 x 1 GB at batch 8 x 1024, vocab 32000) then exist one slice at a time.
         #: Same loss up to summation order. 1: off (logits computed whole, as the anchors).
         self.loss_chunks = 1
+        #: With ``loss_chunks`` above 1 in training: each slice's gradients made in forward, so
+        #: the head runs once per slice instead of again in backward (:mod:`.sliced_loss`;
+        #: bit-equal when the loss's gradient scale is 1/N with N a power of two). False:
+        #: recompute each slice in backward (needed to backward twice through one forward).
+        self.loss_grad_in_forward = True
 
     def _run_blocks(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -96,9 +103,12 @@ class CausalLM(nn.Module):
     def _chunked_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         h, t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
         recompute = self.training and torch.is_grad_enabled()
+        count = (t != -100).sum().clamp(min=1)
+        if recompute and self.loss_grad_in_forward:
+            return sliced_loss_sum(self._slice_loss_sum, self.head, h, t, self.loss_chunks, count) / count
         total = h.new_zeros((), dtype=torch.float32)
         for hc, tc in zip(h.chunk(self.loss_chunks), t.chunk(self.loss_chunks)):
             part = checkpoint(self._slice_loss_sum, hc, tc, use_reentrant=False) if recompute else self._slice_loss_sum(hc, tc)
             total = total + part
-        return total / (t != -100).sum().clamp(min=1)  # mean over counted targets, as cross_entropy's default
+        return total / count  # mean over counted targets, as cross_entropy's default
 
