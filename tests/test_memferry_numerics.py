@@ -191,15 +191,16 @@ def test_bad_plans_are_refused_before_anything_changes(cpu_backend):
     assert all(p.device.type == "cpu" for p in model.parameters())
 
 
-def test_sliced_loss_model_trains_exactly(cpu_backend):
-    """The benchmark GPT with its loss in recomputed slices (the head runs again inside
-    backward, while the rest unit is loaded) still trains as plain PyTorch does."""
+@pytest.mark.parametrize("in_forward", [True, False], ids=["grad-in-forward", "recomputed"])
+def test_sliced_loss_model_trains_exactly(cpu_backend, in_forward):
+    """The benchmark GPT with its loss in slices (each slice's gradients made in forward, or the
+    head run again inside backward while the rest unit is loaded) still trains as plain PyTorch does."""
     from strategies.models import build_model
 
     torch.manual_seed(0)
     # no biases: the key bias's gradient is rounding noise (see Block above)
     model = build_model("gpt", layers=3, hidden=32, heads=4, vocab=64, seq=16, bias=False)
-    model.loss_chunks = 4
+    model.loss_chunks, model.loss_grad_in_forward = 4, in_forward
     cfg = AdamW(lr=3e-3, weight_decay=0.1)
     data = batches(8, seed=5)
     ref_losses, ref = reference_self_loss(model, data, cfg)

@@ -121,7 +121,8 @@ class MemFerrySystem(BenchSystem):
             ctx.backend.set_memory_cap(ctx.device_index, cap)
         self._accumulation = ctx.accumulation_steps
         self._plan_note = f"plan={spec}, host kernel {self.engine.optimizer.kernel.name}" + (
-            f", loss in {chunks} recomputed slices" if chunks > 1 else "")
+            f", loss in {chunks} slices ({'gradients in forward' if model.loss_grad_in_forward else 'recomputed'})"
+            if chunks > 1 else "")
         if ctx.accumulation_steps > 1:
             self._plan_note += f", {ctx.accumulation_steps} micro-batches per step"
         if lora is not None:

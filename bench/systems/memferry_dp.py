@@ -192,7 +192,7 @@ class MemFerryDPSystem(DataParallelRows, BenchSystem):
         text = (f"ranks={job.ranks} (micro-batch {job.micro_batch} per rank), plan={job.plan}, "
                 f"host kernel {getattr(self, '_kernel', '?')}")
         if job.loss_chunks > 1:
-            text += f", loss in {job.loss_chunks} recomputed slices"
+            text += f", loss in {job.loss_chunks} slices (gradients in forward)"
         if job.plan == "auto" and getattr(self, "_predicted", None) is not None:
             text += f" (predicted {self._predicted:.3f} s)"
         text += peaks_text(self._peaks)
