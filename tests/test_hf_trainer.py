@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 from strategies.memferry import AdamW, MemFerry, Plan, UnitPlan  # noqa: E402
 from strategies.memferry.accumulation import AccumulationError  # noqa: E402
 from strategies.memferry.hf_trainer import MemFerryModel, memferry_trainer  # noqa: E402
+from strategies.models.hf_sliced_loss import slice_hf_loss  # noqa: E402
 
 LR, WD, STEPS, BATCH = 3e-3, 0.1, 4, 2
 
@@ -68,7 +69,7 @@ def _logged(trainer, key):
     return [row[key] for row in trainer.state.log_history if key in row]
 
 
-def _compare(backend, tmp_path, plan, ga, use_cpu=True):
+def _compare(backend, tmp_path, plan, ga, use_cpu=True, sliced=False):
     model = tiny_llama()
     data, held_out = FixedBatches(STEPS * ga * BATCH), FixedBatches(6, seed=2)
     evals = dict(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)  # evaluate() amid training
@@ -76,7 +77,8 @@ def _compare(backend, tmp_path, plan, ga, use_cpu=True):
     theirs = transformers.Trainer(model=ref, args=_args(tmp_path / "ref", ga, 1.0, use_cpu=use_cpu, **evals),
                                   train_dataset=data, eval_dataset=held_out)
     theirs.train()
-    engine = MemFerry(copy.deepcopy(model), optim=AdamW(lr=LR, weight_decay=WD, max_grad_norm=1.0), plan=PLANS[plan],
+    mine = slice_hf_loss(copy.deepcopy(model), 3) if sliced else copy.deepcopy(model)
+    engine = MemFerry(mine, optim=AdamW(lr=LR, weight_decay=WD, max_grad_norm=1.0), plan=PLANS[plan],
                       backend=backend, accumulation_steps=ga)
     ours = memferry_trainer(engine, _args(tmp_path / "mf", ga, 0.0, use_cpu=use_cpu, **evals), train_dataset=data,
                             eval_dataset=held_out)
@@ -100,9 +102,11 @@ def _compare(backend, tmp_path, plan, ga, use_cpu=True):
         torch.testing.assert_close(state["model"][name], p.detach().cpu(), atol=1e-5, rtol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("plan, ga", [("prefetch", 2), ("device", 4)])
-def test_trainer_with_memferry_equals_trainer_with_torch_adamw(cpu_backend, tmp_path, plan, ga):
-    _compare(cpu_backend, tmp_path, plan, ga)
+@pytest.mark.parametrize("plan, ga, sliced", [("prefetch", 2, False), ("device", 4, False), ("prefetch", 2, True)])
+def test_trainer_with_memferry_equals_trainer_with_torch_adamw(cpu_backend, tmp_path, plan, ga, sliced):
+    """``sliced``: the MemFerry side's loss over token slices (``slice_hf_loss``), Trainer's
+    ``num_items_in_batch`` scaling included, against the reference's whole logits."""
+    _compare(cpu_backend, tmp_path, plan, ga, sliced=sliced)
 
 
 @pytest.mark.gpu
