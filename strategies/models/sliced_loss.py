@@ -87,7 +87,8 @@ class _SlicedLoss(torch.autograd.Function):
     def backward(ctx, grad_total: torch.Tensor):  # type: ignore[override]
         if ctx.grads is None:
             raise RuntimeError("the sliced loss's gradients were made in forward and are given out once: to run "
-                               "backward twice through it (retain_graph), set model.loss_grad_in_forward = False")
+                               "backward twice through one forward (retain_graph), recompute the slices instead "
+                               "(a CausalLM: model.loss_grad_in_forward = False)")
         grads, ctx.grads = ctx.grads, None
         ratio = grad_total / ctx.scale  # 1 for loss.backward(); 1/N for (loss / N).backward()
         out = [g.mul_(ratio) if g is not None else None for g in grads]
