@@ -74,13 +74,20 @@ def test_a_lora_model_slices_through_peft():
         torch.testing.assert_close(g, a[1][name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_without_labels_or_in_eval_the_model_s_own_forward_runs():
-    model = slice_hf_loss(tiny(), 4)
+def test_without_labels_or_gradients_the_model_s_own_forward_runs_unless_told():
+    model = tiny()
+    own = slice_hf_loss(copy.deepcopy(model), 4)
     ids, labels = batch()
-    assert model(input_ids=ids).logits.shape == (3, 16, VOCAB)
-    model.eval()
-    out = model(input_ids=ids, labels=labels)
-    assert out.logits.shape == (3, 16, VOCAB) and out.loss is not None
+    assert own(input_ids=ids).logits.shape == (3, 16, VOCAB)
+    own.eval()
+    with torch.no_grad():
+        whole = own(input_ids=ids, labels=labels)
+    assert whole.logits.shape == (3, 16, VOCAB)
+    loss_only = slice_hf_loss(copy.deepcopy(model), 4, eval_logits=False).eval()
+    with torch.no_grad():
+        out = loss_only(input_ids=ids, labels=labels)
+    assert "logits" not in out
+    torch.testing.assert_close(out.loss, whole.loss, rtol=1e-6, atol=0)
 
 
 def _scaling_its_logits():

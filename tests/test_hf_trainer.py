@@ -73,11 +73,13 @@ def _compare(backend, tmp_path, plan, ga, use_cpu=True, sliced=False):
     model = tiny_llama()
     data, held_out = FixedBatches(STEPS * ga * BATCH), FixedBatches(6, seed=2)
     evals = dict(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)  # evaluate() amid training
+    if sliced == "eval-too":  # evaluation of the loss alone, sliced as well
+        evals["prediction_loss_only"] = True
     ref = copy.deepcopy(model)
     theirs = transformers.Trainer(model=ref, args=_args(tmp_path / "ref", ga, 1.0, use_cpu=use_cpu, **evals),
                                   train_dataset=data, eval_dataset=held_out)
     theirs.train()
-    mine = slice_hf_loss(copy.deepcopy(model), 3) if sliced else copy.deepcopy(model)
+    mine = slice_hf_loss(copy.deepcopy(model), 3, eval_logits=sliced != "eval-too") if sliced else copy.deepcopy(model)
     engine = MemFerry(mine, optim=AdamW(lr=LR, weight_decay=WD, max_grad_norm=1.0), plan=PLANS[plan],
                       backend=backend, accumulation_steps=ga)
     ours = memferry_trainer(engine, _args(tmp_path / "mf", ga, 0.0, use_cpu=use_cpu, **evals), train_dataset=data,
@@ -102,10 +104,12 @@ def _compare(backend, tmp_path, plan, ga, use_cpu=True, sliced=False):
         torch.testing.assert_close(state["model"][name], p.detach().cpu(), atol=1e-5, rtol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("plan, ga, sliced", [("prefetch", 2, False), ("device", 4, False), ("prefetch", 2, True)])
+@pytest.mark.parametrize("plan, ga, sliced", [("prefetch", 2, False), ("device", 4, False), ("prefetch", 2, "train"),
+                                            ("device", 4, "eval-too")])
 def test_trainer_with_memferry_equals_trainer_with_torch_adamw(cpu_backend, tmp_path, plan, ga, sliced):
-    """``sliced``: the MemFerry side's loss over token slices (``slice_hf_loss``), Trainer's
-    ``num_items_in_batch`` scaling included, against the reference's whole logits."""
+    """``sliced``: the MemFerry side's training loss over token slices (``slice_hf_loss``),
+    Trainer's ``num_items_in_batch`` scaling included, against the reference's whole logits;
+    ``eval-too``: its loss-only evaluation sliced as well (``eval_logits=False``)."""
     _compare(cpu_backend, tmp_path, plan, ga, sliced=sliced)
 
 

@@ -8,8 +8,10 @@ loss as its ``ForCausalLMLoss`` (labels shifted left, -100 ignored, the mean ove
 or the sum over ``num_items_in_batch`` where Trainer gives it) from the decoder's final hidden
 states, through the output embedding, in ``chunks`` token slices whose gradients are made in
 forward (:mod:`.sliced_loss`): no slice's logits outlive it, and the head runs once per slice.
-The same loss up to summation order. Without labels, without gradients or in eval mode (Trainer's
-evaluation asks for logits) the model's own forward runs.
+The same loss up to summation order. Without labels the model's own forward runs, and so it does
+without gradients (Trainer's evaluation, which may read the logits) unless ``eval_logits=False``:
+then the loss alone, over slices, for a loss-only evaluation (``TrainingArguments(
+prediction_loss_only=True)``) that must fit where training does.
 """
 from __future__ import annotations
 
@@ -27,9 +29,10 @@ __all__ = ["slice_hf_loss"]
 IGNORE = -100  # ForCausalLMLoss's ignore_index
 
 
-def slice_hf_loss(model: nn.Module, chunks: int) -> nn.Module:
+def slice_hf_loss(model: nn.Module, chunks: int, eval_logits: bool = True) -> nn.Module:
     """Make ``model`` (a ``transformers`` causal LM, or a peft model around one) compute its
     training loss over ``chunks`` token slices (see the module docstring); returns ``model``.
+    ``eval_logits=False``: without gradients too, and then the output has no logits.
 
     Checked first, on four tokens: the model's logits must be its output embedding of the
     decoder's final hidden states (a model that scales or soft-caps them, as Gemma 2 and Cohere
@@ -42,7 +45,7 @@ def slice_hf_loss(model: nn.Module, chunks: int) -> nn.Module:
         raise ValueError(f"chunks must be a positive integer (token slices of the loss), got {chunks!r}")
     lm = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     _check_sliceable(lm)
-    lm.loss_chunks = chunks
+    lm.loss_chunks, lm.sliced_eval_logits = chunks, bool(eval_logits)
     lm.forward = types.MethodType(_sliced_forward, lm)  # peft's forward calls this one too
     return model
 
@@ -80,8 +83,9 @@ def _check_sliceable(lm: nn.Module) -> None:
 
 def _sliced_forward(self: nn.Module, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                     **kwargs: Any) -> Any:
-    """The model's forward, with the training loss over ``self.loss_chunks`` token slices."""
-    if labels is None or not self.training or not torch.is_grad_enabled():
+    """The model's forward, with the loss over ``self.loss_chunks`` token slices."""
+    grad = torch.is_grad_enabled()
+    if labels is None or (not grad and self.sliced_eval_logits):
         return type(self).forward(self, input_ids=input_ids, labels=labels, **kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -101,5 +105,8 @@ def _sliced_forward(self: nn.Module, input_ids: torch.Tensor | None = None, labe
     def slice_loss(hs: torch.Tensor, ts: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(head(hs).float(), ts, ignore_index=IGNORE, reduction="sum")
 
-    total = sliced_loss_sum(slice_loss, head, h, t, self.loss_chunks, denominator)
+    if grad:
+        total = sliced_loss_sum(slice_loss, head, h, t, self.loss_chunks, denominator)
+    else:
+        total = sum(slice_loss(hs, ts) for hs, ts in zip(h.chunk(self.loss_chunks), t.chunk(self.loss_chunks)))
     return CausalLMOutputWithPast(loss=total / denominator)
