@@ -245,3 +245,25 @@ def test_engine_backward_of_a_loss_from_elsewhere_is_refused(cpu_backend):
     with pytest.raises(AccumulationError, match="does not come from the engine's grad-enabled forward"):
         engine.backward(torch.ones(2, requires_grad=True).sum())
     engine.close()
+
+
+def test_the_trainer_example_trains_saves_and_reloads_equal(cpu_backend, tmp_path, capsys):
+    """examples/finetune/trainer_memferry.py on make_tiny_model.py's stand-in, LoRA: the adapter
+    folder it saves, loaded with ``from_pretrained``, gives the engine's loss."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    def example(name):
+        path = Path(__file__).resolve().parents[1] / "examples" / "finetune" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    pytest.importorskip("peft")
+    example("make_tiny_model").main([str(tmp_path / "tiny"), "--layers", "2"])
+    example("trainer_memferry").main([str(tmp_path / "tiny"), "--steps", "2", "--accum", "2", "--lora"])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    theirs, ours = re.search(r"loss (\S+) on the first batch \(the engine's: (\S+)\)", line).groups()
+    assert theirs == ours and (tmp_path / "tiny" / "trainer-out" / "final" / "adapter_config.json").is_file()
