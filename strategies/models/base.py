@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .sliced_loss import sliced_loss_sum
+from .sliced_loss import sliced_loss_sum, summed_slices
 
 __all__ = ["CausalLM", "RMSNorm", "Linear", "Embedding", "INIT_STD"]
 
@@ -102,13 +102,11 @@ class CausalLM(nn.Module):
 
     def _chunked_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         h, t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
-        recompute = self.training and torch.is_grad_enabled()
-        count = (t != -100).sum().clamp(min=1)
-        if recompute and self.loss_grad_in_forward:
+        count = (t != -100).sum().clamp(min=1)  # mean over counted targets, as cross_entropy's default
+        if not (self.training and torch.is_grad_enabled()):
+            return summed_slices(self._slice_loss_sum, h, t, self.loss_chunks) / count
+        if self.loss_grad_in_forward:
             return sliced_loss_sum(self._slice_loss_sum, self.head, h, t, self.loss_chunks, count) / count
-        total = h.new_zeros((), dtype=torch.float32)
-        for hc, tc in zip(h.chunk(self.loss_chunks), t.chunk(self.loss_chunks)):
-            part = checkpoint(self._slice_loss_sum, hc, tc, use_reentrant=False) if recompute else self._slice_loss_sum(hc, tc)
-            total = total + part
-        return total / count  # mean over counted targets, as cross_entropy's default
+        return summed_slices(lambda hc, tc: checkpoint(self._slice_loss_sum, hc, tc, use_reentrant=False),
+                             h, t, self.loss_chunks) / count
 

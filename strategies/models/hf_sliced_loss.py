@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .sliced_loss import sliced_loss_sum
+from .sliced_loss import sliced_loss_sum, summed_slices
 
 __all__ = ["slice_hf_loss"]
 
@@ -108,5 +108,5 @@ def _sliced_forward(self: nn.Module, input_ids: torch.Tensor | None = None, labe
     if grad:
         total = sliced_loss_sum(slice_loss, head, h, t, self.loss_chunks, denominator)
     else:
-        total = sum(slice_loss(hs, ts) for hs, ts in zip(h.chunk(self.loss_chunks), t.chunk(self.loss_chunks)))
+        total = summed_slices(slice_loss, h, t, self.loss_chunks)
     return CausalLMOutputWithPast(loss=total / denominator)

@@ -25,9 +25,18 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-__all__ = ["sliced_loss_sum"]
+__all__ = ["sliced_loss_sum", "summed_slices"]
 
 SliceLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def summed_slices(slice_loss: SliceLoss, h: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
+    """The sum over ``chunks`` token slices of ``slice_loss(h_slice, targets_slice)``, in slice
+    order from an fp32 zero, as autograd sees it (``slice_loss`` may wrap itself in a checkpoint)."""
+    total = h.new_zeros((), dtype=torch.float32)
+    for hs, ts in zip(h.chunk(chunks), targets.chunk(chunks)):
+        total = total + slice_loss(hs, ts)
+    return total
 
 
 def sliced_loss_sum(slice_loss: SliceLoss, head: nn.Module, h: torch.Tensor, targets: torch.Tensor,
@@ -77,7 +86,7 @@ class _SlicedLoss(torch.autograd.Function):
                         sums[j] = g if sums[j] is None else sums[j].add_(g)
                 parts[i] = part.detach()
         total = h.new_zeros((), dtype=torch.float32)
-        for part in parts:  # in slice order, as the recomputing loop sums them
+        for part in parts:  # in slice order, as summed_slices adds them
             total = total + part
         ctx.scale, ctx.grads = scale, (grad_h, *sums)
         return total
