@@ -61,6 +61,29 @@ def test_sliced_loss_equals_the_model_s_own_and_keeps_no_logits(tied, extra):
     assert 48 * VOCAB not in kept and 12 * VOCAB not in kept  # not even one slice's
 
 
+@pytest.mark.parametrize("model_type, extra", [
+    ("gemma2", {"head_dim": 8, "final_logit_softcapping": 2.0}),  # tanh(z / cap) * cap: a cap that bites
+    ("cohere", {"logit_scale": 0.5}),
+    ("granite", {"logits_scaling": 4.0}),
+])
+def test_logits_mapped_after_the_head_are_mapped_on_each_slice(model_type, extra):
+    model = tiny(model_type, **extra)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50)  # logits of a few units, where the cap and the scales change the loss
+    own_loss, own_grads, _ = _run(copy.deepcopy(model))
+    plain = copy.deepcopy(model)
+    key = next(k for k in extra if k != "head_dim")
+    setattr(plain.config, key, {"final_logit_softcapping": None}.get(key, 1.0))  # no mapping
+    if model_type == "cohere":
+        plain.logit_scale = 1.0  # Cohere reads its own copy
+    unmapped = _run(plain)[0]
+    assert not torch.allclose(unmapped, own_loss, rtol=1e-3)  # the mapping changes the loss
+    loss, grads, _ = _run(slice_hf_loss(copy.deepcopy(model), 4))
+    torch.testing.assert_close(loss, own_loss, rtol=1e-6, atol=0)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, own_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_a_lora_model_slices_through_peft():
     peft = pytest.importorskip("peft")
     cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type=peft.TaskType.CAUSAL_LM)
@@ -102,8 +125,9 @@ def _scaling_its_logits():
 
 @pytest.mark.parametrize("make, chunks, match", [
     (lambda: tiny(), 0, "positive integer"),
-    (_scaling_its_logits, 4, "a scale or soft cap"),
-    (lambda: tiny("gemma2", head_dim=8, final_logit_softcapping=30.0), 4, "changes its logits"),
+    (_scaling_its_logits, 4, "changes its logits after the output embedding in a way not known here"),
+    (lambda: tiny("granite", logits_scaling=4.0, final_logit_softcapping=30.0), 4,
+     r"sets \['final_logit_softcapping', 'logits_scaling'\] together"),
     (lambda: torch.nn.Linear(2, 2), 4, "not a Hugging Face causal LM"),
 ])
 def test_what_cannot_be_sliced_is_refused_in_one_line(make, chunks, match):

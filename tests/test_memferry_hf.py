@@ -73,3 +73,29 @@ def test_hf_model_plan_auto_profiles_without_cache(cpu_backend):
     loss = engine.train_step(x, y)
     assert torch.isfinite(loss).item()
     engine.close()
+
+
+def test_blocks_returning_tuples_are_profiled_and_planned(cpu_backend):
+    """Falcon's decoder layers return ``(hidden, attn_weights)`` and its model reads ``[0]``: the
+    profiler's stand-ins for the blocks return the same structure, so ``plan="auto"`` profiles
+    the rest (a bare tensor made ``[0]`` its first row) and the plan trains as torch AdamW."""
+    torch.manual_seed(0)
+    cfg = transformers.FalconConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                    hidden_dropout=0.0, attention_dropout=0.0)
+    model = transformers.FalconForCausalLM(cfg).float()
+    seen = []
+    handle = model.transformer.h[0].register_forward_hook(lambda m, a, out: seen.append(type(out)))
+    model(data(1)[0][0])
+    handle.remove()
+    assert seen == [tuple]  # what the stand-ins must mimic
+    opt = AdamW(lr=3e-3, weight_decay=0.1)
+    batches = data(3)
+    ref_losses, ref = reference(model, batches, opt)
+    engine = MemFerry(copy.deepcopy(model), optim=opt, plan="auto", sample=batches[0], backend=cpu_backend,
+                      device_budget="1GB")
+    losses = [engine.train_step(a, b).item() for a, b in batches]
+    state = engine.state_dict()["model"]
+    engine.close()
+    assert losses == pytest.approx(ref_losses, abs=1e-5)
+    for name, p in ref.items():
+        torch.testing.assert_close(state[name], p, atol=1e-5, rtol=1e-5, msg=name)

@@ -422,6 +422,19 @@ def test_budgets_below_the_minimum_and_too_little_host_memory_are_refused_before
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_close_gives_back_the_cap_the_engine_found(cpu_backend):
+    """``device_budget`` caps the device while the engine runs; closing it puts back the cap it
+    found (none, or the caller's), so a second engine or plain torch after it is not held to it."""
+    resident = sum(p.numel() * 4 for p in TinyGPT().parameters())
+    for outer in (None, resident * 8):
+        cpu_backend.set_memory_cap(0, outer)
+        engine = MemFerry(TinyGPT(), plan="prefetch", loss_fn=lm_loss, backend=cpu_backend, device_budget=resident * 2)
+        assert cpu_backend.memory_cap(0) == resident * 2
+        engine.close()
+        assert cpu_backend.memory_cap(0) == outer
+    cpu_backend.set_memory_cap(0, None)
+
+
 def test_llama_style_model_trains_exactly(cpu_backend):
     """The harness's Llama variant (RMSNorm, SwiGLU, rotary, grouped-query attention), its
     blocks found automatically, under a plan mixing every mode: as plain PyTorch AdamW."""

@@ -7,6 +7,7 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from strategies.models import (apply_rotary, build_model, embedding_param_count, flops_per_token, llama_ffn, param_count,
                               rotary_tables, validate_dims)
@@ -192,3 +193,22 @@ def test_hf_causal_lm_from_config():
     x = torch.randint(0, 50, (2, 8))
     assert m(x, x).ndim == 0
     assert param_count("hf", config=cfg, seq=8) == sum(p.numel() for p in m.parameters())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed")
+@pytest.mark.parametrize("model_type, extra", [("gemma2", {"head_dim": 8, "final_logit_softcapping": 2.0}),
+                                               ("cohere", {"logit_scale": 0.5})])
+def test_hf_logits_mapped_after_the_head_are_mapped_in_the_sliced_loss(model_type, extra):
+    """Gemma 2 soft-caps its logits, Cohere scales them: the loss over slices does as the model's own forward."""
+    torch.manual_seed(0)
+    m = build_model("hf", config={"model_type": model_type, "hidden_size": 32, "intermediate_size": 64,
+                                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "vocab_size": 50, **extra}, seq=8).train()
+    with torch.no_grad():
+        m.head.weight.mul_(50)  # logits of a few units: the cap and the scale change the loss
+    x, y = torch.randint(0, 50, (2, 8)), torch.randint(0, 50, (2, 8))
+    own = m(x, y)
+    unmapped = F.cross_entropy(m.head(m.features(x)).float().reshape(-1, 50), y.reshape(-1))
+    assert not torch.allclose(unmapped, own, rtol=1e-3)
+    m.loss_chunks = 4
+    torch.testing.assert_close(m(x, y), own, rtol=1e-6, atol=0)

@@ -39,11 +39,10 @@ from .config import AdamW, Plan, UnitPlan
 from .data_parallel import DataParallel
 from .device_optimizer import DeviceOptimizer
 from .executor import Executor
-from .plan_check import check_plan
+from .plan_check import PlanOverBudgetError, check_budget, check_plan
 from .hf_models import model_loss, no_kv_cache
 from .host_optimizer import HostOptimizer
 from .planning import plan_for
-from .rehearsal import PlanOverBudgetError
 from .shadow import ShadowModel
 from .sum_placement import PLACEMENTS
 from .units import split_units
@@ -56,37 +55,6 @@ _log = logging.getLogger("xpu.memferry")
 #: steps' updates are done by then), and warns when they differ by more than this factor.
 _RATE_CHECK_STEP = 4
 _RATE_TOLERANCE = 1.25
-
-
-def _check_budget(units: list, plan: Plan, device_homes: set[int], device_budget: Any) -> None:
-    """Refuse a budget below what ``plan`` keeps on the device between steps, before any change.
-
-    That floor counts resident weights (the ``rest`` unit and resident blocks) and the fp32
-    masters and moments of device-homed units; activations and loads come on top of it.
-    """
-    from xpu.units import format_bytes, parse_bytes
-
-    budget = parse_bytes(device_budget)
-    modes = {u.index: up for u, up in zip((u for u in units if u.is_block), plan.units)}
-    floor = largest = 0
-    for u in units:
-        if not u.params:
-            continue
-        elem = u.params[0][1].element_size()
-        if u.index in device_homes:
-            # work (= master in fp32) of every parameter, moments (+ master) of the trainable ones
-            floor += u.numel * elem + u.train_numel * (12 if elem != 4 else 8)
-        elif not u.is_block or modes[u.index].forward == "resident":
-            floor += u.numel * elem
-        else:  # loaded whole to run (its device buffer is also made once when the engine is built)
-            largest = max(largest, u.numel * elem)
-    if floor + largest > budget:
-        raise PlanOverBudgetError(
-            f"device_budget {format_bytes(budget)} is below the {format_bytes(floor + largest)} this plan needs before "
-            f"any activation: {format_bytes(floor)} kept on the device between steps (resident weights and "
-            f"device-homed optimizer states) and {format_bytes(largest)} for its largest block loaded whole; give at "
-            f"least that, a plan with fewer resident / device-homed blocks, or plan='auto' to let the scheduler fit "
-            f"the budget", minimum=floor + largest)
 
 
 class MemFerry:
@@ -200,7 +168,8 @@ class MemFerry:
         # Cast before anything reads the model (the scheduler profiles it in its compute dtype);
         # the fp32 originals stay alive only until the shadow model has taken them as masters.
         originals = cast_parameters(model, compute_dtype)
-        previous_cap = self.backend.memory_cap(self.device)
+        #: the device's cap before this engine set ``device_budget`` as its cap; :meth:`close` puts it back
+        self._previous_cap = previous_cap = self.backend.memory_cap(self.device)
         self.model = model
         self.loss_fn = loss_fn
         self.dp = None
@@ -248,7 +217,7 @@ class MemFerry:
         if plan.rest_optimizer == "device":
             device_homes.add(units[-1].index)
         if setup["device_budget"] is not None:
-            _check_budget(units, plan, device_homes, setup["device_budget"])
+            check_budget(units, plan, device_homes, setup["device_budget"])
             self.backend.set_memory_cap(self.device, setup["device_budget"])
         with self.backend.device_scope(self.device):
             self.shadow = ShadowModel(units, self.backend, self.device, device_homes, self.dp, originals=originals,
@@ -469,7 +438,8 @@ class MemFerry:
         return self._handle
 
     def close(self) -> None:
-        """Stop the optimizer thread, remove hooks and give the host buffers back.
+        """Stop the optimizer thread, remove hooks, give the host buffers back and lift the
+        device cap ``device_budget`` set (the cap before the engine is back).
 
         The model's parameters are left pointing at freed memory; take :meth:`state_dict`
         first to keep the weights.
@@ -479,6 +449,7 @@ class MemFerry:
         if self.copier is not None:
             self.copier.close()
         self.shadow.release()
+        self.backend.set_memory_cap(self.device, self._previous_cap)
 
     def _to_device(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor) and in_host_memory(x):

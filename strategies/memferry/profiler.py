@@ -50,8 +50,7 @@ from .hf_models import head_shape, model_loss
 from .host_budget import update_bytes
 from .units import Unit
 
-__all__ = ["BlockProfile", "StepProfile", "profile_step", "host_adamw_rate", "host_adamw_rates", "device_adamw_rate"]
-# host_adamw_rate, host_adamw_rates and device_adamw_rate live in adamw_rates.py; named here as before.
+__all__ = ["BlockProfile", "StepProfile", "profile_step", "host_adamw_rate", "host_adamw_rates", "device_adamw_rate"]  # rates: adamw_rates.py
 
 #: A pass timed issued ahead waits behind LEAD_FACTOR x its host time of the round before, plus
 #: LEAD_MIN_S, of device work: room for the host to issue all of it before the device reaches it.
@@ -228,16 +227,28 @@ class _Captured(Exception):
 
 
 class _PassThrough(nn.Module):
-    """Stands in for a block when profiling ``rest``: returns its first input."""
+    """Stands in for a block when profiling ``rest``: returns its first input in the structure of
+    the block's output ``template`` (Falcon's and Bloom's models read ``block(...)[0]``)."""
+
+    def __init__(self, template: Any = None) -> None:
+        super().__init__()
+        leaves, self._spec = torch.utils._pytree.tree_flatten(template)
+        self._first = next((i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)), None)
+        self._leaves = [None if i == self._first else t for i, t in enumerate(leaves)]
+
+    def __deepcopy__(self, memo: dict) -> "_PassThrough":
+        return self  # nothing to copy (no parameters), and a TreeSpec warns when copied
 
     def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        """Return ``x`` unchanged."""
-        return x
+        """Return ``x`` unchanged, in the block's output structure."""
+        if self._first is None:
+            return x
+        leaves = self._leaves[:self._first] + [x] + self._leaves[self._first + 1:]
+        return torch.utils._pytree.tree_unflatten(leaves, self._spec)
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    flat, _ = torch.utils._pytree.tree_flatten(obj)
-    return [t for t in flat if isinstance(t, torch.Tensor)]
+    return [t for t in torch.utils._pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)]
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -359,12 +370,14 @@ def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend
 
 
 def _profile_rest(model: nn.Module, blocks: nn.ModuleList, rest: Unit, inputs: Any, targets: Any,
-                  loss_fn: Callable | None, backend: Backend, device: int, repeats: int) -> tuple[float, float, int, list[str]]:
-    """Forward + loss and backward time of everything but the blocks, and the loss's peak bytes."""
+                  loss_fn: Callable | None, backend: Backend, device: int, repeats: int,
+                  block_output: Any = None) -> tuple[float, float, int, list[str]]:
+    """Forward + loss and backward time of everything but the blocks (pass-throughs returning
+    ``block_output``'s structure), and the loss's peak bytes."""
     originals = list(blocks)
     try:
         for i in range(len(blocks)):
-            blocks[i] = _PassThrough()
+            blocks[i] = _PassThrough(block_output)
         shell = copy.deepcopy(model)  # without the blocks: small
     finally:
         for i, blk in enumerate(originals):
@@ -460,7 +473,7 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
             profiles.append(prof)
         if pass_through_ok:
             rest_fwd, rest_bwd, loss_peak, rest_notes = _profile_rest(model, blocks, rest, inputs, targets, loss_fn,
-                                                                      backend, index, repeats)
+                                                                      backend, index, repeats, out)
             notes += rest_notes
         else:  # a block changes the hidden shape: no pass-through; scale from the blocks by parameters
             per_param = sum(p.fwd_s for p in profiles) / max(1, sum(p.numel for p in profiles))

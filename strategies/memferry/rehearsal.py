@@ -59,11 +59,10 @@ from xpu.units import format_bytes, parse_bytes
 from .compute_dtype import cast_parameters, restore_parameters
 from .host_calibration import SEARCH_AGAIN, TOLERANCE, applies, calibrated, ratios, repriced, same_layout, with_sends
 from .links import links_from_probe
+from .plan_check import PlanOverBudgetError
 from .planning import SETUP_NOTE, replan
 from .sum_placement import SumPlacement
 from .units import split_units
-
-from xpu.errors import XpuError
 
 if TYPE_CHECKING:
     from .engine import MemFerry
@@ -71,15 +70,6 @@ if TYPE_CHECKING:
 __all__ = ["fit_by_rehearsal", "give_back", "hold_to_plan", "PlanOverBudgetError", "ATTEMPTS", "MARGIN_STEP",
            "RATE_STEPS", "CLOCKED_STEPS"]
 
-
-class PlanOverBudgetError(XpuError, ValueError):
-    """A plan given to MemFerry (not scheduled) peaked over ``device_budget`` in its rehearsal
-    step; ``minimum`` is the peak (bytes). An :class:`~xpu.errors.XpuError`: the ``xpu``
-    command prints its one line and exits 2."""
-
-    def __init__(self, message: str, minimum: int | None = None) -> None:
-        super().__init__(message)
-        self.minimum = minimum
 
 _log = logging.getLogger("xpu.memferry")
 

@@ -4,18 +4,21 @@ Built from a ``config`` (random init) or loaded from a local ``path`` (a ``save_
 folder, weights from its safetensors; never downloaded), optionally wrapped with peft LoRA
 adapters (``lora``: base weights frozen). :meth:`HFCausalLM.features` and :attr:`HFCausalLM.head`
 split the HF model into its base model and output embedding, so :class:`CausalLM`'s loss over
-token slices (``loss_chunks``) works: no whole fp32 logits. Models that post-process logits
-beyond the output embedding (soft-capping, a logit scale: Gemma 2, Cohere) would differ there.
+token slices (``loss_chunks``) works: no whole fp32 logits. Logits the model maps after its
+output embedding (Gemma 2's soft cap, Cohere's and Granite's scales) are mapped on each slice
+as its own forward maps them (:func:`~.hf_sliced_loss.logit_map`).
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .base import CausalLM
 from .hf_config import LORA_DEFAULTS
+from .hf_sliced_loss import logit_map
 
 __all__ = ["HFCausalLM"]
 
@@ -64,6 +67,7 @@ class HFCausalLM(CausalLM):
         # Kept out of the registered submodules: the layers are already ``hf``'s, and a second
         # registration would repeat every layer under ``blocks.*`` in state dicts and exports.
         self.__dict__["blocks"] = found[0] if found else nn.ModuleList()
+        self.__dict__["_logit_map"] = logit_map(self.base)  # a plain callable, not a submodule
         self.recompute = self._recompute  # applied now that the HF model exists
 
     @property
@@ -104,6 +108,9 @@ class HFCausalLM(CausalLM):
 
     def _run_blocks(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - HF runs its own blocks
         raise NotImplementedError
+
+    def _slice_loss_sum(self, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self._logit_map(self.head(h)).float(), t, reduction="sum")
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
         """The HF model's own logits (its forward, not features + head)."""
