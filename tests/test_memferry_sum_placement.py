@@ -149,8 +149,8 @@ def test_without_accumulation_there_is_nothing_to_place(host_plan, cpu_backend, 
 
 
 @pytest.mark.parametrize("device_faster", [False, True])
-def test_a_plan_the_host_rate_check_moved_to_the_other_side_races_the_one_it_replaced(  # noqa: F811
-        accumulating_plan, cpu_backend, monkeypatch, device_faster):
+def test_a_plan_the_host_rate_check_moved_to_the_other_side_races_the_one_it_replaced(
+        accumulating_plan, cpu_backend, monkeypatch, device_faster):  # noqa: F811 (a fixture)
     # The calibrated search can move to the other placement (H200, session 24: to device sums,
     # which ran 8 % faster there; on another lease host sums had rehearsed 4 % faster). Both
     # are then timed already: no search for another rival.
@@ -178,8 +178,8 @@ def test_a_plan_the_host_rate_check_moved_to_the_other_side_races_the_one_it_rep
     engine.close()
 
 
-def test_a_plan_the_host_rate_check_replaced_on_the_same_side_is_raced_against_a_searched_rival(  # noqa: F811
-        accumulating_plan, cpu_backend, monkeypatch):
+def test_a_plan_the_host_rate_check_replaced_on_the_same_side_is_raced_against_a_searched_rival(
+        accumulating_plan, cpu_backend, monkeypatch):  # noqa: F811 (a fixture)
     import dataclasses
 
     plan, budget = accumulating_plan

@@ -32,6 +32,7 @@ from ..weight_decay import no_decay_names
 
 from .accumulation import AccumulationError, MicroBatches, check_accumulation_steps, paired_units
 from .backward_gate import gate_outputs, queue_at_backward_end
+from .batch_growth import batch_tokens, fit_batch
 from .clip_norms import GlobalNormClip
 from .clip_plan import HINT_STEP, fire_rate_hint
 from .compute_dtype import cast_parameters, check_compute_dtype, restore_parameters
@@ -39,7 +40,7 @@ from .config import AdamW, Plan, UnitPlan
 from .data_parallel import DataParallel
 from .device_optimizer import DeviceOptimizer
 from .executor import Executor
-from .plan_check import PlanOverBudgetError, check_budget, check_plan
+from .plan_check import check_budget, check_plan
 from .hf_models import model_loss, no_kv_cache
 from .host_optimizer import HostOptimizer
 from .planning import plan_for
@@ -262,6 +263,8 @@ class MemFerry:
         """
         grad = torch.is_grad_enabled()
         self.micro.check_forward(grad)
+        if grad:  # a longer micro-batch than planned for: plan for it first (batch_growth.py)
+            fit_batch(self, batch_tokens(inputs, kwargs))
         with self.backend.device_scope(self.device):
             inputs = tuple(self._to_device(x) for x in inputs)
             kwargs = {k: self._to_device(v) for k, v in kwargs.items()}

@@ -9,7 +9,9 @@ optimizer state the step started from (no update of the step has begun), gives i
 back (and the allocator its cache: ``Backend.release_cache``), and is built again for the plan the scheduler makes from the same profile with the memory
 margin raised by :data:`~.rehearsal.MARGIN_STEP`, its allocator capped at the budget (the old
 prediction was just shown short, and the new plan is not rehearsed); the caller then runs the
-step again from its first micro-batch. The training loop's MemFerry
+step again from its first micro-batch. The new plan holds the longest micro-batch the engine
+has met (``batch_growth.py``): a longer one than the sample, met late in a step, is what may
+have run out. The training loop's MemFerry
 engine (``strategies/training/engines.py``) does so by itself, at most :data:`ATTEMPTS` times a run.
 
 It is exact only before the step's last backward: from then on host updates run as gradients
@@ -21,13 +23,14 @@ says what would work.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from xpu.errors import XpuError
 from xpu.units import format_bytes, parse_bytes
 
+from .batch_growth import longest_tokens, scaled_profile
 from .planning import replan
 from .rehearsal import MARGIN_STEP, _rebuild
 from .scheduler import NoPlanFitsError
@@ -36,7 +39,8 @@ from .shadow import _mem_available
 if TYPE_CHECKING:
     from .engine import MemFerry
 
-__all__ = ["replan_after_oom", "StepOutOfMemoryError", "ATTEMPTS"]
+__all__ = ["replan_after_oom", "rebuild_keeping_state", "rebuild_refusal", "cap_at_budget",
+           "budget_bytes", "StepOutOfMemoryError", "ATTEMPTS"]
 
 _log = logging.getLogger("xpu.memferry")
 
@@ -57,23 +61,31 @@ def _state_bytes(engine: "MemFerry") -> int:
         12 * p.numel() for s in engine.shadow.shadows for _, p in s.unit.trainable)
 
 
+def rebuild_refusal(engine: "MemFerry") -> str | None:
+    """Why ``engine`` cannot be built again for another plan between steps, or None."""
+    if engine.dp is not None:
+        return "under data parallelism the ranks plan together only at setup"
+    if engine.plan.profile is None:
+        return "the plan was given, not scheduled, so it cannot be made again"
+    available, need = _mem_available(), _state_bytes(engine)
+    if available is not None and available < need:
+        return (f"keeping the optimizer state through a rebuild takes {format_bytes(need)} of host memory and "
+                f"{format_bytes(available)} is available")
+    return None
+
+
 def _refusal(engine: "MemFerry") -> str | None:
     """Why the engine's interrupted step cannot be run again under a new plan, or None."""
-    if engine.dp is not None:
-        return ("under data parallelism the ranks re-plan together only at setup; restart from the last "
-                "checkpoint with a larger strategy memory_margin")
-    if engine.plan.profile is None:
-        return ("the plan was given, not scheduled, so it cannot be made again; use plan='auto', or a plan "
-                "with +recompute or fewer resident blocks")
     if engine.micro.backwards >= engine.micro.steps:
         return ("it ran out during the step's last backward or its update, after host updates had begun, so "
                 "the step cannot be run again exactly; resume from the last checkpoint with a memory_margin "
                 f"above {engine._setup['memory_margin']:.2f}")
-    available, need = _mem_available(), _state_bytes(engine)
-    if available is not None and available < need:
-        return (f"keeping the optimizer state through a rebuild takes {format_bytes(need)} of host memory and "
-                f"{format_bytes(available)} is available; resume from the last checkpoint with a larger memory_margin")
-    return None
+    why = rebuild_refusal(engine)
+    if why is None:
+        return None
+    if engine.plan.profile is None:
+        return f"{why}; use plan='auto', or a plan with +recompute or fewer resident blocks"
+    return f"{why}; restart from the last checkpoint with a larger memory_margin"
 
 
 def replan_after_oom(engine: "MemFerry", error: BaseException | str) -> str:
@@ -93,31 +105,52 @@ def replan_after_oom(engine: "MemFerry", error: BaseException | str) -> str:
     why = _refusal(engine)
     if why:
         raise StepOutOfMemoryError(f"MemFerry ran out of device memory in a step ({said[:120]}); {why}")
-    setup, backend, device = engine._setup, engine.backend, engine.device
-    budget = (parse_bytes(setup["device_budget"]) if setup["device_budget"] is not None
-              else backend.mem_info(device)[1])
+    setup = engine._setup
+    budget = budget_bytes(engine)
     margin = setup["memory_margin"] + MARGIN_STEP
     old = engine.plan
+    tokens = longest_tokens(engine)  # a micro-batch longer than planned for may be what ran out (batch_growth.py)
+    profile = scaled_profile(old.profile, tokens)
     try:
-        plan = replan(old, budget, backend, device, margin)
+        plan = replan(old, budget, engine.backend, engine.device, margin, profile=profile)
     except NoPlanFitsError as exc:
         raise StepOutOfMemoryError(f"MemFerry ran out of device memory in a step ({said[:120]}) and no plan fits "
                                    f"with a {margin:.0%} memory margin: {exc}") from None
-    engine.optimizer.wait_all()  # the previous step's updates are part of the state kept
-    state = {"model": engine.shadow.state_dict(), "optimizer": engine.shadow.optimizer_state_dict()}
-    handle, lr = engine._handle, engine._lr
-    _rebuild(engine, plan, state["model"])  # one copy of the weights: the model is restored from the state kept
-    engine.load_state_dict(state)
-    del state
-    backend.release_cache(device)  # the failed step's cached fragments: the new plan starts from what is in use
-    engine._handle = handle  # an LR scheduler's optimizer stays this engine's
-    engine.set_lr(lr)
-    setup["memory_margin"] = margin
-    # Not held to the new prediction: the old one was just shown short, and this plan is not rehearsed.
-    backend.set_memory_cap(device, budget if setup["device_budget"] is not None else None)
+    rebuild_keeping_state(engine, plan)
+    setup["memory_margin"], setup["tokens"] = margin, tokens
+    setup.pop("tokens_next", None)
     note = (f"out of memory in a step ({said[:120]}): planned again with a {margin:.0%} memory margin, predicted "
             f"peak {format_bytes(plan.predicted_peak_bytes or 0)} (was {format_bytes(old.predicted_peak_bytes or 0)}), "
             f"the allocator capped at the budget, {format_bytes(budget)}; the step runs again")
     engine.plan.notes.append(note)
     _log.warning("MemFerry: %s", note)
     return note
+
+
+def budget_bytes(engine: "MemFerry") -> int:
+    """The engine's device budget in bytes (the device's memory where none was given)."""
+    given = engine._setup["device_budget"]
+    return parse_bytes(given) if given is not None else engine.backend.mem_info(engine.device)[1]
+
+
+def rebuild_keeping_state(engine: "MemFerry", plan: Any) -> None:
+    """Build ``engine`` again for ``plan`` between steps, keeping its weights, optimizer state,
+    learning rate and LR scheduler; its allocator capped at the budget (no rehearsal: not held to
+    the new prediction). The caller has checked the host has room (:func:`_refusal`)."""
+    backend, device = engine.backend, engine.device
+    engine.optimizer.wait_all()  # the previous step's updates are part of the state kept
+    state = {"model": engine.shadow.state_dict(), "optimizer": engine.shadow.optimizer_state_dict()}
+    handle, lr = engine._handle, engine._lr
+    _rebuild(engine, plan, state["model"])  # one copy of the weights: the model is restored from the state kept
+    engine.load_state_dict(state)
+    del state
+    backend.release_cache(device)  # the old plan's cached fragments: the new plan starts from what is in use
+    engine._handle = handle  # an LR scheduler's optimizer stays this engine's
+    engine.set_lr(lr)
+    cap_at_budget(engine)
+
+
+def cap_at_budget(engine: "MemFerry") -> None:
+    """Cap the engine's device at its budget (lifting a cap held to a plan's prediction,
+    ``rehearsal.hold_to_plan``), or not at all where it has no budget."""
+    engine.backend.set_memory_cap(engine.device, budget_bytes(engine) if engine._setup["device_budget"] is not None else None)

@@ -1,0 +1,136 @@
+"""A micro-batch longer than the plan's sample (``batch_growth.py``): planned for before it runs at a
+step's start; met later in a step, run again after the out-of-memory re-plan, which plans for it.
+Either way no step is lost and training equals torch's AdamW; and the cap ``device_budget`` set holds."""
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from strategies.memferry import AdamW, MemFerry
+from strategies.memferry.batch_growth import batch_tokens, scaled_profile
+from strategies.memferry.cost import links_from_probe, predict
+from strategies.memferry.planning import plan_for
+from strategies.memferry.scheduler import min_budget
+from strategies.training.engines import MemFerryEngine
+from strategies.weight_decay import param_groups
+
+VOCAB, SHORT, LONG = 96, 8, 32
+
+
+def model():
+    pytest.importorskip("transformers")
+    from strategies.models.hf import HFCausalLM
+
+    torch.manual_seed(0)
+    m = HFCausalLM({"model_type": "qwen2", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+                    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}, seq=64)
+    m.loss_chunks = 2
+    return m
+
+
+def batch(seq, seed):
+    g = torch.Generator().manual_seed(seed)
+    tok = torch.randint(0, VOCAB, (2, seq + 1), generator=g)
+    return tok[:, :-1], tok[:, 1:]
+
+
+@pytest.fixture(scope="module")
+def budget():
+    """1.2x the least budget of a LONG micro-batch: a plan for it fits, and the plan made for a
+    SHORT one at this budget (keeping activations, as there is room) does not hold a LONG one."""
+    import xpu
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XPU_BACKEND", "cpu")
+        xpu.reset_backend()
+        backend = xpu.get_backend()
+        links = links_from_probe(backend, 0)
+        profile = plan_for(model(), batch(SHORT, 1), None, backend=backend, memory_margin=0.0).profile
+        b = int(1.2 * min_budget(scaled_profile(profile, 2 * LONG), links, margin=0.0))
+        short_plan = plan_for(model(), batch(SHORT, 1), b, backend=backend, memory_margin=0.0)
+        assert predict(short_plan, scaled_profile(short_plan.profile, 2 * LONG), links, 0.0).peak_bytes > b
+        xpu.reset_backend()
+    return b
+
+
+def reference(steps, cfg):
+    m = model()
+    opt = torch.optim.AdamW(param_groups(m, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    for micro in steps:
+        opt.zero_grad()
+        for x, y in micro:
+            (m(x, y) / len(micro)).backward()
+        opt.step()
+    return {n: p.detach() for n, p in m.named_parameters()}
+
+
+def train(backend, budget, steps, cfg):
+    x, y = steps[0][0]
+    engine = MemFerry(model(), optim=cfg, plan="auto", sample=(x, y), device_budget=budget, backend=backend,
+                      memory_margin=0.0, accumulation_steps=len(steps[0]))
+    backend.reset_peak_memory(0)
+    runner = MemFerryEngine(engine)
+    for micro in steps:
+        runner.train_batch(micro)
+    peak = backend.memory_stats(0).peak_allocated
+    state, notes, replans = engine.state_dict()["model"], list(engine.plan.notes), runner.replans
+    engine.close()
+    return state, notes, replans, peak
+
+
+def test_tokens_of_a_forward():
+    assert batch_tokens((torch.zeros(2, 16, dtype=torch.long),), {}) == 32
+    assert batch_tokens((), {"input_ids": torch.zeros(3, 5, dtype=torch.long)}) == 15
+    assert batch_tokens((), {"inputs_embeds": torch.zeros(2, 16, 8)}) == 32
+    assert batch_tokens(("text",), {}) == 0
+
+
+def test_a_profile_scaled_to_more_tokens_grows_what_tokens_grow(cpu_backend):
+    p = plan_for(model(), batch(SHORT, 1), None, backend=cpu_backend).profile
+    q = scaled_profile(p, 4 * p.tokens)
+    assert q.tokens == 4 * p.tokens and q.input_bytes == 4 * p.input_bytes
+    assert q.loss_peak_bytes == 4 * p.loss_peak_bytes and q.rest_fwd_s == pytest.approx(4 * p.rest_fwd_s)
+    for a, b in zip(p.blocks, q.blocks):
+        assert (b.act_bytes, b.act_bytes_recompute) == (4 * a.act_bytes, 4 * a.act_bytes_recompute)
+        assert b.fwd_s == pytest.approx(4 * a.fwd_s) and (b.numel, b.param_bytes) == (a.numel, a.param_bytes)
+    assert (q.rest_numel, q.host_adamw_s_per_param) == (p.rest_numel, p.host_adamw_s_per_param)
+    assert scaled_profile(p, p.tokens) is p
+
+
+def test_a_longer_batch_at_a_step_s_start_is_planned_for_before_it_runs(cpu_backend, budget, caplog):
+    cfg = AdamW(lr=3e-3, weight_decay=0.1)
+    steps = [[batch(SHORT, 1)], [batch(LONG, 2)], [batch(LONG, 3)], [batch(SHORT, 4)]]
+    with caplog.at_level(logging.WARNING, logger="xpu.memferry"):
+        state, notes, replans, peak = train(cpu_backend, budget, steps, cfg)
+    planned = [n for n in notes if "planned again for 64 tokens" in n]
+    assert len(planned) == 1 and "the 16 the plan was made for" in planned[0], notes
+    assert replans == 0 and peak <= budget  # no step ran out of memory
+    for name, p in reference(steps, cfg).items():
+        torch.testing.assert_close(state[name], p, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_a_longer_batch_later_in_a_step_is_planned_for_when_the_step_runs_again(cpu_backend, budget, caplog):
+    cfg = AdamW(lr=3e-3, weight_decay=0.1)
+    steps = [[batch(SHORT, 1), batch(SHORT, 2)], [batch(SHORT, 3), batch(LONG, 4)], [batch(LONG, 5), batch(SHORT, 6)]]
+    with caplog.at_level(logging.WARNING, logger="xpu.memferry"):
+        state, notes, replans, peak = train(cpu_backend, budget, steps, cfg)
+    assert any("after the step's first micro-batch" in r.getMessage() for r in caplog.records)
+    assert replans == 1 and peak <= budget, notes  # step 2 ran out once, was planned for 64 tokens, ran again
+    for name, p in reference(steps, cfg).items():
+        torch.testing.assert_close(state[name], p, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_a_longer_batch_no_plan_holds_is_refused_before_it_runs(cpu_backend, budget):
+    x, y = batch(SHORT, 1)
+    engine = MemFerry(model(), optim=AdamW(lr=3e-3), plan="auto", sample=(x, y), device_budget=budget,
+                      backend=cpu_backend, memory_margin=0.0)
+    before = copy.deepcopy(engine.state_dict())
+    with pytest.raises(ValueError, match=r"a micro-batch of 1024 tokens, 64.00x the 16 .*, and no plan fits it"):
+        engine(*batch(512, 7))
+    after = engine.state_dict()
+    assert all(torch.equal(before["model"][k], after["model"][k]) for k in before["model"])
+    engine.train_step(x, y)  # the engine still trains on what fits
+    engine.close()
