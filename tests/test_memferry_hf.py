@@ -99,3 +99,16 @@ def test_blocks_returning_tuples_are_profiled_and_planned(cpu_backend):
     assert losses == pytest.approx(ref_losses, abs=1e-5)
     for name, p in ref.items():
         torch.testing.assert_close(state[name], p, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_plan_for_profiles_a_model_with_its_cache_on_and_leaves_it_on(cpu_backend):
+    """``plan_for`` on a model as ``transformers`` builds it (``use_cache=True``): a cache filled by
+    one timed block pass carried its graph into the next (backward through a freed graph); the
+    profile runs without one and the model's config is left as it came."""
+    from strategies.memferry.planning import plan_for
+
+    model = tiny_llama()
+    model.config.use_cache = True
+    x, y = data(1)[0]
+    plan = plan_for(model, (x, y), "1GB", backend=cpu_backend)
+    assert len(plan.units) == 2 and model.config.use_cache is True

@@ -2,14 +2,15 @@
 weights written back out as a ``save_pretrained`` folder (:func:`save_hf_folder`)."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-__all__ = ["no_kv_cache", "takes_labels", "model_loss", "head_shape", "tied_names", "save_hf_folder"]
+__all__ = ["no_kv_cache", "kv_cache_off", "takes_labels", "model_loss", "head_shape", "tied_names", "save_hf_folder"]
 
 
 def no_kv_cache(model: nn.Module) -> None:
@@ -18,6 +19,21 @@ def no_kv_cache(model: nn.Module) -> None:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "use_cache"):
         config.use_cache = False
+
+
+@contextlib.contextmanager
+def kv_cache_off(model: nn.Module) -> Iterator[None]:
+    """:func:`no_kv_cache` for the duration only: the config's ``use_cache`` is put back after
+    (profiling a model the caller keeps: a cache filled by one timed forward would carry its
+    graph into the next)."""
+    config = getattr(model, "config", None)
+    was = getattr(config, "use_cache", None)
+    no_kv_cache(model)
+    try:
+        yield
+    finally:
+        if was is not None:
+            config.use_cache = was
 
 
 def takes_labels(model: nn.Module) -> bool:

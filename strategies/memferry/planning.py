@@ -26,6 +26,7 @@ from xpu.dist import collective_timeout, decide_on_first_rank
 
 from .compute_dtype import cast_parameters, check_compute_dtype, restore_parameters
 from .config import AdamW, Plan
+from .hf_models import kv_cache_off
 from .units import split_units
 
 __all__ = ["plan_for", "replan", "SETUP_NOTE"]
@@ -74,8 +75,10 @@ def plan_for(model: nn.Module, sample: tuple[Any, Any] | None, device_budget: in
     alone = process_group is None or dist.get_world_size(process_group) == 1
 
     def plan_here() -> Plan:
-        return _profile_and_schedule(model, sample, device_budget, optim or AdamW(), loss_fn, blocks, index, backend,
-                                     memory_margin, compute_dtype, accumulation_steps, data_parallel=not alone)
+        with kv_cache_off(model):  # a Hugging Face model's cache would carry one timed pass's graph into the next
+            return _profile_and_schedule(model, sample, device_budget, optim or AdamW(), loss_fn, blocks, index,
+                                         backend, memory_margin, compute_dtype, accumulation_steps,
+                                         data_parallel=not alone)
 
     if alone:
         return plan_here()
