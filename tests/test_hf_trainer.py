@@ -267,3 +267,68 @@ def test_the_trainer_example_trains_saves_and_reloads_equal(cpu_backend, tmp_pat
     line = capsys.readouterr().out.strip().splitlines()[-1]
     theirs, ours = re.search(r"loss (\S+) on the first batch \(the engine's: (\S+)\)", line).groups()
     assert theirs == ours and (tmp_path / "tiny" / "trainer-out" / "final" / "adapter_config.json").is_file()
+
+
+class VaryingRows(torch.utils.data.IterableDataset):
+    """Rows of different lengths, in order: a collator pads each batch to its longest."""
+
+    LENGTHS = (8, 8, 8, 6, 16, 8, 40, 8, 8, 12, 8, 8, 40, 40, 8, 8)
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(3)
+        for n in self.LENGTHS:
+            yield {"input_ids": torch.randint(1, 128, (n,), generator=g).tolist()}
+
+
+def test_batches_padded_to_their_longest_are_fitted_before_each_step(cpu_backend, tmp_path):
+    """With a collator padding each batch to its longest row, Trainer's steps meet longer batches
+    than the sample MemFerry planned with; under a budget that the sample's plan does not hold at
+    the longest, the engine plans again before the step (Trainer hands over the step's
+    micro-batches first: ``get_batch_samples``), no step runs out of memory, and the weights are
+    Trainer + torch AdamW's."""
+    from strategies.memferry.batch_growth import scaled_profile
+    from strategies.memferry.cost import links_from_probe, predict
+    from strategies.memferry.planning import plan_for
+    from strategies.memferry.scheduler import min_budget
+
+    collate = transformers.DataCollatorForLanguageModeling(_PadOnly(), mlm=False)
+    first = collate([{"input_ids": r["input_ids"]} for r in list(VaryingRows())[:BATCH]])["input_ids"]
+    model = slice_hf_loss(tiny_llama(), 2)
+    longest = BATCH * max(VaryingRows.LENGTHS)
+    links = links_from_probe(cpu_backend, 0)
+    profile = plan_for(copy.deepcopy(model), (first, first), None, backend=cpu_backend, memory_margin=0.0).profile
+    budget = int(1.3 * min_budget(scaled_profile(profile, longest), links, margin=0.0))
+    sample_plan = plan_for(copy.deepcopy(model), (first, first), budget, backend=cpu_backend, memory_margin=0.0)
+    assert predict(sample_plan, scaled_profile(sample_plan.profile, longest), links, 0.0).peak_bytes > budget
+
+    ref = tiny_llama()
+    theirs = transformers.Trainer(model=ref, args=_args(tmp_path / "ref", 2, 1.0), train_dataset=VaryingRows(),
+                                  data_collator=collate)
+    theirs.train()
+    engine = MemFerry(model, optim=AdamW(lr=LR, weight_decay=WD, max_grad_norm=1.0), plan="auto", sample=(first, first),
+                      device_budget=budget, backend=cpu_backend, accumulation_steps=2, memory_margin=0.0)
+    cpu_backend.reset_peak_memory(0)
+    ours = memferry_trainer(engine, _args(tmp_path / "mf", 2, 0.0), train_dataset=VaryingRows(), data_collator=collate)
+    ours.train()
+    assert any(f"planned again for {longest} tokens" in n for n in engine.plan.notes), engine.plan.notes
+    assert cpu_backend.memory_stats(0).peak_allocated <= budget
+    torch.testing.assert_close(_logged(ours, "loss"), _logged(theirs, "loss"), rtol=1e-5, atol=1e-6)
+    state = engine.state_dict()["model"]
+    engine.close()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state[name], p.detach(), atol=1e-5, rtol=1e-5, msg=name)
+
+
+class _PadOnly:
+    """What DataCollatorForLanguageModeling asks of a tokenizer to pad ids (pad id 0, right side)."""
+
+    pad_token_id, pad_token, padding_side = 0, "<pad>", "right"
+
+    def pad(self, features, return_tensors="pt", pad_to_multiple_of=None, **kwargs):
+        n = max(len(f["input_ids"]) for f in features)
+        ids = torch.zeros(len(features), n, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, f in enumerate(features):
+            ids[i, :len(f["input_ids"])] = torch.tensor(f["input_ids"])
+            mask[i, :len(f["input_ids"])] = 1
+        return transformers.BatchEncoding({"input_ids": ids, "attention_mask": mask})

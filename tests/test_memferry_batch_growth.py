@@ -112,13 +112,43 @@ def test_a_longer_batch_at_a_step_s_start_is_planned_for_before_it_runs(cpu_back
         torch.testing.assert_close(state[name], p, atol=1e-5, rtol=1e-5, msg=name)
 
 
-def test_a_longer_batch_later_in_a_step_is_planned_for_when_the_step_runs_again(cpu_backend, budget, caplog):
+def test_a_loop_that_knows_its_step_s_micro_batches_fits_the_longest_first(cpu_backend, budget):
+    """``xpu train``'s loop (``MemFerryEngine.train_batch``) calls ``fit_tokens`` with the step's
+    longest micro-batch: planned for before the step's short first one runs, nothing runs out."""
     cfg = AdamW(lr=3e-3, weight_decay=0.1)
     steps = [[batch(SHORT, 1), batch(SHORT, 2)], [batch(SHORT, 3), batch(LONG, 4)], [batch(LONG, 5), batch(SHORT, 6)]]
+    state, notes, replans, peak = train(cpu_backend, budget, steps, cfg)
+    assert any("planned again for 64 tokens" in n for n in notes) and replans == 0 and peak <= budget, notes
+    for name, p in reference(steps, cfg).items():
+        torch.testing.assert_close(state[name], p, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_a_longer_batch_later_in_a_step_is_planned_for_when_the_step_runs_again(cpu_backend, budget, caplog):
+    """A loop of its own, not fitting first: the longer second micro-batch is warned about and runs
+    out of memory; ``replan_after_oom`` plans for it, and the step run again equals torch AdamW's."""
+    from strategies.memferry.oom_recovery import replan_after_oom
+
+    cfg = AdamW(lr=3e-3, weight_decay=0.1)
+    steps = [[batch(SHORT, 1), batch(SHORT, 2)], [batch(SHORT, 3), batch(LONG, 4)], [batch(LONG, 5), batch(SHORT, 6)]]
+    engine = MemFerry(model(), optim=cfg, plan="auto", sample=steps[0][0], device_budget=budget, backend=cpu_backend,
+                      memory_margin=0.0, accumulation_steps=2)
+    failed = 0
     with caplog.at_level(logging.WARNING, logger="xpu.memferry"):
-        state, notes, replans, peak = train(cpu_backend, budget, steps, cfg)
-    assert any("after the step's first micro-batch" in r.getMessage() for r in caplog.records)
-    assert replans == 1 and peak <= budget, notes  # step 2 ran out once, was planned for 64 tokens, ran again
+        for micro in steps:
+            while True:
+                try:
+                    for x, y in micro:
+                        engine.backward(engine(x, y) / 2)
+                    engine.step()
+                    break
+                except torch.OutOfMemoryError as exc:
+                    error = str(exc)
+                failed += 1
+                note = replan_after_oom(engine, error)
+                assert failed == 1 and engine.plan.profile.tokens == 2 * LONG, note
+    assert failed == 1 and any("after the step's first micro-batch" in r.getMessage() for r in caplog.records)
+    state = engine.state_dict()["model"]
+    engine.close()
     for name, p in reference(steps, cfg).items():
         torch.testing.assert_close(state[name], p, atol=1e-5, rtol=1e-5, msg=name)
 

@@ -11,7 +11,9 @@ tokens on the profile scaled to them (:func:`scaled_profile`: activation and los
 times in proportion; attention that is quadratic in the sequence would grow faster, which the
 out-of-memory re-plan then catches). If that is over the budget, the engine is built again, its
 weights and optimizer state kept, for the plan the scheduler makes from the scaled profile
-(``oom_recovery.rebuild_keeping_state``), before the batch runs. A longer micro-batch later in a
+(``oom_recovery.rebuild_keeping_state``), before the batch runs. A loop that has a step's
+micro-batches first fits the engine to the longest (``MemFerry.fit_tokens``: ``xpu train``'s loop,
+and the Trainer integration's ``get_batch_samples``). A longer micro-batch later in a
 step cannot change the plan (the step's earlier gradients are summed in its buffers): the engine
 warns, remembers the length, and plans for it at the next step's start; if that micro-batch runs
 out of memory, ``replan_after_oom`` plans for it and the step runs again (``xpu train`` does so by

@@ -459,6 +459,14 @@ class MemFerry:
             return self.backend.to_device(x, self.device)
         return x
 
+    def fit_tokens(self, tokens: int) -> None:
+        """Before a step: make the plan hold micro-batches of up to ``tokens`` tokens (batch x
+        sequence), planning again where its predicted peak there is over the budget
+        (``batch_growth.py``); a loop that knows its step's micro-batches calls it with the longest."""
+        if self.micro.backwards:
+            raise AccumulationError("fit_tokens is for a step's start: call it before the step's first micro-batch")
+        fit_batch(self, int(tokens))
+
     def eval_loss(self, inputs: Any, targets: Any = None) -> float:
         """The loss of one batch under ``torch.no_grad`` (evaluation: no gradients, no update)."""
         with torch.no_grad(), self.backend.device_scope(self.device):

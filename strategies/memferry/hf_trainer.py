@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -33,6 +34,7 @@ import transformers
 from torch import nn
 from transformers.trainer import OPTIMIZER_NAME, TRAINING_ARGS_NAME
 
+from .batch_growth import batch_tokens
 from .hf_models import save_hf_folder, tied_names
 
 __all__ = ["MemFerryModel", "MemFerryTrainer", "check_trainer_args", "memferry_trainer"]
@@ -185,6 +187,17 @@ class MemFerryTrainer(transformers.Trainer):
         elif not os.path.isfile(os.path.join(resume_from_checkpoint, OPTIMIZER_NAME)):
             raise ValueError(f"{resume_from_checkpoint} has no {OPTIMIZER_NAME}: a MemFerry PEFT model resumes its "
                              f"adapters from the optimizer state; resume from a checkpoint saved without save_only_model")
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
+        """Trainer's fetch of a step's micro-batches, then the engine fitted to the longest of them
+        (:meth:`~strategies.memferry.engine.MemFerry.fit_tokens`): collators that pad each batch
+        to its longest row vary the lengths, and a plan made for a shorter sample could run out of
+        memory mid-step, where it cannot be made again."""
+        samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        longest = max((batch_tokens((), dict(b)) for b in samples if isinstance(b, Mapping)), default=0)
+        if longest and self.model.training:
+            self.model.engine.fit_tokens(longest)
+        return samples, num_items
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """Trainer's log, with ``grad_norm`` the engine's pre-clip norm of the step just taken

@@ -116,7 +116,14 @@ class MemFerryEngine:
         (detached); run again from the first micro-batch after an out-of-memory error it can re-plan."""
         return self._again_after_oom(lambda: self._batch(micro_batches))
 
+    def _fit(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Fit the plan to the step's longest micro-batch before its first runs (``batch_growth.py``)."""
+        from strategies.memferry.batch_growth import batch_tokens
+
+        self.engine.fit_tokens(max(batch_tokens((inputs,), {}) for inputs, _ in micro_batches))
+
     def _batch(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        self._fit(micro_batches)
         n, total = len(micro_batches), None
         for inputs, targets in micro_batches:
             loss = self.engine(inputs, targets)
