@@ -122,7 +122,7 @@ def test_a_budget_only_slicing_fits_is_planned_and_trains_and_the_whole_loss_is_
     says to raise loss_chunks; in 8 slices plan='auto' fits and three steps run under the cap."""
     x, y = batch()
     budget = 5_000_000
-    with pytest.raises(NoPlanFitsError, match=r"raise loss_chunks .* above 1"):
+    with pytest.raises(NoPlanFitsError, match=r"raise loss_chunks above 1 \(.*slice_hf_loss\(model, chunks\)"):
         MemFerry(hf_model("qwen2", True, 1), optim=AdamW(lr=1e-3), plan="auto", sample=(x, y), device_budget=budget,
                  backend=cpu_backend)
     model = hf_model("qwen2", True, 8)

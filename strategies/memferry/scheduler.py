@@ -423,7 +423,8 @@ def _loss_hint(profile: "StepProfile", need: int, margin: float) -> str:
         return ""
     now = profile.loss_chunks
     return (f", or slice the loss: its logits and their gradient take {format_bytes(loss)} of that at loss_chunks {now}; "
-            f"raise loss_chunks (strategy.options.loss_chunks, or the model's loss_chunks: gpt, llama, hf) above {now}")
+            f"raise loss_chunks above {now} (strategy.options.loss_chunks; in Python the model's loss_chunks, or "
+            f"slice_hf_loss(model, chunks) for a transformers model)")
 
 
 def _explain(plan: Plan, pred: Prediction, profile: "StepProfile", links: Links, budget: float,
