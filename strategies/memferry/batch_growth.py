@@ -113,6 +113,8 @@ def fit_batch(engine: "MemFerry", tokens: int) -> None:
                          "sample= a batch as long as the longest you train on", said, why)
         if engine.micro.backwards:
             setup["tokens_next"] = max(setup.get("tokens_next", 0), tokens)  # planned for at the next step
+        else:
+            setup["tokens"] = tokens  # run as it is: not predicted again (an out-of-memory re-plan plans for it)
         return
     try:
         again = replan(plan, budget, engine.backend, engine.device, margin, profile=profile)

@@ -136,7 +136,7 @@ def budget_bytes(engine: "MemFerry") -> int:
 def rebuild_keeping_state(engine: "MemFerry", plan: Any) -> None:
     """Build ``engine`` again for ``plan`` between steps, keeping its weights, optimizer state,
     learning rate and LR scheduler; its allocator capped at the budget (no rehearsal: not held to
-    the new prediction). The caller has checked the host has room (:func:`_refusal`)."""
+    the new prediction). The caller has checked it can (:func:`rebuild_refusal`)."""
     backend, device = engine.backend, engine.device
     engine.optimizer.wait_all()  # the previous step's updates are part of the state kept
     state = {"model": engine.shadow.state_dict(), "optimizer": engine.shadow.optimizer_state_dict()}
