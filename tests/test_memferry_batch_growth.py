@@ -4,13 +4,14 @@ Either way no step is lost and training equals torch's AdamW; and the cap ``devi
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 
 import pytest
 import torch
 
 from strategies.memferry import AdamW, MemFerry
-from strategies.memferry.batch_growth import batch_tokens, scaled_profile
+from strategies.memferry.batch_growth import batch_shape, scaled_profile
 from strategies.memferry.cost import links_from_probe, predict
 from strategies.memferry.planning import plan_for
 from strategies.memferry.scheduler import min_budget
@@ -49,9 +50,9 @@ def budget():
         backend = xpu.get_backend()
         links = links_from_probe(backend, 0)
         profile = plan_for(model(), batch(SHORT, 1), None, backend=backend, memory_margin=0.0).profile
-        b = int(1.2 * min_budget(scaled_profile(profile, 2 * LONG), links, margin=0.0))
+        b = int(1.2 * min_budget(scaled_profile(profile, 2, LONG), links, margin=0.0))
         short_plan = plan_for(model(), batch(SHORT, 1), b, backend=backend, memory_margin=0.0)
-        assert predict(short_plan, scaled_profile(short_plan.profile, 2 * LONG), links, 0.0).peak_bytes > b
+        assert predict(short_plan, scaled_profile(short_plan.profile, 2, LONG), links, 0.0).peak_bytes > b
         xpu.reset_backend()
     return b
 
@@ -81,23 +82,45 @@ def train(backend, budget, steps, cfg):
     return state, notes, replans, peak
 
 
-def test_tokens_of_a_forward():
-    assert batch_tokens((torch.zeros(2, 16, dtype=torch.long),), {}) == 32
-    assert batch_tokens((), {"input_ids": torch.zeros(3, 5, dtype=torch.long)}) == 15
-    assert batch_tokens((), {"inputs_embeds": torch.zeros(2, 16, 8)}) == 32
-    assert batch_tokens(("text",), {}) == 0
+def test_rows_and_sequence_of_a_forward():
+    assert batch_shape((torch.zeros(2, 16, dtype=torch.long),), {}) == (2, 16)
+    assert batch_shape((), {"input_ids": torch.zeros(3, 5, dtype=torch.long)}) == (3, 5)
+    assert batch_shape((), {"inputs_embeds": torch.zeros(2, 16, 8)}) == (2, 16)
+    assert batch_shape((torch.zeros(7, dtype=torch.long),), {}) == (1, 7)
+    assert batch_shape(("text",), {}) == (0, 0)
 
 
-def test_a_profile_scaled_to_more_tokens_grows_what_tokens_grow(cpu_backend):
+def test_a_profile_scaled_to_more_rows_grows_what_tokens_grow(cpu_backend):
     p = plan_for(model(), batch(SHORT, 1), None, backend=cpu_backend).profile
-    q = scaled_profile(p, 4 * p.tokens)
+    assert (p.tokens, p.seq) == (2 * SHORT, SHORT)
+    q = scaled_profile(p, 8, SHORT)
     assert q.tokens == 4 * p.tokens and q.input_bytes == 4 * p.input_bytes
     assert q.loss_peak_bytes == 4 * p.loss_peak_bytes and q.rest_fwd_s == pytest.approx(4 * p.rest_fwd_s)
     for a, b in zip(p.blocks, q.blocks):
         assert (b.act_bytes, b.act_bytes_recompute) == (4 * a.act_bytes, 4 * a.act_bytes_recompute)
         assert b.fwd_s == pytest.approx(4 * a.fwd_s) and (b.numel, b.param_bytes) == (a.numel, a.param_bytes)
     assert (q.rest_numel, q.host_adamw_s_per_param) == (p.rest_numel, p.host_adamw_s_per_param)
-    assert scaled_profile(p, p.tokens) is p
+    assert scaled_profile(p, 2, SHORT) is p
+
+
+def test_the_part_of_the_activations_growing_with_the_sequence_s_square_is_measured_and_scaled(cpu_backend):
+    """A block keeping its attention scores (eager attention) saves rows x heads x seq² more: the
+    profile's half-length reading tells that part, and a profile scaled from 8 to 32 tokens a row
+    predicts what one measured at 32 saves, where scaling by tokens alone under-counts it."""
+    def eager():
+        m = model()
+        m.base.config._attn_implementation = "eager"
+        return m
+
+    short = plan_for(eager(), batch(SHORT, 1), None, backend=cpu_backend).profile
+    long = plan_for(eager(), batch(LONG, 1), None, backend=cpu_backend).profile
+    gc.collect()
+    assert cpu_backend.memory_stats(0).allocated == 0  # the half-length pass leaves nothing on the device
+    scaled = scaled_profile(short, 2, LONG)
+    for s, q, m in zip(short.blocks, scaled.blocks, long.blocks):
+        assert 0 < s.act_bytes_half_seq < s.act_bytes / 2  # the square part halves twice
+        assert s.act_bytes * LONG / SHORT < m.act_bytes  # by tokens alone: too few
+        assert q.act_bytes == pytest.approx(m.act_bytes, rel=0.02)
 
 
 def test_a_longer_batch_at_a_step_s_start_is_planned_for_before_it_runs(cpu_backend, budget, caplog):
@@ -105,20 +128,20 @@ def test_a_longer_batch_at_a_step_s_start_is_planned_for_before_it_runs(cpu_back
     steps = [[batch(SHORT, 1)], [batch(LONG, 2)], [batch(LONG, 3)], [batch(SHORT, 4)]]
     with caplog.at_level(logging.WARNING, logger="xpu.memferry"):
         state, notes, replans, peak = train(cpu_backend, budget, steps, cfg)
-    planned = [n for n in notes if "planned again for 64 tokens" in n]
-    assert len(planned) == 1 and "the 16 the plan was made for" in planned[0], notes
+    planned = [n for n in notes if "planned again for them" in n]
+    assert len(planned) == 1 and f"micro-batches of 2 x {LONG} tokens, beyond the 2 x {SHORT}" in planned[0], notes
     assert replans == 0 and peak <= budget  # no step ran out of memory
     for name, p in reference(steps, cfg).items():
         torch.testing.assert_close(state[name], p, atol=1e-5, rtol=1e-5, msg=name)
 
 
 def test_a_loop_that_knows_its_step_s_micro_batches_fits_the_longest_first(cpu_backend, budget):
-    """``xpu train``'s loop (``MemFerryEngine.train_batch``) calls ``fit_tokens`` with the step's
+    """``xpu train``'s loop (``MemFerryEngine.train_batch``) calls ``fit_shape`` with the step's
     longest micro-batch: planned for before the step's short first one runs, nothing runs out."""
     cfg = AdamW(lr=3e-3, weight_decay=0.1)
     steps = [[batch(SHORT, 1), batch(SHORT, 2)], [batch(SHORT, 3), batch(LONG, 4)], [batch(LONG, 5), batch(SHORT, 6)]]
     state, notes, replans, peak = train(cpu_backend, budget, steps, cfg)
-    assert any("planned again for 64 tokens" in n for n in notes) and replans == 0 and peak <= budget, notes
+    assert any("planned again for them" in n for n in notes) and replans == 0 and peak <= budget, notes
     for name, p in reference(steps, cfg).items():
         torch.testing.assert_close(state[name], p, atol=1e-5, rtol=1e-5, msg=name)
 
@@ -158,9 +181,61 @@ def test_a_longer_batch_no_plan_holds_is_refused_before_it_runs(cpu_backend, bud
     engine = MemFerry(model(), optim=AdamW(lr=3e-3), plan="auto", sample=(x, y), device_budget=budget,
                       backend=cpu_backend, memory_margin=0.0)
     before = copy.deepcopy(engine.state_dict())
-    with pytest.raises(ValueError, match=r"a micro-batch of 1024 tokens, 64.00x the 16 .*, and no plan fits it"):
+    with pytest.raises(ValueError, match=r"micro-batches of 2 x 512 tokens, beyond the 2 x 8 .*, and no plan fits them"):
         engine(*batch(512, 7))
     after = engine.state_dict()
     assert all(torch.equal(before["model"][k], after["model"][k]) for k in before["model"])
     engine.train_step(x, y)  # the engine still trains on what fits
     engine.close()
+
+
+def test_the_first_step_at_a_new_shape_is_measured_and_a_miss_planned_again(cpu_backend, caplog):
+    """Where the memory model misses at the new shape (this GPT's attention backward on the cpu
+    keeps more than its profile counts, more so at longer rows), the first step there runs with
+    the cap lifted, as the rehearsal's does; it peaked over the budget, so the plan is made again
+    with a margin covering the miss, and the next step stays under the budget."""
+    from strategies.models import build_model
+
+    dims = dict(layers=4, hidden=128, heads=4, vocab=256, seq=128, bias=False)
+    tok = torch.randint(0, 256, (4, 129), generator=torch.Generator().manual_seed(4))
+    short, long = (tok[:, :32], tok[:, 1:33]), (tok[:, :-1].contiguous(), tok[:, 1:].contiguous())
+
+    def gpt():
+        torch.manual_seed(0)
+        return build_model("gpt", **dims)
+
+    profile = plan_for(gpt(), short, None, backend=cpu_backend).profile
+    budget = int(1.5 * min_budget(scaled_profile(profile, 4, 128), links_from_probe(cpu_backend, 0)))
+    engine = MemFerry(gpt(), optim=AdamW(lr=1e-3), plan="auto", sample=short, device_budget=budget, backend=cpu_backend)
+    engine.train_step(*short)
+    with caplog.at_level(logging.WARNING, logger="xpu.memferry"):
+        engine.train_step(*long)
+    missed = [r.getMessage() for r in caplog.records if "the first step at 4 x 128 tokens peaked at" in r.getMessage()]
+    assert len(missed) == 1 and "planned again with a" in missed[0], [r.getMessage() for r in caplog.records]
+    assert cpu_backend.memory_cap(0) == budget  # the cap is back on
+    cpu_backend.reset_peak_memory(0)
+    engine.train_step(*long)
+    assert cpu_backend.memory_stats(0).peak_allocated <= budget
+    engine.close()
+
+
+def test_a_model_that_takes_only_its_own_length_is_scaled_by_tokens_alone(cpu_backend):
+    """The half-length pass is a refinement: a model refusing other lengths profiles as before."""
+    from torch import nn
+
+    from strategies.memferry.sequence_scaling import half_sequence_bytes
+
+    class FixedLength(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.blocks = nn.Embedding(10, 8), nn.ModuleList([nn.Linear(8, 8)])
+
+        def forward(self, x):
+            if x.shape[1] != 16:
+                raise ValueError("16 tokens a row only")
+            return self.blocks[0](self.emb(x)).sum()
+
+    m = FixedLength()
+    x = torch.zeros(2, 16, dtype=torch.long)
+    assert half_sequence_bytes(m, list(m.blocks), type, x, None, None, cpu_backend, 0) == {}
+    assert half_sequence_bytes(m, list(m.blocks), type, x[:, :2], None, None, cpu_backend, 0) == {}  # too short

@@ -326,3 +326,40 @@ def test_slice_gradients_made_in_forward_train_bit_equal_on_the_device(gpu_backe
         engine.close()
     for unit, st in states[False]["optimizer"].items():
         assert all(torch.equal(st[k], states[True]["optimizer"][unit][k]) for k in ("master", "exp_avg", "exp_avg_sq")), unit
+
+
+def test_a_longer_batch_is_planned_for_under_the_cap_and_close_gives_the_cap_back(gpu_backend):
+    """``batch_growth.py`` on the device: a plan made for 64-token rows, under a budget sized for
+    256-token rows that the first plan does not hold there, is made again before the longer batch
+    runs (and again after it, where that first step peaked over the budget); the next step's
+    reserved peak stays under the budget, and ``close()`` lifts the cap."""
+    from strategies.memferry.batch_growth import scaled_profile
+    from strategies.memferry.cost import links_from_probe, predict
+    from strategies.memferry.planning import plan_for
+    from strategies.memferry.scheduler import min_budget
+
+    b = gpu_backend
+    dims = {**DIMS, "seq": 256}
+    tok = torch.randint(0, DIMS["vocab"], (BATCH, 257), generator=torch.Generator().manual_seed(4))
+    short, long = (tok[:, :64], tok[:, 1:65]), (tok[:, :-1].contiguous(), tok[:, 1:].contiguous())
+
+    def model():
+        torch.manual_seed(0)
+        return build_model("gpt", dtype=torch.bfloat16, **dims)
+
+    links = links_from_probe(b, 0)
+    profile = plan_for(model(), short, None, backend=b, device=0).profile
+    budget = int(1.5 * min_budget(scaled_profile(profile, BATCH, 256), links))
+    first = plan_for(model(), short, budget, backend=b, device=0)
+    assert predict(first, scaled_profile(first.profile, BATCH, 256), links).peak_bytes > budget
+    engine = MemFerry(model(), optim=AdamW(lr=1e-3), plan="auto", sample=short, device_budget=budget, backend=b,
+                      device=0)
+    engine.train_step(*short)
+    engine.train_step(*long)  # the first at the new shape: measured with the cap lifted, re-planned if over
+    b.reset_peak_memory(0)
+    assert torch.isfinite(engine.train_step(*long)).item()
+    stats = b.memory_stats(0)
+    assert any(f"{BATCH} x 256 tokens" in n for n in engine.plan.notes), engine.plan.notes  # planned for them
+    assert max(stats.peak_reserved, stats.peak_allocated) <= budget
+    engine.close()
+    assert b.memory_cap(0) is None

@@ -5,19 +5,26 @@ micro-batch's tokens (batch x sequence): activations, the loss's slices, the inp
 batches vary (Hugging Face's collators pad each batch to its longest row) then meets longer
 batches than the sample, and under a tight budget a plan that fit the sample runs out of memory.
 
-So the engine counts each grad-enabled micro-batch's tokens (:func:`batch_tokens`). At a step's
-first micro-batch with more tokens than it was fitted to, it predicts its plan's peak at those
-tokens on the profile scaled to them (:func:`scaled_profile`: activation and loss bytes and
-times in proportion; attention that is quadratic in the sequence would grow faster, which the
-out-of-memory re-plan then catches). If that is over the budget, the engine is built again, its
+So the engine reads each grad-enabled micro-batch's rows and sequence length
+(``sequence_scaling.batch_shape``). At a step's first micro-batch longer or wider than it was
+fitted to, it predicts its plan's peak there on the profile scaled to it (:func:`scaled_profile`:
+activation and loss bytes and times in proportion to the tokens, and the part of the
+activations that grows with the sequence's square, measured at profiling, by that too). If that
+is over the budget, the engine is built again, its
 weights and optimizer state kept, for the plan the scheduler makes from the scaled profile
 (``oom_recovery.rebuild_keeping_state``), before the batch runs. A loop that has a step's
-micro-batches first fits the engine to the longest (``MemFerry.fit_tokens``: ``xpu train``'s loop,
+micro-batches first fits the engine to the longest (``MemFerry.fit_shape``: ``xpu train``'s loop,
 and the Trainer integration's ``get_batch_samples``). A longer micro-batch later in a
 step cannot change the plan (the step's earlier gradients are summed in its buffers): the engine
 warns, remembers the length, and plans for it at the next step's start; if that micro-batch runs
 out of memory, ``replan_after_oom`` plans for it and the step runs again (``xpu train`` does so by
 itself). Give ``sample`` a batch as long as the longest you will train on to plan once.
+
+The memory model is a model: at the sample's shape the rehearsal checks it, and at a new shape
+the first step does the same (:func:`settle_watch`): it runs with the cap lifted and its peak
+measured, and where it went over the budget the plan is made again with a margin covering the
+miss before the next step (a GPT's attention backward on the cpu kept 15.4 MB where 13.1 were
+predicted at 4 x 128 tokens; the plan made again then peaked at 10.6 MB of a 13.5 MB budget).
 """
 from __future__ import annotations
 
@@ -26,15 +33,15 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from xpu.units import format_bytes
+
+from .sequence_scaling import batch_shape, grown_bytes
 
 if TYPE_CHECKING:
     from .engine import MemFerry
     from .profiler import StepProfile
 
-__all__ = ["batch_tokens", "scaled_profile", "longest_tokens", "fit_batch"]
+__all__ = ["batch_shape", "scaled_profile", "longest_shape", "fit_batch", "settle_watch"]
 
 _log = logging.getLogger("xpu.memferry")
 
@@ -43,85 +50,136 @@ _BLOCK_SCALED = ("fwd_s", "bwd_s", "recompute_s", "bwd_selective_s", "fwd_select
 _STEP_SCALED = ("rest_fwd_s", "rest_bwd_s", "loss_peak_bytes", "input_bytes")
 
 
-def batch_tokens(inputs: tuple, kwargs: dict) -> int:
-    """Tokens (rows of the blocks' matmuls) of a forward's inputs: the element count of its
-    token ids (``input_ids`` or the first tensor argument), or of embeddings over their last
-    dimension; 0 where there is no tensor."""
-    first = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-    if not isinstance(first, torch.Tensor):
-        first = next((x for x in inputs if isinstance(x, torch.Tensor)), None)
-    if first is None or first.dim() == 0:
-        return 0
-    if first.is_floating_point() and first.dim() >= 3:
-        return first.numel() // first.shape[-1]
-    return first.numel()
-
-
-def scaled_profile(profile: "StepProfile", tokens: int) -> "StepProfile":
-    """``profile`` as a micro-batch of ``tokens`` tokens would have measured it: what grows with
-    tokens (activation and loss bytes, inputs, compute times) in proportion; weights, rates and
-    settings as they were."""
-    if tokens == profile.tokens or profile.tokens <= 0:
+def scaled_profile(profile: "StepProfile", rows: int, seq: int) -> "StepProfile":
+    """``profile`` as a micro-batch of ``rows`` x ``seq`` tokens would have measured it: what grows
+    with tokens (activation and loss bytes, inputs, compute times) in proportion, and the part of
+    the activations that grows with the sequence's square (``sequence_scaling.grown_bytes``) by
+    that too; weights, rates and settings as they were. A profile of unknown sequence
+    (``profile.seq`` 0) scales by tokens alone."""
+    tokens = rows * seq
+    if tokens == profile.tokens and (not profile.seq or seq == profile.seq) or profile.tokens <= 0:
         return profile
     r = tokens / profile.tokens
+    s = seq / profile.seq if profile.seq else 1.0
 
     def scale(obj: Any, names: tuple[str, ...]) -> dict[str, Any]:
         values = {n: getattr(obj, n) * r for n in names}
         return {n: math.ceil(v) if isinstance(getattr(obj, n), int) else v for n, v in values.items()}
 
-    blocks = [dataclasses.replace(b, **scale(b, _BLOCK_SCALED)) for b in profile.blocks]
-    return dataclasses.replace(profile, blocks=blocks, tokens=int(tokens), **scale(profile, _STEP_SCALED),
-                               notes=[*profile.notes, f"scaled from {profile.tokens} to {tokens} tokens"])
+    def block(b: Any) -> Any:
+        act, share = grown_bytes(b.act_bytes, b.act_bytes_half_seq, profile.seq, r, s)
+        quad = share * b.act_bytes * r * s  # the part growing with the square, at the new shape
+        half = int(round((act - quad) / 2 + quad / 4)) if b.act_bytes_half_seq else 0
+        grown = {**scale(b, _BLOCK_SCALED), "act_bytes": act, "act_bytes_half_seq": half}
+        if share:  # selective recompute keeps the attention scores' matmul output too
+            grown["act_bytes_selective"] = int(round(b.act_bytes_selective * r * (1 + share * (s - 1))))
+        return dataclasses.replace(b, **grown)
+
+    return dataclasses.replace(profile, blocks=[block(b) for b in profile.blocks], tokens=int(tokens),
+                               seq=seq if profile.seq else 0, **scale(profile, _STEP_SCALED),
+                               notes=[*profile.notes, f"scaled from {profile.tokens} to {tokens} tokens ({rows} x {seq})"])
 
 
-def longest_tokens(engine: "MemFerry") -> int:
-    """The most tokens of a micro-batch ``engine``'s plan must hold: what it was made or fitted
-    for, or a longer micro-batch met later in a step (planned for at the next one)."""
+def longest_shape(engine: "MemFerry") -> tuple[int, int]:
+    """The longest micro-batch, ``(rows, sequence)``, ``engine``'s plan must hold: what it was made
+    or fitted for, and one met later in a step (planned for at the next one), dimension by dimension."""
     setup, profile = engine._setup, engine.plan.profile
-    return max(profile.tokens if profile is not None else 0, setup.get("tokens", 0), setup.get("tokens_next", 0))
+    base = _profile_shape(profile) if profile is not None else (0, 0)
+    fitted, later = setup.get("shape", (0, 0)), setup.get("shape_next", (0, 0))
+    return max(base[0], fitted[0], later[0]), max(base[1], fitted[1], later[1])
 
 
-def fit_batch(engine: "MemFerry", tokens: int) -> None:
-    """Before a grad-enabled forward of ``tokens`` tokens: plan for them where they are more than
-    the engine was fitted to and its plan's predicted peak at them is over the budget (see the
-    module docstring)."""
+def _profile_shape(profile: "StepProfile") -> tuple[int, int]:
+    """``(rows, sequence)`` a profile was measured at (one row of ``tokens`` where its sequence is not known)."""
+    return (profile.tokens // profile.seq, profile.seq) if profile.seq else (1, profile.tokens)
+
+
+def fit_batch(engine: "MemFerry", rows: int, seq: int) -> None:
+    """Before a grad-enabled forward of ``rows`` x ``seq`` tokens: plan for them where they are
+    more than the engine was fitted to and its plan's predicted peak there is over the budget
+    (see the module docstring)."""
     from .cost import links_from_probe, predict
-    from .oom_recovery import budget_bytes, cap_at_budget, rebuild_keeping_state, rebuild_refusal
+    from .oom_recovery import budget_bytes, rebuild_keeping_state, rebuild_refusal
     from .planning import replan
     from .scheduler import NoPlanFitsError
 
     setup, plan = engine._setup, engine.plan
-    if not engine.micro.backwards:  # a step's first micro-batch: plan for the longest the last step had too
-        tokens = max(tokens, setup.pop("tokens_next", 0))
-    if plan.profile is None or tokens <= setup.setdefault("tokens", plan.profile.tokens):
+    if plan.profile is None or not rows:
+        return
+    if not plan.profile.seq:  # sequence not known: tokens alone, as one long row
+        rows, seq = 1, rows * seq
+    first = not engine.micro.backwards
+    fitted = setup.setdefault("shape", _profile_shape(plan.profile))
+    later = setup.pop("shape_next", (0, 0)) if first else (0, 0)  # a step's first: the last step's longest too
+    want = (max(rows, fitted[0], later[0]), max(seq, fitted[1], later[1]))
+    if want == fitted:
         return
     budget, margin = budget_bytes(engine), setup["memory_margin"]
-    profile = scaled_profile(plan.profile, tokens)
+    profile = scaled_profile(plan.profile, *want)
     peak = predict(plan, profile, links_from_probe(engine.backend, engine.device), margin).peak_bytes
     if peak <= budget:
-        setup["tokens"] = tokens
-        cap_at_budget(engine)  # the cap held to the old prediction would not hold the longer batch
+        setup["shape"] = want
+        _watch(engine, budget)
         return
-    said = (f"a micro-batch of {tokens} tokens, {tokens / plan.profile.tokens:.2f}x the {plan.profile.tokens} the "
-            f"plan was made for, would peak at {format_bytes(peak)} over the {format_bytes(budget)} budget")
-    why = ("it comes after the step's first micro-batch, whose gradients the plan's buffers hold" if engine.micro.backwards
+    said = (f"micro-batches of {want[0]} x {want[1]} tokens, beyond the {fitted[0]} x {fitted[1]} the plan holds, "
+            f"would peak at {format_bytes(peak)} over the {format_bytes(budget)} budget")
+    why = ("it comes after the step's first micro-batch, whose gradients the plan's buffers hold" if not first
            else rebuild_refusal(engine))
     if why:
-        if setup.get("warned_tokens", 0) < tokens:
-            setup["warned_tokens"] = tokens
+        if setup.get("warned", (0, 0)) != want:
+            setup["warned"] = want
             _log.warning("MemFerry: %s; it runs on the plan as it is, which cannot be made again now (%s); give "
                          "sample= a batch as long as the longest you train on", said, why)
-        if engine.micro.backwards:
-            setup["tokens_next"] = max(setup.get("tokens_next", 0), tokens)  # planned for at the next step
-        else:
-            setup["tokens"] = tokens  # run as it is: not predicted again (an out-of-memory re-plan plans for it)
+        # planned for at the next step; or (no re-plan possible) run as it is, not predicted again
+        setup["shape_next" if not first else "shape"] = want
         return
     try:
         again = replan(plan, budget, engine.backend, engine.device, margin, profile=profile)
     except NoPlanFitsError as exc:
-        raise NoPlanFitsError(f"{said}, and no plan fits it: {exc}", exc.minimum) from None
+        raise NoPlanFitsError(f"{said}, and no plan fits them: {exc}", exc.minimum) from None
     rebuild_keeping_state(engine, again)
-    setup["tokens"] = tokens
-    note = f"{said}: planned again for {tokens} tokens, predicted peak {format_bytes(again.predicted_peak_bytes or 0)}"
+    setup["shape"] = want
+    note = f"{said}: planned again for them, predicted peak {format_bytes(again.predicted_peak_bytes or 0)}"
+    engine.plan.notes.append(note)
+    _log.warning("MemFerry: %s", note)
+    _watch(engine, budget)
+
+
+def _watch(engine: "MemFerry", budget: int) -> None:
+    """Run the next step, the first at a new shape, as the rehearsal runs its step: the cap lifted
+    and the peak measured from a released cache (:func:`settle_watch` reads it at ``step()``)."""
+    backend, device = engine.backend, engine.device
+    backend.set_memory_cap(device, None)
+    backend.release_cache(device)
+    backend.reset_peak_memory(device)
+    engine._setup["watch"] = budget
+
+
+def settle_watch(engine: "MemFerry") -> None:
+    """At the end of a step run under :func:`_watch`: cap the device at the budget again and, where
+    the step peaked over it (the memory model missed at the new shape), plan again with a margin
+    covering what it missed, as the rehearsal does, before the next step. Nothing otherwise."""
+    from .oom_recovery import cap_at_budget, rebuild_keeping_state, rebuild_refusal
+    from .planning import replan
+    from .rehearsal import MARGIN_STEP
+
+    setup, backend, device = engine._setup, engine.backend, engine.device
+    budget = setup.pop("watch", None)
+    if budget is None:
+        return
+    backend.synchronize(device)
+    stats = backend.memory_stats(device)
+    peak = max(stats.peak_allocated, stats.peak_reserved)
+    cap_at_budget(engine)
+    predicted, margin = engine.plan.predicted_peak_bytes, setup["memory_margin"]
+    if peak <= budget or not predicted or rebuild_refusal(engine):
+        return
+    margin = max(margin + MARGIN_STEP, peak / (predicted / (1 + margin)) - 1 + MARGIN_STEP)
+    again = replan(engine.plan, budget, backend, device, margin)
+    rebuild_keeping_state(engine, again)
+    setup["memory_margin"] = margin
+    note = (f"the first step at {setup['shape'][0]} x {setup['shape'][1]} tokens peaked at {format_bytes(peak)}, over "
+            f"the {format_bytes(budget)} budget (predicted {format_bytes(predicted)}): planned again with a "
+            f"{margin:.0%} memory margin, predicted peak {format_bytes(again.predicted_peak_bytes or 0)}")
     engine.plan.notes.append(note)
     _log.warning("MemFerry: %s", note)

@@ -32,7 +32,7 @@ from ..weight_decay import no_decay_names
 
 from .accumulation import AccumulationError, MicroBatches, check_accumulation_steps, paired_units
 from .backward_gate import gate_outputs, queue_at_backward_end
-from .batch_growth import batch_tokens, fit_batch
+from .batch_growth import batch_shape, fit_batch, settle_watch
 from .clip_norms import GlobalNormClip
 from .clip_plan import HINT_STEP, fire_rate_hint
 from .compute_dtype import cast_parameters, check_compute_dtype, restore_parameters
@@ -264,7 +264,7 @@ class MemFerry:
         grad = torch.is_grad_enabled()
         self.micro.check_forward(grad)
         if grad:  # a longer micro-batch than planned for: plan for it first (batch_growth.py)
-            fit_batch(self, batch_tokens(inputs, kwargs))
+            fit_batch(self, *batch_shape(inputs, kwargs))
         with self.backend.device_scope(self.device):
             inputs = tuple(self._to_device(x) for x in inputs)
             kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
@@ -341,6 +341,7 @@ class MemFerry:
             self.device_optimizer.finish_step(device_coef)
         self.optimizer.finish_step(host_coef)
         self._steps += 1
+        settle_watch(self)  # the first step at a longer batch shape: measured, re-planned if it went over
         if self._steps == _RATE_CHECK_STEP:
             self._check_host_rate()
         if self._steps == HINT_STEP and self.clip is not None and self.plan.profile is not None and (
@@ -459,13 +460,13 @@ class MemFerry:
             return self.backend.to_device(x, self.device)
         return x
 
-    def fit_tokens(self, tokens: int) -> None:
-        """Before a step: make the plan hold micro-batches of up to ``tokens`` tokens (batch x
-        sequence), planning again where its predicted peak there is over the budget
-        (``batch_growth.py``); a loop that knows its step's micro-batches calls it with the longest."""
+    def fit_shape(self, rows: int, seq: int) -> None:
+        """Before a step: make the plan hold micro-batches of up to ``rows`` x ``seq`` tokens,
+        planning again where its predicted peak there is over the budget (``batch_growth.py``); a
+        loop that knows its step's micro-batches calls it with the most rows and the longest."""
         if self.micro.backwards:
-            raise AccumulationError("fit_tokens is for a step's start: call it before the step's first micro-batch")
-        fit_batch(self, int(tokens))
+            raise AccumulationError("fit_shape is for a step's start: call it before the step's first micro-batch")
+        fit_batch(self, int(rows), int(seq))
 
     def eval_loss(self, inputs: Any, targets: Any = None) -> float:
         """The loss of one batch under ``torch.no_grad`` (evaluation: no gradients, no update)."""

@@ -34,7 +34,7 @@ import transformers
 from torch import nn
 from transformers.trainer import OPTIMIZER_NAME, TRAINING_ARGS_NAME
 
-from .batch_growth import batch_tokens
+from .sequence_scaling import batch_shape
 from .hf_models import save_hf_folder, tied_names
 
 __all__ = ["MemFerryModel", "MemFerryTrainer", "check_trainer_args", "memferry_trainer"]
@@ -190,13 +190,13 @@ class MemFerryTrainer(transformers.Trainer):
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
         """Trainer's fetch of a step's micro-batches, then the engine fitted to the longest of them
-        (:meth:`~strategies.memferry.engine.MemFerry.fit_tokens`): collators that pad each batch
+        (:meth:`~strategies.memferry.engine.MemFerry.fit_shape`): collators that pad each batch
         to its longest row vary the lengths, and a plan made for a shorter sample could run out of
         memory mid-step, where it cannot be made again."""
         samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        longest = max((batch_tokens((), dict(b)) for b in samples if isinstance(b, Mapping)), default=0)
-        if longest and self.model.training:
-            self.model.engine.fit_tokens(longest)
+        shapes = [batch_shape((), dict(b)) for b in samples if isinstance(b, Mapping)]
+        if shapes and self.model.training:
+            self.model.engine.fit_shape(max(r for r, _ in shapes), max(t for _, t in shapes))
         return samples, num_items
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:

@@ -30,7 +30,7 @@ import torch
 from xpu.errors import XpuError
 from xpu.units import format_bytes, parse_bytes
 
-from .batch_growth import longest_tokens, scaled_profile
+from .batch_growth import longest_shape, scaled_profile
 from .planning import replan
 from .rehearsal import MARGIN_STEP, _rebuild
 from .scheduler import NoPlanFitsError
@@ -109,16 +109,16 @@ def replan_after_oom(engine: "MemFerry", error: BaseException | str) -> str:
     budget = budget_bytes(engine)
     margin = setup["memory_margin"] + MARGIN_STEP
     old = engine.plan
-    tokens = longest_tokens(engine)  # a micro-batch longer than planned for may be what ran out (batch_growth.py)
-    profile = scaled_profile(old.profile, tokens)
+    shape = longest_shape(engine)  # a micro-batch longer than planned for may be what ran out (batch_growth.py)
+    profile = scaled_profile(old.profile, *shape)
     try:
         plan = replan(old, budget, engine.backend, engine.device, margin, profile=profile)
     except NoPlanFitsError as exc:
         raise StepOutOfMemoryError(f"MemFerry ran out of device memory in a step ({said[:120]}) and no plan fits "
                                    f"with a {margin:.0%} memory margin: {exc}") from None
     rebuild_keeping_state(engine, plan)
-    setup["memory_margin"], setup["tokens"] = margin, tokens
-    setup.pop("tokens_next", None)
+    setup["memory_margin"], setup["shape"] = margin, shape
+    setup.pop("shape_next", None)
     note = (f"out of memory in a step ({said[:120]}): planned again with a {margin:.0%} memory margin, predicted "
             f"peak {format_bytes(plan.predicted_peak_bytes or 0)} (was {format_bytes(old.predicted_peak_bytes or 0)}), "
             f"the allocator capped at the budget, {format_bytes(budget)}; the step runs again")

@@ -48,6 +48,7 @@ from .config import OFFLOAD_MIN_BYTES
 from .cost import loss_peak_estimate
 from .hf_models import head_shape, model_loss
 from .host_budget import update_bytes
+from .sequence_scaling import batch_shape, capture_block_input, half_sequence_bytes
 from .units import Unit
 
 __all__ = ["BlockProfile", "StepProfile", "profile_step", "host_adamw_rate", "host_adamw_rates", "device_adamw_rate"]  # rates: adamw_rates.py
@@ -81,6 +82,8 @@ class BlockProfile:
         fwd_selective_s: forward time under selective recompute (its dispatch mode sees every
             op, which costs time in eager mode; never below ``fwd_s``); 0 in profiles written
             before it was measured (then ``fwd_s``).
+        act_bytes_half_seq: ``act_bytes`` with the rows cut to half their length, which tells the
+            part growing with the sequence's square (``sequence_scaling.py``); 0: not measured.
     """
 
     numel: int
@@ -94,6 +97,7 @@ class BlockProfile:
     bwd_selective_s: float = 0.0
     fwd_selective_s: float = 0.0
     recompute_s: float = 0.0
+    act_bytes_half_seq: int = 0
 
     @property
     def recompute_time(self) -> float:
@@ -164,6 +168,8 @@ class StepProfile:
         flat_sends: a setting (``plan_for`` sets it): ``AdamW.flat_sends``, a host-homed unit's
             gradients gathered into one more device buffer for their copy home (the block's
             backward transient holds them twice).
+        seq: the sample's sequence length (its rows: ``tokens / seq``); 0: not known, then a
+            profile is scaled to other batches by tokens alone (``batch_growth.scaled_profile``).
     """
 
     blocks: list[BlockProfile]
@@ -196,6 +202,7 @@ class StepProfile:
     earlier_send_s: float = 0.0
     clip_fire_rate: float = 0.0
     flat_sends: bool = False
+    seq: int = 0
 
     def to_json(self, indent: int | None = 1) -> str:
         """The profile as a JSON string (``indent=None``: on one line)."""
@@ -216,14 +223,6 @@ class StepProfile:
     def load(cls, path: str | Path) -> "StepProfile":
         """Read a profile written by :meth:`save`."""
         return cls.from_json(Path(path).read_text())
-
-
-class _Captured(Exception):
-    """Raised by the pre-hook on block 0 to stop the host forward once its input is known."""
-
-    def __init__(self, args: tuple, kwargs: dict) -> None:
-        super().__init__()
-        self.args, self.kwargs = args, kwargs
 
 
 class _PassThrough(nn.Module):
@@ -269,26 +268,6 @@ def _timed(backend: Backend, device: int, fn: Callable[[], None],
     lead = LEAD_FACTOR * host_before + LEAD_MIN_S if ahead else 0.0
     dev_s, host_s = pipelined_seconds(backend, device, backend.current_stream(device), fn, lead)
     return (max(dev_s, host_s) if ahead else dev_s), host_s
-
-
-def _capture_block_input(model: nn.Module, first_block: nn.Module, inputs: Any, targets: Any,
-                         loss_fn: Callable | None) -> tuple[tuple, dict]:
-    """Run the model on the host only up to block 0 and return block 0's arguments."""
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        raise _Captured(args, kwargs)
-
-    handle = first_block.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            if loss_fn is None and targets is not None:
-                model_loss(model, inputs, targets)
-            else:
-                model(inputs)
-    except _Captured as got:
-        return got.args, got.kwargs
-    finally:
-        handle.remove()
-    raise ValueError("the model's forward never called its first block; pass blocks= to name the repeated blocks")
 
 
 def _block_signature(block: nn.Module) -> tuple:
@@ -450,7 +429,7 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
         blocks = find_blocks(model)[1]
     dtype = block_units[0].params[0][1].dtype
     notes: list[str] = []
-    args, kwargs = _capture_block_input(model, block_units[0].module, inputs, targets, loss_fn)
+    args, kwargs = capture_block_input(model, block_units[0].module, inputs, targets, loss_fn)
     tokens = max((t.numel() // t.shape[-1] for t in _tensors(args) if t.dim() >= 2), default=1)
     vocab, hidden = head_shape(model)
     chunks = int(getattr(model, "loss_chunks", 1) or 1)
@@ -482,6 +461,10 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
             loss_peak = loss_peak_estimate(int(tokens), vocab, hidden, chunks, dtype.itemsize) if vocab else 0
             notes.append("rest: blocks change the hidden shape; rest times scaled from blocks by parameter count, "
                          + ("loss peak estimated from the head's shape" if vocab else "loss peak unknown (0)"))
+        halves = half_sequence_bytes(model, [u.module for u in block_units], _block_signature, inputs, targets,
+                                     loss_fn, backend, index)
+        for u, prof in zip(block_units, profiles):
+            prof.act_bytes_half_seq = halves.get(_block_signature(u.module), 0)
         numel_for_rates = adamw_numel or min(64 << 20, max(1 << 20, max(u.numel for u in units)))
         # The device measurement's buffers (fp32 master, gradient, moments; two compute-dtype
         # copies) take at most half of what the device (its cap) has free: a rate per
@@ -497,4 +480,5 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
                        input_bytes, torch.empty((), dtype=dtype).element_size(), int(tokens), host_rate, dev_rate,
                        backend.name, str(name), notes, vocab, hidden, chunks,
                        host_adamw_copies_s_per_param=copies_rate if copies_GBps else 0.0, host_copies_GBps=copies_GBps,
-                       host_adamw_bytes_per_param=update_bytes(dtype.itemsize).kernel)
+                       host_adamw_bytes_per_param=update_bytes(dtype.itemsize).kernel,
+                       seq=batch_shape((inputs,), {})[1] if halves else 0)

@@ -169,6 +169,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                                                                   *placement.notes, note],
                                               rehearsed_step_s=rehearsed_s)  # the caller's plan stays as given
             engine.executor.plan = engine.plan
+            setup["memory_margin"] = margin  # later re-plans (out of memory, longer batches) start from it
             _reset(engine)
             return
         if placement.timing:  # the device-summing plan does not fit: back to the one that did

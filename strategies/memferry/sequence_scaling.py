@@ -1,0 +1,151 @@
+"""How a block's saved activations grow with the sequence: measured at the sample's length and at
+half of it, so a plan can be sized for rows of another length (``batch_growth.py``).
+
+Most of what a block keeps for backward grows with its tokens (rows x sequence), but attention
+that materialises its scores (eager attention; the cpu's math kernel) keeps rows x heads x
+sequence² more. Scaled by tokens alone, a GPT block profiled at 64-token rows under-counted
+256-token rows: the plan made for them predicted 43.6 MB and ran out of a 44.3 MB budget on the
+cpu backend. So the profiler also measures what each distinct block saves with the sample's rows
+cut to half their length (:func:`half_sequence_bytes`); with ``act(T) = lin * T + quad * T**2`` per
+row the two readings give both parts, and :func:`grown_bytes` sizes the block at any rows and
+sequence. The block inputs come from running the model on the host up to its first block
+(:func:`capture_block_input`), as the profiler's full-length ones do.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from xpu import Backend
+
+from .hf_models import model_loss
+
+__all__ = ["batch_shape", "capture_block_input", "half_sequence_bytes", "grown_bytes"]
+
+_log = logging.getLogger("xpu.memferry")
+
+#: Rows shorter than this are not halved (too few tokens to tell the parts apart).
+MIN_SEQ = 4
+
+
+def batch_shape(inputs: tuple, kwargs: dict) -> tuple[int, int]:
+    """``(rows, sequence)`` of a forward's inputs: from its token ids (``input_ids`` or the first
+    tensor argument: ``(..., T)``) or embeddings (``inputs_embeds``: ``(..., T, hidden)``);
+    ``(0, 0)`` where there is no tensor."""
+    first = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+    if not isinstance(first, torch.Tensor):
+        first = next((x for x in inputs if isinstance(x, torch.Tensor)), None)
+    if first is None or first.dim() == 0:
+        return 0, 0
+    if first.is_floating_point() and first.dim() >= 3:
+        seq = first.shape[-2]
+        return first.numel() // (seq * first.shape[-1]), seq
+    seq = first.shape[-1]
+    return first.numel() // max(seq, 1), seq
+
+
+class _Captured(Exception):
+    """Raised by the pre-hook on block 0 to stop the host forward once its input is known."""
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        super().__init__()
+        self.args, self.kwargs = args, kwargs
+
+
+def capture_block_input(model: nn.Module, first_block: nn.Module, inputs: Any, targets: Any,
+                        loss_fn: Callable | None) -> tuple[tuple, dict]:
+    """Run the model on the host only up to block 0 and return block 0's arguments."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        raise _Captured(args, kwargs)
+
+    handle = first_block.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            if loss_fn is None and targets is not None:
+                model_loss(model, inputs, targets)
+            else:
+                model(inputs)
+    except _Captured as got:
+        return got.args, got.kwargs
+    finally:
+        handle.remove()
+    raise ValueError("the model's forward never called its first block; pass blocks= to name the repeated blocks")
+
+
+def _halved(x: Any, seq: int) -> Any:
+    """``x`` with its sequence dimension (the last of token ids, length ``seq``) cut to its first half."""
+    if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] == seq:
+        return x[..., : seq // 2].contiguous()
+    return x
+
+
+def _saved_bytes(block: nn.Module, args: tuple, kwargs: dict, backend: Backend, device: int) -> tuple[int, Any]:
+    """Bytes autograd saves in one forward of a copy of ``block`` on the device (each storage
+    once, parameters left out, as the profiler counts them), and its output on the host."""
+    blk = copy.deepcopy(block).to(backend.device(device))
+    on_dev = torch.utils._pytree.tree_map(
+        lambda t: backend.to_device(t.detach(), device) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+    for t in torch.utils._pytree.tree_leaves(on_dev[0]):
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            t.requires_grad_(True)
+    own = {p.untyped_storage().data_ptr() for p in blk.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own and storage.data_ptr() != 0:
+            seen[storage.data_ptr()] = storage.nbytes()
+        # not ``t``: an output saved by its own node would then hold that node (a cycle through
+        # autograd's C++ that no collector sees), and this graph is never run backward to free it
+        return t.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = blk(*on_dev[0], **on_dev[1])
+    first = next(t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+    return sum(seen.values()), first.detach().to("cpu")
+
+
+def half_sequence_bytes(model: nn.Module, blocks: list[nn.Module], signature: Callable[[nn.Module], Any], inputs: Any,
+                        targets: Any, loss_fn: Callable | None, backend: Backend, device: int) -> dict[Any, int]:
+    """What each distinct block (by ``signature``) saves for backward with the sample's rows cut
+    to half their length; empty where the rows are too short or the inputs have no sequence."""
+    rows, seq = batch_shape((inputs,), {})
+    if seq < MIN_SEQ or not isinstance(inputs, torch.Tensor):
+        return {}
+    try:
+        return _half_bytes(model, blocks, signature, _halved(inputs, seq), _halved(targets, seq), loss_fn, backend,
+                           device)
+    except Exception as exc:  # noqa: BLE001 - a model that takes only its own length: scaled by tokens alone
+        _log.info("MemFerry: no half-length profile (%s: %s); longer batches are scaled by tokens alone",
+                  type(exc).__name__, exc)
+        return {}
+
+
+def _half_bytes(model: nn.Module, blocks: list[nn.Module], signature: Callable[[nn.Module], Any], inputs: Any,
+                targets: Any, loss_fn: Callable | None, backend: Backend, device: int) -> dict[Any, int]:
+    args, kwargs = capture_block_input(model, blocks[0], inputs, targets, loss_fn)
+    found: dict[Any, int] = {}
+    for block in blocks:
+        sig = signature(block)
+        if sig in found:
+            continue
+        found[sig], out = _saved_bytes(block, args, kwargs, backend, device)
+        first = next(t for t in torch.utils._pytree.tree_leaves(args) if isinstance(t, torch.Tensor))
+        if out.shape == first.shape:
+            args = (out,) + tuple(args[1:])
+    return found
+
+
+def grown_bytes(act: int, half: int, seq_from: int, tokens_ratio: float, seq_ratio: float) -> tuple[int, float]:
+    """A block's saved bytes ``act`` (measured at ``seq_from``; ``half`` at half of it, 0: not
+    measured) at ``tokens_ratio`` times the tokens and ``seq_ratio`` times the sequence, and the
+    share of ``act`` that grows with the sequence's square (attention scores)."""
+    if not half or seq_from < MIN_SEQ:
+        return int(round(act * tokens_ratio)), 0.0
+    quad = min(max(2 * (act - 2 * half), 0), act)  # act(T) - 2 act(T/2) = quad(T) / 2
+    share = quad / act if act else 0.0
+    return int(round((act - quad) * tokens_ratio + quad * tokens_ratio * seq_ratio)), share
