@@ -188,12 +188,12 @@ class MemFerryTrainer(transformers.Trainer):
             raise ValueError(f"{resume_from_checkpoint} has no {OPTIMIZER_NAME}: a MemFerry PEFT model resumes its "
                              f"adapters from the optimizer state; resume from a checkpoint saved without save_only_model")
 
-    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
+    def get_batch_samples(self, *args: Any, **kwargs: Any) -> tuple[list, Any]:
         """Trainer's fetch of a step's micro-batches, then the engine fitted to the longest of them
         (:meth:`~strategies.memferry.engine.MemFerry.fit_shape`): collators that pad each batch
         to its longest row vary the lengths, and a plan made for a shorter sample could run out of
         memory mid-step, where it cannot be made again."""
-        samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        samples, num_items = super().get_batch_samples(*args, **kwargs)  # (epoch_iterator, num_batches, device)
         shapes = [batch_shape((), dict(b)) for b in samples if isinstance(b, Mapping)]
         if shapes and self.model.training:
             self.model.engine.fit_shape(max(r for r, _ in shapes), max(t for _, t in shapes))
