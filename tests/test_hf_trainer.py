@@ -183,16 +183,21 @@ def _engine(cpu_backend, ga=2):
 @pytest.mark.parametrize("change, match", [
     ({"clip": 1.0}, r"max_grad_norm=1.0 would clip nothing .*AdamW\(max_grad_norm=...\)"),
     ({"ga": 4}, "gradient_accumulation_steps=4 differs from the engine's accumulation_steps=2"),
+    ({"gradient_checkpointing": True}, r"gradient_checkpointing=True: MemFerry's plan recomputes blocks itself"),
+    ({"optim": "adafactor"}, r"optim='adafactor' would not be used: MemFerry runs its own AdamW"),
+    ({"learning_rate": 2e-5}, r"learning_rate=2e-05 differs from the engine's AdamW lr=0.003, which is the one used"),
+    ({"weight_decay": 0.05}, r"weight_decay=0.05 differs from the engine's AdamW weight_decay=0.01"),
+    ({"adam_beta2": 0.95}, r"adam_beta2=0.95 differs from the engine's AdamW betas\[1\]=0.999"),
 ])
 def test_misfitting_training_arguments_are_refused(cpu_backend, tmp_path, change, match):
     engine = _engine(cpu_backend)
-    kw = {"ga": 2, "clip": 0.0, **change}
+    kw = {"ga": 2, "clip": 0.0, "weight_decay": 0.0, **change}  # weight decay: Trainer's default, not asked for
     args = _args(tmp_path, kw.pop("ga"), kw.pop("clip"), **kw)
     with pytest.raises(ValueError, match=match) as err:
         memferry_trainer(engine, args, train_dataset=FixedBatches(4))
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match=r"makes \['optimizers'\] from the engine"):
-        memferry_trainer(engine, _args(tmp_path, 2, 0.0), optimizers=(None, None))
+        memferry_trainer(engine, _args(tmp_path, 2, 0.0, weight_decay=0.0), optimizers=(None, None))
     engine.close()
 
 

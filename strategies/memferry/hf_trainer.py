@@ -10,8 +10,11 @@ Trainer runs its own loop: ``model(**batch).loss``, ``accelerator.backward(loss)
 ``loss.backward()``, which the engine's forward made drive MemFerry: ``backward_gate.py``),
 ``optimizer.step()`` (the engine's step, through :meth:`MemFerry.as_torch_optimizer`) and its
 learning-rate scheduler, which sets the engine's rate. MemFerry keeps the gradients and clips them
-itself, so Trainer's ``max_grad_norm`` must be 0 and its accumulation must equal the engine's;
-:func:`check_trainer_args` refuses anything else. Trainer logs the engine's pre-clip gradient
+itself, so Trainer's ``max_grad_norm`` must be 0 and its accumulation must equal the engine's.
+Trainer builds no optimizer: its ``learning_rate``, ``weight_decay``, Adam betas and epsilon,
+where set, must be the engine's AdamW's (else they would be silently unused), its ``optim`` an
+AdamW, and ``gradient_checkpointing`` off (the plan recomputes). :func:`check_trainer_args`
+refuses anything else, in one line. Trainer logs the engine's pre-clip gradient
 norm as ``grad_norm`` (with clipping on: without it MemFerry measures no norm and none is logged).
 
 Checkpoints are Trainer's own (``save_strategy``, ``resume_from_checkpoint``): ``checkpoint-N/``
@@ -23,6 +26,7 @@ uninterrupted one. A PEFT model's adapters come back through their fp32 masters 
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 from collections.abc import Mapping
@@ -153,6 +157,28 @@ def check_trainer_args(args: Any, engine: Any) -> None:
     if args.world_size > 1 or args.n_gpu > 1:
         raise ValueError(f"Trainer would spread this MemFerry model over {max(args.world_size, args.n_gpu)} devices; "
                          f"run one process on one visible device (MemFerry's data parallelism is its own)")
+    if args.gradient_checkpointing:
+        raise ValueError("TrainingArguments.gradient_checkpointing=True: MemFerry's plan recomputes blocks itself "
+                         "(plan='auto' where the budget needs it, or a plan with +recompute); leave it False")
+    optim = str(getattr(args.optim, "value", args.optim))  # an OptimizerNames member
+    if not optim.startswith("adamw"):
+        raise ValueError(f"TrainingArguments.optim={optim!r} would not be used: MemFerry runs its own AdamW "
+                         f"(give the engine AdamW(...) and leave optim at its default)")
+    # Trainer builds no optimizer of its own here: these arguments would be silently unused where
+    # they say something other than the engine's AdamW (left at Trainer's defaults they say nothing).
+    cfg = engine.cfg
+    for name, theirs, ours, what in (("learning_rate", args.learning_rate, cfg.lr, "lr"),
+                                     ("weight_decay", args.weight_decay, cfg.weight_decay, "weight_decay"),
+                                     ("adam_beta1", args.adam_beta1, cfg.betas[0], "betas[0]"),
+                                     ("adam_beta2", args.adam_beta2, cfg.betas[1], "betas[1]"),
+                                     ("adam_epsilon", args.adam_epsilon, cfg.eps, "eps")):
+        if theirs != _TRAINER_DEFAULTS[name] and theirs != ours:
+            raise ValueError(f"TrainingArguments.{name}={theirs} differs from the engine's AdamW {what}={ours}, which "
+                             f"is the one used (Trainer's scheduler scales the engine's rate): give both the same")
+
+
+#: TrainingArguments' own defaults: an argument left at one was not asked for.
+_TRAINER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(transformers.TrainingArguments)}
 
 
 class MemFerryTrainer(transformers.Trainer):
