@@ -90,7 +90,7 @@ def run(plan_name: str, args: argparse.Namespace, dims: dict, batch: int, dtype:
                     "d2h_gb_per_step": round(engine.executor.bytes_d2h / n / 1e9, 2),
                     "host_optimizer_s_per_step": {k: round(v / n, 4) for k, v in engine.optimizer.time_s.items()}})
         engine.close()
-    del model, engine, step, data
+    model = engine = step = data = None  # freed now (the closures above name them: rebound, not deleted)
     gc.collect()
     return row
 

@@ -214,7 +214,7 @@ def run_bench(backend: xpu.Backend, sizes: Sequence[int], targets: Sequence[int]
             record(summary, "all_at_once", key)
             for buf in srcs + [scratch]:
                 arena.release(buf)
-            del dsts
+            dsts = None  # freed now (poison_all and issue_all name it: rebound, not deleted)
             arena.trim()  # the next size needs buffers of another size; do not hoard this one's
 
     # Predictions: cheap (a discrete-event model), so after the measurements, off the clock.

@@ -163,7 +163,7 @@ def measure_links(backend: xpu.Backend, targets: Sequence[int], nbytes: int, pro
     for d in range(n):
         dst, s = b.empty(nbytes, torch.uint8, d), b.stream(d)
         h2d[str(d)] = gbps(nbytes, median_event_seconds(b, s, lambda: b.copy(dst, src, s)))
-        del dst
+        dst = None  # freed now (the timed lambda names it: rebound, not deleted)
     b.host_arena.release(src)
     peer: dict[str, float] = {}
     if b.caps.peer_access:
