@@ -38,8 +38,8 @@ import transformers
 from torch import nn
 from transformers.trainer import OPTIMIZER_NAME, TRAINING_ARGS_NAME
 
-from .sequence_scaling import batch_shape
 from .hf_models import save_hf_folder, tied_names
+from .sequence_scaling import batch_shape
 
 __all__ = ["MemFerryModel", "MemFerryTrainer", "check_trainer_args", "memferry_trainer"]
 
