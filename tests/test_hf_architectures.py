@@ -52,8 +52,11 @@ def steps():
     return [[torch.randint(1, VOCAB, (2, 16), generator=g) for _ in range(2)] for _ in range(2)]
 
 
+@pytest.mark.parametrize("plan", ["auto", "dha"])
 @pytest.mark.parametrize("model_type", sorted(ARCHS))
-def test_an_architecture_trains_as_torch_adamw(cpu_backend, model_type):
+def test_an_architecture_trains_as_torch_adamw(cpu_backend, model_type, plan):
+    """``auto`` under a budget every plan fits (which plan the timings pick must not decide
+    whether it fits); ``dha``: every block's linears read in place from host memory."""
     model, data = tiny(model_type), steps()
     cfg = AdamW(lr=3e-3, weight_decay=0.1, max_grad_norm=0.5)
     ref = copy.deepcopy(model)
@@ -64,8 +67,9 @@ def test_an_architecture_trains_as_torch_adamw(cpu_backend, model_type):
             (ref(input_ids=x, labels=x).loss / len(micro)).backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.max_grad_norm)
         opt.step()
-    engine = MemFerry(slice_hf_loss(model, 4), optim=cfg, plan="auto", sample=(data[0][0], data[0][0]),
-                      device_budget="2MB", accumulation_steps=2, backend=cpu_backend)
+    given = {"plan": "auto", "sample": (data[0][0], data[0][0]), "device_budget": "1GB"} if plan == "auto" else {
+        "plan": plan}
+    engine = MemFerry(slice_hf_loss(model, 4), optim=cfg, accumulation_steps=2, backend=cpu_backend, **given)
     for micro in data:
         for x in micro:
             engine.backward(engine(input_ids=x, labels=x).loss / len(micro))

@@ -23,7 +23,7 @@ itself). Give ``sample`` a batch as long as the longest you will train on to pla
 The memory model is a model: at the sample's shape the rehearsal checks it, and at a new shape
 the first step does the same (:func:`settle_watch`): it runs with the cap lifted and its peak
 measured, and where it went over the budget the plan is made again with a margin covering the
-miss before the next step (a GPT's attention backward on the cpu kept 15.4 MB where 13.1 were
+miss before the next step, which is measured in turn (up to ``rehearsal.ATTEMPTS`` times) (a GPT's attention backward on the cpu kept 15.4 MB where 13.1 were
 predicted at 4 x 128 tokens; the plan made again then peaked at 10.6 MB of a 13.5 MB budget).
 """
 from __future__ import annotations
@@ -145,28 +145,34 @@ def fit_batch(engine: "MemFerry", rows: int, seq: int) -> None:
     _watch(engine, budget)
 
 
-def _watch(engine: "MemFerry", budget: int) -> None:
+def _watch(engine: "MemFerry", budget: int, attempts: int | None = None) -> None:
     """Run the next step, the first at a new shape, as the rehearsal runs its step: the cap lifted
-    and the peak measured from a released cache (:func:`settle_watch` reads it at ``step()``)."""
+    and the peak measured from a released cache (:func:`settle_watch` reads it at ``step()``);
+    ``attempts``: how many more plans a miss may make (default ``rehearsal.ATTEMPTS``)."""
+    from .rehearsal import ATTEMPTS
+
     backend, device = engine.backend, engine.device
     backend.set_memory_cap(device, None)
     backend.release_cache(device)
     backend.reset_peak_memory(device)
-    engine._setup["watch"] = budget
+    engine._setup["watch"] = (budget, ATTEMPTS if attempts is None else attempts)
 
 
 def settle_watch(engine: "MemFerry") -> None:
     """At the end of a step run under :func:`_watch`: cap the device at the budget again and, where
     the step peaked over it (the memory model missed at the new shape), plan again with a margin
-    covering what it missed, as the rehearsal does, before the next step. Nothing otherwise."""
+    covering what it missed, as the rehearsal does, and watch the next step too (the new plan's
+    miss may differ), up to the attempts left. Nothing otherwise."""
     from .oom_recovery import cap_at_budget, rebuild_keeping_state, rebuild_refusal
     from .planning import replan
     from .rehearsal import MARGIN_STEP
+    from .scheduler import NoPlanFitsError
 
     setup, backend, device = engine._setup, engine.backend, engine.device
-    budget = setup.pop("watch", None)
-    if budget is None:
+    watched = setup.pop("watch", None)
+    if watched is None:
         return
+    budget, attempts = watched
     backend.synchronize(device)
     stats = backend.memory_stats(device)
     peak = max(stats.peak_allocated, stats.peak_reserved)
@@ -174,12 +180,24 @@ def settle_watch(engine: "MemFerry") -> None:
     predicted, margin = engine.plan.predicted_peak_bytes, setup["memory_margin"]
     if peak <= budget or not predicted or rebuild_refusal(engine):
         return
+    shape = f"{setup['shape'][0]} x {setup['shape'][1]} tokens"
+    if attempts < 1:
+        _log.warning("MemFerry: a step at %s still peaked at %s, over the %s budget, after its re-plans; it runs "
+                     "capped at the budget (give a larger device_budget or memory_margin)", shape, format_bytes(peak),
+                     format_bytes(budget))
+        return
     margin = max(margin + MARGIN_STEP, peak / (predicted / (1 + margin)) - 1 + MARGIN_STEP)
-    again = replan(engine.plan, budget, backend, device, margin)
+    try:
+        again = replan(engine.plan, budget, backend, device, margin)
+    except NoPlanFitsError as exc:  # the step is done: the next at this shape would not fit
+        raise NoPlanFitsError(f"a step at {shape} peaked at {format_bytes(peak)}, over the {format_bytes(budget)} "
+                              f"budget, and no plan fits it with the {margin:.0%} margin that covers that: {exc}",
+                              exc.minimum) from None
     rebuild_keeping_state(engine, again)
     setup["memory_margin"] = margin
-    note = (f"the first step at {setup['shape'][0]} x {setup['shape'][1]} tokens peaked at {format_bytes(peak)}, over "
-            f"the {format_bytes(budget)} budget (predicted {format_bytes(predicted)}): planned again with a "
-            f"{margin:.0%} memory margin, predicted peak {format_bytes(again.predicted_peak_bytes or 0)}")
+    note = (f"a step at {shape} peaked at {format_bytes(peak)}, over the {format_bytes(budget)} budget (predicted "
+            f"{format_bytes(predicted)}): planned again with a {margin:.0%} memory margin, predicted peak "
+            f"{format_bytes(again.predicted_peak_bytes or 0)}")
     engine.plan.notes.append(note)
     _log.warning("MemFerry: %s", note)
+    _watch(engine, budget, attempts - 1)
