@@ -10,12 +10,11 @@ So the engine reads each grad-enabled micro-batch's rows and sequence length
 fitted to, it predicts its plan's peak there on the profile scaled to it (:func:`scaled_profile`:
 activation and loss bytes and times in proportion to the tokens, and the part of the
 activations that grows with the sequence's square, measured at profiling, by that too). If that
-is over the budget, the engine is built again, its
-weights and optimizer state kept, for the plan the scheduler makes from the scaled profile
-(``oom_recovery.rebuild_keeping_state``), before the batch runs. A loop that has a step's
-micro-batches first fits the engine to the longest (``MemFerry.fit_shape``: ``xpu train``'s loop,
-and the Trainer integration's ``get_batch_samples``). A longer micro-batch later in a
-step cannot change the plan (the step's earlier gradients are summed in its buffers): the engine
+is over the budget, the engine is built again, its weights and optimizer state kept, for the
+plan the scheduler makes from the scaled profile (``oom_recovery.rebuild_keeping_state``),
+before the batch runs. A loop that has a step's micro-batches first fits the engine to the
+longest (``MemFerry.fit_shape``: ``xpu train``'s loop, and the Trainer integration's
+``get_batch_samples``). A longer micro-batch later in a step cannot change the plan (the step's earlier gradients are summed in its buffers): the engine
 warns, remembers the length, and plans for it at the next step's start; if that micro-batch runs
 out of memory, ``replan_after_oom`` plans for it and the step runs again (``xpu train`` does so by
 itself). Give ``sample`` a batch as long as the longest you will train on to plan once.
@@ -23,8 +22,9 @@ itself). Give ``sample`` a batch as long as the longest you will train on to pla
 The memory model is a model: at the sample's shape the rehearsal checks it, and at a new shape
 the first step does the same (:func:`settle_watch`): it runs with the cap lifted and its peak
 measured, and where it went over the budget the plan is made again with a margin covering the
-miss before the next step, which is measured in turn (up to ``rehearsal.ATTEMPTS`` times) (a GPT's attention backward on the cpu kept 15.4 MB where 13.1 were
-predicted at 4 x 128 tokens; the plan made again then peaked at 10.6 MB of a 13.5 MB budget).
+miss before the next step, which is measured in turn, up to ``rehearsal.ATTEMPTS`` times (a
+GPT's attention backward on the cpu kept 15.4 MB where 13.1 were predicted at 4 x 128 tokens;
+the plan made again then peaked at 10.6 MB of a 13.5 MB budget).
 """
 from __future__ import annotations
 
