@@ -89,12 +89,12 @@ def test_the_engine_hints_at_the_fire_rate_once(cpu_backend, caplog, monkeypatch
     from strategies.models import build_model
 
     monkeypatch.setattr("strategies.memferry.engine.HINT_STEP", 3)
-    torch.manual_seed(0)
-    model = build_model("gpt", layers=2, hidden=32, heads=2, vocab=64, seq=16)
     tok = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
     x, y = tok[:, :-1], tok[:, 1:]
     for rate, hinted in ((0.0, True), (1.0, False)):
         caplog.clear()
+        torch.manual_seed(0)
+        model = build_model("gpt", layers=2, hidden=32, heads=2, vocab=64, seq=16)  # a closed engine's model is spent
         engine = MemFerry(model, optim=AdamW(lr=1e-3, max_grad_norm=1e-6, clip_fire_rate=rate), plan="auto",
                           sample=(x, y), backend=cpu_backend, blocks=model.blocks)
         with caplog.at_level("WARNING", logger="xpu.memferry"):

@@ -422,9 +422,11 @@ def test_budgets_below_the_minimum_and_too_little_host_memory_are_refused_before
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_close_gives_back_the_cap_the_engine_found(cpu_backend):
+def test_close_gives_back_the_cap_the_engine_found_and_its_device_memory(cpu_backend):
     """``device_budget`` caps the device while the engine runs; closing it puts back the cap it
-    found (none, or the caller's), so a second engine or plain torch after it is not held to it."""
+    found (none, or the caller's), so a second engine or plain torch after it is not held to it,
+    and gives back its device memory at once (the engine's reference cycles held it until a
+    garbage collection ran). Its model is spent: a new engine refuses it in one line."""
     resident = sum(p.numel() * 4 for p in TinyGPT().parameters())
     for outer in (None, resident * 8):
         cpu_backend.set_memory_cap(0, outer)
@@ -432,7 +434,12 @@ def test_close_gives_back_the_cap_the_engine_found(cpu_backend):
         assert cpu_backend.memory_cap(0) == resident * 2
         engine.close()
         assert cpu_backend.memory_cap(0) == outer
+        assert cpu_backend.memory_stats(0).allocated == 0  # its device memory given back now, not at a collection
     cpu_backend.set_memory_cap(0, None)
+    spent = TinyGPT()
+    MemFerry(spent, plan="resident4", loss_fn=lm_loss, backend=cpu_backend).close()
+    with pytest.raises(ValueError, match="point at memory a closed MemFerry engine gave back: build the model again"):
+        MemFerry(spent, plan="prefetch", loss_fn=lm_loss, backend=cpu_backend)
 
 
 def test_llama_style_model_trains_exactly(cpu_backend):

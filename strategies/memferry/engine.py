@@ -152,6 +152,9 @@ class MemFerry:
         sum_placement: str = "race",
     ) -> None:
         check_accumulation_steps(accumulation_steps)
+        if any(p.numel() and not p.untyped_storage().nbytes() for p in model.parameters()):
+            raise ValueError("the model's parameters point at memory a closed MemFerry engine gave back: build the "
+                             "model again, and load the engine.state_dict() taken before close() if it is to go on")
         if sum_placement not in PLACEMENTS:
             raise ValueError(f"sum_placement must be one of {PLACEMENTS}, got {sum_placement!r}")
         no_decay = no_decay_names(model) if no_decay is None else set(no_decay)
@@ -442,11 +445,12 @@ class MemFerry:
         return self._handle
 
     def close(self) -> None:
-        """Stop the optimizer thread, remove hooks, give the host buffers back and lift the
-        device cap ``device_budget`` set (the cap before the engine is back).
+        """Stop the optimizer thread, remove hooks, give the host buffers and the device memory
+        back (now, not at a later garbage collection) and lift the device cap ``device_budget``
+        set (the cap before the engine is back).
 
         The model's parameters are left pointing at freed memory; take :meth:`state_dict`
-        first to keep the weights.
+        first to keep the weights (a new engine refuses the model until it is built again).
         """
         self.optimizer.close()
         self.executor.close()

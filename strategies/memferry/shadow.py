@@ -340,7 +340,17 @@ class ShadowModel:
         return shadow
 
     def release(self) -> None:
-        """Give every host buffer back to the arena (the engine is closing)."""
+        """Give every host buffer back to the arena and free the device memory of every unit's
+        device copy and device-homed state (the engine is closing): now, not when a garbage
+        collection reaches the engine's reference cycles (hooks, views, the model's parameters),
+        which held a closed engine's device memory for as long as none ran."""
+        self.backend.synchronize(self.device)  # nothing queued may still read what is freed here
+        for s in self.shadows:
+            on_device = [s.device_flat]
+            if s.home == "device":
+                on_device += [s.master, s.grad_stage, s.work, s.exp_avg, s.exp_avg_sq, s.grad, s.grad_acc, s.grad_stage2]
+            for t in {t.untyped_storage().data_ptr(): t for t in on_device if t is not None}.values():
+                self.backend.free_storage(t)
         arena = self.backend.host_arena
         for s in self.shadows:
             s.dha_flat, s.dha_views = None, []
