@@ -98,11 +98,6 @@ def fit_batch(engine: "MemFerry", rows: int, seq: int) -> None:
     """Before a grad-enabled forward of ``rows`` x ``seq`` tokens: plan for them where they are
     more than the engine was fitted to and its plan's predicted peak there is over the budget
     (see the module docstring)."""
-    from .cost import links_from_probe, predict
-    from .oom_recovery import budget_bytes, rebuild_keeping_state, rebuild_refusal
-    from .planning import replan
-    from .scheduler import NoPlanFitsError
-
     setup, plan = engine._setup, engine.plan
     if plan.profile is None or not rows:
         return
@@ -112,8 +107,13 @@ def fit_batch(engine: "MemFerry", rows: int, seq: int) -> None:
     fitted = setup.setdefault("shape", _profile_shape(plan.profile))
     later = setup.pop("shape_next", (0, 0)) if first else (0, 0)  # a step's first: the last step's longest too
     want = (max(rows, fitted[0], later[0]), max(seq, fitted[1], later[1]))
-    if want == fitted:
+    if want == fitted:  # every forward comes here: nothing more before this
         return
+    from .cost import links_from_probe, predict
+    from .oom_recovery import budget_bytes, rebuild_keeping_state, rebuild_refusal
+    from .planning import replan
+    from .scheduler import NoPlanFitsError
+
     budget, margin = budget_bytes(engine), setup["memory_margin"]
     profile = scaled_profile(plan.profile, *want)
     peak = predict(plan, profile, links_from_probe(engine.backend, engine.device), margin).peak_bytes
@@ -165,7 +165,7 @@ def settle_watch(engine: "MemFerry") -> None:
     miss may differ), up to the attempts left. Nothing otherwise."""
     from .oom_recovery import cap_at_budget, rebuild_keeping_state, rebuild_refusal
     from .planning import replan
-    from .rehearsal import MARGIN_STEP
+    from .rehearsal import covering_margin
     from .scheduler import NoPlanFitsError
 
     setup, backend, device = engine._setup, engine.backend, engine.device
@@ -186,7 +186,7 @@ def settle_watch(engine: "MemFerry") -> None:
                      "capped at the budget (give a larger device_budget or memory_margin)", shape, format_bytes(peak),
                      format_bytes(budget))
         return
-    margin = max(margin + MARGIN_STEP, peak / (predicted / (1 + margin)) - 1 + MARGIN_STEP)
+    margin = covering_margin(peak, predicted, margin)
     try:
         again = replan(engine.plan, budget, backend, device, margin)
     except NoPlanFitsError as exc:  # the step is done: the next at this shape would not fit

@@ -39,7 +39,7 @@ from torch import nn
 from transformers.trainer import OPTIMIZER_NAME, TRAINING_ARGS_NAME
 
 from .hf_models import save_hf_folder, tied_names
-from .sequence_scaling import batch_shape
+from .sequence_scaling import batch_shape, longest
 
 __all__ = ["MemFerryModel", "MemFerryTrainer", "check_trainer_args", "memferry_trainer"]
 
@@ -222,7 +222,7 @@ class MemFerryTrainer(transformers.Trainer):
         samples, num_items = super().get_batch_samples(*args, **kwargs)  # (epoch_iterator, num_batches, device)
         shapes = [batch_shape((), dict(b)) for b in samples if isinstance(b, Mapping)]
         if shapes and self.model.training:
-            self.model.engine.fit_shape(max(r for r, _ in shapes), max(t for _, t in shapes))
+            self.model.engine.fit_shape(*longest(shapes))
         return samples, num_items
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:

@@ -48,7 +48,7 @@ from .config import OFFLOAD_MIN_BYTES
 from .cost import loss_peak_estimate
 from .hf_models import head_shape, model_loss
 from .host_budget import update_bytes
-from .sequence_scaling import batch_shape, capture_block_input, half_sequence_bytes
+from .sequence_scaling import batch_shape, block_on_device, capture_block_input, half_sequence_bytes, saved_bytes
 from .units import Unit
 
 __all__ = ["BlockProfile", "StepProfile", "profile_step", "host_adamw_rate", "host_adamw_rates", "device_adamw_rate"]  # rates: adamw_rates.py
@@ -302,34 +302,14 @@ def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend
     params = [p for p in block.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     param_bytes = sum(_nbytes(p) for p in params)
-    dev = backend.device(device)
-    blk = copy.deepcopy(block).to(dev)  # our own copy: gradients must not land in the user's model
-    x_args = _map_tensors(args, lambda t: backend.to_device(t.detach(), device))
-    x_kwargs = _map_tensors(kwargs, lambda t: backend.to_device(t.detach(), device))
-    for t in _tensors(x_args):
-        if t.is_floating_point():
-            t.requires_grad_(True)  # as in training: backward computes the input's gradient too
-    own = {p.untyped_storage().data_ptr() for p in blk.parameters()}
+    blk, x_args, x_kwargs = block_on_device(block, args, kwargs, backend, device)
 
     def run_forward() -> Any:
         return blk(*x_args, **x_kwargs)
 
-    # Activation bytes: every tensor autograd saves, each storage once, parameters left out.
-    seen: dict[int, int] = {}
-    small: dict[int, int] = {}  # what activation offload would leave on the device (the swapper's rule)
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in own and ptr != 0:
-            seen[ptr] = storage.nbytes()
-            if _nbytes(t) < OFFLOAD_MIN_BYTES:
-                small[ptr] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run_forward()
-    act_bytes = sum(seen.values())
+    # Activation bytes: every tensor autograd saves, each storage once, parameters left out;
+    # and what activation offload would leave on the device (the swapper's rule).
+    act_bytes, small_bytes, out = saved_bytes(blk, run_forward, OFFLOAD_MIN_BYTES)
     out_tensors = [t for t in _tensors(out) if t.requires_grad]
     if not out_tensors:
         raise ValueError(f"block {type(block).__name__} returned no tensor that needs a gradient")
@@ -341,7 +321,7 @@ def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend
     # a selectively checkpointed forward, and its backward with the recompute in it
     fwd_sel, bwd_sel, _ = _timed_passes(backend, device, blk, lambda: selective_checkpoint(run_forward), grads,
                                         repeats)
-    result = BlockProfile(numel, param_bytes, fwd_s, bwd_s, act_bytes, recompute_bytes, sum(small.values()),
+    result = BlockProfile(numel, param_bytes, fwd_s, bwd_s, act_bytes, recompute_bytes, small_bytes,
                           selective_bytes, max(bwd_s, bwd_sel), max(fwd_s, fwd_sel), recompute_s)
     with torch.no_grad():
         nxt = _map_tensors(out, lambda t: t.detach())

@@ -67,7 +67,8 @@ from .units import split_units
 if TYPE_CHECKING:
     from .engine import MemFerry
 
-__all__ = ["fit_by_rehearsal", "give_back", "hold_to_plan", "PlanOverBudgetError", "ATTEMPTS", "MARGIN_STEP",
+__all__ = ["fit_by_rehearsal", "give_back", "hold_to_plan", "covering_margin", "PlanOverBudgetError", "ATTEMPTS",
+           "MARGIN_STEP",
            "RATE_STEPS", "CLOCKED_STEPS"]
 
 
@@ -187,13 +188,17 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
             raise torch.OutOfMemoryError(
                 f"MemFerry: every plan the scheduler made peaked over device_budget {format_bytes(budget)} in its "
                 f"rehearsal step ({'; '.join(tried)}); give a larger device_budget or memory_margin, or a smaller batch")
-        # predicted = raw * (1 + margin): the margin that would have covered this peak, and a step more
-        raw = predicted / (1 + margin)
-        margin = max(margin + MARGIN_STEP, peak / raw - 1 + MARGIN_STEP)
+        margin = covering_margin(peak, predicted, margin)
         _log.warning("MemFerry: the plan peaked at %s in its rehearsal step, over the %s budget; planning again "
                      "with memory margin %.0f%%", format_bytes(peak), format_bytes(budget), margin * 100)
         plan = replan(engine.plan, budget, backend, device, margin)
         _rebuild(engine, plan)
+
+
+def covering_margin(peak: int, predicted: int, margin: float) -> float:
+    """The memory margin that would have covered ``peak`` where a plan planned with ``margin``
+    predicted ``predicted`` (= raw x (1 + margin)), and a step more; at least a step above ``margin``."""
+    return max(margin + MARGIN_STEP, peak / (predicted / (1 + margin)) - 1 + MARGIN_STEP)
 
 
 def _host_rate_checked(engine: "MemFerry", budget: int, margin: float, found: list[str],

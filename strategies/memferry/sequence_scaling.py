@@ -24,7 +24,8 @@ from xpu import Backend
 
 from .hf_models import model_loss
 
-__all__ = ["batch_shape", "capture_block_input", "half_sequence_bytes", "grown_bytes"]
+__all__ = ["batch_shape", "capture_block_input", "block_on_device", "saved_bytes", "half_sequence_bytes", "grown_bytes",
+           "longest"]
 
 _log = logging.getLogger("xpu.memferry")
 
@@ -46,6 +47,11 @@ def batch_shape(inputs: tuple, kwargs: dict) -> tuple[int, int]:
         return first.numel() // (seq * first.shape[-1]), seq
     seq = first.shape[-1]
     return first.numel() // max(seq, 1), seq
+
+
+def longest(shapes: list[tuple[int, int]]) -> tuple[int, int]:
+    """The most rows and the longest sequence among ``(rows, sequence)`` shapes (a step's micro-batches)."""
+    return max(r for r, _ in shapes), max(t for _, t in shapes)
 
 
 class _Captured(Exception):
@@ -83,37 +89,57 @@ def _halved(x: Any, seq: int) -> Any:
     return x
 
 
-def _saved_bytes(block: nn.Module, args: tuple, kwargs: dict, backend: Backend, device: int) -> tuple[int, Any]:
-    """Bytes autograd saves in one forward of a copy of ``block`` on the device (each storage
-    once, parameters left out, as the profiler counts them), and its output on the host."""
+def block_on_device(block: nn.Module, args: tuple, kwargs: dict, backend: Backend,
+                    device: int) -> tuple[nn.Module, tuple, dict]:
+    """A copy of ``block`` on the device (gradients must not land in the user's model) and its
+    arguments there, the floating inputs requiring a gradient as in training."""
     blk = copy.deepcopy(block).to(backend.device(device))
-    on_dev = torch.utils._pytree.tree_map(
+    x_args, x_kwargs = torch.utils._pytree.tree_map(
         lambda t: backend.to_device(t.detach(), device) if isinstance(t, torch.Tensor) else t, (args, kwargs))
-    for t in torch.utils._pytree.tree_leaves(on_dev[0]):
+    for t in torch.utils._pytree.tree_leaves(x_args):
         if isinstance(t, torch.Tensor) and t.is_floating_point():
-            t.requires_grad_(True)
+            t.requires_grad_(True)  # backward computes the input's gradient too
+    return blk, x_args, x_kwargs
+
+
+def saved_bytes(blk: nn.Module, forward: Callable[[], Any], small_below: int = 0) -> tuple[int, int, Any]:
+    """``(bytes, small, output)`` of ``forward()``: the bytes autograd saves for backward, each
+    storage once and ``blk``'s parameters left out; of those, the ones in tensors below
+    ``small_below`` bytes (what activation offload leaves on the device)."""
     own = {p.untyped_storage().data_ptr() for p in blk.parameters()}
     seen: dict[int, int] = {}
+    small: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in own and storage.data_ptr() != 0:
-            seen[storage.data_ptr()] = storage.nbytes()
+        ptr = storage.data_ptr()
+        if ptr not in own and ptr != 0:
+            seen[ptr] = storage.nbytes()
+            if t.numel() * t.element_size() < small_below:
+                small[ptr] = storage.nbytes()
         # not ``t``: an output saved by its own node would then hold that node (a cycle through
-        # autograd's C++ that no collector sees), and this graph is never run backward to free it
+        # autograd's C++ that no collector sees) until the graph is run backward, if ever
         return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = blk(*on_dev[0], **on_dev[1])
+        out = forward()
+    return sum(seen.values()), sum(small.values()), out
+
+
+def _saved_bytes(block: nn.Module, args: tuple, kwargs: dict, backend: Backend, device: int) -> tuple[int, Any]:
+    """Bytes autograd saves in one forward of a copy of ``block`` on the device (as the profiler
+    counts them), and its output on the host."""
+    blk, x_args, x_kwargs = block_on_device(block, args, kwargs, backend, device)
+    nbytes, _, out = saved_bytes(blk, lambda: blk(*x_args, **x_kwargs))
     first = next(t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
-    return sum(seen.values()), first.detach().to("cpu")
+    return nbytes, first.detach().to("cpu")
 
 
 def half_sequence_bytes(model: nn.Module, blocks: list[nn.Module], signature: Callable[[nn.Module], Any], inputs: Any,
                         targets: Any, loss_fn: Callable | None, backend: Backend, device: int) -> dict[Any, int]:
     """What each distinct block (by ``signature``) saves for backward with the sample's rows cut
     to half their length; empty where the rows are too short or the inputs have no sequence."""
-    rows, seq = batch_shape((inputs,), {})
+    _, seq = batch_shape((inputs,), {})
     if seq < MIN_SEQ or not isinstance(inputs, torch.Tensor):
         return {}
     try:
