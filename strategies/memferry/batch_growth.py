@@ -23,8 +23,9 @@ The memory model is a model: at the sample's shape the rehearsal checks it, and 
 the first step does the same (:func:`settle_watch`): it runs with the cap lifted and its peak
 measured, and where it went over the budget the plan is made again with a margin covering the
 miss before the next step, which is measured in turn, up to ``rehearsal.ATTEMPTS`` times (a
-GPT's attention backward on the cpu kept 15.4 MB where 13.1 were predicted at 4 x 128 tokens;
-the plan made again then peaked at 10.6 MB of a 13.5 MB budget).
+GPT's attention backward on the cpu kept 14.9 MB where 13.4 were predicted at 4 x 128 tokens;
+the plan made again then peaked at 9.3 MB of a 13.5 MB budget:
+bench/results/2026-12-04-cpu-session28/watch-gpt.txt).
 """
 from __future__ import annotations
 
