@@ -198,10 +198,6 @@ class CudaBackend(Backend):
         torch.cuda.init()
         torch.cuda.reset_peak_memory_stats(self.index_of(device))
 
-    def release_cache(self, device: Any = None) -> None:
-        with torch.cuda.device(self.index_of(device)):
-            torch.cuda.empty_cache()
-
     def avoid_fragmentation(self) -> bool:
         said = _users_expandable_segments()
         if said is not None:  # the user chose; keep it
