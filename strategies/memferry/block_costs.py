@@ -203,8 +203,10 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
         act=_kept_bytes(blk, unit),
         # recompute: the block's activations rebuilt in backward (selective: what it kept is
         # counted again, an over-count of at most its kept outputs); offload: this block's and
-        # the next one's (look-ahead) back on the device
-        trans=(blk.act_bytes if unit.recompute else 2 * blk.act_bytes if unit.offload else 0) + grad_bytes
+        # the next one's (look-ahead) back on the device; then what its backward makes on top
+        # (intermediate gradients and its weights', as profiled)
+        trans=(blk.act_bytes if unit.recompute else 2 * blk.act_bytes if unit.offload else 0)
+        + max(grad_bytes, blk.bwd_extra_bytes)
         + (0 if host or held else blk.numel * 4)
         + (grad_bytes if host and not summed and profile.flat_sends and not profile.data_parallel else 0)  # gathered for one copy home
         + (_ring_bytes(profile.tokens) if unit.forward == "dha" else 0),

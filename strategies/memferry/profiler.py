@@ -84,6 +84,10 @@ class BlockProfile:
             before it was measured (then ``fwd_s``).
         act_bytes_half_seq: ``act_bytes`` with the rows cut to half their length, which tells the
             part growing with the sequence's square (``sequence_scaling.py``); 0: not measured.
+        bwd_extra_bytes: the most device memory the block's backward holds beyond what it starts
+            with (its saved activations and output gradient): intermediate gradients and its
+            weights' gradients, less the saved tensors it has freed by then; 0: not measured
+            (then its weights' gradients alone).
     """
 
     numel: int
@@ -98,6 +102,7 @@ class BlockProfile:
     fwd_selective_s: float = 0.0
     recompute_s: float = 0.0
     act_bytes_half_seq: int = 0
+    bwd_extra_bytes: int = 0
 
     @property
     def recompute_time(self) -> float:
@@ -296,6 +301,17 @@ def _timed_passes(backend: Backend, device: int, blk: nn.Module, forward: Callab
     return statistics.median(fwd), statistics.median(bwd), statistics.median(again)
 
 
+def _backward_extra(backend: Backend, device: int, backward: Callable[[], None]) -> int:
+    """Peak device bytes ``backward()`` allocates beyond what was allocated when it began (the
+    block's first backward, so its weights' gradients are new too)."""
+    backend.synchronize(device)
+    before = backend.memory_stats(device).allocated
+    backend.reset_peak_memory(device)
+    backward()
+    backend.synchronize(device)
+    return max(0, backend.memory_stats(device).peak_allocated - before)
+
+
 def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend, device: int,
                    repeats: int) -> tuple[BlockProfile, Any]:
     """Figures of one block on the device, and its output (the next block's input)."""
@@ -314,7 +330,7 @@ def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend
     if not out_tensors:
         raise ValueError(f"block {type(block).__name__} returned no tensor that needs a gradient")
     grads = [torch.randn_like(t) for t in out_tensors]
-    torch.autograd.backward(out_tensors, grads)
+    bwd_extra = _backward_extra(backend, device, lambda: torch.autograd.backward(out_tensors, grads))
     fwd_s, bwd_s, recompute_s = _timed_passes(backend, device, blk, run_forward, grads, repeats)
     recompute_bytes = sum(_nbytes(t) for t in _tensors((x_args, x_kwargs)))
     selective_bytes = recompute_bytes + kept_output_bytes(run_forward)
@@ -322,7 +338,8 @@ def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend
     fwd_sel, bwd_sel, _ = _timed_passes(backend, device, blk, lambda: selective_checkpoint(run_forward), grads,
                                         repeats)
     result = BlockProfile(numel, param_bytes, fwd_s, bwd_s, act_bytes, recompute_bytes, small_bytes,
-                          selective_bytes, max(bwd_s, bwd_sel), max(fwd_s, fwd_sel), recompute_s)
+                          selective_bytes, max(bwd_s, bwd_sel), max(fwd_s, fwd_sel), recompute_s,
+                          bwd_extra_bytes=bwd_extra)
     with torch.no_grad():
         nxt = _map_tensors(out, lambda t: t.detach())
     return result, nxt
