@@ -10,8 +10,12 @@ side stream (callers issue it when backward reaches the block, plus look-ahead);
 hook makes the compute stream wait for that copy's event, so no kernel reads a half-written
 tensor, and the swap-out's event orders the prefetch after it.
 
-Parameters and tensors below ``min_bytes`` are kept on the device. Every byte is counted by
-destination in :class:`SwapStats`, so tests can check that a swap really happened.
+Parameters and tensors below ``min_bytes`` are kept on the device. A saved view that is not a
+permutation of a dense layout (a slice of a fused projection's output, as ``q``, ``k``, ``v`` of
+one ``qkv`` matmul) swaps its whole storage, once per group however many views share it, and
+comes back as the same view of the restored storage: keeping it would keep the whole storage on
+the device. Every byte is counted by destination in :class:`SwapStats`, so tests can check that
+a swap really happened.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["SwapStats", "SwapGroup", "ActivationSwapper", "RegionAllocatorLike"]
 
@@ -102,7 +107,7 @@ class _Slot:
     ``on_fetch`` holds callbacks run each time a copy back starts (profiling only; None otherwise).
     """
 
-    __slots__ = ("shape", "stride", "dtype", "nbytes", "res", "fetched", "where", "on_fetch", "__weakref__")
+    __slots__ = ("shape", "stride", "dtype", "nbytes", "res", "fetched", "where", "on_fetch", "users", "__weakref__")
 
     def __init__(self, t: torch.Tensor, res: _Resource, where: str = "host") -> None:
         self.shape, self.stride, self.dtype = tuple(t.shape), tuple(t.stride()), t.dtype
@@ -111,7 +116,24 @@ class _Slot:
         self.fetched: torch.Tensor | None = None
         self.where = where
         self.on_fetch: list[Callable[[], None]] | None = None
+        # saved variables packed to this handle whose unpack has not come yet: the restored copy
+        # is given up at the last, so a tensor saved by several ops comes back once
+        self.users = 0
         weakref.finalize(self, res.release)
+
+
+class _View:
+    """The handle of a non-dense saved view: its storage's :class:`_Slot` and where in it the view lies."""
+
+    __slots__ = ("slot", "dtype", "offset", "shape", "stride")
+
+    def __init__(self, slot: _Slot, t: torch.Tensor) -> None:
+        self.slot, self.dtype, self.offset = slot, t.dtype, t.storage_offset()
+        self.shape, self.stride = tuple(t.shape), tuple(t.stride())
+
+    def on(self, storage_bytes: torch.Tensor) -> torch.Tensor:
+        """This view rebuilt on ``storage_bytes`` (the restored storage, as contiguous uint8)."""
+        return storage_bytes.view(self.dtype).as_strided(self.shape, self.stride, self.offset)
 
 
 class SwapGroup:
@@ -175,6 +197,7 @@ class ActivationSwapper:
 
         ``"host"`` or ``"peer:<j>"`` (the destination really used), or ``"keep"`` (left on the device).
         """
+        packed = packed.slot if isinstance(packed, _View) else packed
         return packed.where if isinstance(packed, _Slot) else "keep"
 
     @staticmethod
@@ -184,6 +207,7 @@ class ActivationSwapper:
         For profiling (when a tensor re-occupies device memory); a no-op for a tensor kept on
         the device. Unwatched handles cost nothing: the swapper checks one attribute per fetch.
         """
+        packed = packed.slot if isinstance(packed, _View) else packed
         if isinstance(packed, _Slot):
             if packed.on_fetch is None:
                 packed.on_fetch = []
@@ -202,25 +226,58 @@ class ActivationSwapper:
 
     # ------------------------------------------------------------------ hooks
     def pack(self, group: SwapGroup, t: torch.Tensor) -> Any:
-        """Pack hook: swap ``t`` out (or keep it, when skipped or not densely laid out)."""
+        """Pack hook: swap ``t`` out (its whole storage when it is a view not densely laid out),
+        or keep it when skipped."""
         if self.skip(t):
             return t.detach()
-        nbytes = t.numel() * t.element_size()
         if group.on_saved is not None:
-            group.on_saved(nbytes)
-        if not _dense(t):
-            self.stats.bytes["keep"] += nbytes
-            # detach(): storing the tensor itself would make a node that saves its own output
-            # reference its grad_fn, a cycle only the garbage collector frees.
+            group.on_saved(t.numel() * t.element_size())
+        if _dense(t):
+            # The same tensor saved by several ops is swapped once.
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            return self._swap(group, key, t, t)
+        storage = t.untyped_storage()
+        size = t.element_size()
+        if storage.nbytes() % size:
             return t.detach()
-        # The same tensor saved by several ops is swapped once. The key holds a weak reference
-        # to the tensor: an address alone could be a dead tensor's, reused by a new one.
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        # the whole storage as bytes, by views alone (no kernel touches it on the compute stream)
+        whole = t.detach().as_strided((storage.nbytes() // size,), (1,), 0).view(torch.uint8)
+        return _View(self._swap(group, (storage.data_ptr(), storage.nbytes()), t, whole), t)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        """Unpack hook: the tensor back on the device, the compute stream ordered after its copy."""
+        view = packed if isinstance(packed, _View) else None
+        slot = view.slot if view is not None else packed
+        if not isinstance(slot, _Slot):
+            return packed
+        self._fetch(slot)
+        out = slot.fetched
+        if out is None:
+            raise RuntimeError("a swapped activation was read after its swap buffer was released")
+        # The compute stream must not read the tensor before the prefetch copy lands.
+        self.backend.current_stream(self.device).wait_event(slot.res.in_event)
+        self.backend.keep_alive(out, self.backend.current_stream(self.device))
+        # At the last user, drop our reference so the restored copy dies with the autograd node
+        # that uses it (a later unpack of the same handle fetches it again).
+        slot.users -= 1
+        if slot.users <= 0:
+            slot.fetched = None
+        return view.on(out) if view is not None else out
+
+    # ------------------------------------------------------------------ internals
+    def _swap(self, group: SwapGroup, key: tuple, saved: torch.Tensor, t: torch.Tensor) -> _Slot:
+        """The slot holding ``t`` (the saved tensor ``saved`` itself, or its storage's bytes) at
+        ``group``'s destination: the one made under ``key`` while the storage it was made from
+        lives, else a new swap-out."""
         seen = group.keys.get(key)
         if seen is not None:
-            src_ref, slot_ref = seen
-            if src_ref() is t and slot_ref() is not None:
-                return slot_ref()
+            storage, slot = seen[0], seen[1]()
+            # the storage first swapped there still alive: the same bytes, not a dead one's
+            # address reused (the tensor a saver was given may be a view that died since)
+            if not storage.expired() and slot is not None:
+                slot.users += 1
+                return slot
+        nbytes = t.numel() * t.element_size()
         out_stream, _ = self._streams()
         compute = self.backend.current_stream(self.device)
         dst, release, where = self._destination(group.destination, t)
@@ -238,30 +295,12 @@ class ActivationSwapper:
         # copy, as soon as this hook returns); its memory must not be reused before the copy ends.
         self.backend.keep_alive(src, out_stream)
         self.stats.bytes[where] += nbytes
-        handle = _Slot(t, _Resource(dst, release, done), where)
-        group.slots.append(weakref.ref(handle))
-        try:
-            group.keys[key] = (weakref.ref(t), weakref.ref(handle))
-        except TypeError:  # not weak-referenceable: no dedupe, still correct
-            pass
-        return handle
+        slot = _Slot(t, _Resource(dst, release, done), where)
+        slot.users = 1
+        group.slots.append(weakref.ref(slot))
+        group.keys[key] = (StorageWeakRef(saved.untyped_storage()), weakref.ref(slot))
+        return slot
 
-    def unpack(self, packed: Any) -> torch.Tensor:
-        """Unpack hook: the tensor back on the device, the compute stream ordered after its copy."""
-        if not isinstance(packed, _Slot):
-            return packed
-        self._fetch(packed)
-        out = packed.fetched
-        if out is None:
-            raise RuntimeError("a swapped activation was read after its swap buffer was released")
-        # The compute stream must not read the tensor before the prefetch copy lands.
-        self.backend.current_stream(self.device).wait_event(packed.res.in_event)
-        self.backend.keep_alive(out, self.backend.current_stream(self.device))
-        # Drop our reference so the restored copy dies with the autograd node that uses it.
-        packed.fetched = None
-        return out
-
-    # ------------------------------------------------------------------ internals
     def _streams(self) -> tuple[Any, Any]:
         if self._out_stream is None:
             self._out_stream = self.backend.stream(self.device)

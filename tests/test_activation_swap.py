@@ -47,3 +47,35 @@ def test_a_permuted_tensor_comes_back_equal_with_its_strides(cpu_backend):
     swapper, handle = _swapped_out(cpu_backend, t)
     back = swapper.unpack(handle)
     assert back.stride() == t.stride() and torch.equal(back, t)
+
+
+def _split_heads_attention(qkv: torch.Tensor) -> torch.Tensor:
+    """q, k, v as slices of one fused projection's output (views that are not dense), saved by a matmul."""
+    q, k, v = qkv.split(qkv.shape[-1] // 3, dim=-1)
+    return ((q @ k.transpose(-2, -1)).softmax(-1) @ v).sum()
+
+
+def test_slices_of_one_storage_swap_it_once_and_free_the_device(cpu_backend):
+    """The slices of a fused qkv output: their storage leaves the device once for all of them
+    (before, non-dense views stayed, and with them the whole storage), and backward's gradient
+    equals the one without swapping."""
+    b = cpu_backend
+    with b.device_scope(0):
+        x = torch.randn(2, 16, 96, device=b.device(0), generator=torch.Generator().manual_seed(0))
+        w = torch.randn(96, 288, device=b.device(0), generator=torch.Generator().manual_seed(1), requires_grad=True)
+        want = torch.autograd.grad(_split_heads_attention(x @ w), w)[0]
+        swapper = ActivationSwapper(b, 0, min_bytes=1024, params=[w])
+        group = SwapGroup("host")
+        before = b.memory_stats(0).allocated
+        with swapper.hooks(group):
+            loss = _split_heads_attention(x @ w)
+        held = b.memory_stats(0).allocated - before
+        qkv_bytes = 2 * 16 * 288 * 4
+        # one swap of the qkv storage (its three slices), and every other saved tensor
+        assert len([r for r in group.slots if r() is not None and r().nbytes == qkv_bytes]) == 1
+        assert swapper.stats.bytes.get("keep", 0) == 0
+        assert held < qkv_bytes  # the storage is not held on the device between the passes
+        swapper.prefetch(group)
+        got = torch.autograd.grad(loss, w)[0]
+    assert swapper.stats.swapped_in == swapper.stats.bytes["host"]
+    assert torch.equal(got, want)
