@@ -113,8 +113,8 @@ class TensorRecord:
             read it, ``"?"`` if it was read outside a backward node.
         where: what the block's decision did with it: ``"keep"``, ``"recompute"``, ``"host"`` or
             ``"peer:<j>"`` (the destination really used: a full peer region falls back to
-            ``"host"``; a swapped block's tensor the swapper keeps, e.g. not densely laid out,
-            reads ``"keep"``).
+            ``"host"``; a swapped block's tensor the swapper keeps, a parameter or one below its
+            ``min_bytes``, reads ``"keep"``).
         pack_s: when forward saved it.
         unpack_s: when backward got it back (after any recomputation); None if never.
         fetch_s: when it re-occupied device memory before use: for a swapped tensor when its
