@@ -84,10 +84,10 @@ class BlockProfile:
             before it was measured (then ``fwd_s``).
         act_bytes_half_seq: ``act_bytes`` with the rows cut to half their length, which tells the
             part growing with the sequence's square (``sequence_scaling.py``); 0: not measured.
-        bwd_extra_bytes: the most device memory the block's backward holds beyond what it starts
-            with (its saved activations and output gradient): intermediate gradients and its
-            weights' gradients, less the saved tensors it has freed by then; 0: not measured
-            (then its weights' gradients alone).
+        bwd_extra_bytes: the most device memory the block's backward holds beyond its saved
+            activations: its output's gradient, intermediate gradients and its weights'
+            gradients, less the saved tensors it has freed by then; 0: not measured (then its
+            weights' gradients alone).
     """
 
     numel: int
@@ -301,15 +301,17 @@ def _timed_passes(backend: Backend, device: int, blk: nn.Module, forward: Callab
     return statistics.median(fwd), statistics.median(bwd), statistics.median(again)
 
 
-def _backward_extra(backend: Backend, device: int, backward: Callable[[], None]) -> int:
-    """Peak device bytes ``backward()`` allocates beyond what was allocated when it began (the
-    block's first backward, so its weights' gradients are new too)."""
+def _backward_extra(backend: Backend, device: int, outs: list[torch.Tensor]) -> tuple[int, list[torch.Tensor]]:
+    """(peak device bytes the block's first backward from ``outs`` allocates, its output
+    gradients included (the block after it made them, and they live through it); those
+    gradients, random, for the timed rounds). The first backward: its weights' gradients are new too."""
     backend.synchronize(device)
     before = backend.memory_stats(device).allocated
     backend.reset_peak_memory(device)
-    backward()
+    grads = [torch.randn_like(t) for t in outs]
+    torch.autograd.backward(outs, grads)
     backend.synchronize(device)
-    return max(0, backend.memory_stats(device).peak_allocated - before)
+    return max(0, backend.memory_stats(device).peak_allocated - before), grads
 
 
 def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend, device: int,
@@ -329,8 +331,7 @@ def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend
     out_tensors = [t for t in _tensors(out) if t.requires_grad]
     if not out_tensors:
         raise ValueError(f"block {type(block).__name__} returned no tensor that needs a gradient")
-    grads = [torch.randn_like(t) for t in out_tensors]
-    bwd_extra = _backward_extra(backend, device, lambda: torch.autograd.backward(out_tensors, grads))
+    bwd_extra, grads = _backward_extra(backend, device, out_tensors)
     fwd_s, bwd_s, recompute_s = _timed_passes(backend, device, blk, run_forward, grads, repeats)
     recompute_bytes = sum(_nbytes(t) for t in _tensors((x_args, x_kwargs)))
     selective_bytes = recompute_bytes + kept_output_bytes(run_forward)
