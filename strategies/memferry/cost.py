@@ -73,7 +73,8 @@ recompute; with selective recompute also the matmuls' and attention's outputs, a
 backward take their profiled ``fwd_selective_s`` and ``bwd_selective_s``) + prefetch slots
 ``(depth + 1) * largest prefetched block`` + the largest of the loss peak (logits in fp32 and
 their gradient: what OOMed the capped device12 run), one block's backward transient (its
-recomputed activations + its gradients) beside ``rest``'s gradients (held until backward's
+recomputed or fetched-back activations + what its backward makes, as profiled:
+``bwd_extra_bytes``, at least its weights' gradients) beside ``rest``'s gradients (held until backward's
 end), and a device-homed ``rest``'s update
 (:func:`transient_bytes`; the last two beside the gradients device-homed units hold to the
 step's end under clipping alone, as many as are held at the worst block: ``State.d``), all
