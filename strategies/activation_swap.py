@@ -238,7 +238,8 @@ class ActivationSwapper:
             return self._swap(group, key, t, t)
         storage = t.untyped_storage()
         size = t.element_size()
-        if storage.nbytes() % size:
+        if storage.nbytes() % size:  # not a whole number of elements: not rebuilt as a view, kept
+            self.stats.bytes["keep"] += t.numel() * size
             return t.detach()
         # the whole storage as bytes, by views alone (no kernel touches it on the compute stream)
         whole = t.detach().as_strided((storage.nbytes() // size,), (1,), 0).view(torch.uint8)
