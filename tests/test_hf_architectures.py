@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from strategies.memferry import AdamW, MemFerry
+from strategies.memferry import AdamW, MemFerry, Plan, UnitPlan
 from strategies.weight_decay import param_groups
 
 transformers = pytest.importorskip("transformers")
@@ -52,11 +52,13 @@ def steps():
     return [[torch.randint(1, VOCAB, (2, 16), generator=g) for _ in range(2)] for _ in range(2)]
 
 
-@pytest.mark.parametrize("plan", ["auto", "dha"])
+@pytest.mark.parametrize("plan", ["auto", "dha", "offload"])
 @pytest.mark.parametrize("model_type", sorted(ARCHS))
 def test_an_architecture_trains_as_torch_adamw(cpu_backend, model_type, plan):
     """``auto`` under a budget every plan fits (which plan the timings pick must not decide
-    whether it fits); ``dha``: every block's linears read in place from host memory."""
+    whether it fits); ``dha``: every block's linears read in place from host memory; ``offload``:
+    every block's saved activations out to the host and back (fused projections' slices with
+    their storage)."""
     model, data = tiny(model_type), steps()
     cfg = AdamW(lr=3e-3, weight_decay=0.1, max_grad_norm=0.5)
     ref = copy.deepcopy(model)
@@ -68,13 +70,18 @@ def test_an_architecture_trains_as_torch_adamw(cpu_backend, model_type, plan):
         torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.max_grad_norm)
         opt.step()
     given = {"plan": "auto", "sample": (data[0][0], data[0][0]), "device_budget": "1GB"} if plan == "auto" else {
-        "plan": plan}
+        "plan": Plan.uniform(3, UnitPlan("prefetch", "prefetch", offload=True)) if plan == "offload" else plan}
     engine = MemFerry(slice_hf_loss(model, 4), optim=cfg, accumulation_steps=2, backend=cpu_backend, **given)
+    if plan == "offload":
+        engine.executor.swapper.min_bytes = 0  # tiny tensors: swap them all the same
     for micro in data:
         for x in micro:
             engine.backward(engine(input_ids=x, labels=x).loss / len(micro))
         engine.step()
     state = engine.state_dict()["model"]
+    swapped = engine.executor.swapper.stats.as_dict() if plan == "offload" else None
     engine.close()
+    if swapped is not None:
+        assert swapped["bytes"].get("host", 0) > 0 and swapped["swapped_in"] == swapped["bytes"]["host"], swapped
     for name, p in ref.named_parameters():
         torch.testing.assert_close(state[name], p.detach(), atol=1e-5, rtol=1e-5, msg=name)
