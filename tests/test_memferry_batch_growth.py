@@ -217,10 +217,11 @@ def test_a_longer_batch_no_plan_holds_is_refused_before_it_runs(cpu_backend, bud
 def test_the_first_step_at_a_new_shape_is_measured_and_a_miss_planned_again(cpu_backend, budget, monkeypatch,
                                                                             caplog):
     """The memory model made to miss at the new shape (the profile scaled there counts a quarter
-    of the activations and of backward's transients), under a budget below what keeping them takes: the plan made for the new shape
-    keeps activations it cannot hold, so its first step, run with the cap lifted as the
-    rehearsal's is, peaks over the budget; the plan is made again with a margin covering the miss
-    (its own first step watched in turn), and later steps stay under the budget, capped again."""
+    of the activations and of backward's transients), under a budget below what keeping them
+    takes: the plan made for the new shape keeps activations it cannot hold, so its first step,
+    run with the cap lifted as the rehearsal's is, peaks over the budget; the plan is made again
+    with a margin covering the miss (its own first step watched in turn), and later steps stay
+    under the budget, capped again."""
     import strategies.memferry.batch_growth as growth
 
     real = growth.scaled_profile
