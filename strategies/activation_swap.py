@@ -116,9 +116,9 @@ class _Slot:
         self.fetched: torch.Tensor | None = None
         self.where = where
         self.on_fetch: list[Callable[[], None]] | None = None
-        # saved variables packed to this handle whose unpack has not come yet: the restored copy
-        # is given up at the last, so a tensor saved by several ops comes back once
-        self.users = 0
+        # saved variables packed to this handle whose unpack has not come yet (the first saver's
+        # here): the restored copy is given up at the last, so a tensor saved by several ops comes back once
+        self.users = 1
         weakref.finalize(self, res.release)
 
 
@@ -297,7 +297,6 @@ class ActivationSwapper:
         self.backend.keep_alive(src, out_stream)
         self.stats.bytes[where] += nbytes
         slot = _Slot(t, _Resource(dst, release, done), where)
-        slot.users = 1
         group.slots.append(weakref.ref(slot))
         group.keys[key] = (StorageWeakRef(saved.untyped_storage()), weakref.ref(slot))
         return slot

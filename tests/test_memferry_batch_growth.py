@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from strategies.memferry import AdamW, MemFerry, UnitPlan
-from strategies.memferry.batch_growth import batch_shape, scaled_profile
+from strategies.memferry.batch_growth import scaled_profile
 from strategies.memferry.cost import links_from_probe, predict
 from strategies.memferry.planning import plan_for
 from strategies.memferry.rehearsal import ATTEMPTS
 from strategies.memferry.scheduler import min_budget
+from strategies.memferry.sequence_scaling import batch_shape
 from strategies.training.engines import MemFerryEngine
 from strategies.weight_decay import param_groups
 

@@ -36,13 +36,13 @@ from typing import TYPE_CHECKING, Any
 
 from xpu.units import format_bytes
 
-from .sequence_scaling import batch_shape, grown_bytes
+from .sequence_scaling import grown_bytes
 
 if TYPE_CHECKING:
     from .engine import MemFerry
     from .profiler import StepProfile
 
-__all__ = ["batch_shape", "scaled_profile", "longest_shape", "fit_batch", "settle_watch"]
+__all__ = ["scaled_profile", "longest_shape", "fit_batch", "settle_watch"]
 
 _log = logging.getLogger("xpu.memferry")
 
@@ -152,12 +152,10 @@ def _watch(engine: "MemFerry", budget: int, attempts: int | None = None) -> None
     """Run the next step, the first at a new shape, as the rehearsal runs its step: the cap lifted
     and the peak measured from a released cache (:func:`settle_watch` reads it at ``step()``);
     ``attempts``: how many more plans a miss may make (default ``rehearsal.ATTEMPTS``)."""
-    from .rehearsal import ATTEMPTS
+    from .rehearsal import ATTEMPTS, start_peak
 
-    backend, device = engine.backend, engine.device
-    backend.set_memory_cap(device, None)
-    backend.release_cache(device)
-    backend.reset_peak_memory(device)
+    engine.backend.set_memory_cap(engine.device, None)
+    start_peak(engine.backend, engine.device)
     engine._setup["watch"] = (budget, ATTEMPTS if attempts is None else attempts)
 
 
@@ -168,7 +166,7 @@ def settle_watch(engine: "MemFerry") -> None:
     miss may differ), up to the attempts left. Nothing otherwise."""
     from .oom_recovery import cap_at_budget, rebuild_keeping_state, rebuild_refusal
     from .planning import replan
-    from .rehearsal import covering_margin
+    from .rehearsal import covering_margin, measured_peak
     from .scheduler import NoPlanFitsError
 
     setup, backend, device = engine._setup, engine.backend, engine.device
@@ -177,8 +175,7 @@ def settle_watch(engine: "MemFerry") -> None:
         return
     budget, attempts = watched
     backend.synchronize(device)
-    stats = backend.memory_stats(device)
-    peak = max(stats.peak_allocated, stats.peak_reserved)
+    peak = measured_peak(backend, device)
     cap_at_budget(engine)
     predicted, margin = engine.plan.predicted_peak_bytes, setup["memory_margin"]
     if peak <= budget or not predicted or rebuild_refusal(engine):

@@ -32,7 +32,7 @@ from ..weight_decay import no_decay_names
 
 from .accumulation import AccumulationError, MicroBatches, check_accumulation_steps, paired_units
 from .backward_gate import gate_outputs, queue_at_backward_end
-from .batch_growth import batch_shape, fit_batch, settle_watch
+from .batch_growth import fit_batch, settle_watch
 from .clip_norms import GlobalNormClip
 from .clip_plan import HINT_STEP, fire_rate_hint
 from .compute_dtype import cast_parameters, check_compute_dtype, restore_parameters
@@ -44,6 +44,7 @@ from .plan_check import check_budget, check_plan
 from .hf_models import model_loss, no_kv_cache
 from .host_optimizer import HostOptimizer
 from .planning import plan_for
+from .sequence_scaling import batch_shape
 from .shadow import ShadowModel
 from .sum_placement import PLACEMENTS
 from .units import split_units

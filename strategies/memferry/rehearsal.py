@@ -68,8 +68,7 @@ if TYPE_CHECKING:
     from .engine import MemFerry
 
 __all__ = ["fit_by_rehearsal", "give_back", "hold_to_plan", "covering_margin", "PlanOverBudgetError", "ATTEMPTS",
-           "MARGIN_STEP",
-           "RATE_STEPS", "CLOCKED_STEPS"]
+           "MARGIN_STEP", "RATE_STEPS", "CLOCKED_STEPS", "start_peak", "measured_peak"]
 
 
 _log = logging.getLogger("xpu.memferry")
@@ -337,8 +336,7 @@ def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) 
         # What earlier work left cached (the profiler's runs, a previous attempt's engine) would
         # count as this plan's reserved peak: every attempt at 8 GB, margins 10 to 35 %, "peaked"
         # at 8.1 GB reserved (Qwen2-1.5B shape, H200, 2026-12-04).
-        backend.release_cache(device)
-        backend.reset_peak_memory(device)
+        start_peak(backend, device)
         clocked: list[float] = []
         post = engine.executor.post
         sends = (0, 0.0)
@@ -365,8 +363,22 @@ def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) 
         send_s = send_seconds(post, sends) if clocked else None
         engine.synchronize()
     engine.set_lr(engine.cfg.lr)
+    return Rehearsed(measured_peak(backend, device), backend.memory_stats(device).peak_allocated, host, step_s, send_s)
+
+
+def start_peak(backend: Any, device: int) -> None:
+    """Measure a peak from here, as a rehearsal step is measured: the allocator's cached blocks
+    given back first (what earlier work left cached would count as this plan's reserved peak),
+    then the peaks reset (:func:`measured_peak` reads them)."""
+    backend.release_cache(device)
+    backend.reset_peak_memory(device)
+
+
+def measured_peak(backend: Any, device: int) -> int:
+    """The peak since :func:`start_peak` that a budget binds: reserved or allocated bytes,
+    whichever is more."""
     stats = backend.memory_stats(device)
-    return Rehearsed(max(stats.peak_allocated, stats.peak_reserved), stats.peak_allocated, host, step_s, send_s)
+    return max(stats.peak_allocated, stats.peak_reserved)
 
 
 def send_seconds(post: Any, since: tuple[int, float]) -> float | None:
