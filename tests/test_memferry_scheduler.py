@@ -142,7 +142,7 @@ def test_dp_is_optimal_against_brute_force(seed):
     prof, links = _fix(random_profile(rng, n)), random_links(rng)
     lo = min_budget(prof, links, depths=(1, 2))
     summed, selective = [], []
-    for budget in (lo, lo * 1.3, lo * 2, lo * 10):
+    for budget in (lo, lo * 1.2, lo * 2, lo * 10):
         best = brute_force(prof, links, budget, depths=(1, 2))
         plan = schedule(prof, links, budget, n, depths=(1, 2), explain=False, max_labels=None)
         assert best is not None
@@ -152,9 +152,10 @@ def test_dp_is_optimal_against_brute_force(seed):
         selective.append(any(u.selective for u in plan.units))
     # Accumulating profiles (seeds 3 and 4) offer summing on the device, and some budget takes it.
     assert any(summed) == (prof.accumulation_steps > 1), (seed, summed)
-    # Selective recompute is taken where it pays: between two budgets on seeds 3 and 4 (seed 1,
-    # clipped, took it while its held gradients were counted all step).
-    assert any(selective) == (seed in (3, 4)), (seed, selective)
+    # Selective recompute is taken where it pays: on seed 4 (seed 1, clipped, took it while its
+    # held gradients were counted all step; seed 3 while every block's activations were counted
+    # beside the worst backward transient).
+    assert any(selective) == (seed == 4), (seed, selective)
 
 
 def test_more_budget_never_predicts_a_slower_step():

@@ -205,10 +205,16 @@ KEEP, RECOMPUTE = UnitPlan("resident", "resident", optimizer="device"), UnitPlan
 
 @pytest.mark.parametrize("units, act, held", [
     ([KEEP] * 3, 5 * 10**6, 0),  # each backward frees more activations than its gradients take
-    ([RECOMPUTE] * 3, 5 * 10**6, 3 * 2 * 10**6 - 3 * 10**5),  # it frees only the block inputs: the end's 5.7 MB
-    ([KEEP] * 3, 10**6, 3 * (2 * 10**6 - 10**6)),  # 1 MB freed per 2 MB held
-    # block 0's 5 MB are still there while blocks 1-2 hold 4 MB and freed 0.2: the worst is its backward
-    ([KEEP, RECOMPUTE, RECOMPUTE], 5 * 10**6, 2 * (2 * 10**6 - 10**5)),
+    # it frees only the block inputs: at block 0's backward (its own gradient in its transient,
+    # beside its rebuilt activations) blocks 1-2 hold 4 MB and freed 0.2; the end's 5.7 MB come
+    # after that transient is gone
+    ([RECOMPUTE] * 3, 5 * 10**6, 2 * (2 * 10**6 - 10**5)),
+    # 1 MB freed per 2 MB held: at block 0's backward blocks 1-2 hold 2 MB net (its own gradient
+    # is in its transient, gone by the step's end)
+    ([KEEP] * 3, 10**6, 2 * (2 * 10**6 - 10**6)),
+    # the worst is block 1's backward, its 5 MB rebuilt beside block 2's 2 MB held (0.1 freed); at
+    # block 0's, 3.8 MB held beside a transient 5 MB smaller
+    ([KEEP, RECOMPUTE, RECOMPUTE], 5 * 10**6, 2 * 10**6 - 10**5),
 ])
 def test_held_gradients_add_what_backward_has_not_freed(units, act, held):
     """Backward at block s holds the activations of blocks 0..s and the gradients of the blocks

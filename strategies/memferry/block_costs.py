@@ -39,10 +39,8 @@ class OptionCost:
     (``StepProfile.host_order``);
     ``persist``: device bytes held all step; ``grads``: gradient bytes held from the block's
     backward to the step's end (a device-homed unit under clipping alone: ``held_grad_bytes``);
-    ``freed``: where a step holds such gradients, the saved activations its backward frees
-    (``act``; 0 otherwise, so that plans holding none keep one memory figure, ``mem``);
-    ``act``: saved activations; ``trans``:
-    backward transient; ``slot``: prefetch buffer size (0 if never prefetched); ``land``: when
+    ``act``: saved activations, held from its forward to its backward (which frees them);
+    ``trans``: backward transient; ``slot``: prefetch buffer size (0 if never prefetched); ``land``: when
     the host may start its update, from backward's start (None: once its gradient has landed;
     a step whose clip fires sets the coefficient's landing: ``cost.predict_clip_fired``).
     """
@@ -67,7 +65,6 @@ class OptionCost:
     y0: float = 0.0
     by_deadline: bool = False
     grads: int = 0
-    freed: int = 0
     land: float | None = None
 
 
@@ -173,7 +170,7 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
     grad_bytes = blk.numel * profile.dtype_bytes
     held = grads_persist(profile)  # the fp32 gradient buffer: resident all step, or only in its update
     # With clipping alone a device-homed unit holds the gradient autograd made from its backward
-    # to step(): not all step (``grads``; cost.State.d places it).
+    # to step(): not all step (``grads``; cost.State.excess and r place it).
     grads = 0 if host or held else blk.numel * held_grad_bytes(profile)
     if not host:
         persist = blk.numel * device_bytes_per_param(profile.dtype_bytes, held_grad_bytes(profile) if held else 0)
@@ -198,7 +195,6 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
         h=h,
         persist=persist,
         grads=grads,
-        freed=_kept_bytes(blk, unit) if held_grad_bytes(profile) and not held else 0,
         # offload leaves the saved tensors below the swapper's threshold on the device
         act=_kept_bytes(blk, unit),
         # recompute: the block's activations rebuilt in backward (selective: what it kept is

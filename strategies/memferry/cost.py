@@ -68,17 +68,21 @@ program uses (:func:`advance`, :func:`finish`), so the scheduler is optimal for 
 
 Peak memory (bytes): resident ``rest`` (compute-dtype weights; + fp32 master and 2 moments
 when device-homed) + per block (device-homed: the same 18 B/param in bf16; host-homed
-resident: its weights) + saved activations of every block (only the block input with
-recompute; with selective recompute also the matmuls' and attention's outputs, and forward and
-backward take their profiled ``fwd_selective_s`` and ``bwd_selective_s``) + prefetch slots
-``(depth + 1) * largest prefetched block`` + the largest of the loss peak (logits in fp32 and
-their gradient: what OOMed the capped device12 run), one block's backward transient (its
-recomputed or fetched-back activations + what its backward makes, as profiled:
-``bwd_extra_bytes``, at least its weights' gradients) beside ``rest``'s gradients (held until backward's
-end), and a device-homed ``rest``'s update
-(:func:`transient_bytes`; the last two beside the gradients device-homed units hold to the
-step's end under clipping alone, as many as are held at the worst block: ``State.d``), all
-times ``1 + margin`` for allocator fragmentation (``memory_margin``: the only reserve; none is
+resident: its weights) + prefetch slots ``(depth + 1) * largest prefetched block`` + the
+largest of three points of the step (:func:`transient_bytes`):
+
+* the loss, at the end of forward: every block's saved activations (only the block input with
+  recompute; with selective recompute also the matmuls' and attention's outputs, and forward
+  and backward take their profiled ``fwd_selective_s`` and ``bwd_selective_s``) and the loss
+  peak (logits in fp32 and their gradient: what OOMed the capped device12 run);
+* each block's backward: the saved activations of it and the blocks below it (those above have
+  freed theirs), the gradients the blocks above it hold to the step's end (device-homed units
+  under clipping alone), its backward transient (its recomputed or fetched-back activations +
+  what its backward makes, as profiled: ``bwd_extra_bytes``, at least its weights' gradients)
+  and ``rest``'s gradients (held until backward's end): ``State.excess``, the worst block;
+* the step's end: the held gradients, ``rest``'s, and a device-homed ``rest``'s update;
+
+all times ``1 + margin`` for allocator fragmentation (``memory_margin``: the only reserve; none is
 added on top; it also covers CUDA's rounding and its cap on reserved bytes, docs/design.md §3.5). With gradient accumulation a
 device-homed unit's fp32 gradient buffer is resident all step, not its update's transient
 (:func:`grads_persist`), and so is the fp32 sum of a host-updated block planned
@@ -147,17 +151,16 @@ class State:
             backward start (-inf in deadline order).
         pending: ``H_j`` of prefetched units whose release point is still ahead (``pending[j]``:
             released at the (j+1)-th non-DHA block further down).
-        mem: persistent + activation bytes; trans: largest backward transient; slot: largest
-            prefetched block.
+        mem: persistent + activation bytes; slot: largest prefetched block.
+        excess: the worst point of backward so far: the largest, over processed blocks ``s``,
+            of ``s``'s backward transient plus ``r`` of the blocks above ``s`` (by then they have
+            freed their activations and hold their gradients); with ``mem`` of every block, the
+            device's use at that point.
         hm: host-memory seconds of the processed blocks; psi0: ``psi`` of an earlier
             micro-batch under gradient accumulation (no device AdamW; 0 without).
-        r, d: where device-homed units hold their gradients to the step's end (clipping alone):
-            ``r`` the processed blocks' held gradient bytes less the activation bytes their
-            backward freed (``OptionCost.grads - freed``), ``d`` the largest ``r`` at any
-            processed block's backward (at least 0). Backward at block ``s`` holds the
-            activations of blocks ``0..s`` and the gradients of ``s+1..N-1``, so the held
-            gradients add ``max(d, r)`` (``r`` once every block is in: the step's end) to the
-            peak, not all of them; both stay 0 where no unit holds gradients.
+        r: what the processed blocks hold at the step's end beyond ``mem``: the gradients
+            device-homed units keep to ``step()`` (clipping alone, ``OptionCost.grads``) less
+            the activations their backward freed (``act``); never above 0 without held gradients.
     """
 
     phi: float
@@ -166,35 +169,33 @@ class State:
     m: float
     pending: tuple[float, ...]
     mem: int
-    trans: int
+    excess: int
     slot: int
     hm: float = 0.0
     psi0: float = 0.0
     r: int = 0
-    d: int = 0
 
     def key(self) -> tuple[float, ...]:
         """The components, for dominance checks."""
-        return (self.phi, self.psi, self.late, self.m, *self.pending, float(self.mem), float(self.trans), float(self.slot),
-                self.hm, self.psi0, float(self.r), float(self.d))
+        return (self.phi, self.psi, self.late, self.m, *self.pending, float(self.mem), float(self.excess),
+                float(self.slot), self.hm, self.psi0, float(self.r))
 
     @classmethod
     def from_key(cls, key: Sequence[float], prefetch_depth: int) -> "State":
         """The state whose :meth:`key` is ``key`` (a row of :func:`advance_rows`)."""
         k = SCALARS + prefetch_depth
         return cls(float(key[0]), float(key[1]), float(key[2]), float(key[3]), tuple(float(x) for x in key[SCALARS:k]),
-                   int(key[k]), int(key[k + 1]), int(key[k + 2]), float(key[k + 3]), float(key[k + 4]), int(key[k + 5]),
-                   int(key[k + 6]))
+                   int(key[k]), int(key[k + 1]), int(key[k + 2]), float(key[k + 3]), float(key[k + 4]), int(key[k + 5]))
 
 
-#: Columns of :meth:`State.key` before ``pending`` (phi, psi, late, m); mem, trans, slot, hm,
-#: psi0, r and d follow it.
+#: Columns of :meth:`State.key` before ``pending`` (phi, psi, late, m); mem, excess, slot, hm,
+#: psi0 and r follow it.
 SCALARS = 4
 
 
 def initial_state(prefetch_depth: int) -> State:
     """Nothing processed yet."""
-    return State(0.0, 0.0, _NEG, _NEG, (_NEG,) * prefetch_depth, 0, 0, 0, 0.0, 0.0, 0, 0)
+    return State(0.0, 0.0, _NEG, _NEG, (_NEG,) * prefetch_depth, 0, 0, 0, 0.0, 0.0, 0)
 
 
 def advance(state: State, cur: OptionCost, nxt: OptionCost | None) -> State:
@@ -206,8 +207,8 @@ def advance(state: State, cur: OptionCost, nxt: OptionCost | None) -> State:
 def advance_rows(rows: np.ndarray, cur: OptionCost, nxt: OptionCost | None) -> np.ndarray:
     """:func:`advance` on many states at once, one :meth:`State.key` per row (the scheduler's
     partial plans); float64 arithmetic in the same order, so the result is the same to the bit."""
-    depth = rows.shape[1] - SCALARS - 7
-    k = SCALARS + depth  # where mem, trans, slot, hm, psi0, r, d start
+    depth = rows.shape[1] - SCALARS - 6
+    k = SCALARS + depth  # where mem, excess, slot, hm, psi0, r start
     out = np.empty_like(rows)
     phi = rows[:, 0] + max(cur.a + cur.r, nxt.x if nxt is not None else 0.0)
     # psi gains block s+1's slot: its backward, or the copy of block s it overlaps.
@@ -234,12 +235,12 @@ def advance_rows(rows: np.ndarray, cur: OptionCost, nxt: OptionCost | None) -> n
             late = np.maximum(late, phi + m)
     out[:, 0], out[:, 1], out[:, 2], out[:, 3], out[:, SCALARS:k] = phi, psi, late, m, pending
     out[:, k] = rows[:, k] + (cur.persist + cur.act)  # whole bytes, exact in float64 below 2**53
-    out[:, k + 1] = np.maximum(rows[:, k + 1], cur.trans)
+    # this block's backward: the blocks above it have freed their activations and hold their gradients
+    out[:, k + 1] = np.maximum(rows[:, k + 1], rows[:, k + 5] + cur.trans)
     out[:, k + 2] = np.maximum(rows[:, k + 2], cur.slot)
     out[:, k + 3] = rows[:, k + 3] + cur.hm
     out[:, k + 4] = rows[:, k + 4] + (max(nxt.b0, cur.y0) if nxt is not None else cur.y0)
-    out[:, k + 5] = rows[:, k + 5] + (cur.grads - cur.freed)
-    out[:, k + 6] = np.maximum(rows[:, k + 6], rows[:, k + 5])  # this block's backward: the blocks above it done
+    out[:, k + 5] = rows[:, k + 5] + (cur.grads - cur.act)
     return out
 
 
@@ -295,7 +296,7 @@ def finish(state: State, first: OptionCost, profile: "StepProfile", links: Links
         terms["host memory"] = state.hm + hm_rest
     bound, step = max(terms.items(), key=lambda kv: kv[1])
     raw = (rest_resident_bytes(profile, rest_optimizer) + profile.input_bytes + state.mem
-           + (prefetch_depth + 1) * state.slot + transient_bytes(profile, rest_optimizer, state.trans, max(state.d, state.r)))
+           + (prefetch_depth + 1) * state.slot + transient_bytes(profile, rest_optimizer, state.excess, state.r))
     return Prediction(step, int(raw * (1 + margin)), compute, 0.0, bound.split(" (")[0],
                       {**terms, "raw_peak_bytes": float(raw), "rest_s": t_rest, "forward_s": pre + state.phi,
                        "backward_s": psi, "earlier_micro_batches_s": earlier})

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from .profiler import StepProfile
 
 __all__ = ["device_bytes_per_param", "held_grad_bytes", "grads_persist", "device_sum_bytes", "loss_peak_estimate",
-           "LOSS_SLICE_SHARE", "auto_loss_chunks", "rest_resident_bytes", "transient_bytes"]
+           "LOSS_SLICE_SHARE", "auto_loss_chunks", "rest_resident_bytes", "transient_parts", "transient_bytes"]
 
 
 def device_bytes_per_param(dtype_bytes: int, grad_bytes: int = 0) -> int:
@@ -34,7 +34,7 @@ def held_grad_bytes(profile: "StepProfile") -> int:
       of memory); likewise with clipping under data parallelism (the fp32 sum is averaged);
     * the compute dtype's with clipping alone: it holds the gradients autograd made until
       ``step()`` knows the coefficient, and upcasts them one unit at a time to update (not
-      resident all step: the cost model places them, ``cost.State.d``);
+      resident all step: the cost model places them, ``cost.State.excess``);
     * 0 otherwise: the fp32 buffer lives only while the unit's update runs.
 
     The first is counted from the step's start (:func:`grads_persist`)."""
@@ -105,19 +105,28 @@ def rest_resident_bytes(profile: "StepProfile", rest_optimizer: str) -> int:
     return profile.rest_numel * per
 
 
-def transient_bytes(profile: "StepProfile", rest_optimizer: str, trans: int, held: int = 0) -> int:
-    """The largest of what comes and goes on top of the resident bytes, given ``trans`` (the
-    largest block backward transient) and ``held`` (gradient bytes device-homed units hold
-    beyond the activations backward has freed, at the worst point from a block's backward to the
-    step's end: ``cost.State.d``; the loss comes before any is made):
-
-    * the loss (``loss_peak_bytes``: one slice's fp32 logits, their log-softmax and gradient,
-      the head's weight gradient, the hidden-state gradient; measured with ``loss_chunks``);
-    * a block's backward, beside ``rest``'s gradients: they stay on the device until its last
-      one lands (the input embedding's, at backward's end; a tied head's is that same one);
-    * ``rest``'s update when device-homed: its gradients upcast into the fp32 buffer (already
-      resident under gradient accumulation: :func:`rest_resident_bytes`).
-    """
+def transient_parts(profile: "StepProfile", rest_optimizer: str) -> tuple[int, int, int]:
+    """The plan-independent terms of :func:`transient_bytes`: the loss peak, ``rest``'s gradients
+    (held through backward) and what the step's end holds of ``rest`` (its gradients, and its
+    update's fp32 buffer when device-homed and not already resident)."""
     rest_grads = profile.rest_numel * profile.dtype_bytes
     end = rest_grads + (profile.rest_numel * 4 if rest_optimizer == "device" and not grads_persist(profile) else 0)
-    return max(profile.loss_peak_bytes, held + trans + rest_grads, held + end)
+    return profile.loss_peak_bytes, rest_grads, end
+
+
+def transient_bytes(profile: "StepProfile", rest_optimizer: str, excess: int, end_held: int = 0) -> int:
+    """What the step adds at its worst point to the resident bytes and every block's saved
+    activations, given ``excess`` (the worst block backward: its transient, with the gradients
+    the blocks above it hold less the activations they freed: ``cost.State.excess``) and
+    ``end_held`` (the same balance of every block at the step's end: ``cost.State.r``):
+
+    * the loss (``loss_peak_bytes``: one slice's fp32 logits, their log-softmax and gradient,
+      the head's weight gradient, the hidden-state gradient; measured with ``loss_chunks``),
+      before any block's backward;
+    * a block's backward, beside ``rest``'s gradients: they stay on the device until its last
+      one lands (the input embedding's, at backward's end; a tied head's is that same one);
+    * the step's end: ``rest``'s gradients and, when device-homed, its update's fp32 buffer
+      (already resident under gradient accumulation: :func:`rest_resident_bytes`).
+    """
+    loss, rest_grads, end = transient_parts(profile, rest_optimizer)
+    return max(loss, excess + rest_grads, end_held + end)

@@ -12,8 +12,8 @@ unit's finish is compared with the point of the *next* forward that needs it. ``
 writes that as a recurrence over blocks from the last to the first (:func:`~.cost.advance`)
 on a small state: forward time so far, backward time so far, the host worker's finish, the
 worst resolved host term, the finishes still waiting for their release point (one per
-prefetch slot), the memory sum and two memory maxima, and under clipping alone the gradients
-held beyond freed activations (running and worst). Every transition's result is non-decreasing
+prefetch slot), the memory sum, the worst backward point, the largest slot, and what the blocks
+hold at the step's end beyond that sum (held gradients less freed activations). Every transition's result is non-decreasing
 in every state component, and so is the final prediction (:func:`~.cost.finish`) and peak
 memory. Hence if two partial plans of blocks ``s..N-1`` end in the same choice for block
 ``s`` (the next transition also reads block ``s``'s copy time), the one whose state is
@@ -48,8 +48,9 @@ from .block_costs import sums_on_host_by_choice  # re-exported: where the schedu
 from .clip_plan import for_clip, named_plans
 from .config import Plan, UnitPlan
 from .cost import (SCALARS, Links, OptionCost, Prediction, State, advance_rows, describe_units, finish, initial_state, option_cost,
-                   predict, predict_options, rest_resident_bytes, transient_bytes)
+                   predict, predict_options, rest_resident_bytes)
 from .host_budget import host_budget, rest_terms
+from .memory_terms import transient_parts
 from .pareto import pareto_front
 
 if TYPE_CHECKING:
@@ -120,25 +121,14 @@ def prune_choices(choices: Sequence[UnitPlan], profile: "StepProfile", links: Li
     return [c for c in choices if (offload or not c.offload) and (selective or not c.selective)]
 
 
-def _peak(profile: "StepProfile", rest_optimizer: str, depth: int, mem: int, trans: int, slot: int, margin: float) -> int:
-    """The predicted peak of a plan whose blocks add up to ``mem``, ``trans`` and ``slot`` (and
-    hold no gradient to the step's end beyond what ``mem`` counts)."""
-    return int(_peaks(profile, rest_optimizer, depth, np.array([mem]), np.array([trans]), np.array([slot]), margin,
-                      np.array([0]))[0])
-
-
-def _peaks(profile: "StepProfile", rest_optimizer: str, depth: int, mem: np.ndarray, trans: np.ndarray,
-           slot: np.ndarray, margin: float, held: np.ndarray) -> np.ndarray:
-    """:func:`_peak` of many partial plans (float64 of whole bytes: exact below 2**53); ``held``:
-    their ``State.d`` (a lower bound of the finished plan's ``max(d, r)``)."""
-    # The same expression as cost.finish, so pruning and the final check agree to the byte.
-    if not held.any():  # nothing held to the step's end (no clipping alone): one figure per trans
-        uniq, inv = np.unique(trans, return_inverse=True)  # few distinct values: one per block option
-        transient = np.array([transient_bytes(profile, rest_optimizer, int(t)) for t in uniq], dtype=np.float64)[inv]
-    else:
-        uniq, inv = np.unique(np.stack([trans, held], axis=1), axis=0, return_inverse=True)
-        transient = np.array([transient_bytes(profile, rest_optimizer, int(t), int(h)) for t, h in uniq],
-                             dtype=np.float64)[inv.reshape(-1)]
+def _peaks(profile: "StepProfile", rest_optimizer: str, depth: int, mem: np.ndarray, excess: np.ndarray,
+           slot: np.ndarray, margin: float, end_held: np.ndarray) -> np.ndarray:
+    """Predicted peaks of plans whose blocks add up to ``mem``, ``excess``, ``slot`` and
+    ``end_held`` (``cost.State``'s ``r``), one per row (float64 of whole bytes: exact below 2**53)."""
+    # The same expression as cost.finish (memory_terms.transient_bytes), so pruning and the
+    # final check agree to the byte.
+    loss, rest_grads, end = transient_parts(profile, rest_optimizer)
+    transient = np.maximum(np.maximum(float(loss), excess + rest_grads), end_held + end)
     raw = rest_resident_bytes(profile, rest_optimizer) + profile.input_bytes + mem + (depth + 1) * slot + transient
     return np.floor(raw * (1 + margin))
 
@@ -159,10 +149,13 @@ def _run_dp(profile: "StepProfile", links: Links, budget: float, choices: Sequen
     n = len(profile.blocks)
     opts = _options(profile, links, choices, depth)
     usable = [[c for c, o in enumerate(row) if math.isfinite(o.a) and math.isfinite(o.b)] for row in opts]
-    # Cheapest completions of blocks 0..s-1, for pruning: memory, forward and backward time.
+    # Cheapest completions of blocks 0..s-1, for pruning: memory (all step; at the step's end),
+    # forward and backward time.
     min_mem, min_fwd, min_bwd, min_hm = [0] * (n + 1), [0.0] * (n + 1), [0.0] * (n + 1), [0.0] * (n + 1)
+    min_end = [0] * (n + 1)
     for s in range(n):
         min_mem[s + 1] = min_mem[s] + min(opts[s][c].persist + opts[s][c].act for c in usable[s])
+        min_end[s + 1] = min_end[s] + min(opts[s][c].grads - opts[s][c].act for c in usable[s])
         min_fwd[s + 1] = min_fwd[s] + min(opts[s][c].a + opts[s][c].r for c in usable[s])
         min_bwd[s + 1] = min_bwd[s] + min(opts[s][c].b for c in usable[s])
         min_hm[s + 1] = min_hm[s] + min(opts[s][c].hm for c in usable[s])
@@ -187,7 +180,7 @@ def _run_dp(profile: "StepProfile", links: Links, budget: float, choices: Sequen
         lb = np.maximum(lb, t_rest + late)
         return np.maximum(lb, st[:, SCALARS + depth + 3] + min_hm[s] + hm_rest)
 
-    k = SCALARS + depth  # the State.key columns of mem, trans, slot, hm, psi0, r, d
+    k = SCALARS + depth  # the State.key columns of mem, excess, slot, hm, psi0, r
     # Partial plans by the choice of their top block: state rows, and each row's parent (the
     # choice and row of the block above it); one such layer per block, kept for the way back.
     layers: list[dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]] = []
@@ -207,7 +200,7 @@ def _run_dp(profile: "StepProfile", links: Links, budget: float, choices: Sequen
                 # Memory only grows: drop what cannot fit even with the cheapest completion,
                 # and what cannot beat a plan already in hand.
                 ok = _peaks(profile, rest_optimizer, depth, st[:, k] + min_mem[s], st[:, k + 1], st[:, k + 2],
-                            margin, st[:, k + 6]) <= budget
+                            margin, st[:, k + 5] + min_end[s]) <= budget
                 ok &= lower_bound(st, s) < upper
                 if ok.any():
                     idx = np.flatnonzero(ok)
@@ -252,30 +245,33 @@ def min_budget(profile: "StepProfile", links: Links, choices: Sequence[UnitPlan]
                margin: float = 0.10) -> int:
     """The smallest device budget (bytes) under which some plan fits, by the cost model.
 
-    Exact: peak = fixed + sum(persist + act) + (depth+1) * max slot + transient(max trans);
-    for each threshold pair (max slot, max trans) the cheapest choice per block is taken. Under
-    clipping alone the gradients device-homed units hold are counted all step (``grads``): an
-    upper bound there (the plans' own peaks place them, ``cost.State.d``).
+    Exact: for each prefetch depth, ``rest_optimizer`` and largest prefetch slot allowed, the
+    memory columns of :func:`~.cost.advance` (``mem``, ``excess``, ``r``: sums and a running
+    maximum, each non-decreasing in the others) go from the last block down over every choice
+    that fits the slot, keeping the Pareto front; the least peak of the last front is the
+    least of the plans with that slot, and the least over the slots the answer.
     """
     choices = list(choices or unit_choices())
     best = math.inf
     for depth in depths:
         opts = _options(profile, links, choices, depth)
-        slots = sorted({o.slot for row in opts for o in row})
-        transes = sorted({o.trans for row in opts for o in row})
-        for rest_optimizer in rest_optimizers:
-            for slot_cap in slots:
-                for trans_cap in transes:
-                    total, ok = 0, True
-                    for row in opts:
-                        fits = [o.persist + o.act + o.grads for o in row if o.slot <= slot_cap and o.trans <= trans_cap
-                                and math.isfinite(o.a) and math.isfinite(o.b)]
-                        if not fits:
-                            ok = False
-                            break
-                        total += min(fits)
-                    if ok:
-                        best = min(best, _peak(profile, rest_optimizer, depth, total, trans_cap, slot_cap, margin))
+        opts = [[o for o in row if math.isfinite(o.a) and math.isfinite(o.b)] for row in opts]
+        for slot_cap in sorted({o.slot for row in opts for o in row}):
+            rows = np.zeros((1, 3))  # mem, excess, r (cost.State's)
+            for row in reversed(opts):
+                terms = np.array(sorted({(o.persist + o.act, o.trans, o.grads - o.act) for o in row if o.slot <= slot_cap}),
+                                 dtype=np.float64).reshape(-1, 3)
+                if not len(terms):
+                    rows = terms
+                    break
+                rows = np.unique(np.concatenate([np.stack([rows[:, 0] + t[0], np.maximum(rows[:, 1], rows[:, 2] + t[1]),
+                                                           rows[:, 2] + t[2]], axis=1) for t in terms]), axis=0)
+                rows = rows[pareto_front(rows, None)[0]]
+            for rest_optimizer in rest_optimizers:
+                if len(rows):
+                    peaks = _peaks(profile, rest_optimizer, depth, rows[:, 0], rows[:, 1], np.full(len(rows), slot_cap),
+                                   margin, rows[:, 2])
+                    best = min(best, float(peaks.min()))
     return int(math.ceil(best))
 
 
