@@ -71,10 +71,11 @@ when device-homed) + per block (device-homed: the same 18 B/param in bf16; host-
 resident: its weights) + prefetch slots ``(depth + 1) * largest prefetched block`` + the
 largest of three points of the step (:func:`transient_bytes`):
 
-* the loss, at the end of forward: every block's saved activations (only the block input with
-  recompute; with selective recompute also the matmuls' and attention's outputs, and forward
-  and backward take their profiled ``fwd_selective_s`` and ``bwd_selective_s``) and the loss
-  peak (logits in fp32 and their gradient: what OOMed the capped device12 run);
+* the loss, at the end of forward, with one prefetch slot fewer (forward's last loads are kept
+  for backward, whose own are not issued yet): every block's saved activations (only the block
+  input with recompute; with selective recompute also the matmuls' and attention's outputs, and
+  forward and backward take their profiled ``fwd_selective_s`` and ``bwd_selective_s``) and the
+  loss peak (logits in fp32 and their gradient: what OOMed the capped device12 run);
 * each block's backward: the saved activations of it and the blocks below it (those above have
   freed theirs), the gradients the blocks above it hold to the step's end (device-homed units
   under clipping alone), its backward transient (its recomputed or fetched-back activations +
@@ -296,7 +297,7 @@ def finish(state: State, first: OptionCost, profile: "StepProfile", links: Links
         terms["host memory"] = state.hm + hm_rest
     bound, step = max(terms.items(), key=lambda kv: kv[1])
     raw = (rest_resident_bytes(profile, rest_optimizer) + profile.input_bytes + state.mem
-           + (prefetch_depth + 1) * state.slot + transient_bytes(profile, rest_optimizer, state.excess, state.r))
+           + (prefetch_depth + 1) * state.slot + transient_bytes(profile, rest_optimizer, state.excess, state.r, state.slot))
     return Prediction(step, int(raw * (1 + margin)), compute, 0.0, bound.split(" (")[0],
                       {**terms, "raw_peak_bytes": float(raw), "rest_s": t_rest, "forward_s": pre + state.phi,
                        "backward_s": psi, "earlier_micro_batches_s": earlier})

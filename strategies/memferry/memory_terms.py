@@ -114,19 +114,21 @@ def transient_parts(profile: "StepProfile", rest_optimizer: str) -> tuple[int, i
     return profile.loss_peak_bytes, rest_grads, end
 
 
-def transient_bytes(profile: "StepProfile", rest_optimizer: str, excess: int, end_held: int = 0) -> int:
-    """What the step adds at its worst point to the resident bytes and every block's saved
-    activations, given ``excess`` (the worst block backward: its transient, with the gradients
-    the blocks above it hold less the activations they freed: ``cost.State.excess``) and
-    ``end_held`` (the same balance of every block at the step's end: ``cost.State.r``):
+def transient_bytes(profile: "StepProfile", rest_optimizer: str, excess: int, end_held: int = 0, slot: int = 0) -> int:
+    """What the step adds at its worst point to the resident bytes, every block's saved
+    activations and the prefetch slots, given ``excess`` (the worst block backward: its
+    transient, with the gradients the blocks above it hold less the activations they freed:
+    ``cost.State.excess``), ``end_held`` (the same balance of every block at the step's end:
+    ``cost.State.r``) and ``slot`` (the largest prefetched block):
 
     * the loss (``loss_peak_bytes``: one slice's fp32 logits, their log-softmax and gradient,
       the head's weight gradient, the hidden-state gradient; measured with ``loss_chunks``),
-      before any block's backward;
+      before any block's backward: one slot fewer is held then (forward's last loads kept for
+      backward, none issued for it yet);
     * a block's backward, beside ``rest``'s gradients: they stay on the device until its last
       one lands (the input embedding's, at backward's end; a tied head's is that same one);
     * the step's end: ``rest``'s gradients and, when device-homed, its update's fp32 buffer
       (already resident under gradient accumulation: :func:`rest_resident_bytes`).
     """
     loss, rest_grads, end = transient_parts(profile, rest_optimizer)
-    return max(loss, excess + rest_grads, end_held + end)
+    return max(loss - slot, excess + rest_grads, end_held + end)

@@ -128,7 +128,7 @@ def _peaks(profile: "StepProfile", rest_optimizer: str, depth: int, mem: np.ndar
     # The same expression as cost.finish (memory_terms.transient_bytes), so pruning and the
     # final check agree to the byte.
     loss, rest_grads, end = transient_parts(profile, rest_optimizer)
-    transient = np.maximum(np.maximum(float(loss), excess + rest_grads), end_held + end)
+    transient = np.maximum(np.maximum(loss - slot, excess + rest_grads), end_held + end)
     raw = rest_resident_bytes(profile, rest_optimizer) + profile.input_bytes + mem + (depth + 1) * slot + transient
     return np.floor(raw * (1 + margin))
 
