@@ -82,6 +82,12 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
+def _swapped(group: "SwapGroup", key: tuple) -> bool:
+    """Whether ``group`` holds a live swap made under ``key`` (of a storage still alive)."""
+    seen = group.keys.get(key)
+    return seen is not None and not seen[0].expired() and seen[1]() is not None
+
+
 class _Resource:
     """The swap destination of one saved tensor; released once autograd drops the handle."""
 
@@ -226,24 +232,26 @@ class ActivationSwapper:
 
     # ------------------------------------------------------------------ hooks
     def pack(self, group: SwapGroup, t: torch.Tensor) -> Any:
-        """Pack hook: swap ``t`` out (its whole storage when it is a view not densely laid out),
-        or keep it when skipped."""
+        """Pack hook: swap ``t``'s storage out once however many saved tensors view it (a
+        tensor and its reshape, a permutation, slices), rebuilding each view on the restored
+        bytes; a dense part of a larger storage not swapped already goes alone. Kept when skipped."""
         if self.skip(t):
             return t.detach()
         if group.on_saved is not None:
             group.on_saved(t.numel() * t.element_size())
-        if _dense(t):
-            # The same tensor saved by several ops is swapped once.
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-            return self._swap(group, key, t, t)
         storage = t.untyped_storage()
         size = t.element_size()
+        whole_key = (storage.data_ptr(), storage.nbytes())
+        if _dense(t) and t.numel() * size < storage.nbytes() and not _swapped(group, whole_key):
+            # The same tensor saved by several ops is swapped once.
+            key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            return self._swap(group, key, t, t)
         if storage.nbytes() % size:  # not a whole number of elements: not rebuilt as a view, kept
             self.stats.bytes["keep"] += t.numel() * size
             return t.detach()
         # the whole storage as bytes, by views alone (no kernel touches it on the compute stream)
         whole = t.detach().as_strided((storage.nbytes() // size,), (1,), 0).view(torch.uint8)
-        return _View(self._swap(group, (storage.data_ptr(), storage.nbytes()), t, whole), t)
+        return _View(self._swap(group, whole_key, t, whole), t)
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """Unpack hook: the tensor back on the device, the compute stream ordered after its copy."""
@@ -270,14 +278,12 @@ class ActivationSwapper:
         """The slot holding ``t`` (the saved tensor ``saved`` itself, or its storage's bytes) at
         ``group``'s destination: the one made under ``key`` while the storage it was made from
         lives, else a new swap-out."""
-        seen = group.keys.get(key)
-        if seen is not None:
-            storage, slot = seen[0], seen[1]()
-            # the storage first swapped there still alive: the same bytes, not a dead one's
-            # address reused (the tensor a saver was given may be a view that died since)
-            if not storage.expired() and slot is not None:
-                slot.users += 1
-                return slot
+        # the storage first swapped there still alive: the same bytes, not a dead one's address
+        # reused (the tensor a saver was given may be a view that died since)
+        if _swapped(group, key):
+            slot = group.keys[key][1]()
+            slot.users += 1
+            return slot
         nbytes = t.numel() * t.element_size()
         out_stream, _ = self._streams()
         compute = self.backend.current_stream(self.device)
