@@ -140,7 +140,10 @@ def test_dp_is_optimal_against_brute_force(seed):
     rng = random.Random(seed)
     n = 2 if seed % 2 else 3
     prof, links = _fix(random_profile(rng, n)), random_links(rng)
-    lo = min_budget(prof, links, depths=(1, 2))
+    # the least budget over the choices the search and brute force weigh (offload is pruned
+    # where it never wins on time, though it may keep a few bytes fewer than recompute)
+    choices = prune_choices(unit_choices(device_sum=prof.accumulation_steps > 1), prof, links)
+    lo = min_budget(prof, links, choices, depths=(1, 2))
     summed, selective = [], []
     for budget in (lo, lo * 1.2, lo * 2, lo * 10):
         best = brute_force(prof, links, budget, depths=(1, 2))
@@ -152,10 +155,10 @@ def test_dp_is_optimal_against_brute_force(seed):
         selective.append(any(u.selective for u in plan.units))
     # Accumulating profiles (seeds 3 and 4) offer summing on the device, and some budget takes it.
     assert any(summed) == (prof.accumulation_steps > 1), (seed, summed)
-    # Selective recompute is taken where it pays: on seed 4 (seed 1, clipped, took it while its
-    # held gradients were counted all step; seed 3 while every block's activations were counted
-    # beside the worst backward transient).
-    assert any(selective) == (seed == 4), (seed, selective)
+    # Selective recompute is taken where it pays: on seeds 0 and 4 (which seeds depends on the
+    # memory model: seed 1, clipped, took it while its held gradients were counted all step, seed
+    # 3 while every block's activations were counted beside the worst backward transient).
+    assert any(selective) == (seed in (0, 4)), (seed, selective)
 
 
 def test_more_budget_never_predicts_a_slower_step():
@@ -182,7 +185,7 @@ def test_plan_respects_budget_and_explains_itself():
 def test_infeasible_budget_names_the_minimum():
     rng = random.Random(3)
     prof, links = _fix(random_profile(rng, 3)), random_links(rng)
-    need = min_budget(prof, links)
+    need = min_budget(prof, links)  # over every choice: what was pruned for time is searched again
     with pytest.raises(ValueError, match=r"needs [0-9.]+ [kMGT]?B \(%d bytes" % need) as info:  # a NoPlanFitsError
         schedule(prof, links, need - 1, 3)
     assert info.value.minimum == need

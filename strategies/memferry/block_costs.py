@@ -40,7 +40,9 @@ class OptionCost:
     ``persist``: device bytes held all step; ``grads``: gradient bytes held from the block's
     backward to the step's end (a device-homed unit under clipping alone: ``held_grad_bytes``);
     ``act``: saved activations, held from its forward to its backward (which frees them);
-    ``trans``: backward transient; ``slot``: prefetch buffer size (0 if never prefetched); ``land``: when
+    ``trans``: backward transient; ``fetch``: an offloaded block's activations fetched back
+    early, during the backward of the blocks down from the offloaded block above it (the
+    swapper's look-ahead), 0 otherwise; ``slot``: prefetch buffer size (0 if never prefetched); ``land``: when
     the host may start its update, from backward's start (None: once its gradient has landed;
     a step whose clip fires sets the coefficient's landing: ``cost.predict_clip_fired``).
     """
@@ -65,6 +67,7 @@ class OptionCost:
     y0: float = 0.0
     by_deadline: bool = False
     grads: int = 0
+    fetch: int = 0
     land: float | None = None
 
 
@@ -197,11 +200,13 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
         grads=grads,
         # offload leaves the saved tensors below the swapper's threshold on the device
         act=_kept_bytes(blk, unit),
+        fetch=blk.act_bytes - _kept_bytes(blk, unit) if unit.offload else 0,
         # recompute: the block's activations rebuilt in backward (selective: what it kept is
-        # counted again, an over-count of at most its kept outputs); offload: this block's and
-        # the next one's (look-ahead) back on the device; then what its backward makes on top
-        # (intermediate gradients and its weights', as profiled)
-        trans=(blk.act_bytes if unit.recompute else 2 * blk.act_bytes if unit.offload else 0)
+        # counted again, an over-count of at most its kept outputs); offload: its activations
+        # back on the device (the next offloaded block's, fetched with them, are ``fetch``:
+        # cost.State.pend places them); then what its backward makes on top (intermediate
+        # gradients and its weights', as profiled)
+        trans=(blk.act_bytes if unit.recompute or unit.offload else 0)
         + max(grad_bytes, blk.bwd_extra_bytes)
         + (0 if host or held else blk.numel * 4)
         + (grad_bytes if host and not summed and profile.flat_sends and not profile.data_parallel else 0)  # gathered for one copy home

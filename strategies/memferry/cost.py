@@ -94,9 +94,10 @@ Face models computing their own loss alike; where it cannot be measured it is
 
 Activation offload (``UnitPlan.offload``): the block's saved activations leave on the d2h
 stream during its forward (``a = max(a, act / d2h)``) and return on the h2d stream behind the
-weights during backward (``y += act / h2d``); they hold no device memory in between, and two
-blocks' worth (this one and the look-ahead) while backward passes. Saved tensors below
-``OFFLOAD_MIN_BYTES`` stay (``act_bytes_offload_kept``).
+weights during backward (``y += act / h2d``); they hold no device memory in between. An
+offloaded block's backward fetches its own and, ahead, the next offloaded block's below it (the
+swapper's look-ahead), which then stay through the backward of every block down to that one
+(``State.pend``). Saved tensors below ``OFFLOAD_MIN_BYTES`` stay (``act_bytes_offload_kept``).
 
 Not modelled: link contention between prefetch copies, DHA reads and gradient copies (the
 probe measures 92-98 GB/s duplex against 55 GB/s per direction); D2H queueing; a deeper
@@ -127,7 +128,7 @@ if TYPE_CHECKING:  # the profiler imports torch; the model itself needs only num
 
 __all__ = ["Links", "links_from_probe", "OptionCost", "option_cost", "Prediction", "predict", "predict_options",
            "predict_clip_fired", "State", "SCALARS",
-           "initial_state", "advance", "advance_rows", "finish", "device_bytes_per_param", "H200_DHA_ROWS", "loss_peak_estimate",
+           "initial_state", "advance", "advance_rows", "memory_rows", "finish", "device_bytes_per_param", "H200_DHA_ROWS", "loss_peak_estimate",
            "auto_loss_chunks", "rest_resident_bytes", "transient_bytes", "grads_persist"]
 
 _NEG = -math.inf
@@ -162,6 +163,10 @@ class State:
         r: what the processed blocks hold at the step's end beyond ``mem``: the gradients
             device-homed units keep to ``step()`` (clipping alone, ``OptionCost.grads``) less
             the activations their backward freed (``act``); never above 0 without held gradients.
+        pend: the worst backward point (as ``excess``) from the lowest offloaded block processed
+            down: those points also hold the next offloaded block's activations, which the
+            swapper's look-ahead brings back early (``OptionCost.fetch``), added to ``excess``
+            when that block is processed; -inf while no block is offloaded.
     """
 
     phi: float
@@ -175,28 +180,30 @@ class State:
     hm: float = 0.0
     psi0: float = 0.0
     r: int = 0
+    pend: float = _NEG
 
     def key(self) -> tuple[float, ...]:
         """The components, for dominance checks."""
         return (self.phi, self.psi, self.late, self.m, *self.pending, float(self.mem), float(self.excess),
-                float(self.slot), self.hm, self.psi0, float(self.r))
+                float(self.slot), self.hm, self.psi0, float(self.r), self.pend)
 
     @classmethod
     def from_key(cls, key: Sequence[float], prefetch_depth: int) -> "State":
         """The state whose :meth:`key` is ``key`` (a row of :func:`advance_rows`)."""
         k = SCALARS + prefetch_depth
         return cls(float(key[0]), float(key[1]), float(key[2]), float(key[3]), tuple(float(x) for x in key[SCALARS:k]),
-                   int(key[k]), int(key[k + 1]), int(key[k + 2]), float(key[k + 3]), float(key[k + 4]), int(key[k + 5]))
+                   int(key[k]), int(key[k + 1]), int(key[k + 2]), float(key[k + 3]), float(key[k + 4]), int(key[k + 5]),
+                   float(key[k + 6]))
 
 
 #: Columns of :meth:`State.key` before ``pending`` (phi, psi, late, m); mem, excess, slot, hm,
-#: psi0 and r follow it.
+#: psi0, r and pend follow it.
 SCALARS = 4
 
 
 def initial_state(prefetch_depth: int) -> State:
     """Nothing processed yet."""
-    return State(0.0, 0.0, _NEG, _NEG, (_NEG,) * prefetch_depth, 0, 0, 0, 0.0, 0.0, 0)
+    return State(0.0, 0.0, _NEG, _NEG, (_NEG,) * prefetch_depth, 0, 0, 0, 0.0, 0.0, 0, _NEG)
 
 
 def advance(state: State, cur: OptionCost, nxt: OptionCost | None) -> State:
@@ -208,8 +215,8 @@ def advance(state: State, cur: OptionCost, nxt: OptionCost | None) -> State:
 def advance_rows(rows: np.ndarray, cur: OptionCost, nxt: OptionCost | None) -> np.ndarray:
     """:func:`advance` on many states at once, one :meth:`State.key` per row (the scheduler's
     partial plans); float64 arithmetic in the same order, so the result is the same to the bit."""
-    depth = rows.shape[1] - SCALARS - 6
-    k = SCALARS + depth  # where mem, excess, slot, hm, psi0, r start
+    depth = rows.shape[1] - SCALARS - 7
+    k = SCALARS + depth  # where mem, excess, slot, hm, psi0, r, pend start
     out = np.empty_like(rows)
     phi = rows[:, 0] + max(cur.a + cur.r, nxt.x if nxt is not None else 0.0)
     # psi gains block s+1's slot: its backward, or the copy of block s it overlaps.
@@ -235,14 +242,25 @@ def advance_rows(rows: np.ndarray, cur: OptionCost, nxt: OptionCost | None) -> n
         else:
             late = np.maximum(late, phi + m)
     out[:, 0], out[:, 1], out[:, 2], out[:, 3], out[:, SCALARS:k] = phi, psi, late, m, pending
-    out[:, k] = rows[:, k] + (cur.persist + cur.act)  # whole bytes, exact in float64 below 2**53
-    # this block's backward: the blocks above it have freed their activations and hold their gradients
-    out[:, k + 1] = np.maximum(rows[:, k + 1], rows[:, k + 5] + cur.trans)
+    out[:, [k, k + 1, k + 5, k + 6]] = memory_rows(rows[:, [k, k + 1, k + 5, k + 6]], cur)
     out[:, k + 2] = np.maximum(rows[:, k + 2], cur.slot)
     out[:, k + 3] = rows[:, k + 3] + cur.hm
     out[:, k + 4] = rows[:, k + 4] + (max(nxt.b0, cur.y0) if nxt is not None else cur.y0)
-    out[:, k + 5] = rows[:, k + 5] + (cur.grads - cur.act)
     return out
+
+
+def memory_rows(rows: np.ndarray, cur: OptionCost) -> np.ndarray:
+    """The memory columns ``(mem, excess, r, pend)`` of :class:`State` after adding block ``cur``
+    below the processed ones (one partial plan per row); :func:`advance_rows` and the scheduler's
+    least-budget search both take them from here."""
+    mem, excess, r, pend = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3]
+    # this block's backward: the blocks above it have freed their activations and hold their gradients
+    point = r + cur.trans
+    if cur.fetch:  # brought back early, by the look-ahead of the offloaded block above (if any)
+        excess, pend = np.maximum(np.maximum(excess, point), pend + cur.fetch), point
+    else:  # below an offloaded block, its point holds the next offloaded block's fetch too
+        excess, pend = np.maximum(excess, point), np.where(pend > _NEG, np.maximum(pend, point), pend)
+    return np.stack([mem + (cur.persist + cur.act), excess, r + (cur.grads - cur.act), pend], axis=1)
 
 
 @dataclass
@@ -297,7 +315,8 @@ def finish(state: State, first: OptionCost, profile: "StepProfile", links: Links
         terms["host memory"] = state.hm + hm_rest
     bound, step = max(terms.items(), key=lambda kv: kv[1])
     raw = (rest_resident_bytes(profile, rest_optimizer) + profile.input_bytes + state.mem
-           + (prefetch_depth + 1) * state.slot + transient_bytes(profile, rest_optimizer, state.excess, state.r, state.slot))
+           + (prefetch_depth + 1) * state.slot
+           + transient_bytes(profile, rest_optimizer, state.excess, state.r, state.slot))
     return Prediction(step, int(raw * (1 + margin)), compute, 0.0, bound.split(" (")[0],
                       {**terms, "raw_peak_bytes": float(raw), "rest_s": t_rest, "forward_s": pre + state.phi,
                        "backward_s": psi, "earlier_micro_batches_s": earlier})

@@ -47,8 +47,8 @@ from xpu.units import format_bytes
 from .block_costs import sums_on_host_by_choice  # re-exported: where the scheduler's choices are filtered
 from .clip_plan import for_clip, named_plans
 from .config import Plan, UnitPlan
-from .cost import (SCALARS, Links, OptionCost, Prediction, State, advance_rows, describe_units, finish, initial_state, option_cost,
-                   predict, predict_options, rest_resident_bytes)
+from .cost import (SCALARS, Links, OptionCost, Prediction, State, advance_rows, describe_units, finish, initial_state,
+                   memory_rows, option_cost, predict, predict_options, rest_resident_bytes)
 from .host_budget import host_budget, rest_terms
 from .memory_terms import transient_parts
 from .pareto import pareto_front
@@ -180,7 +180,7 @@ def _run_dp(profile: "StepProfile", links: Links, budget: float, choices: Sequen
         lb = np.maximum(lb, t_rest + late)
         return np.maximum(lb, st[:, SCALARS + depth + 3] + min_hm[s] + hm_rest)
 
-    k = SCALARS + depth  # the State.key columns of mem, excess, slot, hm, psi0, r
+    k = SCALARS + depth  # the State.key columns of mem, excess, slot, hm, psi0, r, pend
     # Partial plans by the choice of their top block: state rows, and each row's parent (the
     # choice and row of the block above it); one such layer per block, kept for the way back.
     layers: list[dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]] = []
@@ -246,8 +246,8 @@ def min_budget(profile: "StepProfile", links: Links, choices: Sequence[UnitPlan]
     """The smallest device budget (bytes) under which some plan fits, by the cost model.
 
     Exact: for each prefetch depth, ``rest_optimizer`` and largest prefetch slot allowed, the
-    memory columns of :func:`~.cost.advance` (``mem``, ``excess``, ``r``: sums and a running
-    maximum, each non-decreasing in the others) go from the last block down over every choice
+    memory columns of :func:`~.cost.advance` (:func:`~.cost.memory_rows`: each non-decreasing
+    in every one of them) go from the last block down over every choice
     that fits the slot, keeping the Pareto front; the least peak of the last front is the
     least of the plans with that slot, and the least over the slots the answer.
     """
@@ -257,15 +257,13 @@ def min_budget(profile: "StepProfile", links: Links, choices: Sequence[UnitPlan]
         opts = _options(profile, links, choices, depth)
         opts = [[o for o in row if math.isfinite(o.a) and math.isfinite(o.b)] for row in opts]
         for slot_cap in sorted({o.slot for row in opts for o in row}):
-            rows = np.zeros((1, 3))  # mem, excess, r (cost.State's)
+            rows = np.array([[0.0, 0.0, 0.0, -math.inf]])  # mem, excess, r, pend (cost.State's)
             for row in reversed(opts):
-                terms = np.array(sorted({(o.persist + o.act, o.trans, o.grads - o.act) for o in row if o.slot <= slot_cap}),
-                                 dtype=np.float64).reshape(-1, 3)
-                if not len(terms):
-                    rows = terms
+                fitting = [o for o in row if o.slot <= slot_cap]
+                if not fitting:
+                    rows = rows[:0]
                     break
-                rows = np.unique(np.concatenate([np.stack([rows[:, 0] + t[0], np.maximum(rows[:, 1], rows[:, 2] + t[1]),
-                                                           rows[:, 2] + t[2]], axis=1) for t in terms]), axis=0)
+                rows = np.unique(np.concatenate([memory_rows(rows, o) for o in fitting]), axis=0)
                 rows = rows[pareto_front(rows, None)[0]]
             for rest_optimizer in rest_optimizers:
                 if len(rows):
@@ -279,7 +277,7 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
              allow_dha: bool = True, allow_device_optimizer: bool = True, depths: Iterable[int] = (1, 2),
              rest_optimizers: Iterable[str] = ("host", "device"), margin: float = 0.10,
              explain: bool = True, max_labels: int | None | str = "auto", group_blocks: int | None = None,
-             host_sums: bool = True, device_sums: bool = True) -> Plan:
+             host_sums: bool = True, device_sums: bool = True, prune: bool = True) -> Plan:
     """The plan with the smallest predicted step time whose predicted peak fits ``budget_bytes``.
 
     Args:
@@ -307,6 +305,9 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
             (``sum_placement.py`` races such a plan against a host-summing one).
         device_sums: False: no block sums its micro-batches on the device (the other side of
             that race).
+        prune: leave out the choices that never win on time (:func:`prune_choices`); where
+            then no plan fits, the search runs again with them (offload keeps a block's input
+            off the device, which recompute does not).
 
     Returns:
         A :class:`Plan` with ``predicted_step_s`` and ``notes`` filled.
@@ -321,8 +322,11 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
         raise ValueError(f"the profile has {n} blocks, the model {n_blocks}")
     allow_dha = allow_dha and bool(links.dha_read_GBps)
     rest_optimizers = [r for r in rest_optimizers if allow_device_optimizer or r == "host"]
-    choices = prune_choices(unit_choices(allow_dha, allow_device_optimizer, profile.accumulation_steps > 1), profile,
-                            links)
+    choices = unit_choices(allow_dha, allow_device_optimizer, profile.accumulation_steps > 1)
+    every = len(choices)
+    if prune:
+        choices = prune_choices(choices, profile, links)
+    pruned = len(choices) < every
     if not host_sums and profile.accumulation_steps > 1:
         choices = [u for u in choices if not sums_on_host_by_choice(u)]
     if not device_sums:
@@ -352,6 +356,9 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
                 upper = min(upper, pred.step_s)
     if best is None and inc is not None:
         best = (predict(inc[1], profile, links, margin), inc[1])
+    if best is None and pruned:  # what was left out for time may be all that fits
+        return schedule(profile, links, budget_bytes, n_blocks, allow_dha, allow_device_optimizer, depths, rest_optimizers,
+                        margin, explain, max_labels, group_blocks, host_sums, device_sums, prune=False)
     if best is None:
         need = min_budget(profile, links, choices, rest_optimizers, depths, margin)
         raise NoPlanFitsError(f"no plan fits a device budget of {format_bytes(budget_bytes)}: the smallest plan needs "
