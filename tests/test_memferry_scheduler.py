@@ -16,7 +16,7 @@ from strategies.memferry.cost import H200_DHA_ROWS, Links, links_from_probe, pre
 from strategies.memferry.profiler import BlockProfile, StepProfile, profile_step
 from strategies.memferry import c_library, pareto
 from strategies.memferry.pareto import pareto_front
-from strategies.memferry.scheduler import brute_force, min_budget, prune_choices, schedule, unit_choices
+from strategies.memferry.scheduler import NoPlanFitsError, brute_force, min_budget, prune_choices, schedule, unit_choices
 from strategies.memferry.units import split_units
 
 GB = 1e9
@@ -405,3 +405,16 @@ def test_recomputation_is_priced_at_the_forward_as_autograd_issues_it():
     assert b(blk, keep) == pytest.approx(3.2e-3) == b(old, keep)
     assert b(blk, recompute) == pytest.approx(3.2e-3 + 1.3e-3)
     assert b(old, recompute) == pytest.approx(3.2e-3 + 1.6e-3)
+
+
+def test_choices_pruned_for_time_are_searched_when_nothing_else_fits():
+    """On the H200 profile offload never beats recompute on time, so the search leaves it out;
+    but only offload fits under 3.15 GB (recompute keeps every block's input): the search runs
+    again with it instead of naming a larger budget (it had asked for 4.03 GB)."""
+    prof = h200_profile()
+    least = min_budget(prof, H200_LINKS)
+    assert min_budget(prof, H200_LINKS, prune_choices(unit_choices(), prof, H200_LINKS)) > 1.2 * least
+    plan = schedule(prof, H200_LINKS, least, explain=False)
+    assert any(u.offload for u in plan.units) and predict(plan, prof, H200_LINKS).peak_bytes <= least
+    with pytest.raises(NoPlanFitsError, match=r"\(%d bytes" % least):
+        schedule(prof, H200_LINKS, least - 1, explain=False)
