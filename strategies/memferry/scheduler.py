@@ -322,15 +322,12 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
         raise ValueError(f"the profile has {n} blocks, the model {n_blocks}")
     allow_dha = allow_dha and bool(links.dha_read_GBps)
     rest_optimizers = [r for r in rest_optimizers if allow_device_optimizer or r == "host"]
-    choices = unit_choices(allow_dha, allow_device_optimizer, profile.accumulation_steps > 1)
-    every = len(choices)
-    if prune:
-        choices = prune_choices(choices, profile, links)
-    pruned = len(choices) < every
+    every = unit_choices(allow_dha, allow_device_optimizer, profile.accumulation_steps > 1)
     if not host_sums and profile.accumulation_steps > 1:
-        choices = [u for u in choices if not sums_on_host_by_choice(u)]
+        every = [u for u in every if not sums_on_host_by_choice(u)]
     if not device_sums:
-        choices = [u for u in choices if u.accumulate != "device"]
+        every = [u for u in every if u.accumulate != "device"]
+    choices = prune_choices(every, profile, links) if prune else every
     depths = list(depths)
     rest_optimizers = list(rest_optimizers)
     group = group_blocks if group_blocks is not None else max(1, math.ceil(n / GROUP_ABOVE))
@@ -356,11 +353,11 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
                 upper = min(upper, pred.step_s)
     if best is None and inc is not None:
         best = (predict(inc[1], profile, links, margin), inc[1])
-    if best is None and pruned:  # what was left out for time may be all that fits
+    need = min_budget(profile, links, every, rest_optimizers, depths, margin) if best is None else 0
+    if best is None and len(choices) < len(every) and need <= budget_bytes:  # only what was left out for time fits
         return schedule(profile, links, budget_bytes, n_blocks, allow_dha, allow_device_optimizer, depths, rest_optimizers,
                         margin, explain, max_labels, group_blocks, host_sums, device_sums, prune=False)
     if best is None:
-        need = min_budget(profile, links, choices, rest_optimizers, depths, margin)
         raise NoPlanFitsError(f"no plan fits a device budget of {format_bytes(budget_bytes)}: the smallest plan needs "
                               f"{format_bytes(need)} ({need} bytes, {margin:.0%} fragmentation margin included); "
                               f"raise device_budget to at least that{_loss_hint(profile, need, margin)}", minimum=need)
