@@ -82,10 +82,11 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _swapped(group: "SwapGroup", key: tuple) -> bool:
-    """Whether ``group`` holds a live swap made under ``key`` (of a storage still alive)."""
+def _live_slot(group: "SwapGroup", key: tuple) -> "_Slot | None":
+    """The slot ``group`` swapped under ``key`` while its storage still lives (not a dead one's
+    address reused: the tensor a saver was given may be a view that died since), else None."""
     seen = group.keys.get(key)
-    return seen is not None and not seen[0].expired() and seen[1]() is not None
+    return None if seen is None or seen[0].expired() else seen[1]()
 
 
 class _Resource:
@@ -242,7 +243,7 @@ class ActivationSwapper:
         storage = t.untyped_storage()
         size = t.element_size()
         whole_key = (storage.data_ptr(), storage.nbytes())
-        if _dense(t) and t.numel() * size < storage.nbytes() and not _swapped(group, whole_key):
+        if _dense(t) and t.numel() * size < storage.nbytes() and _live_slot(group, whole_key) is None:
             # The same tensor saved by several ops is swapped once.
             key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
             return self._swap(group, key, t, t)
@@ -278,10 +279,8 @@ class ActivationSwapper:
         """The slot holding ``t`` (the saved tensor ``saved`` itself, or its storage's bytes) at
         ``group``'s destination: the one made under ``key`` while the storage it was made from
         lives, else a new swap-out."""
-        # the storage first swapped there still alive: the same bytes, not a dead one's address
-        # reused (the tensor a saver was given may be a view that died since)
-        if _swapped(group, key):
-            slot = group.keys[key][1]()
+        slot = _live_slot(group, key)
+        if slot is not None:  # the same bytes, swapped already
             slot.users += 1
             return slot
         nbytes = t.numel() * t.element_size()

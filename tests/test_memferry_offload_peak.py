@@ -36,9 +36,12 @@ def _batch():
     return tok[:, :-1].contiguous(), tok[:, 1:].contiguous()
 
 
-def _measured_peak(b, plan, x, y):
-    """The second step's peak of a fresh engine on ``plan`` above what was allocated before it,
-    and the engine's swap counters of that step."""
+def _peaks(b, plan):
+    """``(measured, predicted, swap counters)`` of ``plan``: the second step's peak of a fresh
+    engine above what was allocated before it, the cost model's peak (margin 0) on the model's
+    profile, and the engine's swap counters of that step."""
+    x, y = _batch()
+    predicted = predict(plan, plan_for(_gpt(), (x, y), None, backend=b).profile, links_from_probe(b, 0), 0.0).peak_bytes
     gc.collect()
     before = b.memory_stats(0).allocated
     engine = MemFerry(_gpt(), optim=AdamW(lr=1e-3), plan=plan, backend=b)
@@ -49,16 +52,12 @@ def _measured_peak(b, plan, x, y):
     peak = b.memory_stats(0).peak_allocated - before
     stats = engine.executor.swapper.stats.as_dict()
     engine.close()
-    return peak, stats
+    return peak, predicted, stats
 
 
 def test_an_offload_plan_peaks_within_the_default_margin_of_its_prediction(cpu_backend):
-    b = cpu_backend
-    x, y = _batch()
-    profile = plan_for(_gpt(), (x, y), None, backend=b).profile
     plan = Plan(Plan.uniform(DIMS["layers"], UnitPlan("prefetch", "prefetch", offload=True)).units, rest_optimizer="host")
-    predicted = predict(plan, profile, links_from_probe(b, 0), 0.0).peak_bytes
-    peak, stats = _measured_peak(b, plan, x, y)
+    peak, predicted, stats = _peaks(cpu_backend, plan)
     # every saved activation of a block went out (no slice kept) and came back once
     assert stats["bytes"].get("keep", 0) == 0 and stats["swapped_in"] == stats["bytes"]["host"] > 0
     assert 0.9 * predicted <= peak <= 1.05 * predicted, (peak, predicted)
@@ -66,13 +65,9 @@ def test_an_offload_plan_peaks_within_the_default_margin_of_its_prediction(cpu_b
 
 @pytest.mark.parametrize("below", ["offload", "recompute"])
 def test_a_kept_top_block_over_lighter_ones_peaks_at_its_prediction(cpu_backend, below):
-    b = cpu_backend
-    x, y = _batch()
-    profile = plan_for(_gpt(), (x, y), None, backend=b).profile
     light = UnitPlan("prefetch", "prefetch", offload=below == "offload", recompute=below == "recompute")
     plan = Plan([light] * (DIMS["layers"] - 1) + [UnitPlan("prefetch", "prefetch")], 1, "host")
-    predicted = predict(plan, profile, links_from_probe(b, 0), 0.0).peak_bytes
-    peak, _ = _measured_peak(b, plan, x, y)
+    peak, predicted, _ = _peaks(cpu_backend, plan)
     assert 0.95 * predicted <= peak <= 1.05 * predicted, (peak / predicted, below)
 
 
@@ -80,11 +75,7 @@ def test_a_lone_offloaded_block_pays_for_no_look_ahead(cpu_backend):
     """Block 0 offloaded under recomputed blocks: no offloaded block lies below it, so its
     backward fetches its own activations only (charged two blocks' worth before: 0.71x its
     prediction here, 0.72x on Falcon's shape)."""
-    b = cpu_backend
-    x, y = _batch()
-    profile = plan_for(_gpt(), (x, y), None, backend=b).profile
     recompute = UnitPlan("prefetch", "prefetch", recompute=True)
     plan = Plan([UnitPlan("prefetch", "prefetch", offload=True)] + [recompute] * (DIMS["layers"] - 1), 1, "host")
-    predicted = predict(plan, profile, links_from_probe(b, 0), 0.0).peak_bytes
-    peak, _ = _measured_peak(b, plan, x, y)
+    peak, predicted, _ = _peaks(cpu_backend, plan)
     assert 0.95 * predicted <= peak <= 1.05 * predicted, peak / predicted

@@ -43,17 +43,16 @@ class Problem:
     """Pinned host buffers of one flat update: fp32 sum and moments, master, two bf16 gradients."""
 
     def __init__(self, n: int, seed: int = 0) -> None:
-        pin = torch.cuda.is_available()
         g = torch.Generator().manual_seed(seed)
-        self.acc = torch.randn(n, generator=g).pin_memory() if pin else torch.randn(n, generator=g)
+        self.acc = torch.randn(n, generator=g)
         self.g0 = (torch.randn(n, generator=g) * 0.1).to(torch.bfloat16)
         self.g1 = (torch.randn(n, generator=g) * 0.1).to(torch.bfloat16)
         self.master = torch.randn(n, generator=g)
         self.m = torch.randn(n, generator=g) * 0.01
         self.v = torch.rand(n, generator=g) * 1e-4
         self.work = torch.empty(n, dtype=torch.bfloat16)
-        if pin:
-            for name in ("g0", "g1", "master", "m", "v", "work"):
+        if torch.cuda.is_available():  # pinned, as the shadow model's buffers
+            for name in ("acc", "g0", "g1", "master", "m", "v", "work"):
                 setattr(self, name, getattr(self, name).pin_memory())
 
     def part(self, lo: int, hi: int) -> dict[str, torch.Tensor]:

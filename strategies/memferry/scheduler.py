@@ -353,11 +353,13 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
                 upper = min(upper, pred.step_s)
     if best is None and inc is not None:
         best = (predict(inc[1], profile, links, margin), inc[1])
-    need = min_budget(profile, links, every, rest_optimizers, depths, margin) if best is None else 0
-    if best is None and len(choices) < len(every) and need <= budget_bytes:  # only what was left out for time fits
-        return schedule(profile, links, budget_bytes, n_blocks, allow_dha, allow_device_optimizer, depths, rest_optimizers,
-                        margin, explain, max_labels, group_blocks, host_sums, device_sums, prune=False)
     if best is None:
+        need = min_budget(profile, links, every, rest_optimizers, depths, margin)
+        if len(choices) < len(every) and need <= budget_bytes:  # only what was left out for time fits
+            return schedule(profile, links, budget_bytes, n_blocks, allow_dha=allow_dha,
+                            allow_device_optimizer=allow_device_optimizer, depths=depths,
+                            rest_optimizers=rest_optimizers, margin=margin, explain=explain, max_labels=max_labels,
+                            group_blocks=group_blocks, host_sums=host_sums, device_sums=device_sums, prune=False)
         raise NoPlanFitsError(f"no plan fits a device budget of {format_bytes(budget_bytes)}: the smallest plan needs "
                               f"{format_bytes(need)} ({need} bytes, {margin:.0%} fragmentation margin included); "
                               f"raise device_budget to at least that{_loss_hint(profile, need, margin)}", minimum=need)
