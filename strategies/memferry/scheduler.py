@@ -47,10 +47,10 @@ from xpu.units import format_bytes
 from .block_costs import sums_on_host_by_choice  # re-exported: where the scheduler's choices are filtered
 from .clip_plan import for_clip, named_plans
 from .config import Plan, UnitPlan
-from .cost import (SCALARS, Links, OptionCost, Prediction, State, advance_rows, describe_units, finish, initial_state,
-                   memory_rows, option_cost, predict, predict_options, rest_resident_bytes)
+from .cost import (SCALARS, Links, Prediction, State, advance_rows, describe_units, finish, initial_state, option_cost,
+                   predict, predict_options)
 from .host_budget import host_budget, rest_terms
-from .memory_terms import transient_parts
+from .least_memory import block_options, least_memory, peak_rows
 from .pareto import pareto_front
 
 if TYPE_CHECKING:
@@ -121,22 +121,6 @@ def prune_choices(choices: Sequence[UnitPlan], profile: "StepProfile", links: Li
     return [c for c in choices if (offload or not c.offload) and (selective or not c.selective)]
 
 
-def _peaks(profile: "StepProfile", rest_optimizer: str, depth: int, mem: np.ndarray, excess: np.ndarray,
-           slot: np.ndarray, margin: float, end_held: np.ndarray) -> np.ndarray:
-    """Predicted peaks of plans whose blocks add up to ``mem``, ``excess``, ``slot`` and
-    ``end_held`` (``cost.State``'s ``r``), one per row (float64 of whole bytes: exact below 2**53)."""
-    # The same expression as cost.finish (memory_terms.transient_bytes), so pruning and the
-    # final check agree to the byte.
-    loss, rest_grads, end = transient_parts(profile, rest_optimizer)
-    transient = np.maximum(np.maximum(loss - slot, excess + rest_grads), end_held + end)
-    raw = rest_resident_bytes(profile, rest_optimizer) + profile.input_bytes + mem + (depth + 1) * slot + transient
-    return np.floor(raw * (1 + margin))
-
-
-def _options(profile: "StepProfile", links: Links, choices: Sequence[UnitPlan], depth: int) -> list[list[OptionCost]]:
-    return [[option_cost(profile, links, i, u, depth) for u in choices] for i in range(len(profile.blocks))]
-
-
 def _run_dp(profile: "StepProfile", links: Links, budget: float, choices: Sequence[UnitPlan], rest_optimizer: str,
             depth: int, margin: float, upper: float, cap: int | None,
             group: int = 1) -> tuple[Prediction, list[int], bool] | None:
@@ -147,7 +131,7 @@ def _run_dp(profile: "StepProfile", links: Links, budget: float, choices: Sequen
     Returns (prediction, choice per block in forward order, whether the label cap cut).
     """
     n = len(profile.blocks)
-    opts = _options(profile, links, choices, depth)
+    opts = block_options(profile, links, choices, depth)
     usable = [[c for c, o in enumerate(row) if math.isfinite(o.a) and math.isfinite(o.b)] for row in opts]
     # Cheapest completions of blocks 0..s-1, for pruning: memory (all step; at the step's end),
     # forward and backward time.
@@ -199,7 +183,7 @@ def _run_dp(profile: "StepProfile", links: Links, budget: float, choices: Sequen
                 st = advance_rows(rows, opts[s][c], nxt_opt)
                 # Memory only grows: drop what cannot fit even with the cheapest completion,
                 # and what cannot beat a plan already in hand.
-                ok = _peaks(profile, rest_optimizer, depth, st[:, k] + min_mem[s], st[:, k + 1], st[:, k + 2],
+                ok = peak_rows(profile, rest_optimizer, depth, st[:, k] + min_mem[s], st[:, k + 1], st[:, k + 2],
                             margin, st[:, k + 5] + min_end[s]) <= budget
                 ok &= lower_bound(st, s) < upper
                 if ok.any():
@@ -243,34 +227,9 @@ def _incumbent(named: Sequence[tuple[Plan, Prediction]], budget: float) -> tuple
 def min_budget(profile: "StepProfile", links: Links, choices: Sequence[UnitPlan] | None = None,
                rest_optimizers: Iterable[str] = ("host", "device"), depths: Iterable[int] = (1, 2),
                margin: float = 0.10) -> int:
-    """The smallest device budget (bytes) under which some plan fits, by the cost model.
-
-    Exact: for each prefetch depth, ``rest_optimizer`` and largest prefetch slot allowed, the
-    memory columns of :func:`~.cost.advance` (:func:`~.cost.memory_rows`: each non-decreasing
-    in every one of them) go from the last block down over every choice
-    that fits the slot, keeping the Pareto front; the least peak of the last front is the
-    least of the plans with that slot, and the least over the slots the answer.
-    """
-    choices = list(choices or unit_choices())
-    best = math.inf
-    for depth in depths:
-        opts = _options(profile, links, choices, depth)
-        opts = [[o for o in row if math.isfinite(o.a) and math.isfinite(o.b)] for row in opts]
-        for slot_cap in sorted({o.slot for row in opts for o in row}):
-            rows = np.array([[0.0, 0.0, 0.0, -math.inf]])  # mem, excess, r, pend (cost.State's)
-            for row in reversed(opts):
-                fitting = [o for o in row if o.slot <= slot_cap]
-                if not fitting:
-                    rows = rows[:0]
-                    break
-                rows = np.unique(np.concatenate([memory_rows(rows, o) for o in fitting]), axis=0)
-                rows = rows[pareto_front(rows, None)[0]]
-            for rest_optimizer in rest_optimizers:
-                if len(rows):
-                    peaks = _peaks(profile, rest_optimizer, depth, rows[:, 0], rows[:, 1], np.full(len(rows), slot_cap),
-                                   margin, rows[:, 2])
-                    best = min(best, float(peaks.min()))
-    return int(math.ceil(best))
+    """The smallest device budget (bytes) under which some plan over ``choices`` (None: every
+    one) fits, by the cost model: exact (:func:`~.least_memory.least_memory`)."""
+    return least_memory(profile, links, list(choices or unit_choices()), rest_optimizers, depths, margin)[0]
 
 
 def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_blocks: int | None = None,
@@ -353,24 +312,33 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
                 upper = min(upper, pred.step_s)
     if best is None and inc is not None:
         best = (predict(inc[1], profile, links, margin), inc[1])
+    least_note = None
     if best is None:
-        need = min_budget(profile, links, every, rest_optimizers, depths, margin)
-        if len(choices) < len(every) and need <= budget_bytes:  # only what was left out for time fits
+        need, least = least_memory(profile, links, every, rest_optimizers, depths, margin)
+        if need > budget_bytes:
+            raise NoPlanFitsError(f"no plan fits a device budget of {format_bytes(budget_bytes)}: the smallest plan "
+                                  f"needs {format_bytes(need)} ({need} bytes, {margin:.0%} fragmentation margin "
+                                  f"included); raise device_budget to at least that"
+                                  f"{_loss_hint(profile, need, margin)}", minimum=need)
+        if len(choices) < len(every):  # only what was left out for time fits
             return schedule(profile, links, budget_bytes, n_blocks, allow_dha=allow_dha,
                             allow_device_optimizer=allow_device_optimizer, depths=depths,
                             rest_optimizers=rest_optimizers, margin=margin, explain=explain, max_labels=max_labels,
                             group_blocks=group_blocks, host_sums=host_sums, device_sums=device_sums, prune=False)
-        raise NoPlanFitsError(f"no plan fits a device budget of {format_bytes(budget_bytes)}: the smallest plan needs "
-                              f"{format_bytes(need)} ({need} bytes, {margin:.0%} fragmentation margin included); "
-                              f"raise device_budget to at least that{_loss_hint(profile, need, margin)}", minimum=need)
+        # Blocks decided in groups, or partial plans cut at the label cap, left the search none
+        # that fits; one that keeps the least memory does (least_memory.py), if not the fastest.
+        best = (predict(least, profile, links, margin), least)
+        least_note = (f"note: the search found no plan under this budget within its limits (groups of {group} "
+                      f"blocks, {max_labels} partial plans per block and choice); this is the plan of least device "
+                      f"memory ({format_bytes(need)}), not the fastest that fits: a larger budget, group_blocks=1 or "
+                      f"max_labels=None may find a faster one")
     plan, clip_note = best[1], None
     rate = getattr(profile, "clip_fire_rate", 0.0)
     if rate and getattr(profile, "clipping", False):  # weigh the steps after clipped ones too (clip_plan.py)
         plan, clip_note = for_clip(plan, profile, links, float(budget_bytes), margin, rate, named)
     pred = price(plan, profile, links, margin)  # the same numbers, with the host-work total filled in
     plan.notes = _explain(plan, pred, profile, links, float(budget_bytes), choices, margin) if explain else []
-    if clip_note:
-        plan.notes.append(clip_note)
+    plan.notes += [n for n in (clip_note, least_note) if n]
     if group > 1:
         plan.notes.append(f"note: blocks were decided in groups of {group} consecutive blocks ({n} blocks); "
                           f"group_blocks=1 searches every block's choice (slower)")
@@ -472,7 +440,7 @@ def brute_force(profile: "StepProfile", links: Links, budget_bytes: float, allow
                             links)
     best: tuple[float, Plan] | None = None
     for depth in depths:
-        opts = _options(profile, links, choices, depth)  # predict()'s terms, computed once per block and choice
+        opts = block_options(profile, links, choices, depth)  # predict()'s terms, computed once per block and choice
         for rest_optimizer in rest_optimizers:
             if rest_optimizer == "device" and not allow_device_optimizer:
                 continue

@@ -1,0 +1,151 @@
+"""The plan of least device memory: the smallest budget any plan fits, and a plan that fits it.
+
+The scheduler's search (``scheduler.py``) minimises time, and to stay fast it may decide
+consecutive blocks together (long models) and keep a bounded number of partial plans per
+block; either can leave it with no fitting plan where one exists. This search weighs memory
+alone, block by block, with nothing cut: the memory columns of :func:`~.cost.advance`
+(:func:`~.cost.memory_rows`: ``mem``, ``excess``, ``r``, ``pend``, each non-decreasing in every
+one of them) go from the last block down over every choice, keeping the Pareto front, for each
+prefetch depth and largest prefetch slot allowed; the least peak of the last front is the least
+of the plans with that slot, and the least over the slots the answer. So :func:`least_memory`
+is exact for the cost model, and the plan it returns is predicted (:func:`~.cost.predict`) to
+peak at exactly the budget it names.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+
+import numpy as np
+
+from .config import Plan, UnitPlan
+from .cost import Links, OptionCost, memory_rows, option_cost, rest_resident_bytes
+from .memory_terms import transient_parts
+from .pareto import pareto_front
+
+if TYPE_CHECKING:
+    from .profiler import StepProfile
+
+__all__ = ["least_memory", "peak_rows", "block_options"]
+
+
+def peak_rows(profile: "StepProfile", rest_optimizer: str, depth: int, mem: np.ndarray, excess: np.ndarray,
+              slot: np.ndarray, margin: float, end_held: np.ndarray) -> np.ndarray:
+    """Predicted peaks of plans whose blocks add up to ``mem``, ``excess``, ``slot`` and
+    ``end_held`` (``cost.State``'s ``r``), one per row (float64 of whole bytes: exact below 2**53)."""
+    # The same expression as cost.finish (memory_terms.transient_bytes), so the searches' pruning
+    # and the final check agree to the byte.
+    loss, rest_grads, end = transient_parts(profile, rest_optimizer)
+    transient = np.maximum(np.maximum(loss - slot, excess + rest_grads), end_held + end)
+    raw = rest_resident_bytes(profile, rest_optimizer) + profile.input_bytes + mem + (depth + 1) * slot + transient
+    return np.floor(raw * (1 + margin))
+
+
+def block_options(profile: "StepProfile", links: Links, choices: Sequence[UnitPlan],
+                  depth: int) -> list[list[OptionCost]]:
+    """Each block's :func:`~.cost.option_cost` under each of ``choices`` (``[block][choice]``)."""
+    return [[option_cost(profile, links, i, u, depth) for u in choices] for i in range(len(profile.blocks))]
+
+
+def least_memory(profile: "StepProfile", links: Links, choices: Sequence[UnitPlan],
+                 rest_optimizers: Iterable[str] = ("host", "device"), depths: Iterable[int] = (1, 2),
+                 margin: float = 0.10) -> tuple[int, Plan]:
+    """The smallest device budget (bytes) some plan over ``choices`` fits by the cost model, and
+    that plan (see the module for why it is exact).
+
+    Raises:
+        ValueError: some block can take none of ``choices`` (each priced at an infinite time).
+    """
+    rest_optimizers = list(rest_optimizers)
+    cases = []  # (depth, the choices each block may take under one largest slot, their peaks)
+    for depth in depths:
+        opts = block_options(profile, links, choices, depth)
+        usable = [[c for c, o in enumerate(row) if math.isfinite(o.a) and math.isfinite(o.b)] for row in opts]
+        for slot_cap in sorted({opts[s][c].slot for s, row in enumerate(usable) for c in row}):
+            fitting = [[c for c in ok if row[c].slot <= slot_cap] for row, ok in zip(opts, usable)]
+            if all(fitting):
+                cases.append((depth, opts, fitting, _peaks_fn(profile, rest_optimizers, depth, slot_cap, margin)))
+    # A plan in hand (the best uniform one over every case) bounds the search: partial plans that
+    # cannot beat it even with the leanest completion are dropped (exact: only those above it).
+    best = min((_uniform_peak(opts, fitting, peaks) for _, opts, fitting, peaks in cases), default=math.inf)
+    found = None
+    for depth, opts, fitting, peaks in cases:
+        rows, layers = _descend(opts, fitting, lambda rows: peaks(rows)[0] <= best)
+        if len(rows):
+            p, where = peaks(rows)
+            j = int(np.argmin(p))
+            if found is None or p[j] < best:
+                best, found = float(p[j]), (depth, rest_optimizers[int(where[j])], layers, j)
+    if found is None:
+        raise ValueError(f"no plan over these choices exists: some block can take none of {list(choices)}")
+    depth, rest_optimizer, layers, j = found
+    picks = []
+    for chosen, parent in reversed(layers):  # block 0's layer is the last: the search went down
+        picks.append(choices[int(chosen[j])])
+        j = int(parent[j])
+    return int(math.ceil(best)), Plan(picks, depth, rest_optimizer)
+
+
+def _peaks_fn(profile: "StepProfile", rest_optimizers: list[str], depth: int, slot: float,
+              margin: float) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """Rows of memory columns -> each row's least peak over the places of ``rest``'s update, and
+    that place's index in ``rest_optimizers``."""
+    def peaks(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        each = [peak_rows(profile, r, depth, rows[:, 0], rows[:, 1], np.full(len(rows), slot), margin, rows[:, 2])
+                for r in rest_optimizers]
+        return np.min(each, axis=0), np.argmin(each, axis=0)
+    return peaks
+
+
+def _uniform_peak(opts: list[list[OptionCost]], fitting: list[list[int]],
+                  peaks: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]) -> float:
+    """The least peak of the plans whose blocks all take one choice (of those every block can take)."""
+    best = math.inf
+    for c in set.intersection(*(set(f) for f in fitting)):
+        rows = np.array([START])
+        for row in reversed(opts):
+            rows = memory_rows(rows, row[c])
+        best = min(best, float(peaks(rows)[0][0]))
+    return best
+
+
+#: Most rows kept per block. Blocks of a few kinds keep fronts of tens of rows (the docs/design.md
+#: §3 profile at 128 blocks: 0.2 s in all); blocks of random sizes and costs kept up to 80,000 at
+#: 24 blocks (16 s). Past the cap the rows with the least resident bytes stay, and the budget
+#: named is one a plan fits, perhaps not the least.
+FRONT_CAP = 5000
+#: The memory columns before any block: mem, excess, r, pend (cost.State's)
+START = [0.0, 0.0, 0.0, -math.inf]
+
+
+def _descend(opts: list[list[OptionCost]], fitting: list[list[int]],
+             hopeful: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+    """The memory columns' Pareto front from the last block down to block 0 over each block's
+    ``fitting`` choices, keeping the rows ``hopeful`` passes once the blocks below are added at
+    their leanest: the last front (perhaps empty), and per block (from the last) each kept row's
+    choice and its row in the block above's front."""
+    n = len(opts)
+    # The leanest completion of blocks 0..s-1: the least resident bytes, the least held at the
+    # end, and the least worst backward point above what the processed blocks hold (a point is
+    # what is held when it starts plus its transient; cost.memory_rows).
+    lean_mem, lean_end, lean_point = np.zeros(n + 1), np.zeros(n + 1), np.full(n + 1, -math.inf)
+    for s, (row, ok) in enumerate(zip(opts, fitting)):
+        held = min(row[c].grads - row[c].act for c in ok)
+        lean_mem[s + 1] = lean_mem[s] + min(row[c].persist + row[c].act for c in ok)
+        lean_end[s + 1] = lean_end[s] + held
+        lean_point[s + 1] = max(min(row[c].trans for c in ok), lean_point[s] + held)
+    rows = np.array([START])
+    layers = []
+    for s in range(n - 1, -1, -1):
+        row, ok = opts[s], fitting[s]
+        grown = np.concatenate([memory_rows(rows, row[c]) for c in ok])
+        chosen = np.repeat(np.array(ok), len(rows))
+        parent = np.tile(np.arange(len(rows)), len(ok))
+        lean = grown + np.array([lean_mem[s], 0.0, lean_end[s], 0.0])
+        lean[:, 1] = np.maximum(lean[:, 1], grown[:, 2] + lean_point[s])
+        alive = hopeful(lean)
+        grown, chosen, parent = grown[alive], chosen[alive], parent[alive]
+        keep = pareto_front(grown, FRONT_CAP)[0]
+        rows = grown[keep]
+        layers.append((chosen[keep], parent[keep]))
+    return rows, layers
