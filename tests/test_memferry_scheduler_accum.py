@@ -212,9 +212,10 @@ KEEP, RECOMPUTE = UnitPlan("resident", "resident", optimizer="device"), UnitPlan
     # 1 MB freed per 2 MB held: at block 0's backward blocks 1-2 hold 2 MB net (its own gradient
     # is in its transient, gone by the step's end)
     ([KEEP] * 3, 10**6, 2 * (2 * 10**6 - 10**6)),
-    # the worst is block 1's backward, its 5 MB rebuilt beside block 2's 2 MB held (0.1 freed); at
-    # block 0's, 3.8 MB held beside a transient 5 MB smaller
-    ([KEEP, RECOMPUTE, RECOMPUTE], 5 * 10**6, 2 * 10**6 - 10**5),
+    # clipped, the worst is block 0's backward: blocks 1-2 hold 3.8 MB net beside its weights'
+    # gradients, its update's fp32 buffer and its input (6.1 MB; at block 1's, 1.9 MB beside 7 MB
+    # rebuilt and made); unclipped, block 2's 7 MB with nothing held
+    ([KEEP, RECOMPUTE, RECOMPUTE], 5 * 10**6, 3.8 * 10**6 + 6.1 * 10**6 - 7 * 10**6),
 ])
 def test_held_gradients_add_what_backward_has_not_freed(units, act, held):
     """Backward at block s holds the activations of blocks 0..s and the gradients of the blocks

@@ -54,6 +54,20 @@ def test_kept_bytes_are_the_matmuls_outputs():
     assert keeps_output(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
 
 
+def test_kept_bytes_count_outputs_whose_address_a_later_one_reuses():
+    """Without a graph each matmul's output dies at the next op, and the allocator hands its
+    address to the next matmul's output: every output still counts (the count had merged them)."""
+    w = torch.randn(64, 64)
+
+    def chain():
+        y = torch.randn(16, 64)
+        for _ in range(6):
+            y = torch.tanh(y @ w)  # the product is freed once tanh has read it
+        return y
+
+    assert kept_output_bytes(chain) == 6 * 16 * 64 * 4
+
+
 def test_a_plan_is_refused_when_selective_lacks_recompute_or_meets_dha():
     with pytest.raises(ValueError, match="set recompute=True too"):
         UnitPlan("prefetch", "prefetch", selective=True)

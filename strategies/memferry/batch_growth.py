@@ -73,7 +73,8 @@ def scaled_profile(profile: "StepProfile", rows: int, seq: int) -> "StepProfile"
         half = int(round((act - quad) / 2 + quad / 4)) if b.act_bytes_half_seq else 0
         grown = {**scale(b, _BLOCK_SCALED), "act_bytes": act, "act_bytes_half_seq": half,
                  # backward's intermediates grow as the activations do
-                 "bwd_extra_bytes": math.ceil(b.bwd_extra_bytes * act / b.act_bytes) if b.act_bytes else 0}
+                 **{n: math.ceil(getattr(b, n) * act / b.act_bytes) if b.act_bytes else 0
+                    for n in ("bwd_extra_bytes", "bwd_recompute_bytes", "bwd_selective_bytes")}}
         if share:  # selective recompute keeps the attention scores' matmul output too
             grown["act_bytes_selective"] = int(round(b.act_bytes_selective * r * (1 + share * (s - 1))))
         return dataclasses.replace(b, **grown)

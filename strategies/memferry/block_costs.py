@@ -125,6 +125,17 @@ def _host_linear_time(base: float, nbytes: int, links: Links, tokens: int, backw
     return max(base, link) + RING_SERIAL * min(base, link)
 
 
+def _backward_bytes(blk: "BlockProfile", unit: UnitPlan, grad_bytes: int) -> int:
+    """What a block's backward under ``unit`` holds beyond what its forward kept (at least its
+    weights' gradients). A recomputed block's is profiled as the executor runs it (its rebuilt
+    activations freed as backward goes, its input shared with what it kept); where a profile
+    has no such figure, all its activations are counted beside the keeping backward's."""
+    measured = blk.bwd_selective_bytes if unit.selective else blk.bwd_recompute_bytes if unit.recompute else 0
+    if measured:
+        return max(grad_bytes, measured)
+    return (blk.act_bytes if unit.recompute or unit.offload else 0) + max(grad_bytes, blk.bwd_extra_bytes)
+
+
 def _kept_bytes(blk: "BlockProfile", unit: UnitPlan) -> int:
     """Device bytes the block's forward leaves for its backward under ``unit``."""
     if unit.recompute:
@@ -201,14 +212,14 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
         # offload leaves the saved tensors below the swapper's threshold on the device
         act=_kept_bytes(blk, unit),
         fetch=blk.act_bytes - _kept_bytes(blk, unit) if unit.offload else 0,
-        # recompute: the block's activations rebuilt in backward (selective: what it kept is
-        # counted again, an over-count of at most its kept outputs); offload: its activations
-        # back on the device (the next offloaded block's, fetched with them, are ``fetch``:
-        # cost.State.pend places them); then what its backward makes on top (intermediate
-        # gradients and its weights', as profiled)
-        trans=(blk.act_bytes if unit.recompute or unit.offload else 0)
-        + max(grad_bytes, blk.bwd_extra_bytes)
-        + (0 if host or held else blk.numel * 4)
+        # what its backward makes on top of what it kept (intermediate gradients and its
+        # weights'; recompute: the activations it rebuilds, as profiled in that mode); offload:
+        # its activations back on the device (the next offloaded block's, fetched with them,
+        # are ``fetch``: cost.State.pend places them). A device-homed unit updates into an fp32
+        # buffer (resident where ``held``) once its gradients are in, when its backward's
+        # transient is gone but for them and its input's gradient.
+        trans=(_backward_bytes(blk, unit, grad_bytes) if host or held else
+               max(_backward_bytes(blk, unit, grad_bytes), grad_bytes + blk.numel * 4 + blk.act_bytes_recompute))
         + (grad_bytes if host and not summed and profile.flat_sends and not profile.data_parallel else 0)  # gathered for one copy home
         + (_ring_bytes(profile.tokens) if unit.forward == "dha" else 0),
         slot=w if "prefetch" in (unit.forward, unit.backward) else 0,

@@ -78,8 +78,9 @@ largest of three points of the step (:func:`transient_bytes`):
   loss peak (logits in fp32 and their gradient: what OOMed the capped device12 run);
 * each block's backward: the saved activations of it and the blocks below it (those above have
   freed theirs), the gradients the blocks above it hold to the step's end (device-homed units
-  under clipping alone), its backward transient (its recomputed or fetched-back activations +
-  what its backward makes, as profiled: ``bwd_extra_bytes``, at least its weights' gradients)
+  under clipping alone), its backward transient (what its backward makes, as profiled, at least
+  its weights' gradients: ``bwd_extra_bytes``; recomputed, ``bwd_recompute_bytes`` or
+  ``bwd_selective_bytes``, with the rebuilt activations; offloaded, its activations fetched back too)
   and ``rest``'s gradients (held until backward's end): ``State.excess``, the worst block;
 * the step's end: the held gradients, ``rest``'s, and a device-homed ``rest``'s update;
 

@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from xpu import Backend
 from xpu.timing import pipelined_seconds
@@ -88,6 +89,10 @@ class BlockProfile:
             activations: its output's gradient, intermediate gradients and its weights'
             gradients, less the saved tensors it has freed by then; 0: not measured (then its
             weights' gradients alone).
+        bwd_recompute_bytes: the same for the block's backward with full recompute, over what
+            it holds then (its input): the rebuilt activations, freed as backward goes, and what
+            ``bwd_extra_bytes`` counts; 0: not measured (then ``act_bytes`` plus that).
+        bwd_selective_bytes: the same with selective recompute, over the bytes it keeps.
     """
 
     numel: int
@@ -103,6 +108,8 @@ class BlockProfile:
     recompute_s: float = 0.0
     act_bytes_half_seq: int = 0
     bwd_extra_bytes: int = 0
+    bwd_recompute_bytes: int = 0
+    bwd_selective_bytes: int = 0
 
     @property
     def recompute_time(self) -> float:
@@ -314,6 +321,20 @@ def _backward_extra(backend: Backend, device: int, outs: list[torch.Tensor]) -> 
     return max(0, backend.memory_stats(device).peak_allocated - before), grads
 
 
+def _recomputed_backward_extra(backend: Backend, device: int, blk: nn.Module, forward: Callable[[], Any]) -> int:
+    """:func:`_backward_extra` of ``forward()`` run as the executor wraps a recomputed block:
+    measured, since its backward frees the rebuilt activations as it goes and shares the input
+    with what the wrapper kept (act_bytes plus the keeping backward's extra had over-counted a
+    recomputed block by its input, and a selectively recomputed one by up to half)."""
+    for p in blk.parameters():
+        p.grad = None
+    outs = [t for t in _tensors(forward()) if t.requires_grad]
+    extra, _ = _backward_extra(backend, device, outs)
+    for p in blk.parameters():
+        p.grad = None
+    return extra
+
+
 def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend, device: int,
                    repeats: int) -> tuple[BlockProfile, Any]:
     """Figures of one block on the device, and its output (the next block's input)."""
@@ -332,6 +353,8 @@ def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend
     if not out_tensors:
         raise ValueError(f"block {type(block).__name__} returned no tensor that needs a gradient")
     bwd_extra, grads = _backward_extra(backend, device, out_tensors)
+    bwd_recompute = _recomputed_backward_extra(backend, device, blk, lambda: checkpoint(run_forward, use_reentrant=False))
+    bwd_selective = _recomputed_backward_extra(backend, device, blk, lambda: selective_checkpoint(run_forward))
     fwd_s, bwd_s, recompute_s = _timed_passes(backend, device, blk, run_forward, grads, repeats)
     recompute_bytes = sum(_nbytes(t) for t in _tensors((x_args, x_kwargs)))
     selective_bytes = recompute_bytes + kept_output_bytes(run_forward)
@@ -340,7 +363,8 @@ def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend
                                         repeats)
     result = BlockProfile(numel, param_bytes, fwd_s, bwd_s, act_bytes, recompute_bytes, small_bytes,
                           selective_bytes, max(bwd_s, bwd_sel), max(fwd_s, fwd_sel), recompute_s,
-                          bwd_extra_bytes=bwd_extra)
+                          bwd_extra_bytes=bwd_extra, bwd_recompute_bytes=bwd_recompute,
+                          bwd_selective_bytes=bwd_selective)
     with torch.no_grad():
         nxt = _map_tensors(out, lambda t: t.detach())
     return result, nxt
