@@ -45,6 +45,7 @@ from xpu.timing import pipelined_seconds
 
 from ..selective_recompute import kept_output_bytes, selective_checkpoint
 from .adamw_rates import device_adamw_rate, host_adamw_rate, host_adamw_rates
+from .backward_memory import backward_extra, recomputed_backward_extra
 from .config import OFFLOAD_MIN_BYTES
 from .cost import loss_peak_estimate
 from .hf_models import head_shape, model_loss
@@ -308,33 +309,6 @@ def _timed_passes(backend: Backend, device: int, blk: nn.Module, forward: Callab
     return statistics.median(fwd), statistics.median(bwd), statistics.median(again)
 
 
-def _backward_extra(backend: Backend, device: int, outs: list[torch.Tensor]) -> tuple[int, list[torch.Tensor]]:
-    """(peak device bytes the block's first backward from ``outs`` allocates, its output
-    gradients included (the block after it made them, and they live through it); those
-    gradients, random, for the timed rounds). The first backward: its weights' gradients are new too."""
-    backend.synchronize(device)
-    before = backend.memory_stats(device).allocated
-    backend.reset_peak_memory(device)
-    grads = [torch.randn_like(t) for t in outs]
-    torch.autograd.backward(outs, grads)
-    backend.synchronize(device)
-    return max(0, backend.memory_stats(device).peak_allocated - before), grads
-
-
-def _recomputed_backward_extra(backend: Backend, device: int, blk: nn.Module, forward: Callable[[], Any]) -> int:
-    """:func:`_backward_extra` of ``forward()`` run as the executor wraps a recomputed block:
-    measured, since its backward frees the rebuilt activations as it goes and shares the input
-    with what the wrapper kept (act_bytes plus the keeping backward's extra had over-counted a
-    recomputed block by its input, and a selectively recomputed one by up to half)."""
-    for p in blk.parameters():
-        p.grad = None
-    outs = [t for t in _tensors(forward()) if t.requires_grad]
-    extra, _ = _backward_extra(backend, device, outs)
-    for p in blk.parameters():
-        p.grad = None
-    return extra
-
-
 def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend, device: int,
                    repeats: int) -> tuple[BlockProfile, Any]:
     """Figures of one block on the device, and its output (the next block's input)."""
@@ -352,9 +326,9 @@ def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend
     out_tensors = [t for t in _tensors(out) if t.requires_grad]
     if not out_tensors:
         raise ValueError(f"block {type(block).__name__} returned no tensor that needs a gradient")
-    bwd_extra, grads = _backward_extra(backend, device, out_tensors)
-    bwd_recompute = _recomputed_backward_extra(backend, device, blk, lambda: checkpoint(run_forward, use_reentrant=False))
-    bwd_selective = _recomputed_backward_extra(backend, device, blk, lambda: selective_checkpoint(run_forward))
+    bwd_extra, grads = backward_extra(backend, device, out_tensors)
+    bwd_recompute = recomputed_backward_extra(backend, device, blk, lambda: checkpoint(run_forward, use_reentrant=False))
+    bwd_selective = recomputed_backward_extra(backend, device, blk, lambda: selective_checkpoint(run_forward))
     fwd_s, bwd_s, recompute_s = _timed_passes(backend, device, blk, run_forward, grads, repeats)
     recompute_bytes = sum(_nbytes(t) for t in _tensors((x_args, x_kwargs)))
     selective_bytes = recompute_bytes + kept_output_bytes(run_forward)
