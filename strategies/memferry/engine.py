@@ -86,7 +86,9 @@ class MemFerry:
         process_group: data parallelism over this torch.distributed group (one engine per
             rank, each on its own device and micro-batch; see ``data_parallel.py``). None: the
             whole world when torch.distributed is initialised with several ranks, else none.
-        sample: ``(inputs, targets)`` of one batch, for ``plan="auto"``.
+        sample: ``(inputs, targets)`` of one batch, for ``plan="auto"``; for a model taking
+            ``labels``, ``inputs`` may be a dict of its keyword arguments (a padded batch's
+            ``input_ids`` and ``attention_mask``: a masked forward allocates more).
         multipath: route weight loads through the scaleup multi-path copier (the direct host link
             plus relays through peer devices, split adaptively: ScaleUp-MemFerry), for a process
             whose peers' host links are idle. None or False: off. Under data parallelism the

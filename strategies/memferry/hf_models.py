@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -51,9 +52,11 @@ def takes_labels(model: nn.Module) -> bool:
 
 def model_loss(model: Any, inputs: Any, targets: Any, labels_model: nn.Module | None = None) -> torch.Tensor:
     """The loss of a model that computes its own: ``model(inputs, labels=targets).loss`` for a
-    model taking ``labels`` (judged on ``labels_model``, default ``model``), else ``model(inputs, targets)``."""
+    model taking ``labels`` (judged on ``labels_model``, default ``model``), else ``model(inputs, targets)``.
+    For the former ``inputs`` may be a mapping of its keyword arguments (``input_ids``,
+    ``attention_mask``, ...: a padded batch as a collator makes it), passed as such."""
     if takes_labels(labels_model if labels_model is not None else model):
-        out = model(inputs, labels=targets)
+        out = model(**inputs, labels=targets) if isinstance(inputs, Mapping) else model(inputs, labels=targets)
         return out["loss"] if isinstance(out, dict) else out.loss
     return model(inputs, targets)
 

@@ -50,7 +50,8 @@ def plan_for(model: nn.Module, sample: tuple[Any, Any] | None, device_budget: in
     Args:
         model: the model on the host.
         sample: ``(inputs, targets)`` of one batch, the step profiled (None on data-parallel
-            ranks other than the group's first, which take its plan).
+            ranks other than the group's first, which take its plan); ``inputs`` may be a dict
+            of keyword arguments, as for :class:`~.engine.MemFerry`.
         device_budget: most device memory the run may use (None: what the device has free).
         optim: the optimizer settings training will use (its host kernel is measured).
         loss_fn, blocks, device, backend, process_group, memory_margin, compute_dtype,

@@ -1,7 +1,7 @@
 """The plan of least memory (strategies/memferry/least_memory.py) and the scheduler's fallback to
 it, on the scheduler tests' random profiles and the H200 profile of docs/design.md §3.
 Run from the repository root: PYTHONPATH=. python THIS > least-memory.md"""
-import dataclasses, os, random, sys, time
+import dataclasses, random, sys, time
 sys.path.insert(0, "tests")
 from test_memferry_scheduler import H200_LINKS, _fix, h200_profile, random_links, random_profile
 from strategies.memferry.cost import predict
