@@ -3,10 +3,11 @@ backend, margin 0): blocks recomputed in full or selectively, kept, offloaded, r
 prefetched, host- or device-homed, side by side. The prediction must bound the measured peak
 and not leave more than ``OVER`` of it unused.
 
-The plans are the ones that had been predicted furthest above their peak in 54 random mixed
-plans (0.846-0.865x, bench/results/2026-12-05-cpu-session30/hf-mixed-plans.txt): a recomputed
-block's input counted twice, a selectively recomputed one's rebuilt activations counted whole,
-a device-homed unit's update buffer added to its backward's transient."""
+The plans are ones that had been predicted furthest above their peak in 54 random mixed plans
+(0.846-0.878x; bench/results/2026-12-05-cpu-session30/hf-mixed-plans.txt and -session31/): a
+recomputed block's input counted twice, a selectively recomputed one's rebuilt activations
+counted whole, a device-homed unit's update buffer added to its backward's transient, and
+``depth + 1`` prefetch slots counted where fewer blocks are prefetched (Mixtral's plan has one)."""
 from __future__ import annotations
 
 import gc
@@ -22,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 from strategies.models import slice_hf_loss  # noqa: E402
 
-OVER = 0.13
+OVER = 0.10
 EXTRA = {"gemma2": {"head_dim": 16}, "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2}, "phi3": {}}
 
 
@@ -43,7 +44,7 @@ def unit(code: str) -> UnitPlan:
 
 
 @pytest.mark.parametrize("model_type,spec,depth", [("gemma2", "s,rDR,kDR,s", 2), ("mixtral", "r,r,rDR,kR", 2),
-                                                   ("phi3", "r,k,kDR,s", 1)])
+                                                   ("phi3", "r,k,kDR,s", 1), ("mixtral", "s,kR,kDR,rDR", 2)])
 def test_a_mixed_plan_peaks_under_its_prediction_and_near_it(cpu_backend, model_type, spec, depth):
     x = torch.randint(1, 256, (4, 64), generator=torch.Generator().manual_seed(1))
     profile = plan_for(tiny(model_type), (x, x), None, backend=cpu_backend).profile

@@ -68,7 +68,8 @@ program uses (:func:`advance`, :func:`finish`), so the scheduler is optimal for 
 
 Peak memory (bytes): resident ``rest`` (compute-dtype weights; + fp32 master and 2 moments
 when device-homed) + per block (device-homed: the same 18 B/param in bf16; host-homed
-resident: its weights) + prefetch slots ``(depth + 1) * largest prefetched block`` + the
+resident: its weights) + prefetch slots (``depth + 1``, or as many as blocks are prefetched if
+fewer, times the largest prefetched block) + the
 largest of three points of the step (:func:`transient_bytes`):
 
 * the loss, at the end of forward, with one prefetch slot fewer (forward's last loads are kept
@@ -168,6 +169,8 @@ class State:
             down: those points also hold the next offloaded block's activations, which the
             swapper's look-ahead brings back early (``OptionCost.fetch``), added to ``excess``
             when that block is processed; -inf while no block is offloaded.
+        nslot: prefetch slots the processed blocks can hold at once: how many of them are
+            prefetched, at most ``depth + 1`` (the one in use and the ``depth`` loads ahead of it).
     """
 
     phi: float
@@ -182,11 +185,12 @@ class State:
     psi0: float = 0.0
     r: int = 0
     pend: float = _NEG
+    nslot: int = 0
 
     def key(self) -> tuple[float, ...]:
         """The components, for dominance checks."""
         return (self.phi, self.psi, self.late, self.m, *self.pending, float(self.mem), float(self.excess),
-                float(self.slot), self.hm, self.psi0, float(self.r), self.pend)
+                float(self.slot), self.hm, self.psi0, float(self.r), self.pend, float(self.nslot))
 
     @classmethod
     def from_key(cls, key: Sequence[float], prefetch_depth: int) -> "State":
@@ -194,11 +198,11 @@ class State:
         k = SCALARS + prefetch_depth
         return cls(float(key[0]), float(key[1]), float(key[2]), float(key[3]), tuple(float(x) for x in key[SCALARS:k]),
                    int(key[k]), int(key[k + 1]), int(key[k + 2]), float(key[k + 3]), float(key[k + 4]), int(key[k + 5]),
-                   float(key[k + 6]))
+                   float(key[k + 6]), int(key[k + 7]))
 
 
 #: Columns of :meth:`State.key` before ``pending`` (phi, psi, late, m); mem, excess, slot, hm,
-#: psi0, r and pend follow it.
+#: psi0, r, pend and nslot follow it.
 SCALARS = 4
 
 
@@ -216,8 +220,8 @@ def advance(state: State, cur: OptionCost, nxt: OptionCost | None) -> State:
 def advance_rows(rows: np.ndarray, cur: OptionCost, nxt: OptionCost | None) -> np.ndarray:
     """:func:`advance` on many states at once, one :meth:`State.key` per row (the scheduler's
     partial plans); float64 arithmetic in the same order, so the result is the same to the bit."""
-    depth = rows.shape[1] - SCALARS - 7
-    k = SCALARS + depth  # where mem, excess, slot, hm, psi0, r, pend start
+    depth = rows.shape[1] - SCALARS - 8
+    k = SCALARS + depth  # where mem, excess, slot, hm, psi0, r, pend, nslot start
     out = np.empty_like(rows)
     phi = rows[:, 0] + max(cur.a + cur.r, nxt.x if nxt is not None else 0.0)
     # psi gains block s+1's slot: its backward, or the copy of block s it overlaps.
@@ -247,6 +251,7 @@ def advance_rows(rows: np.ndarray, cur: OptionCost, nxt: OptionCost | None) -> n
     out[:, k + 2] = np.maximum(rows[:, k + 2], cur.slot)
     out[:, k + 3] = rows[:, k + 3] + cur.hm
     out[:, k + 4] = rows[:, k + 4] + (max(nxt.b0, cur.y0) if nxt is not None else cur.y0)
+    out[:, k + 7] = np.minimum(rows[:, k + 7] + (cur.slot > 0), depth + 1)
     return out
 
 
@@ -316,8 +321,9 @@ def finish(state: State, first: OptionCost, profile: "StepProfile", links: Links
         terms["host memory"] = state.hm + hm_rest
     bound, step = max(terms.items(), key=lambda kv: kv[1])
     raw = (rest_resident_bytes(profile, rest_optimizer) + profile.input_bytes + state.mem
-           + (prefetch_depth + 1) * state.slot
-           + transient_bytes(profile, rest_optimizer, state.excess, state.r, state.slot))
+           + state.nslot * state.slot
+           + transient_bytes(profile, rest_optimizer, state.excess, state.r,
+                             state.slot if state.nslot > prefetch_depth else 0))
     return Prediction(step, int(raw * (1 + margin)), compute, 0.0, bound.split(" (")[0],
                       {**terms, "raw_peak_bytes": float(raw), "rest_s": t_rest, "forward_s": pre + state.phi,
                        "backward_s": psi, "earlier_micro_batches_s": earlier})

@@ -5,7 +5,7 @@ consecutive blocks together (long models) and keep a bounded number of partial p
 block; either can leave it with no fitting plan where one exists. This search weighs memory
 alone, block by block, with nothing cut: the memory columns of :func:`~.cost.advance`
 (:func:`~.cost.memory_rows`: ``mem``, ``excess``, ``r``, ``pend``, each non-decreasing in every
-one of them) go from the last block down over every choice, keeping the Pareto front, for each
+one of them, and the prefetch slots ``nslot``) go from the last block down over every choice, keeping the Pareto front, for each
 prefetch depth and largest prefetch slot allowed; the least peak of the last front is the least
 of the plans with that slot, and the least over the slots the answer. So :func:`least_memory`
 is exact for the cost model, and the plan it returns is predicted (:func:`~.cost.predict`) to
@@ -30,14 +30,15 @@ __all__ = ["least_memory", "peak_rows", "block_options"]
 
 
 def peak_rows(profile: "StepProfile", rest_optimizer: str, depth: int, mem: np.ndarray, excess: np.ndarray,
-              slot: np.ndarray, margin: float, end_held: np.ndarray) -> np.ndarray:
-    """Predicted peaks of plans whose blocks add up to ``mem``, ``excess``, ``slot`` and
-    ``end_held`` (``cost.State``'s ``r``), one per row (float64 of whole bytes: exact below 2**53)."""
+              slot: np.ndarray, margin: float, end_held: np.ndarray, nslot: np.ndarray) -> np.ndarray:
+    """Predicted peaks of plans whose blocks add up to ``mem``, ``excess``, ``slot``, ``end_held``
+    (``cost.State``'s ``r``) and ``nslot``, one per row (float64 of whole bytes: exact below 2**53)."""
     # The same expression as cost.finish (memory_terms.transient_bytes), so the searches' pruning
     # and the final check agree to the byte.
     loss, rest_grads, end = transient_parts(profile, rest_optimizer)
-    transient = np.maximum(np.maximum(loss - slot, excess + rest_grads), end_held + end)
-    raw = rest_resident_bytes(profile, rest_optimizer) + profile.input_bytes + mem + (depth + 1) * slot + transient
+    fewer = np.where(nslot > depth, slot, 0)  # at the loss, one slot fewer where all depth + 1 are counted
+    transient = np.maximum(np.maximum(loss - fewer, excess + rest_grads), end_held + end)
+    raw = rest_resident_bytes(profile, rest_optimizer) + profile.input_bytes + mem + nslot * slot + transient
     return np.floor(raw * (1 + margin))
 
 
@@ -67,10 +68,10 @@ def least_memory(profile: "StepProfile", links: Links, choices: Sequence[UnitPla
                 cases.append((depth, opts, fitting, _peaks_fn(profile, rest_optimizers, depth, slot_cap, margin)))
     # A plan in hand (the best uniform one over every case) bounds the search: partial plans that
     # cannot beat it even with the leanest completion are dropped (exact: only those above it).
-    best = min((_uniform_peak(opts, fitting, peaks) for _, opts, fitting, peaks in cases), default=math.inf)
+    best = min((_uniform_peak(opts, fitting, peaks, depth) for depth, opts, fitting, peaks in cases), default=math.inf)
     found = None
     for depth, opts, fitting, peaks in cases:
-        rows, layers = _descend(opts, fitting, lambda rows: peaks(rows)[0] <= best)
+        rows, layers = _descend(opts, fitting, lambda rows: peaks(rows)[0] <= best, depth)
         if len(rows):
             p, where = peaks(rows)
             j = int(np.argmin(p))
@@ -91,22 +92,28 @@ def _peaks_fn(profile: "StepProfile", rest_optimizers: list[str], depth: int, sl
     """Rows of memory columns -> each row's least peak over the places of ``rest``'s update, and
     that place's index in ``rest_optimizers``."""
     def peaks(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        each = [peak_rows(profile, r, depth, rows[:, 0], rows[:, 1], np.full(len(rows), slot), margin, rows[:, 2])
-                for r in rest_optimizers]
+        each = [peak_rows(profile, r, depth, rows[:, 0], rows[:, 1], np.full(len(rows), slot), margin, rows[:, 2],
+                          rows[:, 4]) for r in rest_optimizers]
         return np.min(each, axis=0), np.argmin(each, axis=0)
     return peaks
 
 
 def _uniform_peak(opts: list[list[OptionCost]], fitting: list[list[int]],
-                  peaks: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]) -> float:
+                  peaks: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], depth: int) -> float:
     """The least peak of the plans whose blocks all take one choice (of those every block can take)."""
     best = math.inf
     for c in set.intersection(*(set(f) for f in fitting)):
         rows = np.array([START])
         for row in reversed(opts):
-            rows = memory_rows(rows, row[c])
+            rows = _grown(rows, row[c], depth)
         best = min(best, float(peaks(rows)[0][0]))
     return best
+
+
+def _grown(rows: np.ndarray, cur: OptionCost, depth: int) -> np.ndarray:
+    """``rows`` (the columns of :data:`START`) with block ``cur`` added below."""
+    count = np.minimum(rows[:, 4] + (cur.slot > 0), depth + 1)
+    return np.concatenate([memory_rows(rows[:, :4], cur), count[:, None]], axis=1)
 
 
 #: Most rows kept per block. Blocks of a few kinds keep fronts of tens of rows (the docs/design.md
@@ -114,12 +121,12 @@ def _uniform_peak(opts: list[list[OptionCost]], fitting: list[list[int]],
 #: 24 blocks (16 s). Past the cap the rows with the least resident bytes stay, and the budget
 #: named is one a plan fits, perhaps not the least.
 FRONT_CAP = 5000
-#: The memory columns before any block: mem, excess, r, pend (cost.State's)
-START = [0.0, 0.0, 0.0, -math.inf]
+#: The memory columns before any block: mem, excess, r, pend and nslot (cost.State's)
+START = [0.0, 0.0, 0.0, -math.inf, 0.0]
 
 
-def _descend(opts: list[list[OptionCost]], fitting: list[list[int]],
-             hopeful: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+def _descend(opts: list[list[OptionCost]], fitting: list[list[int]], hopeful: Callable[[np.ndarray], np.ndarray],
+             depth: int) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
     """The memory columns' Pareto front from the last block down to block 0 over each block's
     ``fitting`` choices, keeping the rows ``hopeful`` passes once the blocks below are added at
     their leanest: the last front (perhaps empty), and per block (from the last) each kept row's
@@ -138,10 +145,10 @@ def _descend(opts: list[list[OptionCost]], fitting: list[list[int]],
     layers = []
     for s in range(n - 1, -1, -1):
         row, ok = opts[s], fitting[s]
-        grown = np.concatenate([memory_rows(rows, row[c]) for c in ok])
+        grown = np.concatenate([_grown(rows, row[c], depth) for c in ok])
         chosen = np.repeat(np.array(ok), len(rows))
         parent = np.tile(np.arange(len(rows)), len(ok))
-        lean = grown + np.array([lean_mem[s], 0.0, lean_end[s], 0.0])
+        lean = grown + np.array([lean_mem[s], 0.0, lean_end[s], 0.0, 0.0])
         lean[:, 1] = np.maximum(lean[:, 1], grown[:, 2] + lean_point[s])
         alive = hopeful(lean)
         grown, chosen, parent = grown[alive], chosen[alive], parent[alive]

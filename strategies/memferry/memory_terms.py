@@ -123,8 +123,9 @@ def transient_bytes(profile: "StepProfile", rest_optimizer: str, excess: int, en
 
     * the loss (``loss_peak_bytes``: one slice's fp32 logits, their log-softmax and gradient,
       the head's weight gradient, the hidden-state gradient; measured with ``loss_chunks``),
-      before any block's backward: one slot fewer is held then (forward's last loads kept for
-      backward, none issued for it yet);
+      before any block's backward: ``slot`` fewer is held then (forward's last ``depth`` loads
+      kept for backward, none issued for it yet: the caller passes the largest prefetched
+      block where ``depth + 1`` slots are counted, 0 where fewer blocks are prefetched);
     * a block's backward, beside ``rest``'s gradients: they stay on the device until its last
       one lands (the input embedding's, at backward's end; a tied head's is that same one);
     * the step's end: ``rest``'s gradients and, when device-homed, its update's fp32 buffer

@@ -164,7 +164,7 @@ def _run_dp(profile: "StepProfile", links: Links, budget: float, choices: Sequen
         lb = np.maximum(lb, t_rest + late)
         return np.maximum(lb, st[:, SCALARS + depth + 3] + min_hm[s] + hm_rest)
 
-    k = SCALARS + depth  # the State.key columns of mem, excess, slot, hm, psi0, r, pend
+    k = SCALARS + depth  # the State.key columns of mem, excess, slot, hm, psi0, r, pend, nslot
     # Partial plans by the choice of their top block: state rows, and each row's parent (the
     # choice and row of the block above it); one such layer per block, kept for the way back.
     layers: list[dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]] = []
@@ -184,7 +184,7 @@ def _run_dp(profile: "StepProfile", links: Links, budget: float, choices: Sequen
                 # Memory only grows: drop what cannot fit even with the cheapest completion,
                 # and what cannot beat a plan already in hand.
                 ok = peak_rows(profile, rest_optimizer, depth, st[:, k] + min_mem[s], st[:, k + 1], st[:, k + 2],
-                            margin, st[:, k + 5] + min_end[s]) <= budget
+                               margin, st[:, k + 5] + min_end[s], st[:, k + 7]) <= budget
                 ok &= lower_bound(st, s) < upper
                 if ok.any():
                     idx = np.flatnonzero(ok)
