@@ -10,18 +10,17 @@ counted whole, a device-homed unit's update buffer added to its backward's trans
 ``depth + 1`` prefetch slots counted where fewer blocks are prefetched (Mixtral's plan has one)."""
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
-from strategies.memferry import AdamW, MemFerry, Plan, UnitPlan
+from strategies.memferry import Plan, UnitPlan
 from strategies.memferry.cost import links_from_probe, predict
 from strategies.memferry.planning import plan_for
 
 transformers = pytest.importorskip("transformers")
 
 from strategies.models import slice_hf_loss  # noqa: E402
+from test_memferry_scheduler_head import measured_peak  # noqa: E402
 
 OVER = 0.10
 EXTRA = {"gemma2": {"head_dim": 16}, "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2}, "phi3": {}}
@@ -50,14 +49,5 @@ def test_a_mixed_plan_peaks_under_its_prediction_and_near_it(cpu_backend, model_
     profile = plan_for(tiny(model_type), (x, x), None, backend=cpu_backend).profile
     plan = Plan([unit(c) for c in spec.split(",")], depth, "device")
     pred = predict(plan, profile, links_from_probe(cpu_backend, 0), 0.0).peak_bytes
-    gc.collect()
-    before = cpu_backend.memory_stats(0).allocated
-    engine = MemFerry(tiny(model_type), optim=AdamW(lr=1e-3), plan=plan, backend=cpu_backend)
-    engine.train_step(x, x)
-    cpu_backend.synchronize(0)
-    cpu_backend.reset_peak_memory(0)
-    engine.train_step(x, x)
-    cpu_backend.synchronize(0)
-    got = cpu_backend.memory_stats(0).peak_allocated - before
-    engine.close()
+    got = measured_peak(cpu_backend, tiny(model_type), plan, None, x, x)
     assert pred * (1 - OVER) <= got <= pred, (got / pred, got, pred)

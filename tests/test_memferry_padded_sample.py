@@ -104,3 +104,25 @@ def test_a_plan_profiled_on_the_padded_sample_bounds_the_padded_peak(cpu_backend
     finally:
         engine.close()
     assert unmasked < got <= masked, (unmasked, got, masked)
+
+
+def test_the_padded_sample_keeps_its_sequence_and_a_padded_batch_on_an_unpadded_plan_is_named(cpu_backend, caplog):
+    """A mapping sample's sequence is known (so longer batches scale its attention's square part
+    too) and it marks the profile padded; an engine planned on the ids alone says once, at the
+    first padded micro-batch, how to give the sample, and one planned on the padded sample says nothing."""
+    model, data = tiny_llama(), padded_batches(2)
+    x0, m0, y0 = data[0]
+    profile = plan_for(slice_hf_loss(copy.deepcopy(model), 4), ({"input_ids": x0, "attention_mask": m0}, y0), None,
+                       backend=cpu_backend).profile
+    assert profile.padded and profile.seq == 16 and all(b.act_bytes_half_seq > 0 for b in profile.blocks)
+    for sample, warned in (((x0, y0), 1), (({"input_ids": x0, "attention_mask": m0}, y0), 0)):
+        caplog.clear()
+        engine = MemFerry(slice_hf_loss(copy.deepcopy(model), 4), optim=CFG, accumulation_steps=2, plan="auto",
+                          sample=sample, device_budget="2MB", backend=cpu_backend, rehearse=False)
+        try:
+            with caplog.at_level("WARNING", logger="xpu.memferry"):
+                run(engine, data)
+                run(engine, data)
+        finally:
+            engine.close()
+        assert sum("is padded" in r.getMessage() for r in caplog.records) == warned, sample

@@ -50,7 +50,8 @@ from .config import OFFLOAD_MIN_BYTES
 from .cost import loss_peak_estimate
 from .hf_models import head_shape, model_loss
 from .host_budget import update_bytes
-from .sequence_scaling import batch_shape, block_on_device, capture_block_input, half_sequence_bytes, saved_bytes
+from .sequence_scaling import (block_on_device, capture_block_input, half_sequence_bytes, padded, sample_shape,
+                               saved_bytes)
 from .units import Unit
 
 __all__ = ["BlockProfile", "StepProfile", "profile_step", "host_adamw_rate", "host_adamw_rates", "device_adamw_rate"]  # rates: adamw_rates.py
@@ -183,6 +184,8 @@ class StepProfile:
             backward transient holds them twice).
         seq: the sample's sequence length (its rows: ``tokens / seq``); 0: not known, then a
             profile is scaled to other batches by tokens alone (``batch_growth.scaled_profile``).
+        padded: the sample carried padding (an ``attention_mask`` with zeros), so the masked
+            forward is what was measured (``batch_growth.warn_unplanned_padding``).
     """
 
     blocks: list[BlockProfile]
@@ -216,6 +219,7 @@ class StepProfile:
     clip_fire_rate: float = 0.0
     flat_sends: bool = False
     seq: int = 0
+    padded: bool = False
 
     def to_json(self, indent: int | None = 1) -> str:
         """The profile as a JSON string (``indent=None``: on one line)."""
@@ -477,4 +481,4 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
                        backend.name, str(name), notes, vocab, hidden, chunks,
                        host_adamw_copies_s_per_param=copies_rate if copies_GBps else 0.0, host_copies_GBps=copies_GBps,
                        host_adamw_bytes_per_param=update_bytes(dtype.itemsize).kernel,
-                       seq=batch_shape((inputs,), {})[1] if halves else 0)
+                       seq=sample_shape(inputs)[1] if halves else 0, padded=padded(inputs))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -24,7 +25,7 @@ from xpu import Backend
 
 from .hf_models import model_loss
 
-__all__ = ["batch_shape", "capture_block_input", "block_on_device", "saved_bytes", "half_sequence_bytes", "grown_bytes",
+__all__ = ["batch_shape", "sample_shape", "padded", "capture_block_input", "block_on_device", "saved_bytes", "half_sequence_bytes", "grown_bytes",
            "longest"]
 
 _log = logging.getLogger("xpu.memferry")
@@ -47,6 +48,18 @@ def batch_shape(inputs: tuple, kwargs: dict) -> tuple[int, int]:
         return first.numel() // (seq * first.shape[-1]), seq
     seq = first.shape[-1]
     return first.numel() // max(seq, 1), seq
+
+
+def sample_shape(inputs: Any) -> tuple[int, int]:
+    """:func:`batch_shape` of a sample's ``inputs``: token ids, or a mapping of keyword arguments."""
+    return batch_shape((), dict(inputs)) if isinstance(inputs, Mapping) else batch_shape((inputs,), {})
+
+
+def padded(inputs: Any) -> bool:
+    """Whether a forward's keyword arguments (or a sample's mapping of them) carry a 2-D
+    ``attention_mask`` with a zero in it: padding, which a masked forward pays for in memory."""
+    mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
+    return isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool((mask == 0).any())
 
 
 def longest(shapes: list[tuple[int, int]]) -> tuple[int, int]:
@@ -139,12 +152,12 @@ def half_sequence_bytes(model: nn.Module, blocks: list[nn.Module], signature: Ca
                         targets: Any, loss_fn: Callable | None, backend: Backend, device: int) -> dict[Any, int]:
     """What each distinct block (by ``signature``) saves for backward with the sample's rows cut
     to half their length; empty where the rows are too short or the inputs have no sequence."""
-    _, seq = batch_shape((inputs,), {})
-    if seq < MIN_SEQ or not isinstance(inputs, torch.Tensor):
+    _, seq = sample_shape(inputs)
+    if seq < MIN_SEQ or not isinstance(inputs, (torch.Tensor, Mapping)):
         return {}
+    half = {k: _halved(v, seq) for k, v in inputs.items()} if isinstance(inputs, Mapping) else _halved(inputs, seq)
     try:
-        return _half_bytes(model, blocks, signature, _halved(inputs, seq), _halved(targets, seq), loss_fn, backend,
-                           device)
+        return _half_bytes(model, blocks, signature, half, _halved(targets, seq), loss_fn, backend, device)
     except Exception as exc:  # noqa: BLE001 - a model that takes only its own length: scaled by tokens alone
         _log.info("MemFerry: no half-length profile (%s: %s); longer batches are scaled by tokens alone",
                   type(exc).__name__, exc)
