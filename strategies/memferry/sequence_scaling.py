@@ -25,8 +25,8 @@ from xpu import Backend
 
 from .hf_models import model_loss
 
-__all__ = ["batch_shape", "sample_shape", "padded", "capture_block_input", "block_on_device", "saved_bytes", "half_sequence_bytes", "grown_bytes",
-           "longest"]
+__all__ = ["batch_shape", "sample_shape", "padded", "capture_block_input", "block_on_device", "saved_bytes",
+           "half_sequence_bytes", "grown_bytes", "longest"]
 
 _log = logging.getLogger("xpu.memferry")
 
