@@ -190,6 +190,7 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
         persist = blk.numel * device_bytes_per_param(profile.dtype_bytes, held_grad_bytes(profile) if held else 0)
     else:
         persist = (w if resident else 0) + (device_sum_bytes(blk.numel) if summed else 0)
+    bwd = _backward_bytes(blk, unit, grad_bytes)
     off_out = off_in = 0.0
     if unit.offload:  # saved activations out on the d2h stream during forward, back before backward
         off_out, off_in = blk.act_bytes / d2h, blk.act_bytes / h2d
@@ -218,8 +219,7 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
         # are ``fetch``: cost.State.pend places them). A device-homed unit updates into an fp32
         # buffer (resident where ``held``) once its gradients are in, when its backward's
         # transient is gone but for them and its input's gradient.
-        trans=(_backward_bytes(blk, unit, grad_bytes) if host or held else
-               max(_backward_bytes(blk, unit, grad_bytes), grad_bytes + blk.numel * 4 + blk.act_bytes_recompute))
+        trans=(bwd if host or held else max(bwd, grad_bytes + blk.numel * 4 + blk.act_bytes_recompute))
         + (grad_bytes if host and not summed and profile.flat_sends and not profile.data_parallel else 0)  # gathered for one copy home
         + (_ring_bytes(profile.tokens) if unit.forward == "dha" else 0),
         slot=w if "prefetch" in (unit.forward, unit.backward) else 0,

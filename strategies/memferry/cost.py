@@ -123,7 +123,8 @@ from .config import Plan, UnitPlan
 from .host_budget import host_budget, rest_terms
 from .links import H200_DHA_ROWS, Links, links_from_probe  # noqa: F401  (re-exported: the cost model's inputs)
 from .memory_terms import (LOSS_SLICE_SHARE, auto_loss_chunks, device_bytes_per_param, device_sum_bytes,  # noqa: F401
-                           grads_persist, held_grad_bytes, loss_peak_estimate, rest_resident_bytes, transient_bytes)
+                           grads_persist, held_grad_bytes, loss_peak_estimate, peak_bytes, rest_resident_bytes,
+                           transient_bytes)
 
 if TYPE_CHECKING:  # the profiler imports torch; the model itself needs only numbers
     from .profiler import StepProfile
@@ -320,10 +321,8 @@ def finish(state: State, first: OptionCost, profile: "StepProfile", links: Links
     if budget is not None:  # every host byte of the step, copies included, through one bandwidth
         terms["host memory"] = state.hm + hm_rest
     bound, step = max(terms.items(), key=lambda kv: kv[1])
-    raw = (rest_resident_bytes(profile, rest_optimizer) + profile.input_bytes + state.mem
-           + state.nslot * state.slot
-           + transient_bytes(profile, rest_optimizer, state.excess, state.r,
-                             state.slot if state.nslot > prefetch_depth else 0))
+    raw = int(peak_bytes(profile, rest_optimizer, prefetch_depth, state.mem, state.excess, state.slot, state.r,
+                         state.nslot))
     return Prediction(step, int(raw * (1 + margin)), compute, 0.0, bound.split(" (")[0],
                       {**terms, "raw_peak_bytes": float(raw), "rest_s": t_rest, "forward_s": pre + state.phi,
                        "backward_s": psi, "earlier_micro_batches_s": earlier})

@@ -3,13 +3,15 @@
 The scheduler's search (``scheduler.py``) minimises time, and to stay fast it may decide
 consecutive blocks together (long models) and keep a bounded number of partial plans per
 block; either can leave it with no fitting plan where one exists. This search weighs memory
-alone, block by block, with nothing cut: the memory columns of :func:`~.cost.advance`
+alone, block by block, every block free: the memory columns of :func:`~.cost.advance`
 (:func:`~.cost.memory_rows`: ``mem``, ``excess``, ``r``, ``pend``, each non-decreasing in every
-one of them, and the prefetch slots ``nslot``) go from the last block down over every choice, keeping the Pareto front, for each
-prefetch depth and largest prefetch slot allowed; the least peak of the last front is the least
-of the plans with that slot, and the least over the slots the answer. So :func:`least_memory`
-is exact for the cost model, and the plan it returns is predicted (:func:`~.cost.predict`) to
-peak at exactly the budget it names.
+one of them, and the prefetch slots ``nslot``) go from the last block down over every choice,
+keeping the Pareto front, for each prefetch depth and largest prefetch slot allowed; the least
+peak of the last front is the least of the plans with that slot, and the least over the slots
+the answer. Partial plans that cannot beat the best uniform plan even with the leanest
+completion are dropped, which loses no optimum. So :func:`least_memory` is exact for the cost
+model while its fronts stay under :data:`FRONT_CAP` rows, and the plan it returns is predicted
+(:func:`~.cost.predict`) to peak at exactly the budget it names.
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 import numpy as np
 
 from .config import Plan, UnitPlan
-from .cost import Links, OptionCost, memory_rows, option_cost, rest_resident_bytes
-from .memory_terms import transient_parts
+from .cost import Links, OptionCost, memory_rows, option_cost
+from .memory_terms import peak_bytes
 from .pareto import pareto_front
 
 if TYPE_CHECKING:
@@ -31,15 +33,10 @@ __all__ = ["least_memory", "peak_rows", "block_options"]
 
 def peak_rows(profile: "StepProfile", rest_optimizer: str, depth: int, mem: np.ndarray, excess: np.ndarray,
               slot: np.ndarray, margin: float, end_held: np.ndarray, nslot: np.ndarray) -> np.ndarray:
-    """Predicted peaks of plans whose blocks add up to ``mem``, ``excess``, ``slot``, ``end_held``
-    (``cost.State``'s ``r``) and ``nslot``, one per row (float64 of whole bytes: exact below 2**53)."""
-    # The same expression as cost.finish (memory_terms.transient_bytes), so the searches' pruning
-    # and the final check agree to the byte.
-    loss, rest_grads, end = transient_parts(profile, rest_optimizer)
-    fewer = np.where(nslot > depth, slot, 0)  # at the loss, one slot fewer where all depth + 1 are counted
-    transient = np.maximum(np.maximum(loss - fewer, excess + rest_grads), end_held + end)
-    raw = rest_resident_bytes(profile, rest_optimizer) + profile.input_bytes + mem + nslot * slot + transient
-    return np.floor(raw * (1 + margin))
+    """Predicted peaks, margin included, of partial plans whose blocks add up to ``mem``,
+    ``excess``, ``slot``, ``end_held`` (``cost.State``'s ``r``) and ``nslot``, one per row: what
+    ``cost.finish`` predicts (:func:`~.memory_terms.peak_bytes`, the same expression)."""
+    return np.floor(peak_bytes(profile, rest_optimizer, depth, mem, excess, slot, end_held, nslot) * (1 + margin))
 
 
 def block_options(profile: "StepProfile", links: Links, choices: Sequence[UnitPlan],

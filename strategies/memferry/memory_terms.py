@@ -9,13 +9,15 @@ device (:func:`device_sum_bytes`), the loss's shape-based estimate and the autom
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 if TYPE_CHECKING:
     from .profiler import StepProfile
 
 __all__ = ["device_bytes_per_param", "held_grad_bytes", "grads_persist", "device_sum_bytes", "loss_peak_estimate",
-           "LOSS_SLICE_SHARE", "auto_loss_chunks", "rest_resident_bytes", "transient_parts", "transient_bytes"]
+           "LOSS_SLICE_SHARE", "auto_loss_chunks", "rest_resident_bytes", "transient_parts", "transient_bytes", "peak_bytes"]
 
 
 def device_bytes_per_param(dtype_bytes: int, grad_bytes: int = 0) -> int:
@@ -114,22 +116,35 @@ def transient_parts(profile: "StepProfile", rest_optimizer: str) -> tuple[int, i
     return profile.loss_peak_bytes, rest_grads, end
 
 
-def transient_bytes(profile: "StepProfile", rest_optimizer: str, excess: int, end_held: int = 0, slot: int = 0) -> int:
+def peak_bytes(profile: "StepProfile", rest_optimizer: str, depth: int, mem: Any, excess: Any, slot: Any,
+               end_held: Any, nslot: Any) -> Any:
+    """A plan's peak before the fragmentation margin, from its blocks' sums (``cost.State``'s
+    ``mem``, ``excess``, ``slot``, ``r`` as ``end_held``, ``nslot``): ``rest`` resident, the inputs,
+    the blocks' bytes, ``nslot`` prefetch slots of ``slot`` bytes and :func:`transient_bytes`.
+    Scalars (``cost.finish``) or arrays of partial plans (the scheduler's searches) alike, so the
+    searches' pruning and the final prediction are one expression, equal to the byte (whole
+    bytes are exact in float64 below 2**53)."""
+    fewer = np.where(nslot > depth, slot, 0)  # at the loss, one slot fewer where all depth + 1 are counted
+    return (rest_resident_bytes(profile, rest_optimizer) + profile.input_bytes + mem + nslot * slot
+            + transient_bytes(profile, rest_optimizer, excess, end_held, fewer))
+
+
+def transient_bytes(profile: "StepProfile", rest_optimizer: str, excess: Any, end_held: Any = 0, slot: Any = 0) -> Any:
     """What the step adds at its worst point to the resident bytes, every block's saved
     activations and the prefetch slots, given ``excess`` (the worst block backward: its
     transient, with the gradients the blocks above it hold less the activations they freed:
     ``cost.State.excess``), ``end_held`` (the same balance of every block at the step's end:
-    ``cost.State.r``) and ``slot`` (the largest prefetched block):
+    ``cost.State.r``) and ``slot`` (scalars or arrays):
 
     * the loss (``loss_peak_bytes``: one slice's fp32 logits, their log-softmax and gradient,
       the head's weight gradient, the hidden-state gradient; measured with ``loss_chunks``),
       before any block's backward: ``slot`` fewer is held then (forward's last ``depth`` loads
-      kept for backward, none issued for it yet: the caller passes the largest prefetched
-      block where ``depth + 1`` slots are counted, 0 where fewer blocks are prefetched);
+      kept for backward, none issued for it yet: :func:`peak_bytes` passes the largest
+      prefetched block where ``depth + 1`` slots are counted, 0 where fewer blocks are prefetched);
     * a block's backward, beside ``rest``'s gradients: they stay on the device until its last
       one lands (the input embedding's, at backward's end; a tied head's is that same one);
     * the step's end: ``rest``'s gradients and, when device-homed, its update's fp32 buffer
       (already resident under gradient accumulation: :func:`rest_resident_bytes`).
     """
     loss, rest_grads, end = transient_parts(profile, rest_optimizer)
-    return max(loss - slot, excess + rest_grads, end_held + end)
+    return np.maximum(np.maximum(loss - slot, excess + rest_grads), end_held + end)
