@@ -39,7 +39,7 @@ from torch import nn
 from transformers.trainer import OPTIMIZER_NAME, TRAINING_ARGS_NAME
 
 from .hf_models import save_hf_folder, tied_names
-from .sequence_scaling import batch_shape, longest
+from .sequence_scaling import longest, sample_shape
 
 __all__ = ["MemFerryModel", "MemFerryTrainer", "check_trainer_args", "memferry_trainer"]
 
@@ -220,7 +220,7 @@ class MemFerryTrainer(transformers.Trainer):
         to its longest row vary the lengths, and a plan made for a shorter sample could run out of
         memory mid-step, where it cannot be made again."""
         samples, num_items = super().get_batch_samples(*args, **kwargs)  # (epoch_iterator, num_batches, device)
-        shapes = [batch_shape((), dict(b)) for b in samples if isinstance(b, Mapping)]
+        shapes = [sample_shape(b) for b in samples if isinstance(b, Mapping)]
         if shapes and self.model.training:
             self.model.engine.fit_shape(*longest(shapes))
         return samples, num_items

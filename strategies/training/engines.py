@@ -118,9 +118,9 @@ class MemFerryEngine:
 
     def _fit(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Fit the plan to the step's longest micro-batch before its first runs (``batch_growth.py``)."""
-        from strategies.memferry.sequence_scaling import batch_shape, longest
+        from strategies.memferry.sequence_scaling import longest, sample_shape
 
-        self.engine.fit_shape(*longest([batch_shape((inputs,), {}) for inputs, _ in micro_batches]))
+        self.engine.fit_shape(*longest([sample_shape(inputs) for inputs, _ in micro_batches]))
 
     def _batch(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         self._fit(micro_batches)
