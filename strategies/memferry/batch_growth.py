@@ -25,7 +25,8 @@ measured, and where it went over the budget the plan is made again with a margin
 miss before the next step, which is measured in turn, up to ``rehearsal.ATTEMPTS`` times (a
 GPT's attention backward on the cpu kept 14.9 MB where 13.4 were predicted at 4 x 128 tokens;
 the plan made again then peaked at 9.3 MB of a 13.5 MB budget:
-bench/results/2026-12-04-cpu-session28/watch-gpt.txt).
+bench/results/2026-12-04-cpu-session28/watch-gpt.txt). A padded micro-batch on a plan profiled
+without padding is watched the same way, once (:func:`watch_unplanned_padding`).
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     from .engine import MemFerry
     from .profiler import StepProfile
 
-__all__ = ["scaled_profile", "longest_shape", "fit_batch", "settle_watch", "warn_unplanned_padding"]
+__all__ = ["scaled_profile", "longest_shape", "fit_batch", "settle_watch", "watch_unplanned_padding"]
 
 _log = logging.getLogger("xpu.memferry")
 
@@ -98,17 +99,30 @@ def _profile_shape(profile: "StepProfile") -> tuple[int, int]:
     return (profile.tokens // profile.seq, profile.seq) if profile.seq else (1, profile.tokens)
 
 
-def warn_unplanned_padding(engine: "MemFerry", kwargs: dict) -> None:
-    """Once per engine: a padded micro-batch (``attention_mask`` with zeros) on a plan profiled on
-    a sample without padding, whose masked forward allocates more than was measured (up to 4.7 %
-    of the peak on a tiny Llama, bench/results/2026-12-05-cpu-session31/padded-sample.txt)."""
+def watch_unplanned_padding(engine: "MemFerry", kwargs: dict) -> None:
+    """A padded micro-batch (``attention_mask`` with zeros) on a plan profiled on a sample without
+    padding: a masked forward allocates more than was measured (up to 4.7 % of the peak on a tiny
+    Llama, bench/results/2026-12-05-cpu-session31/padded-sample.txt). Once per engine its step (the
+    next one where it comes after a step's first micro-batch) is measured as a new shape's first
+    step is (:func:`settle_watch`): planned again, with a margin covering what it used past the
+    budget, where it went over. Said once, with how to give the sample."""
+    from .oom_recovery import budget_bytes, rebuild_refusal
+
     profile, setup = engine.plan.profile, engine._setup
-    if profile is None or profile.padded or setup.get("padding_warned") or not padded(kwargs):
+    if profile is None or profile.padded or not padded(kwargs):
         return
-    setup["padding_warned"] = True
-    _log.warning("MemFerry: this micro-batch is padded (its attention_mask has zeros) but the plan was profiled on a "
-                 "sample without padding; a masked forward takes more memory than was measured. Give the sample "
-                 "as the model is called: sample=({'input_ids': ids, 'attention_mask': mask}, labels)")
+    if not setup.get("padding_seen"):
+        setup["padding_seen"], setup["padding_watch"] = True, True
+        _log.warning("MemFerry: this micro-batch is padded (its attention_mask has zeros) but the plan was profiled on "
+                     "a sample without padding, and a masked forward takes more memory than was measured: a padded "
+                     "step's peak is measured, and the plan made again if it goes over the budget. Give the sample "
+                     "as the model is called to plan for it at once: sample=({'input_ids': ids, 'attention_mask': "
+                     "mask}, labels)")
+    if not setup.get("padding_watch") or engine.micro.backwards:
+        return  # mid-step: the next step's first padded micro-batch starts the watch
+    del setup["padding_watch"]
+    if "watch" not in setup and rebuild_refusal(engine) is None:
+        _watch(engine, budget_bytes(engine))
 
 
 def fit_batch(engine: "MemFerry", rows: int, seq: int) -> None:

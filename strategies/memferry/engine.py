@@ -32,7 +32,7 @@ from ..weight_decay import no_decay_names
 
 from .accumulation import AccumulationError, MicroBatches, check_accumulation_steps, paired_units
 from .backward_gate import gate_outputs, queue_at_backward_end
-from .batch_growth import fit_batch, settle_watch, warn_unplanned_padding
+from .batch_growth import fit_batch, settle_watch, watch_unplanned_padding
 from .clip_norms import GlobalNormClip
 from .clip_plan import HINT_STEP, fire_rate_hint
 from .compute_dtype import cast_parameters, check_compute_dtype, restore_parameters
@@ -271,7 +271,7 @@ class MemFerry:
         self.micro.check_forward(grad)
         if grad:  # a longer micro-batch than planned for: plan for it first (batch_growth.py)
             fit_batch(self, *batch_shape(inputs, kwargs))
-            warn_unplanned_padding(self, kwargs)
+            watch_unplanned_padding(self, kwargs)
         with self.backend.device_scope(self.device):
             inputs = tuple(self._to_device(x) for x in inputs)
             kwargs = {k: self._to_device(v) for k, v in kwargs.items()}

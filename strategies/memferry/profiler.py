@@ -185,7 +185,7 @@ class StepProfile:
         seq: the sample's sequence length (its rows: ``tokens / seq``); 0: not known, then a
             profile is scaled to other batches by tokens alone (``batch_growth.scaled_profile``).
         padded: the sample carried padding (an ``attention_mask`` with zeros), so the masked
-            forward is what was measured (``batch_growth.warn_unplanned_padding``).
+            forward is what was measured (``batch_growth.watch_unplanned_padding``).
     """
 
     blocks: list[BlockProfile]
