@@ -289,6 +289,10 @@ def test_a_clipped_memferry_row_says_which_steps_clipped(cpu_backend):
     # the training thread's time queuing gradients home is a part of each step's
     assert 0 < row["grad_post_ms_per_step"] < 1e3 * sum(row["step_times_s"]) / len(row["step_times_s"])
     assert row["issuing_wait_ms_per_step"] >= 0  # the issuing threads' waits for a core (0 off Linux)
+    # per step, the host's work and the training thread's wait for it: a step's updates are done
+    # by the next step's forward at the latest, so the steps after the first have some
+    assert len(row["host_work_ms_steps"]) == len(row["consumer_wait_ms_steps"]) == len(row["step_times_s"])
+    assert sum(row["host_work_ms_steps"][1:]) > 0 and min(row["consumer_wait_ms_steps"]) >= 0
     assert row["predicted_after_clip_step_s"] >= row["predicted_step_s"] > 0  # a fired clip never speeds a step
     # a planned row says what its plan priced the host's work at, beside what it took
     assert row["host_planned_update_ns_per_param"] > 0 and row["host_update_ns_per_param"] > 0

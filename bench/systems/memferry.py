@@ -65,6 +65,7 @@ from ..thread_waits import run_delays, waited_s
 from strategies.memferry import AdamW, MemFerry, Plan
 from strategies.memferry.cost import links_from_probe, predict_clip_fired
 from strategies.memferry.host_clock import HostReading
+from strategies.memferry.host_kernel import PHASES
 
 __all__ = ["MemFerrySystem", "make"]
 
@@ -174,7 +175,8 @@ class MemFerrySystem(BenchSystem):
         threads issuing device work (this one, and autograd's that sent gradients) waiting for a
         core (``issuing_wait_ms_per_step``: Linux's run delay; 0 elsewhere), and with
         clipping each step's ``grad_norms`` and whether it ``clipped``, and the step predicted after
-        a clipped one (``predicted_after_clip_step_s``: :func:`~strategies.memferry.cost.predict_clip_fired`)."""
+        a clipped one (``predicted_after_clip_step_s``: :func:`~strategies.memferry.cost.predict_clip_fired`),
+        and per step the host's work and the training thread's wait for it (:meth:`_per_step_ms`)."""
         if not self._steps:
             return {}
         self.engine.optimizer.wait_all()
@@ -196,7 +198,7 @@ class MemFerrySystem(BenchSystem):
                 "predicted_step_s": self.engine.plan.predicted_step_s,
                 "rehearsal_step_s": self.engine.plan.rehearsed_step_s,
                 "predicted_peak_gb": None if peak is None else round(peak / 1e9, 4), **self._host_rate_metrics(),
-                **self._host_parts()}
+                **self._host_parts(), **self._per_step_ms()}
 
     def _host_parts(self) -> dict[str, float]:
         """The host's work per updated parameter in two parts, measured and as the plan priced
@@ -255,6 +257,7 @@ class MemFerrySystem(BenchSystem):
         self._steps += 1
         if self._steps == 1:  # the threads' waits for a core from here on (metrics)
             self._waits0, self._main_thread = run_delays(), threading.get_native_id()
+            self._clock0, self._per_step = self._host_clock(), []
         if self._optimizer_alone:
             optimizer = self.engine.optimizer
             with phase("optimizer"):
@@ -269,7 +272,23 @@ class MemFerrySystem(BenchSystem):
             self._first_batch = (inputs[:rows], targets[:rows])
         loss = engine_step(self.engine, inputs, targets, self._accumulation)
         self._losses.append(loss)  # a device scalar: read when the notes are
+        self._per_step.append(self._host_clock())
         return loss
+
+    def _host_clock(self) -> tuple[float, float]:
+        """Seconds so far of host optimizer work (its ``PHASES``) and of the training thread
+        waiting for it (``consumer_wait``): read at each step's end for the per-step figures."""
+        time_s = self.engine.optimizer.time_s
+        return sum(time_s[p] for p in PHASES), time_s["consumer_wait"]
+
+    def _per_step_ms(self) -> dict[str, list[float]]:
+        """Per step, in ms: the host optimizer's work done and the training thread's wait for it
+        between the step's start and its end (updates running on past a step's end count to the
+        next), to tell a step slowed by the host from one slowed elsewhere (steps vary by 30 %
+        on some leases: bench/results/2026-12-05-h100-session32/)."""
+        marks = [self._clock0, *self._per_step]
+        return {"host_work_ms_steps": [round((b[0] - a[0]) * 1e3, 2) for a, b in zip(marks, marks[1:])],
+                "consumer_wait_ms_steps": [round((b[1] - a[1]) * 1e3, 2) for a, b in zip(marks, marks[1:])]}
 
     def close(self) -> None:
         self.engine.close()
