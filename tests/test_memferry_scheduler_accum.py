@@ -126,6 +126,38 @@ def test_accumulation_holds_exactly_the_device_homed_fp32_gradients(cpu_backend,
     assert not grads_persist(prof) and grads_persist(with_accumulation(prof, 2))
 
 
+def test_a_resident_host_homed_block_reloads_once_a_step_and_is_priced_so(cpu_backend, setup):
+    """A resident block updated on the host is copied to the device once a step, after its
+    update, however many micro-batches the step has (the executor reloads a block only when its
+    host copy changed); the cost model charges that reload to the step's last micro-batch alone.
+    It had charged every earlier micro-batch too, which priced resident weights out of plans
+    under accumulation (design §3, 8 micro-batches: 7 x 1.8 ms a block)."""
+    model, x, y, prof = setup
+    plan = dataclasses.replace(Plan.from_spec("resident2", 2), rest_optimizer="device")
+    weights = sum(b.param_bytes for b in prof.blocks)
+
+    def loaded_in_second_step(n: int) -> int:
+        engine = MemFerry(copy.deepcopy(model), optim=AdamW(lr=1e-3), plan=plan, backend=cpu_backend,
+                          accumulation_steps=n)
+        try:
+            for _ in range(2):
+                before = engine.executor.bytes_h2d
+                for _ in range(n):
+                    engine.backward(model_loss(engine, x, y, labels_model=engine.model))
+                engine.step()
+            return engine.executor.bytes_h2d - before
+        finally:
+            engine.close()
+
+    assert loaded_in_second_step(1) == loaded_in_second_step(4) == weights
+    links = links_from_probe(cpu_backend, 0)
+    slow = dataclasses.replace(links, h2d_GBps=links.h2d_GBps / 100)
+    fast_p, slow_p = (predict(plan, with_accumulation(prof, 4), lk, 0.0) for lk in (links, slow))
+    reload = weights / (slow.h2d_GBps * 1e9) - weights / (links.h2d_GBps * 1e9)
+    assert slow_p.parts["forward_s"] - fast_p.parts["forward_s"] == pytest.approx(reload)
+    assert slow_p.parts["earlier_micro_batches_s"] == pytest.approx(fast_p.parts["earlier_micro_batches_s"])
+
+
 @pytest.mark.parametrize("n", [1, 4])
 @pytest.mark.parametrize("rest", [("device",), ("host", "device")])
 def test_the_smallest_budget_trains_n_micro_batches(cpu_backend, setup, n, rest):

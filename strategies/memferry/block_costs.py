@@ -33,9 +33,10 @@ class OptionCost:
     ``b``: backward (recompute + backward + device AdamW); ``y``: backward copy (overlaps the
     next-later block's backward); ``d``: gradient copy to the host; ``h``: host AdamW once
     the last gradient landed; ``h_acc``: host work of earlier micro-batches; ``hm``: the
-    block's host-memory seconds per step (``host_budget``); ``b0``, ``y0``: ``b`` without the
-    device AdamW and ``y``, as an earlier micro-batch of an accumulated step runs them (0
-    without accumulation); ``by_deadline``: the host takes updates in deadline order
+    block's host-memory seconds per step (``host_budget``); ``a0``, ``b0``, ``y0``: ``a``,
+    ``b`` without the device AdamW and ``y``, as an earlier micro-batch of an accumulated step
+    runs them (0 without accumulation; such a micro-batch reloads no resident block, ``r``: its
+    host copy changes only at the step's update); ``by_deadline``: the host takes updates in deadline order
     (``StepProfile.host_order``);
     ``persist``: device bytes held all step; ``grads``: gradient bytes held from the block's
     backward to the step's end (a device-homed unit under clipping alone: ``held_grad_bytes``);
@@ -63,6 +64,7 @@ class OptionCost:
     dha_fwd: bool
     h_acc: float = 0.0
     hm: float = 0.0
+    a0: float = 0.0
     b0: float = 0.0
     y0: float = 0.0
     by_deadline: bool = False
@@ -200,6 +202,7 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
                               link_bytes(unit, w, grad_bytes, blk.act_bytes, kept, host), max(b, y, d), summed,
                               sums_in_pairs(unit, profile.data_parallel),
                               not norm_on_device(unit, profile.accumulation_steps, profile.data_parallel))
+    accumulated = profile.accumulation_steps > 1
     return OptionCost(
         a=max(a, off_out),
         r=w / h2d if resident and host else 0.0,
@@ -228,9 +231,9 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
         dha_fwd=unit.forward == "dha",
         h_acc=h_acc,
         hm=hm,
+        a0=max(a, off_out) if accumulated else 0.0,
         # an earlier micro-batch sends a host-summing block's gradients home: the issuing thread's time
-        b0=b - u + (profile.earlier_send_s if sums_on_host_by_choice(unit) else 0.0)
-        if profile.accumulation_steps > 1 else 0.0,
-        y0=y if profile.accumulation_steps > 1 else 0.0,
+        b0=b - u + (profile.earlier_send_s if sums_on_host_by_choice(unit) else 0.0) if accumulated else 0.0,
+        y0=y if accumulated else 0.0,
         by_deadline=profile.host_order == "deadline",
     )

@@ -161,8 +161,9 @@ class State:
             of ``s``'s backward transient plus ``r`` of the blocks above ``s`` (by then they have
             freed their activations and hold their gradients); with ``mem`` of every block, the
             device's use at that point.
-        hm: host-memory seconds of the processed blocks; psi0: ``psi`` of an earlier
-            micro-batch under gradient accumulation (no device AdamW; 0 without).
+        hm: host-memory seconds of the processed blocks; psi0: ``phi`` and ``psi`` of an
+            earlier micro-batch under gradient accumulation (no reloads of resident blocks, no
+            device AdamW; 0 without).
         r: what the processed blocks hold at the step's end beyond ``mem``: the gradients
             device-homed units keep to ``step()`` (clipping alone, ``OptionCost.grads``) less
             the activations their backward freed (``act``); never above 0 without held gradients.
@@ -251,7 +252,10 @@ def advance_rows(rows: np.ndarray, cur: OptionCost, nxt: OptionCost | None) -> n
     out[:, [k, k + 1, k + 5, k + 6]] = memory_rows(rows[:, [k, k + 1, k + 5, k + 6]], cur)
     out[:, k + 2] = np.maximum(rows[:, k + 2], cur.slot)
     out[:, k + 3] = rows[:, k + 3] + cur.hm
-    out[:, k + 4] = rows[:, k + 4] + (max(nxt.b0, cur.y0) if nxt is not None else cur.y0)
+    # psi0: an earlier micro-batch's forward (phi's, without a stale resident block's reload)
+    # and backward (psi's, without the device AdamW)
+    fwd0 = max(cur.a0, nxt.x if nxt is not None else 0.0) if cur.a0 else 0.0
+    out[:, k + 4] = rows[:, k + 4] + (max(nxt.b0, cur.y0) if nxt is not None else cur.y0) + fwd0
     out[:, k + 7] = np.minimum(rows[:, k + 7] + (cur.slot > 0), depth + 1)
     return out
 
@@ -302,8 +306,9 @@ def finish(state: State, first: OptionCost, profile: "StepProfile", links: Links
     psi = state.psi + first.b
     t_rest = profile.rest_fwd_s + profile.rest_bwd_s
     u_rest = 0.0 if rest_host else profile.rest_numel * profile.device_adamw_s_per_param
-    # Accumulation: the micro-batches before the last run without updates or reloads of rest.
-    earlier = (max(1, profile.accumulation_steps) - 1) * (first.x + state.phi + t_rest + state.psi0 + first.b0)
+    # Accumulation: the micro-batches before the last run without updates or reloads (of rest or
+    # of resident blocks: their host copies change only at the update), psi0's chains.
+    earlier = (max(1, profile.accumulation_steps) - 1) * (first.x + t_rest + state.psi0 + first.b0)
     compute = pre + state.phi + t_rest + psi + u_rest + earlier
     terms = {"compute": compute}
     # Units released at begin_forward (the first loads, and rest) delay the whole forward.
