@@ -158,6 +158,38 @@ def test_a_resident_host_homed_block_reloads_once_a_step_and_is_priced_so(cpu_ba
     assert slow_p.parts["earlier_micro_batches_s"] == pytest.approx(fast_p.parts["earlier_micro_batches_s"])
 
 
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("spec", ["prefetch", "prefetch+recompute", "resident2", "mixed"])
+def test_the_weights_the_executor_loads_are_the_ones_the_cost_model_moves(cpu_backend, setup, spec, n):
+    """Bytes of weights copied to the device in a step of ``n`` micro-batches: what the cost
+    model's ``link_bytes`` counts host to device (each micro-batch's forward and backward copies,
+    and a stale resident block's reload and a host-homed ``rest``'s once a step) is what the
+    executor loads."""
+    from strategies.memferry.host_budget import link_bytes
+
+    model, x, y, prof = setup
+    if spec == "mixed":  # a resident host-homed block under a prefetched one
+        plan = Plan([UnitPlan("resident", "resident"), UnitPlan("prefetch", "prefetch")], 1, "host")
+    else:
+        plan = dataclasses.replace(Plan.from_spec(spec, 2), rest_optimizer="host")
+    expected = prof.rest_param_bytes  # rest: host-homed, reloaded after its update
+    for i, (blk, unit) in enumerate(zip(prof.blocks, plan.units)):
+        kept = unit.forward == unit.backward == "prefetch" and i >= len(prof.blocks) - plan.prefetch_depth
+        grads = blk.numel * prof.dtype_bytes  # host-homed: the gradient goes the other way
+        fwd, bwd, reload = link_bytes(unit, blk.param_bytes, grads, blk.act_bytes, kept, host=True)
+        expected += n * (fwd + bwd - grads) + reload
+    engine = MemFerry(copy.deepcopy(model), optim=AdamW(lr=1e-3), plan=plan, backend=cpu_backend, accumulation_steps=n)
+    try:
+        for _ in range(2):
+            before = engine.executor.bytes_h2d
+            for _ in range(n):
+                engine.backward(model_loss(engine, x, y, labels_model=engine.model))
+            engine.step()
+        assert engine.executor.bytes_h2d - before == expected
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("n", [1, 4])
 @pytest.mark.parametrize("rest", [("device",), ("host", "device")])
 def test_the_smallest_budget_trains_n_micro_batches(cpu_backend, setup, n, rest):
