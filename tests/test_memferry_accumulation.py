@@ -14,6 +14,8 @@ from tests.test_memferry_numerics import TinyGPT, batches, lm_loss
 PLANS = {
     "prefetch": lambda n: Plan.uniform(n, UnitPlan("prefetch", "prefetch")),
     "dha": lambda n: Plan.uniform(n, UnitPlan("dha", "dha")),
+    # every block's weights on the device, updated on the host: reloaded once a step, after it
+    "resident": lambda n: Plan.from_spec(f"resident{n}", n),
     "device": lambda n: Plan([UnitPlan("resident", "resident", optimizer="device"), UnitPlan("prefetch", "prefetch"),
                               UnitPlan("resident", "resident", recompute=True, optimizer="device"),
                               UnitPlan("dha", "prefetch", recompute=True)], rest_optimizer="device"),
