@@ -130,10 +130,11 @@ def test_the_padded_sample_keeps_its_sequence_and_a_padded_batch_on_an_unpadded_
 
 
 def test_a_padded_step_over_the_budget_on_an_unpadded_plan_is_measured_and_planned_again(cpu_backend):
-    """The plan of the test above, profiled on the ids alone, under a budget 1.5 % over its
-    prediction: its first padded step goes over (1.031x, the expanded mask) and, capped, had run
-    out of memory. The step runs with the cap lifted and its peak measured, the plan is made
-    again with a margin covering the miss, and every later step stays under the budget."""
+    """The plan of ``test_a_plan_profiled_on_the_padded_sample_bounds_the_padded_peak``, profiled
+    on the ids alone, under a budget 1.5 % over its prediction: its first padded step goes over
+    (1.031x, the expanded mask) and, capped, had run out of memory. The step runs with the cap
+    lifted and its peak measured, the plan is made again with a margin covering the miss, and
+    every later step stays under the budget."""
     model, data = tiny_llama(), padded_batches(8)
     x0, m0, y0 = data[0]
     profile = plan_for(slice_hf_loss(copy.deepcopy(model), 4), (x0, y0), None, backend=cpu_backend).profile

@@ -36,8 +36,8 @@ class OptionCost:
     block's host-memory seconds per step (``host_budget``); ``a0``, ``b0``, ``y0``: ``a``,
     ``b`` without the device AdamW and ``y``, as an earlier micro-batch of an accumulated step
     runs them (0 without accumulation; such a micro-batch reloads no resident block, ``r``: its
-    host copy changes only at the step's update); ``by_deadline``: the host takes updates in deadline order
-    (``StepProfile.host_order``);
+    host copy changes only at the step's update); ``by_deadline``: the host takes updates in
+    deadline order (``StepProfile.host_order``);
     ``persist``: device bytes held all step; ``grads``: gradient bytes held from the block's
     backward to the step's end (a device-homed unit under clipping alone: ``held_grad_bytes``);
     ``act``: saved activations, held from its forward to its backward (which frees them);
