@@ -8,7 +8,7 @@ line), ``PROBE`` the ``xpu-probe.json`` of the same run. For each host scale the
 searches again under the budget: what would the plan be if the host were that much faster
 (or, below 1, slower)? Prints one row per scale: predicted step (and, for a clipped run's
 profile, the step after a clipped one), compute chain, bound, what the blocks do with their
-activations and how many are updated on the device.
+activations and weights, and how many are updated on the device.
 """
 from __future__ import annotations
 
@@ -94,8 +94,8 @@ def main() -> None:
     ratios = [float(r) for r in args.calibrate.split(",")] if args.calibrate else None
     print("| host scale | search (s) | predicted step (ms) | " + ("after a clipped step (ms) | " if clipped else "")
           + (f"calibrated {args.calibrate} (ms) | " if ratios else "")
-          + "compute chain (ms) | bound | peak GB | activations | device-updated | DHA backward only |")
-    print("|---:|---:|---:|" + ("---:|" if clipped else "") + ("---:|" if ratios else "") + "---:|---|---:|---|---:|---:|")
+          + "compute chain (ms) | bound | peak GB | activations | weights (forward) | device-updated | DHA backward only |")
+    print("|---:|---:|---:|" + ("---:|" if clipped else "") + ("---:|" if ratios else "") + "---:|---|---:|---|---|---:|---:|")
     said: list[str] = []  # the clip-aware choice's notes, after the table
     for scale in (float(s) for s in args.host_scale.split(",")):
         profile, p = scaled(base, probe, scale)
@@ -106,12 +106,14 @@ def main() -> None:
         pr = predict(plan, profile, links, margin=args.margin)
         acts = [u.activations for u in plan.units]
         kinds = ", ".join(f"{acts.count(a)} {a}" for a in sorted(set(acts)))
+        fwd = [u.forward for u in plan.units]
+        weights = ", ".join(f"{fwd.count(f)} {f}" for f in sorted(set(fwd)))
         extra = f"{predict_clip_fired(plan, profile, links, margin=args.margin).step_s * 1e3:.1f} | " if clipped else ""
         said += [n for n in plan.notes if "clip_fire_rate" in n]
         if ratios:  # the same plan, priced as the rehearsal's host-rate check prices it (rehearsal.py)
             extra += f"{predict(plan, calibrated(profile, *ratios), links, margin=args.margin).step_s * 1e3:.1f} | "
         print(f"| {scale:g} | {took:.1f} | {pr.step_s * 1e3:.1f} | {extra}{pr.compute_s * 1e3:.1f} | {pr.bound} | "
-              f"{pr.peak_bytes / 1e9:.2f} | {kinds} | "
+              f"{pr.peak_bytes / 1e9:.2f} | {kinds} | {weights} | "
               f"{sum(u.optimizer == 'device' for u in plan.units)} | "
               f"{sum(u.backward == 'dha' and u.forward != 'dha' for u in plan.units)} |", flush=True)
     for note in said:
