@@ -158,6 +158,39 @@ def test_a_resident_host_homed_block_reloads_once_a_step_and_is_priced_so(cpu_ba
     assert slow_p.parts["earlier_micro_batches_s"] == pytest.approx(fast_p.parts["earlier_micro_batches_s"])
 
 
+def test_a_stale_resident_block_is_reloaded_while_the_block_above_computes(cpu_backend, setup):
+    """The executor issues a stale resident block's reload at the pre-forward of the block above
+    it, as it issues a prefetch, before that block's forward runs, so the reload can overlap that
+    block's compute. The cost model still charges it in series (``r`` in ``phi``: an upper bound);
+    overlapping it there widened the search's fronts past the label cap (docs/design.md Session 32)."""
+    model, x, y, prof = setup
+    plan = dataclasses.replace(Plan.from_spec("resident2", 2), rest_optimizer="device")
+    engine = MemFerry(copy.deepcopy(model), optim=AdamW(lr=1e-3), plan=plan, backend=cpu_backend)
+    events: list[tuple[str, int]] = []
+    executor, issue = engine.executor, engine.executor._issue_load
+
+    def recorded_load(s):
+        before = executor.bytes_h2d
+        issue(s)
+        if executor.bytes_h2d > before:
+            events.append(("load", s.unit.index))
+
+    executor._issue_load = recorded_load
+    blocks = list(executor.blocks)
+    for s in blocks:  # registered after the executor's own hook: runs after it, as the block's forward starts
+        s.unit.module.register_forward_pre_hook(lambda m, a, i=s.unit.index: events.append(("fwd", i)))
+    try:
+        for _ in range(2):
+            events.clear()
+            engine.backward(model_loss(engine, x, y, labels_model=engine.model))
+            engine.step()
+    finally:
+        engine.close()
+    first, second = blocks[0].unit.index, blocks[1].unit.index
+    assert ("load", second) in events  # stale after the first step's update: reloaded once
+    assert events.index(("load", second)) < events.index(("fwd", first)), events
+
+
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("spec", ["prefetch", "prefetch+recompute", "resident2", "mixed"])
 def test_the_weights_the_executor_loads_are_the_ones_the_cost_model_moves(cpu_backend, setup, spec, n):
