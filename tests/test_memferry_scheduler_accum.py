@@ -90,6 +90,21 @@ def measured_peak(backend, model, plan, n, x, y, cap=None, clip=None) -> int:
     return peak
 
 
+def loaded_in_second_step(backend, model, plan, n, x, y) -> int:
+    """Bytes of weights the executor copies to the device in the second step of ``n``
+    micro-batches (the first loads the resident blocks for the first time)."""
+    engine = MemFerry(copy.deepcopy(model), optim=AdamW(lr=1e-3), plan=plan, backend=backend, accumulation_steps=n)
+    try:
+        for _ in range(2):
+            before = engine.executor.bytes_h2d
+            for _ in range(n):
+                engine.backward(model_loss(engine, x, y, labels_model=engine.model))
+            engine.step()
+        return engine.executor.bytes_h2d - before
+    finally:
+        engine.close()
+
+
 def plans() -> dict[str, Plan]:
     host = Plan.uniform(2, UnitPlan("prefetch", "prefetch", recompute=True))
     device = Plan.from_spec("device2", 2)
@@ -135,21 +150,8 @@ def test_a_resident_host_homed_block_reloads_once_a_step_and_is_priced_so(cpu_ba
     model, x, y, prof = setup
     plan = dataclasses.replace(Plan.from_spec("resident2", 2), rest_optimizer="device")
     weights = sum(b.param_bytes for b in prof.blocks)
-
-    def loaded_in_second_step(n: int) -> int:
-        engine = MemFerry(copy.deepcopy(model), optim=AdamW(lr=1e-3), plan=plan, backend=cpu_backend,
-                          accumulation_steps=n)
-        try:
-            for _ in range(2):
-                before = engine.executor.bytes_h2d
-                for _ in range(n):
-                    engine.backward(model_loss(engine, x, y, labels_model=engine.model))
-                engine.step()
-            return engine.executor.bytes_h2d - before
-        finally:
-            engine.close()
-
-    assert loaded_in_second_step(1) == loaded_in_second_step(4) == weights
+    assert (loaded_in_second_step(cpu_backend, model, plan, 1, x, y)
+            == loaded_in_second_step(cpu_backend, model, plan, 4, x, y) == weights)
     links = links_from_probe(cpu_backend, 0)
     slow = dataclasses.replace(links, h2d_GBps=links.h2d_GBps / 100)
     fast_p, slow_p = (predict(plan, with_accumulation(prof, 4), lk, 0.0) for lk in (links, slow))
@@ -211,16 +213,7 @@ def test_the_weights_the_executor_loads_are_the_ones_the_cost_model_moves(cpu_ba
         grads = blk.numel * prof.dtype_bytes  # host-homed: the gradient goes the other way
         fwd, bwd, reload = link_bytes(unit, blk.param_bytes, grads, blk.act_bytes, kept, host=True)
         expected += n * (fwd + bwd - grads) + reload
-    engine = MemFerry(copy.deepcopy(model), optim=AdamW(lr=1e-3), plan=plan, backend=cpu_backend, accumulation_steps=n)
-    try:
-        for _ in range(2):
-            before = engine.executor.bytes_h2d
-            for _ in range(n):
-                engine.backward(model_loss(engine, x, y, labels_model=engine.model))
-            engine.step()
-        assert engine.executor.bytes_h2d - before == expected
-    finally:
-        engine.close()
+    assert loaded_in_second_step(cpu_backend, model, plan, n, x, y) == expected
 
 
 @pytest.mark.parametrize("n", [1, 4])
