@@ -131,7 +131,7 @@ if TYPE_CHECKING:  # the profiler imports torch; the model itself needs only num
 
 __all__ = ["Links", "links_from_probe", "OptionCost", "option_cost", "Prediction", "predict", "predict_options",
            "predict_clip_fired", "State", "SCALARS",
-           "initial_state", "advance", "advance_rows", "memory_rows", "finish", "device_bytes_per_param", "H200_DHA_ROWS", "loss_peak_estimate",
+           "initial_state", "advance", "advance_rows", "memory_rows", "slot_count", "finish", "device_bytes_per_param", "H200_DHA_ROWS", "loss_peak_estimate",
            "auto_loss_chunks", "rest_resident_bytes", "transient_bytes", "grads_persist"]
 
 _NEG = -math.inf
@@ -256,8 +256,14 @@ def advance_rows(rows: np.ndarray, cur: OptionCost, nxt: OptionCost | None) -> n
     # and backward (psi's, without the device AdamW)
     fwd0 = max(cur.a0, nxt.x if nxt is not None else 0.0) if cur.a0 else 0.0
     out[:, k + 4] = rows[:, k + 4] + (max(nxt.b0, cur.y0) if nxt is not None else cur.y0) + fwd0
-    out[:, k + 7] = np.minimum(rows[:, k + 7] + (cur.slot > 0), depth + 1)
+    out[:, k + 7] = slot_count(rows[:, k + 7], cur, depth)
     return out
+
+
+def slot_count(nslot: np.ndarray, cur: OptionCost, depth: int) -> np.ndarray:
+    """:class:`State`'s ``nslot`` after adding block ``cur``: one more where it is prefetched, at
+    most ``depth + 1``; :func:`advance_rows` and the least-budget search both take it from here."""
+    return np.minimum(nslot + (cur.slot > 0), depth + 1)
 
 
 def memory_rows(rows: np.ndarray, cur: OptionCost) -> np.ndarray:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 import numpy as np
 
 from .config import Plan, UnitPlan
-from .cost import Links, OptionCost, memory_rows, option_cost
+from .cost import Links, OptionCost, memory_rows, option_cost, slot_count
 from .memory_terms import peak_bytes
 from .pareto import pareto_front
 
@@ -109,8 +109,7 @@ def _uniform_peak(opts: list[list[OptionCost]], fitting: list[list[int]],
 
 def _grown(rows: np.ndarray, cur: OptionCost, depth: int) -> np.ndarray:
     """``rows`` (the columns of :data:`START`) with block ``cur`` added below."""
-    count = np.minimum(rows[:, 4] + (cur.slot > 0), depth + 1)
-    return np.concatenate([memory_rows(rows[:, :4], cur), count[:, None]], axis=1)
+    return np.concatenate([memory_rows(rows[:, :4], cur), slot_count(rows[:, 4], cur, depth)[:, None]], axis=1)
 
 
 #: Most rows kept per block. Blocks of a few kinds keep fronts of tens of rows (the docs/design.md
