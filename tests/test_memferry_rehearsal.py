@@ -178,6 +178,45 @@ def test_the_host_rate_is_timed_over_the_last_of_three_whole_steps(cpu_backend, 
     assert stepped == [f"rehearsal step: the last 2 took {engine.plan.rehearsed_step_s * 1e3:.1f} ms each on average "
                        f"against the {plan.predicted_step_s * 1e3:.1f} ms predicted "
                        f"({(plan.predicted_step_s - engine.plan.rehearsed_step_s) / engine.plan.rehearsed_step_s:+.1%})"]
+    # and each of them on its own, with the training thread's waits for the host in it
+    clocks = [n for n in engine.plan.notes if n.startswith("rehearsal clock")]
+    assert len(clocks) == 1 and clocks[0].startswith("rehearsal clock 1: steps of "), clocks
+    steps = [float(v) for v in clocks[0].split("steps of ")[1].split(" ms")[0].split(", ")]
+    assert len(steps) == 2 and all(s >= span * 1e3 - 0.05 for s, span in zip(steps, spans)), (steps, spans)
+    assert sum(steps) / 2 == pytest.approx(engine.plan.rehearsed_step_s * 1e3, abs=0.06)
+    engine.close()
+
+
+def test_the_rehearsal_clock_shows_a_step_held_by_the_host(cpu_backend, monkeypatch):
+    """Each clocked rehearsal step's note says how long the training thread waited for the host
+    optimizer in it: with every host update slowed by 0.4 s, the next forward waits for the first
+    block's, in both clocked steps, and the host's work counts the updates' time."""
+    x, y = batch()
+    plan = plan_for(qwen2_tied(), (x, y), None, backend=cpu_backend, memory_margin=0.0)  # both blocks host-updated
+    monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
+    monkeypatch.setattr(rehearsal, "_host_rate_checked", lambda *args, **kwargs: None)
+    slow = 0.4
+    real_update = HostOptimizer._update
+
+    def slowed(self, index, coef, **kwargs):
+        t0 = time.perf_counter()
+        time.sleep(slow)
+        self.time_s["adamw"] += time.perf_counter() - t0  # host work, as the kernel's time counts
+        return real_update(self, index, coef, **kwargs)
+
+    monkeypatch.setattr(HostOptimizer, "_update", slowed)
+    engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3, host_order="landing"), plan=plan, sample=(x, y),
+                      device_budget=int(plan.predicted_peak_bytes * 1.5), backend=cpu_backend)
+    note = [n for n in engine.plan.notes if n.startswith("rehearsal clock 1:")]
+    assert len(note) == 1, engine.plan.notes
+    figures = [[float(v) for v in part.split(" ms")[0].split(", ")]
+               for part in note[0].replace("steps of ", "|").replace("waited ", "|").replace("took ", "|").split("|")[1:]]
+    steps, waited, host = figures
+    hosted = sum(u.optimizer == "host" for u in plan.units)
+    assert len(steps) == len(waited) == len(host) == rehearsal.CLOCKED_STEPS
+    assert all(w >= slow * 1e3 / 4 for w in waited), note  # the next forward waited on the host
+    assert all(w <= s for w, s in zip(waited, steps)), note
+    assert sum(host) >= slow * 1e3 * hosted, note  # the updates' sleeps, wherever each step's ended
     engine.close()
 
 
@@ -190,8 +229,8 @@ def test_the_rehearsal_step_holds_what_a_training_step_holds(cpu_backend):
     engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=(x, y),
                       device_budget=plan.predicted_peak_bytes * 2, backend=cpu_backend, rehearse=False)
     cpu_backend.set_memory_cap(0, None)
-    peak, allocated, rate, step_s, send_s = rehearsal._rehearse(engine, (x, y))
-    assert rate is None and step_s is None and send_s is None and peak >= allocated > 0
+    peak, allocated, rate, step_s, send_s, clock = rehearsal._rehearse(engine, (x, y))
+    assert rate is None and step_s is None and send_s is None and clock == () and peak >= allocated > 0
     engine.synchronize()
     cpu_backend.reset_peak_memory(0)
     engine.train_step(x, y)

@@ -57,6 +57,7 @@ import torch
 from xpu.units import format_bytes, parse_bytes
 
 from .compute_dtype import cast_parameters, restore_parameters
+from .host_kernel import PHASES
 from .host_calibration import SEARCH_AGAIN, TOLERANCE, applies, calibrated, ratios, repriced, same_layout, with_sends
 from .links import links_from_probe
 from .plan_check import PlanOverBudgetError
@@ -68,7 +69,7 @@ if TYPE_CHECKING:
     from .engine import MemFerry
 
 __all__ = ["fit_by_rehearsal", "give_back", "hold_to_plan", "covering_margin", "PlanOverBudgetError", "ATTEMPTS",
-           "MARGIN_STEP", "RATE_STEPS", "CLOCKED_STEPS", "start_peak", "measured_peak"]
+           "MARGIN_STEP", "RATE_STEPS", "CLOCKED_STEPS", "start_peak", "measured_peak", "Clocked", "clock_note"]
 
 
 _log = logging.getLogger("xpu.memferry")
@@ -110,13 +111,16 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
     setup_notes = [n for n in engine.plan.notes if n.startswith(SETUP_NOTE)]  # a plan made again has its own notes
     placement = SumPlacement(setup.get("sum_placement", "race") == "race")  # where sums go, raced on the wall clock
     race_next = False  # a calibrated plan of another layout: its rehearsal is timed, and raced
+    clocks: list[str] = []  # each timed rehearsal's steps, one by one (clock_note)
     while True:
         backend.set_memory_cap(device, None)  # measure the overshoot rather than run into it
         try:
             timed = not rate_checked or placement.timing or race_next
-            peak, allocated, host, step_s, send_s = _rehearse(engine, sample, timed)
+            peak, allocated, host, step_s, send_s, clock = _rehearse(engine, sample, timed)
         finally:
             backend.set_memory_cap(device, budget)
+        if clock:
+            clocks.append(clock_note(len(clocks) + 1, clock))
         predicted = engine.plan.predicted_peak_bytes or 0
         if peak <= budget:
             if not rate_checked:
@@ -166,7 +170,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                     + f"; rehearsing took {time.perf_counter() - started:.1f} s")
             kept = [n for n in setup_notes if n not in engine.plan.notes]
             engine.plan = dataclasses.replace(engine.plan, notes=[*engine.plan.notes, *kept, *calibration,
-                                                                  *placement.notes, note],
+                                                                  *placement.notes, *clocks, note],
                                               rehearsed_step_s=rehearsed_s)  # the caller's plan stays as given
             engine.executor.plan = engine.plan
             setup["memory_margin"] = margin  # later re-plans (out of memory, longer batches) start from it
@@ -307,6 +311,7 @@ class Rehearsed(NamedTuple):
             host work running beside it); else None.
         send_s: timed only: the issuing thread's mean seconds per gradient send in those steps'
             micro-batches before their last (``GradientPost.earlier_seconds``); None where none sent.
+        clock: timed only: each clocked step's :class:`Clocked` figures, in order; else empty.
     """
 
     peak: int
@@ -314,6 +319,33 @@ class Rehearsed(NamedTuple):
     host: tuple[float, float] | None = None
     step_s: float | None = None
     send_s: float | None = None
+    clock: tuple["Clocked", ...] = ()
+
+
+class Clocked(NamedTuple):
+    """One clocked rehearsal step, in seconds: its wall time, the training thread's waits for the
+    host optimizer in it (an update to be published, a landing zone to be read), and the host
+    optimizer's work done in it. A step slower than predicted whose waits grew was held by the
+    host; one whose waits did not was slowed on the training thread or the device."""
+
+    step_s: float
+    waited_s: float
+    host_s: float
+
+
+def clock_note(k: int, clock: tuple[Clocked, ...]) -> str:
+    """The ``k``-th timed rehearsal's clocked steps, one by one, for the plan's notes."""
+    def ms(field: str) -> str:
+        return ", ".join(f"{getattr(c, field) * 1e3:.1f}" for c in clock)
+
+    return (f"rehearsal clock {k}: steps of {ms('step_s')} ms; the training thread waited {ms('waited_s')} ms "
+            f"of them for the host optimizer, whose work took {ms('host_s')} ms")
+
+
+def _host_clock(engine: "MemFerry") -> tuple[float, float]:
+    """Seconds so far of the training thread's waits for the host optimizer, and of its work."""
+    t = engine.optimizer.time_s
+    return t["consumer_wait"] + t["zone_wait"], sum(t[p] for p in PHASES)
 
 
 def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) -> Rehearsed:
@@ -337,7 +369,7 @@ def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) 
         # count as this plan's reserved peak: every attempt at 8 GB, margins 10 to 35 %, "peaked"
         # at 8.1 GB reserved (Qwen2-1.5B shape, H200, 2026-12-04).
         start_peak(backend, device)
-        clocked: list[float] = []
+        clocked: list[Clocked] = []
         post = engine.executor.post
         sends = (0, 0.0)
         for k in range(steps):
@@ -346,6 +378,7 @@ def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) 
                 backend.synchronize(device)
                 if not clocked:
                     sends = (post.earlier_sends, post.earlier_seconds)
+                w0, h0 = _host_clock(engine)
                 t0 = time.perf_counter()
             for _ in range(n):
                 loss = engine._loss(inputs, targets)  # held through backward, as a loop that logs it holds it
@@ -356,14 +389,17 @@ def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) 
                 start = engine.optimizer.counters()  # not waiting: this step's updates go on beside the next
             if clock:
                 backend.synchronize(device)
-                clocked.append(time.perf_counter() - t0)
+                t1 = time.perf_counter()
+                w1, h1 = _host_clock(engine)
+                clocked.append(Clocked(t1 - t0, w1 - w0, h1 - h0))
             if timed and k == steps - 1:
                 host = engine.optimizer.split_since(start)  # updates still under way are left out
-        step_s = sum(clocked) / len(clocked) if clocked else None
+        step_s = sum(c.step_s for c in clocked) / len(clocked) if clocked else None
         send_s = send_seconds(post, sends) if clocked else None
         engine.synchronize()
     engine.set_lr(engine.cfg.lr)
-    return Rehearsed(measured_peak(backend, device), backend.memory_stats(device).peak_allocated, host, step_s, send_s)
+    return Rehearsed(measured_peak(backend, device), backend.memory_stats(device).peak_allocated, host, step_s, send_s,
+                     tuple(clocked))
 
 
 def start_peak(backend: Any, device: int) -> None:
