@@ -26,6 +26,9 @@ PLANS = {
     "device": lambda: Plan([UnitPlan("resident", "resident", optimizer="device"), UnitPlan("prefetch", "prefetch"),
                             UnitPlan("resident", "resident", recompute=True, optimizer="device"),
                             UnitPlan("dha", "prefetch", recompute=True)], rest_optimizer="device"),
+    # weights kept on the device, updated on the host: each update's device copy is reloaded once
+    # it is published (accumulation 8's plan on the §3 GPT, bench/results/2026-12-05-h200-session33/)
+    "resident": lambda: Plan.from_spec("resident4", 4),
 }
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 # Gradient norms of these runs lie near 0.93-0.99: never / always / on some steps only.
