@@ -130,7 +130,11 @@ def _time_clipped_apart(row: dict[str, Any], warmup: int, steps: int) -> None:
     ``step_mean_after_clip_s`` and ``step_mean_after_no_clip_s`` (None where there is no such
     step), and ``after_clip_timed`` (how many). A clipped step's cost shows in the next one:
     MemFerry re-applies speculative host updates once the coefficient lands, after the step's
-    backward, and the next forward waits for them."""
+    backward, and the next forward waits for them.
+
+    Where the row also has both predictions (``predicted_step_s``, ``predicted_after_clip_step_s``),
+    ``predicted_at_firing_s`` mixes them as the timed steps fell: the prediction of those steps'
+    mean, given which of them followed a clip (when a clip fires is the data's, not the plan's)."""
     flags, times = row.get("clipped"), row.get("step_times_s")
     if not flags or not times or len(flags) != len(times):
         return
@@ -138,7 +142,10 @@ def _time_clipped_apart(row: dict[str, Any], warmup: int, steps: int) -> None:
     for key, want in (("step_mean_after_clip_s", True), ("step_mean_after_no_clip_s", False)):
         picked = [t for f, t in timed if f == want]
         row[key] = round(statistics.fmean(picked), 5) if picked else None
-    row["after_clip_timed"] = sum(f for f, _ in timed)
+    after = row["after_clip_timed"] = sum(f for f, _ in timed)
+    normal, fired = row.get("predicted_step_s"), row.get("predicted_after_clip_step_s")
+    if timed and normal is not None and fired is not None:
+        row["predicted_at_firing_s"] = ((len(timed) - after) * normal + after * fired) / len(timed)
 
 
 def _classify(exc: BaseException, requires: tuple[str, ...]) -> tuple[str, str]:

@@ -273,6 +273,22 @@ def test_steps_after_a_clip_are_timed_apart_from_the_others():
     unsaid = {"step_times_s": [0.1, 0.2]}
     _time_clipped_apart(unsaid, warmup=0, steps=2)
     assert unsaid == {"step_times_s": [0.1, 0.2]}  # a system that does not say adds nothing
+    assert "predicted_at_firing_s" not in row  # no predictions, no mix
+
+
+def test_a_clipped_row_s_prediction_mixes_its_two_as_the_timed_steps_fell():
+    """Three of the four timed steps follow a clip: the mean predicted is three parts the step
+    after a clip and one part the unclipped step."""
+    from bench.worker import _time_clipped_apart
+
+    row = {"step_times_s": [9.0, 0.2, 0.3, 0.1, 0.3, 0.1], "clipped": [True, True, False, True, False, False],
+           "predicted_step_s": 0.1, "predicted_after_clip_step_s": 0.3}
+    _time_clipped_apart(row, warmup=1, steps=4)
+    assert row["predicted_at_firing_s"] == pytest.approx((3 * 0.3 + 0.1) / 4)
+    calm = {"step_times_s": [0.1, 0.2, 0.2], "clipped": [False, False, False],
+            "predicted_step_s": 0.18, "predicted_after_clip_step_s": 0.3}
+    _time_clipped_apart(calm, warmup=1, steps=2)
+    assert calm["predicted_at_firing_s"] == pytest.approx(0.18)  # no step followed a clip
 
 
 def test_a_clipped_memferry_row_says_which_steps_clipped(cpu_backend):
