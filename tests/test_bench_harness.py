@@ -310,6 +310,8 @@ def test_a_clipped_memferry_row_says_which_steps_clipped(cpu_backend):
     assert len(row["host_work_ms_steps"]) == len(row["consumer_wait_ms_steps"]) == len(row["step_times_s"])
     assert sum(row["host_work_ms_steps"][1:]) > 0 and min(row["consumer_wait_ms_steps"]) >= 0
     assert row["predicted_after_clip_step_s"] >= row["predicted_step_s"] > 0  # a fired clip never speeds a step
+    # both timed steps followed a clip: their mean's prediction is the after-a-clip one
+    assert row["predicted_at_firing_s"] == pytest.approx(row["predicted_after_clip_step_s"])
     # a planned row says what its plan priced the host's work at, beside what it took
     assert row["host_planned_update_ns_per_param"] > 0 and row["host_update_ns_per_param"] > 0
     assert row["host_planned_earlier_ns_per_param"] == row["host_earlier_ns_per_param"] == 0  # one micro-batch
