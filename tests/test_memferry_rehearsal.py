@@ -229,8 +229,9 @@ def test_the_rehearsal_step_holds_what_a_training_step_holds(cpu_backend):
     engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=(x, y),
                       device_budget=plan.predicted_peak_bytes * 2, backend=cpu_backend, rehearse=False)
     cpu_backend.set_memory_cap(0, None)
-    peak, allocated, rate, step_s, send_s, clock = rehearsal._rehearse(engine, (x, y))
-    assert rate is None and step_s is None and send_s is None and clock == () and peak >= allocated > 0
+    rehearsed = rehearsal._rehearse(engine, (x, y))
+    peak, allocated, rate, send_s, clock = rehearsed
+    assert rate is None and rehearsed.step_s is None and send_s is None and clock == () and peak >= allocated > 0
     engine.synchronize()
     cpu_backend.reset_peak_memory(0)
     engine.train_step(x, y)

@@ -36,7 +36,8 @@ def _clocked(monkeypatch, host_summing_s: float, device_summing_s: float) -> lis
         calls.append((host_summed_blocks(engine.plan), timed))
         if not timed:
             return got
-        return got._replace(step_s=host_summing_s if host_summed_blocks(engine.plan) else device_summing_s)
+        step_s = host_summing_s if host_summed_blocks(engine.plan) else device_summing_s
+        return got._replace(clock=(rehearsal.Clocked(step_s, 0.0, 0.0),) * rehearsal.CLOCKED_STEPS)
 
     monkeypatch.setattr(rehearsal, "_rehearse", clocked)
     monkeypatch.setattr(sum_placement, "WINDOW", 10.0)  # whatever the two predictions: compare them

@@ -65,7 +65,6 @@ from ..thread_waits import run_delays, waited_s
 from strategies.memferry import AdamW, MemFerry, Plan
 from strategies.memferry.cost import links_from_probe, predict_clip_fired
 from strategies.memferry.host_clock import HostReading
-from strategies.memferry.host_kernel import PHASES
 
 __all__ = ["MemFerrySystem", "make"]
 
@@ -276,10 +275,10 @@ class MemFerrySystem(BenchSystem):
         return loss
 
     def _host_clock(self) -> tuple[float, float]:
-        """Seconds so far of host optimizer work (its ``PHASES``) and of the training thread
+        """Seconds so far of host optimizer work (``HostClock.work_s``) and of the training thread
         waiting for it (``consumer_wait``): read at each step's end for the per-step figures."""
-        time_s = self.engine.optimizer.time_s
-        return sum(time_s[p] for p in PHASES), time_s["consumer_wait"]
+        clock = self.engine.optimizer.clock
+        return clock.work_s(), clock.time_s["consumer_wait"]
 
     def _per_step_ms(self) -> dict[str, list[float]]:
         """Per step, in ms: the host optimizer's work done and the training thread's wait for it

@@ -83,11 +83,14 @@ class HostClock:
             self._partial[index] = self._partial.get(index, 0.0) + spent
             self._partial_s += spent
 
+    def work_s(self) -> float:
+        """Seconds of host work so far (the ``PHASES``), pieces of updates under way included."""
+        return sum(self.time_s[phase] for phase in PHASES)
+
     def reading(self) -> HostReading:
         """The totals now, without the pieces of updates still under way (a window that starts
         mid-update would otherwise count the update's parameters but only some of its seconds)."""
-        return HostReading(sum(self.time_s[phase] for phase in PHASES) - self._partial_s, self.updated_numel,
-                           self.earlier_s)
+        return HostReading(self.work_s() - self._partial_s, self.updated_numel, self.earlier_s)
 
     def since(self, start: HostReading) -> HostReading:
         """What :meth:`reading` added since ``start``."""

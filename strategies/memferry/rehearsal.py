@@ -57,7 +57,6 @@ import torch
 from xpu.units import format_bytes, parse_bytes
 
 from .compute_dtype import cast_parameters, restore_parameters
-from .host_kernel import PHASES
 from .host_calibration import SEARCH_AGAIN, TOLERANCE, applies, calibrated, ratios, repriced, same_layout, with_sends
 from .links import links_from_probe
 from .plan_check import PlanOverBudgetError
@@ -116,9 +115,11 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
         backend.set_memory_cap(device, None)  # measure the overshoot rather than run into it
         try:
             timed = not rate_checked or placement.timing or race_next
-            peak, allocated, host, step_s, send_s, clock = _rehearse(engine, sample, timed)
+            rehearsed = _rehearse(engine, sample, timed)
         finally:
             backend.set_memory_cap(device, budget)
+        peak, allocated, host, send_s, clock = rehearsed
+        step_s = rehearsed.step_s
         if clock:
             clocks.append(clock_note(len(clocks) + 1, clock))
         predicted = engine.plan.predicted_peak_bytes or 0
@@ -306,20 +307,24 @@ class Rehearsed(NamedTuple):
         allocated: its allocated peak.
         host: timed only: the host's work per parameter as (updates, earlier micro-batches'
             sums) (``HostOptimizer.split_since``); None untimed, or where no update finished.
-        step_s: timed only: the mean wall time of the last :data:`CLOCKED_STEPS` steps, the
-            device synchronised around each as the benchmark times steps (the previous step's
-            host work running beside it); else None.
-        send_s: timed only: the issuing thread's mean seconds per gradient send in those steps'
-            micro-batches before their last (``GradientPost.earlier_seconds``); None where none sent.
-        clock: timed only: each clocked step's :class:`Clocked` figures, in order; else empty.
+        send_s: timed only: the issuing thread's mean seconds per gradient send in the clocked
+            steps' micro-batches before their last (``GradientPost.earlier_seconds``); None where
+            none sent.
+        clock: timed only: each of the last :data:`CLOCKED_STEPS` steps' :class:`Clocked`
+            figures, in order; else empty.
     """
 
     peak: int
     allocated: int
     host: tuple[float, float] | None = None
-    step_s: float | None = None
     send_s: float | None = None
     clock: tuple["Clocked", ...] = ()
+
+    @property
+    def step_s(self) -> float | None:
+        """Timed only: the clocked steps' mean wall time, the device synchronised around each as
+        the benchmark times steps (the previous step's host work running beside it); else None."""
+        return sum(c.step_s for c in self.clock) / len(self.clock) if self.clock else None
 
 
 class Clocked(NamedTuple):
@@ -344,8 +349,8 @@ def clock_note(k: int, clock: tuple[Clocked, ...]) -> str:
 
 def _host_clock(engine: "MemFerry") -> tuple[float, float]:
     """Seconds so far of the training thread's waits for the host optimizer, and of its work."""
-    t = engine.optimizer.time_s
-    return t["consumer_wait"] + t["zone_wait"], sum(t[p] for p in PHASES)
+    clock = engine.optimizer.clock
+    return clock.time_s["consumer_wait"] + clock.time_s["zone_wait"], clock.work_s()
 
 
 def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) -> Rehearsed:
@@ -360,7 +365,7 @@ def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) 
     n = engine.micro.steps if timed else min(engine.micro.steps, 2)
     steps = RATE_STEPS if timed else 1
     engine.set_lr(0.0)
-    start = host = step_s = None
+    start = host = None
     # Dropout draws random numbers: the run's random streams start where they would without this step.
     forked = [] if backend.caps.virtual_devices else [device]
     with torch.random.fork_rng(devices=forked, device_type=backend.device(device).type):
@@ -394,11 +399,10 @@ def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) 
                 clocked.append(Clocked(t1 - t0, w1 - w0, h1 - h0))
             if timed and k == steps - 1:
                 host = engine.optimizer.split_since(start)  # updates still under way are left out
-        step_s = sum(c.step_s for c in clocked) / len(clocked) if clocked else None
         send_s = send_seconds(post, sends) if clocked else None
         engine.synchronize()
     engine.set_lr(engine.cfg.lr)
-    return Rehearsed(measured_peak(backend, device), backend.memory_stats(device).peak_allocated, host, step_s, send_s,
+    return Rehearsed(measured_peak(backend, device), backend.memory_stats(device).peak_allocated, host, send_s,
                      tuple(clocked))
 
 
