@@ -60,6 +60,18 @@ def test_budget_evicts_cache_then_refuses_without_changing_state():
     assert arena.trim() == 3000 and arena.stats().cached == 0
 
 
+def test_free_gives_the_buffer_back_to_the_backend_not_to_the_cache():
+    raw = CountingBackend()
+    arena = HostArena(raw)
+    a = arena.empty(1000)
+    arena.free(a)
+    assert raw.frees == [1000] and (arena.stats().in_use, arena.stats().cached) == (0, 0)
+    arena.empty(1000)  # nothing cached to reuse: a new allocation
+    assert raw.allocs == [1000, 1000] and arena.stats().reuses == 0
+    with pytest.raises(ValueError, match="already released"):
+        arena.free(a)
+
+
 def test_release_of_foreign_or_twice_released_tensor_is_an_error():
     arena = HostArena(CountingBackend())
     with pytest.raises(ValueError, match="did not hand out"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+import weakref
 
 import pytest
 import torch
@@ -17,12 +18,13 @@ import torch
 import strategies.memferry.profiler as profiler
 import strategies.memferry.rehearsal as rehearsal
 import strategies.memferry.sum_placement as sum_placement
-from strategies.memferry import AdamW, MemFerry
+from strategies.memferry import AdamW, MemFerry, Plan, UnitPlan
 from strategies.memferry.cost import links_from_probe
 from strategies.memferry.hf_models import model_loss
 from strategies.memferry.host_optimizer import HostOptimizer
 from strategies.memferry.planning import plan_for
 from strategies.memferry.scheduler import NoPlanFitsError, min_budget
+from strategies.memferry.shadow import ShadowModel
 from tests.test_memferry_scheduler_accum import batch, qwen2_tied
 
 
@@ -320,3 +322,70 @@ def test_the_hold_leaves_room_for_what_the_allocator_may_pass_its_cap_by(allocat
     held = rehearsal.hold_to_plan(engine, 1500 * MiB, 1000 * MiB, allocated_mib * MiB)
     assert held == held_mib * MiB == cpu_backend.memory_cap(0)
     cpu_backend.set_memory_cap(0, None)
+
+
+def test_a_rehearsal_times_plain_steps_where_every_step_would_clip(cpu_backend):
+    """The rehearsal runs one sample again and again, so a first norm over ``max_grad_norm``
+    would clip all its steps, and they would be priced as plain ones (the 24-layer H100 row of
+    2026-12-05 rehearsed 280 ms a step against its plain steps' 175). With a clip that fires on
+    every real step, none of the rehearsal's steps clips, rolls back or stops speculating (the
+    host's test for a step sure to clip), and the first training step after it clips again."""
+    x, y = batch()
+    plan = Plan.uniform(2, UnitPlan("prefetch", "prefetch"))  # both blocks host-updated
+    engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3, max_grad_norm=1e-6), plan=plan, sample=(x, y),
+                      device_budget=2**30, backend=cpu_backend, rehearse=False)
+    cpu_backend.set_memory_cap(0, None)
+    rehearsal._rehearse(engine, (x, y), timed=True)
+    stats = engine.clip_stats()
+    assert stats["steps"] == rehearsal.RATE_STEPS and stats["speculated_units"] > 0
+    assert stats["rollback_steps"] == stats["sure_units"] == 0 and engine.clip.clipped_steps == 0
+    engine.backward(model_loss(engine, x, y, labels_model=engine.model))
+    engine.step()
+    after = engine.clip_stats()
+    assert engine.clip.clipped_steps == 1 and after["sure_units"] > 0  # sure after its first unit's norm
+    engine.close()
+
+
+def test_a_rebuild_frees_each_unit_before_it_copies_the_next(cpu_backend, monkeypatch):
+    """A plan made again after its rehearsal is built from the engine's weights. Copied whole
+    first, beside the whole shadow, they took a 6.6 B model's host past its cap (H100,
+    2026-12-05). Taken unit by unit instead, each unit's host buffers are gone before the next
+    unit's weights are copied, and the rebuilt engine holds the same fp32 weights."""
+    x, y = batch()
+    plan = Plan.uniform(2, UnitPlan("prefetch", "prefetch"))  # both blocks homed on the host
+    engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=(x, y), device_budget=2**30,
+                      backend=cpu_backend, rehearse=False, compute_dtype=torch.bfloat16)
+    expected = engine.shadow.state_dict()
+    host = [s.unit.index for s in engine.shadow.shadows if s.home == "host"]
+    events = []
+    for s in engine.shadow.shadows:
+        if s.home == "host":
+            weakref.finalize(s.master.untyped_storage(), events.append, ("freed", s.unit.index))
+    del s  # the loop's last shadow would outlive the release
+    real = ShadowModel._weights
+    monkeypatch.setattr(ShadowModel, "_weights", lambda self, s: (events.append(("copied", s.unit.index)),
+                                                                  real(self, s))[1])
+    rehearsal._rebuild(engine, plan)
+    copied = [e for e in events if e[1] in host]
+    assert copied == [e for i in host for e in (("copied", i), ("freed", i))]
+    got = engine.shadow.state_dict()
+    assert set(got) == set(expected) and all(torch.equal(got[n], t) and got[n].dtype == t.dtype
+                                             for n, t in expected.items())
+    engine.close()
+
+
+def test_what_the_uncapped_rehearsal_left_cached_is_given_back_once_the_cap_is_held(cpu_backend, monkeypatch):
+    """The rehearsal runs with the cap lifted; blocks it left cached stayed reserved over the
+    held cap through every step (11.0 GB reserved under a 10.6 GB hold, H100, 2026-12-05). The
+    cache is given back after the hold, nothing capped after that."""
+    x, y = batch()
+    plan = plan_for(qwen2_tied(), (x, y), None, backend=cpu_backend, memory_margin=0.0)
+    calls = []
+    real_cap = cpu_backend.set_memory_cap
+    monkeypatch.setattr(cpu_backend, "set_memory_cap", lambda d, n: (calls.append(("cap", n)), real_cap(d, n))[1])
+    monkeypatch.setattr(cpu_backend, "release_cache", lambda device=None: calls.append(("release", None)))
+    engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=(x, y),
+                      device_budget=int(plan.predicted_peak_bytes * 1.5), backend=cpu_backend)
+    assert any(n.startswith("rehearsal:") for n in engine.plan.notes)
+    assert calls[-2:] == [("cap", plan.predicted_peak_bytes), ("release", None)]  # held to the prediction, then given back
+    engine.close()

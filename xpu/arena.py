@@ -100,6 +100,23 @@ class HostArena:
             self._cache[ptr] = raw
             self._cached_bytes += raw.numel()
 
+    def free(self, tensor: torch.Tensor) -> None:
+        """Give a tensor from :meth:`empty` back to the backend at once, not to the cache: its
+        memory returns to the system when the last view of it goes. The caller must not use it again.
+
+        Raises:
+            ValueError: the tensor did not come from this arena (or was released already).
+        """
+        if tensor.numel() == 0:
+            return
+        ptr = tensor.untyped_storage().data_ptr()
+        with self._lock:
+            raw = self._in_use.pop(ptr, None)
+            if raw is None:
+                raise ValueError("free() got a tensor this arena did not hand out, or one already released")
+            self._in_use_bytes -= raw.numel()
+            self._backend.free_pinned(raw)
+
     def trim(self) -> int:
         """Free every cached buffer; return the bytes freed."""
         with self._lock:

@@ -373,7 +373,8 @@ class HostOptimizer:
             self._sq_terms.append(self.kernel.sqnorm(s.grad_source))
         else:  # the device's running sum so far (landed with this gradient, after every earlier one)
             self._device_sq = float(self._clip.partials[index])
-        if not self._sure and clips(self._device_sq + math.fsum(self._sq_terms), self.cfg.max_grad_norm):
+        max_norm = self._clip.max_norm if self._clip is not None else self.cfg.max_grad_norm  # suspended: inf
+        if not self._sure and clips(self._device_sq + math.fsum(self._sq_terms), max_norm):
             self._sure = True  # whatever comes later: speculating now would only be re-applied
             self.clip_stats["sure_units"] += len(self._to_speculate)
             self._to_speculate.clear()

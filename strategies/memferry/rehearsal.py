@@ -6,7 +6,8 @@ engine with a scheduled plan and a ``device_budget`` runs one whole step (two mi
 it accumulates) on the planning sample at learning rate 0, with the cap lifted, and measures the
 device's peak. AdamW at rate 0 leaves every weight exactly as it was (decay ``1 - 0 * wd`` is 1,
 the step ``-0 * m / d`` adds zero), so afterwards only the moments and step counts are put back
-to their start. If the peak is over the budget, the engine takes its (unchanged) weights back
+to their start. With ``max_grad_norm`` the rehearsal's clip never fires
+(``GlobalNormClip.suspended``): its steps are the plain ones the plan's prediction prices. If the peak is over the budget, the engine takes its (unchanged) weights back
 from its shadow model, gives its buffers up, and is built again for the plan the scheduler makes
 from the same profile with a margin that covers what the prediction missed (no new profiling),
 up to :data:`ATTEMPTS` times. Lifting the cap means the overshoot is measured, never hit: an
@@ -46,6 +47,7 @@ the one scheduled. Without a budget (the whole device) there is nothing to lift,
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -176,6 +178,9 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
             engine.executor.plan = engine.plan
             setup["memory_margin"] = margin  # later re-plans (out of memory, longer batches) start from it
             _reset(engine)
+            # What the uncapped rehearsal left cached would stay reserved over the cap: plans held
+            # to 10.6 GB kept the 11.0-11.1 GB reserved through every step (H100, 2026-12-05).
+            backend.release_cache(device)
             return
         if placement.timing:  # the device-summing plan does not fit: back to the one that did
             _rebuild(engine, placement.overshot(format_bytes(peak)))
@@ -368,7 +373,9 @@ def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) 
     start = host = None
     # Dropout draws random numbers: the run's random streams start where they would without this step.
     forked = [] if backend.caps.virtual_devices else [device]
-    with torch.random.fork_rng(devices=forked, device_type=backend.device(device).type):
+    # Plain steps, as the plan prices them: the same sample again would clip every step or none.
+    unclipped = engine.clip.suspended() if engine.clip is not None else contextlib.nullcontext()
+    with unclipped, torch.random.fork_rng(devices=forked, device_type=backend.device(device).type):
         backend.synchronize(device)
         # What earlier work left cached (the profiler's runs, a previous attempt's engine) would
         # count as this plan's reserved peak: every attempt at 8 GB, margins 10 to 35 %, "peaked"
@@ -449,17 +456,20 @@ def give_back(engine: "MemFerry", weights: dict[str, torch.Tensor] | None = None
     """Release ``engine``'s parts and point the model's parameters at ordinary host tensors of
     its weights (the engine's are unchanged since it was built: rehearsals run at rate 0):
     ``weights`` where given (the caller's copy of ``engine.shadow.state_dict()``, taken after
-    the last update; the model then holds those very tensors), else a copy made here."""
+    the last update; the model then holds those very tensors), else a copy taken unit by unit
+    as the shadow's buffers are freed (``ShadowModel.release``: the host holds one unit's copy
+    beside the shadow, not the whole model's)."""
     engine.optimizer.close()  # the worker first: nothing may write the masters while they are read
-    if weights is None:
-        weights = engine.shadow.state_dict()  # the parameters' own dtypes: the fp32 originals where cast
     engine.executor.close()
     if engine.copier is not None:
         engine.copier.close()
-    engine.shadow.release()
+    shadow = engine.shadow
+    # Only the shadow may hold its buffers while it frees them unit by unit, its weights taken out.
     del engine.shadow, engine.optimizer, engine.device_optimizer, engine.executor
     gc.collect()
-    restore_parameters(engine.model, weights)
+    taken = shadow.release(keep_weights=weights is None)  # the parameters' own dtypes: fp32 originals where cast
+    del shadow
+    restore_parameters(engine.model, weights if weights is not None else taken)
 
 
 def _rebuild(engine: "MemFerry", plan: Any, weights: dict[str, torch.Tensor] | None = None) -> None:
