@@ -3,6 +3,8 @@ and run again from its first micro-batch, training on as if it had never failed;
 what would work, where the step cannot be run again exactly (cpu backend; the error is injected)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from strategies.memferry import AdamW, MemFerry
 from strategies.memferry.executor import Executor
 from strategies.memferry.oom_recovery import StepOutOfMemoryError, replan_after_oom
 from strategies.memferry.planning import plan_for
-from strategies.memferry.config import Plan
+from strategies.memferry.config import Plan, UnitPlan
 from strategies.training.engines import MemFerryEngine
 from tests.test_memferry_scheduler_accum import batch, qwen2_tied
 
@@ -101,14 +103,20 @@ def test_without_host_room_for_the_state_the_step_is_not_run_again(cpu_backend, 
     import strategies.memferry.oom_recovery as oom_recovery
 
     plan, budget = scheduled
-    engine = _engine(cpu_backend, plan, budget)
-    params = sum(p.numel() for p in engine.model.parameters())
-    monkeypatch.setattr(oom_recovery, "_mem_available", lambda: 16 * params - 1)  # 4 B weights + 12 B state each
+    engine = _engine(cpu_backend, Plan([UnitPlan("prefetch", "prefetch"), UnitPlan("resident", "resident",
+                                                                                    optimizer="device")]), budget)
+    engine.plan = dataclasses.replace(engine.plan, profile=plan.profile)  # as if scheduled: it may be made again
+    host, device = ([16 * s.unit.numel for s in engine.shadow.shadows if s.home == home] for home in ("host", "device"))
+    # 4 B weights + 12 B state a parameter: one host-homed unit's at a time (the shadow frees as much
+    # as it is taken out), every device-homed unit's at once (its buffers free device memory)
+    need = max(host) + sum(device)
+    assert len(host) == 2 and need < 16 * sum(p.numel() for p in engine.model.parameters())
+    monkeypatch.setattr(oom_recovery, "_mem_available", lambda: need - 1)
     before = engine.plan
     with pytest.raises(StepOutOfMemoryError, match="keeping the optimizer state through a rebuild takes"):
         replan_after_oom(engine, "CUDA out of memory")
     assert engine.plan is before
-    monkeypatch.setattr(oom_recovery, "_mem_available", lambda: 16 * params)
+    monkeypatch.setattr(oom_recovery, "_mem_available", lambda: need)
     replan_after_oom(engine, "CUDA out of memory")
     assert engine.plan is not before
     engine.close()
@@ -132,4 +140,28 @@ def test_the_training_engine_gives_up_after_its_attempts(cpu_backend, monkeypatc
     with pytest.raises(torch.OutOfMemoryError, match="injected"):
         engine.train_batch(_micro())
     assert engine.replans == 0
+    engine.close()
+
+
+def test_a_rebuild_keeps_every_unit_s_state_where_units_change_homes(cpu_backend, scheduled):
+    """The state goes out of the shadow and back into the new one unit by unit; a unit homed on
+    the host before and on the device after (and the other way round) keeps its weights, master,
+    moments and step exactly."""
+    from strategies.memferry.oom_recovery import rebuild_keeping_state
+
+    _, budget = scheduled
+    host_first = Plan([UnitPlan("prefetch", "prefetch"), UnitPlan("resident", "resident", optimizer="device")])
+    engine = _engine(cpu_backend, host_first, budget, torch.bfloat16)
+    for x, y in _micro():
+        engine.backward(engine(x, y) / 2)
+    engine.step()
+    before = engine.state_dict()
+    rebuild_keeping_state(engine, Plan([UnitPlan("resident", "resident", optimizer="device"),
+                                        UnitPlan("prefetch", "prefetch")]))
+    assert [s.home for s in engine.shadow.shadows[:2]] == ["device", "host"]
+    after = engine.state_dict()
+    assert all(torch.equal(after["model"][n], t) for n, t in before["model"].items())
+    for name, st in before["optimizer"].items():
+        assert after["optimizer"][name]["step"] == st["step"] == 1
+        assert all(torch.equal(after["optimizer"][name][k], st[k]) for k in ("master", "exp_avg", "exp_avg_sq")), name
     engine.close()

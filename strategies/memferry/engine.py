@@ -214,9 +214,11 @@ class MemFerry:
                 self.backend.set_memory_cap(self.device, previous_cap)
                 raise
 
-    def _assemble(self, units: list, plan: Plan, originals: dict[str, torch.Tensor]) -> None:
+    def _assemble(self, units: list, plan: Plan, originals: dict[str, torch.Tensor],
+                  kept: dict[str, Any] | None = None) -> None:
         """Build the engine's parts for ``plan``: the shadow model (taking ``originals`` as
-        masters), the host and device optimizers, the executor; counters start at zero."""
+        masters, and ``kept``'s optimizer state: ``ShadowModel``), the host and device
+        optimizers, the executor; counters start at zero."""
         setup = self._setup
         n_blocks = sum(u.is_block for u in units)
         check_plan(plan, n_blocks, self.backend, setup["accumulation_steps"])  # before anything touches the model
@@ -230,7 +232,8 @@ class MemFerry:
             self.shadow = ShadowModel(units, self.backend, self.device, device_homes, self.dp, originals=originals,
                                       accumulate=setup["accumulation_steps"] > 1,
                                       paired=paired_units(units, plan, setup["accumulation_steps"], self.dp is not None),
-                                      backup_budget=self.cfg.backup_budget() if self.cfg.speculative else 0)
+                                      backup_budget=self.cfg.backup_budget() if self.cfg.speculative else 0,
+                                      kept=kept)
         read_in_place = frozenset(u.index for u, up in zip(units, plan.units) if "dha" in (up.forward, up.backward))
         #: global-norm clipping (None without ``max_grad_norm``): where norms are taken (clip_norms.py)
         self.clip = (GlobalNormClip.for_plan(self.backend, self.cfg.max_grad_norm, units, plan,

@@ -55,10 +55,21 @@ class StepOutOfMemoryError(XpuError, torch.OutOfMemoryError):
 
 
 def _state_bytes(engine: "MemFerry") -> int:
-    """Host bytes the state kept through a rebuild takes at most: the weights (fp32; the rebuild
-    restores the model from this same copy) and the trainable parameters' master and Adam moments."""
-    return sum(4 * p.numel() for s in engine.shadow.shadows for _, p in s.unit.params) + sum(
-        12 * p.numel() for s in engine.shadow.shadows for _, p in s.unit.trainable)
+    """Host bytes a rebuild keeping the state takes beyond the shadow it replaces, at most. The
+    state (weights, and the trainable parameters' master and Adam moments: 16 B per parameter)
+    is taken out unit by unit as the shadow frees the same bytes of a host-homed unit
+    (``ShadowModel.release``) and put back unit by unit (``ShadowModel(kept=...)``), so: one
+    unit's state at a time, the device-homed units' whole state (their buffers free device
+    memory, not host), and the model cast to its compute dtype again before the new shadow
+    takes it."""
+    def state(s) -> int:
+        return 4 * sum(p.numel() for _, p in s.unit.params) + 12 * sum(p.numel() for _, p in s.unit.trainable)
+
+    shadows = engine.shadow.shadows
+    dtype = engine._setup["compute_dtype"]
+    cast = dtype.itemsize * sum(p.numel() for s in shadows for _, p in s.unit.params) if dtype is not None else 0
+    one = max((state(s) for s in shadows if s.home == "host"), default=0)
+    return one + sum(state(s) for s in shadows if s.home == "device") + cast
 
 
 def rebuild_refusal(engine: "MemFerry") -> str | None:
@@ -139,11 +150,10 @@ def rebuild_keeping_state(engine: "MemFerry", plan: Any) -> None:
     the new prediction). The caller has checked it can (:func:`rebuild_refusal`)."""
     backend, device = engine.backend, engine.device
     engine.optimizer.wait_all()  # the previous step's updates are part of the state kept
-    state = {"model": engine.shadow.state_dict(), "optimizer": engine.shadow.optimizer_state_dict()}
     handle, lr = engine._handle, engine._lr
-    _rebuild(engine, plan, state["model"])  # one copy of the weights: the model is restored from the state kept
-    engine.load_state_dict(state)
-    del state
+    _rebuild(engine, plan, keep_optimizer=True)  # the state taken out and put back unit by unit
+    engine.optimizer.sync_steps_from_shadows()
+    engine.device_optimizer.sync_steps_from_shadows(engine.shadow.shadows)
     backend.release_cache(device)  # the old plan's cached fragments: the new plan starts from what is in use
     engine._handle = handle  # an LR scheduler's optimizer stays this engine's
     engine.set_lr(lr)

@@ -452,30 +452,32 @@ def _reset(engine: "MemFerry") -> None:
         engine.clip.reset()
 
 
-def give_back(engine: "MemFerry", weights: dict[str, torch.Tensor] | None = None) -> None:
+def give_back(engine: "MemFerry", keep_optimizer: bool = False) -> dict[str, Any] | None:
     """Release ``engine``'s parts and point the model's parameters at ordinary host tensors of
-    its weights (the engine's are unchanged since it was built: rehearsals run at rate 0):
-    ``weights`` where given (the caller's copy of ``engine.shadow.state_dict()``, taken after
-    the last update; the model then holds those very tensors), else a copy taken unit by unit
-    as the shadow's buffers are freed (``ShadowModel.release``: the host holds one unit's copy
-    beside the shadow, not the whole model's)."""
+    its weights, as ``engine.shadow.state_dict()`` has them (after a rehearsal, those it was
+    built from: rehearsals run at rate 0). They are taken unit by unit as the shadow's buffers
+    are freed (``ShadowModel.release``): the host holds one unit's copy beside the shadow, not
+    the whole model's. ``keep_optimizer``: the optimizer state is taken out that way too and
+    returned (``optimizer_state_dict``'s form); else None."""
     engine.optimizer.close()  # the worker first: nothing may write the masters while they are read
     engine.executor.close()
     if engine.copier is not None:
         engine.copier.close()
     shadow = engine.shadow
-    # Only the shadow may hold its buffers while it frees them unit by unit, its weights taken out.
+    # Only the shadow may hold its buffers while it frees them unit by unit, its state taken out.
     del engine.shadow, engine.optimizer, engine.device_optimizer, engine.executor
     gc.collect()
-    taken = shadow.release(keep_weights=weights is None)  # the parameters' own dtypes: fp32 originals where cast
+    state = shadow.release(keep_weights=True, keep_optimizer=keep_optimizer)  # fp32 originals where cast
     del shadow
-    restore_parameters(engine.model, weights if weights is not None else taken)
+    restore_parameters(engine.model, state["model"])
+    return state.get("optimizer")
 
 
-def _rebuild(engine: "MemFerry", plan: Any, weights: dict[str, torch.Tensor] | None = None) -> None:
-    """Build ``engine``'s parts again for ``plan`` from its weights (``weights``: as
-    :func:`give_back` takes them)."""
-    give_back(engine, weights)
+def _rebuild(engine: "MemFerry", plan: Any, keep_optimizer: bool = False) -> None:
+    """Build ``engine``'s parts again for ``plan`` from its weights (see :func:`give_back`);
+    ``keep_optimizer``: its masters, moments and step counts too, each unit's put back as the
+    unit is made (``ShadowModel(kept=...)``)."""
+    kept = give_back(engine, keep_optimizer)
     model, setup = engine.model, engine._setup
     originals = cast_parameters(model, setup["compute_dtype"])
-    engine._assemble(split_units(model, setup["blocks"], setup["no_decay"]), plan, originals)
+    engine._assemble(split_units(model, setup["blocks"], setup["no_decay"]), plan, originals, kept)

@@ -50,6 +50,7 @@ from .config import Plan, UnitPlan
 from .cost import (SCALARS, Links, Prediction, State, advance_rows, describe_units, finish, initial_state, option_cost,
                    predict, predict_options)
 from .host_budget import host_budget, rest_terms
+from .host_room import with_host_room
 from .least_memory import block_options, least_memory, peak_rows
 from .pareto import pareto_front
 
@@ -236,8 +237,10 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
              allow_dha: bool = True, allow_device_optimizer: bool = True, depths: Iterable[int] = (1, 2),
              rest_optimizers: Iterable[str] = ("host", "device"), margin: float = 0.10,
              explain: bool = True, max_labels: int | None | str = "auto", group_blocks: int | None = None,
-             host_sums: bool = True, device_sums: bool = True, prune: bool = True) -> Plan:
-    """The plan with the smallest predicted step time whose predicted peak fits ``budget_bytes``.
+             host_sums: bool = True, device_sums: bool = True, prune: bool = True, host_room: bool = True) -> Plan:
+    """The plan with the smallest predicted step time whose predicted peak fits ``budget_bytes``
+    (or, where that one is host-tight, one predicted within 1 % of it that leaves the host room:
+    ``host_room.py``).
 
     Args:
         profile: measured figures (:func:`~.profiler.profile_step`).
@@ -267,6 +270,9 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
         prune: leave out the choices that never win on time (:func:`prune_choices`); where
             then no plan fits, the search runs again with them (offload keeps a block's input
             off the device, which recompute does not).
+        host_room: where the fastest plan's host work nearly fills its compute chain, take a
+            plan predicted as fast with more host room (:func:`~.host_room.with_host_room`);
+            False: the fastest, always.
 
     Returns:
         A :class:`Plan` with ``predicted_step_s`` and ``notes`` filled.
@@ -332,13 +338,24 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
                       f"blocks, {max_labels} partial plans per block and choice); this is the plan of least device "
                       f"memory ({format_bytes(need)}), not the fastest that fits: a larger budget, group_blocks=1 or "
                       f"max_labels=None may find a faster one")
+    room_note = None
+    if host_room and least_note is None:
+        def search(slower: "StepProfile") -> Plan:
+            return schedule(slower, links, budget_bytes, n_blocks, allow_dha=allow_dha,
+                            allow_device_optimizer=allow_device_optimizer, depths=depths, rest_optimizers=rest_optimizers,
+                            margin=margin, explain=False, max_labels=max_labels, group_blocks=group_blocks,
+                            host_sums=host_sums, device_sums=device_sums, prune=prune, host_room=False)
+
+        plan, pred, room_note = with_host_room(best[1], predict(best[1], profile, links, margin), profile, links,
+                                               float(budget_bytes), margin, search)
+        best = (pred, plan)
     plan, clip_note = best[1], None
     rate = getattr(profile, "clip_fire_rate", 0.0)
     if rate and getattr(profile, "clipping", False):  # weigh the steps after clipped ones too (clip_plan.py)
         plan, clip_note = for_clip(plan, profile, links, float(budget_bytes), margin, rate, named)
     pred = price(plan, profile, links, margin)  # the same numbers, with the host-work total filled in
     plan.notes = _explain(plan, pred, profile, links, float(budget_bytes), choices, margin) if explain else []
-    plan.notes += [n for n in (clip_note, least_note) if n]
+    plan.notes += [n for n in (room_note, clip_note, least_note) if n]
     if group > 1:
         plan.notes.append(f"note: blocks were decided in groups of {group} consecutive blocks ({n} blocks); "
                           f"group_blocks=1 searches every block's choice (slower)")

@@ -24,6 +24,7 @@ device view of ``work`` for DHA), so autograd and user code keep seeing ordinary
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,6 +35,9 @@ from .data_parallel import DataParallel
 from .units import Unit
 
 __all__ = ["UnitShadow", "ShadowModel", "host_bytes_needed", "backup_elements"]
+
+#: The optimizer state of a trainable parameter, besides its step count.
+_STATE = ("master", "exp_avg", "exp_avg_sq")
 
 
 @dataclass
@@ -206,12 +210,16 @@ class ShadowModel:
             ``"auto"`` that but at most half the host memory the other buffers leave.
         paired: indices of host-homed units whose accumulated micro-batches land in two zones
             and are summed two at a time (``accumulation.paired_units``).
+        kept: optimizer state kept through a rebuild (:meth:`optimizer_state_dict`'s form, from
+            :meth:`release`): each unit's master, moments and step come from it as the unit is
+            made, and its entries are dropped then (the caller's dict is this one), so the host
+            never holds the whole state beside the finished shadows.
     """
 
     def __init__(self, units: list[Unit], backend: Backend, device: int, device_homes: set[int] | frozenset = frozenset(),
                  dp: "DataParallel | None" = None, originals: dict[str, torch.Tensor] | None = None,
                  accumulate: bool = False, backup_budget: int | str | None = 0,
-                 paired: frozenset[int] = frozenset()) -> None:
+                 paired: frozenset[int] = frozenset(), kept: dict[str, Any] | None = None) -> None:
         self.backend, self.device, self.dp = backend, device, dp
         self.paired = paired
         self.backup_budget = backup_budget
@@ -225,6 +233,8 @@ class ShadowModel:
         self.shadows: list[UnitShadow] = []
         for u in units:
             self.shadows.append(self._make_device_home(u) if u.index in device_homes else self._make(u))
+            if kept:
+                self._restore(self.shadows[-1], kept)
             # Taken as masters: let this unit's fp32 originals go now (the caller's dict is this
             # one), so the host never holds the whole fp32 model beside the finished shadows.
             for name, _ in u.params:
@@ -340,32 +350,39 @@ class ShadowModel:
         shadow.bind(shadow.device_views)
         return shadow
 
-    def release(self, keep_weights: bool = False) -> dict[str, torch.Tensor]:
+    def release(self, keep_weights: bool = False, keep_optimizer: bool = False) -> dict[str, Any]:
         """Give every host buffer back to the arena and free the device memory of every unit's
         device copy and device-homed state (the engine is closing): now, not when a garbage
         collection reaches the engine's reference cycles (hooks, views, the model's parameters),
         which held a closed engine's device memory for as long as none ran.
 
-        ``keep_weights``: return the weights, as :meth:`state_dict` has them, taken unit by unit,
-        each unit's host buffers freed right after (returned to the system, not kept in the
-        arena's cache), so the host never holds the copy beside the whole shadow. Copied first,
-        the 26 GB of a 6.6 B model's fp32 weights beside its 100 GB shadow passed its 120 GB host
-        cap when a re-plan rebuilt the engine (H100, 2026-12-05). The pages go back only where
-        nothing else holds the buffers: the engine drops its optimizers and executor first.
-        Otherwise an empty dict."""
+        ``keep_weights`` / ``keep_optimizer``: return ``{"model": ..., "optimizer": ...}`` as
+        :meth:`state_dict` and :meth:`optimizer_state_dict` have them, taken unit by unit, each
+        unit's host buffers freed right after (returned to the system, not kept in the arena's
+        cache), so the host never holds the copy beside the whole shadow. Copied first, the 26 GB
+        of a 6.6 B model's fp32 weights beside its 100 GB shadow passed its 120 GB host cap when a
+        re-plan rebuilt the engine (H100, 2026-12-05). The pages go back only where nothing else
+        holds the buffers: the engine drops its optimizers and executor first. Otherwise ``{}``."""
         self.backend.synchronize(self.device)  # nothing queued may still read what is freed here
         arena = self.backend.host_arena
-        weights: dict[str, torch.Tensor] = {}
-        shadows, self.shadows = self.shadows, []
+        free = keep_weights or keep_optimizer
+        state: dict[str, Any] = {}
+        if keep_weights:
+            state["model"] = {}
+        if keep_optimizer:
+            state["optimizer"] = {}
+        shadows, self.shadows = list(self.shadows), []  # others may hold the list itself: not emptied
         for k in range(len(shadows)):
             if keep_weights:
-                weights.update(self._weights(shadows[k]))
-            self._release_unit(shadows[k], arena, free=keep_weights)
+                state["model"].update(self._weights(shadows[k]))
+            if keep_optimizer:
+                state["optimizer"].update(self._optimizer_state(shadows[k]))
+            self._release_unit(shadows[k], arena, free=free)
             shadows[k] = None  # type: ignore[call-overload]  # its views were the last references
         if self.backup.numel():
-            (arena.free if keep_weights else arena.release)(self.backup)
+            (arena.free if free else arena.release)(self.backup)
             self.backup = torch.empty(0)
-        return weights
+        return state
 
     def _release_unit(self, s: UnitShadow, arena: HostArena, free: bool) -> None:
         """Free ``s``'s device memory; its host buffers back to ``arena`` (``free``: to the system)."""
@@ -416,14 +433,33 @@ class ShadowModel:
     def optimizer_state_dict(self) -> dict[str, object]:
         """fp32 master weights, Adam moments and step counts per parameter name (a collective
         under data parallelism, like :meth:`state_dict`)."""
+        return {name: st for s in self.shadows for name, st in self._optimizer_state(s).items()}
+
+    def _optimizer_state(self, s: UnitShadow) -> dict[str, object]:
+        """Unit ``s``'s part of :meth:`optimizer_state_dict`."""
         state: dict[str, object] = {}
-        for s in self.shadows:
-            full = {key: self._full(s, key) for key in ("master", "exp_avg", "exp_avg_sq")}
-            for off, (name, p) in zip(s.offsets, s.unit.trainable):
-                sl = slice(off, off + p.numel())
-                state[name] = {key: t[sl].view(p.shape).to("cpu", copy=True) for key, t in full.items()}
-                state[name]["step"] = s.step
+        full = {key: self._full(s, key) for key in _STATE}
+        for off, (name, p) in zip(s.offsets, s.unit.trainable):
+            sl = slice(off, off + p.numel())
+            state[name] = {key: t[sl].view(p.shape).to("cpu", copy=True) for key, t in full.items()} | {"step": s.step}
         return state
+
+    def _restore(self, s: UnitShadow, kept: dict[str, Any]) -> None:
+        """Unit ``s``'s master, moments and step from ``kept`` (see the constructor), and its
+        working copy from that master, as :meth:`load` sets them; its entries are dropped."""
+        entries = [(off, p, kept.pop(name)) for off, (name, p) in zip(s.offsets, s.unit.trainable) if name in kept]
+        if not entries:
+            return
+        full = {key: torch.zeros(s.work.numel(), dtype=torch.float32) for key in _STATE}
+        for off, p, st in entries:
+            for key in _STATE:
+                full[key][off:off + p.numel()].copy_(st[key].reshape(-1))
+            s.step = int(st["step"])
+        mine = s.train_shard if s.shard is not None else slice(0, s.master.numel())
+        for key in _STATE:
+            getattr(s, key).copy_(full[key][mine])
+        n = s.unit.train_numel  # the trainable parameters come first in the flat unit
+        s.work[:n].copy_(full["master"][:n])
 
     def load(self, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, object] | None = None) -> None:
         """Load weights (and optionally optimizer state); checks every name and shape first.
