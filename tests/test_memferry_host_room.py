@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 import strategies.memferry.host_room as host_room
-from strategies.memferry.config import Plan, UnitPlan
+from strategies.memferry.config import Plan
 from strategies.memferry.cost import Prediction, predict
 from strategies.memferry.links import links_from_probe
 from strategies.memferry.profiler import StepProfile
