@@ -147,7 +147,8 @@ def test_dp_is_optimal_against_brute_force(seed):
     summed, selective = [], []
     for budget in (lo, lo * 1.2, lo * 2, lo * 10):
         best = brute_force(prof, links, budget, depths=(1, 2))
-        plan = schedule(prof, links, budget, n, depths=(1, 2), explain=False, max_labels=None)
+        plan = schedule(prof, links, budget, n, depths=(1, 2), explain=False, max_labels=None,
+                        host_room=False)
         assert best is not None
         assert plan.predicted_step_s == pytest.approx(best[0], rel=1e-9), (seed, budget)
         assert predict(plan, prof, links).peak_bytes <= budget
@@ -165,7 +166,8 @@ def test_more_budget_never_predicts_a_slower_step():
     rng = random.Random(11)
     prof, links = _fix(random_profile(rng, 4)), random_links(rng)
     lo = min_budget(prof, links)
-    steps = [schedule(prof, links, lo * f, 4, explain=False).predicted_step_s for f in (1, 1.1, 1.3, 1.7, 2.5, 5, 50)]
+    steps = [schedule(prof, links, lo * f, 4, explain=False, host_room=False).predicted_step_s
+             for f in (1, 1.1, 1.3, 1.7, 2.5, 5, 50)]  # the search's own optimum (host room may give 1 % of it)
     assert all(b <= a + 1e-12 for a, b in zip(steps, steps[1:])), steps
 
 
@@ -270,7 +272,8 @@ def test_dp_is_optimal_against_brute_force_four_blocks(seed):
     for budget in (lo, lo * 1.2, lo * 3):
         best = brute_force(prof, links, budget, allow_dha=False, depths=(1,))
         assert best is not None
-        plan = schedule(prof, links, budget, 4, allow_dha=False, depths=(1,), explain=False, max_labels=None)
+        plan = schedule(prof, links, budget, 4, allow_dha=False, depths=(1,), explain=False, max_labels=None,
+                        host_room=False)
         assert plan.predicted_step_s == pytest.approx(best[0], rel=1e-9)
 
 

@@ -7,8 +7,9 @@ it accumulates) on the planning sample at learning rate 0, with the cap lifted, 
 device's peak. AdamW at rate 0 leaves every weight exactly as it was (decay ``1 - 0 * wd`` is 1,
 the step ``-0 * m / d`` adds zero), so afterwards only the moments and step counts are put back
 to their start. With ``max_grad_norm`` the rehearsal's clip never fires
-(``GlobalNormClip.suspended``): its steps are the plain ones the plan's prediction prices. If the peak is over the budget, the engine takes its (unchanged) weights back
-from its shadow model, gives its buffers up, and is built again for the plan the scheduler makes
+(``GlobalNormClip.suspended``): its steps are the plain ones the plan's prediction prices. If
+the peak is over the budget, the engine takes its (unchanged) weights back from its shadow
+model unit by unit as it gives its buffers up, and is built again for the plan the scheduler makes
 from the same profile with a margin that covers what the prediction missed (no new profiling),
 up to :data:`ATTEMPTS` times. Lifting the cap means the overshoot is measured, never hit: an
 out-of-memory error in the middle of a step would leave its tensors to the autograd graph.
