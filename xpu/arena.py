@@ -89,16 +89,7 @@ class HostArena:
         Raises:
             ValueError: the tensor did not come from this arena (or was released already).
         """
-        if tensor.numel() == 0:
-            return
-        ptr = tensor.untyped_storage().data_ptr()
-        with self._lock:
-            raw = self._in_use.pop(ptr, None)
-            if raw is None:
-                raise ValueError("release() got a tensor this arena did not hand out, or one already released")
-            self._in_use_bytes -= raw.numel()
-            self._cache[ptr] = raw
-            self._cached_bytes += raw.numel()
+        self._hand_back(tensor, "release", cache=True)
 
     def free(self, tensor: torch.Tensor) -> None:
         """Give a tensor from :meth:`empty` back to the backend at once, not to the cache: its
@@ -107,15 +98,22 @@ class HostArena:
         Raises:
             ValueError: the tensor did not come from this arena (or was released already).
         """
+        self._hand_back(tensor, "free", cache=False)
+
+    def _hand_back(self, tensor: torch.Tensor, verb: str, cache: bool) -> None:
         if tensor.numel() == 0:
             return
         ptr = tensor.untyped_storage().data_ptr()
         with self._lock:
             raw = self._in_use.pop(ptr, None)
             if raw is None:
-                raise ValueError("free() got a tensor this arena did not hand out, or one already released")
+                raise ValueError(f"{verb}() got a tensor this arena did not hand out, or one already released")
             self._in_use_bytes -= raw.numel()
-            self._backend.free_pinned(raw)
+            if cache:
+                self._cache[ptr] = raw
+                self._cached_bytes += raw.numel()
+            else:
+                self._backend.free_pinned(raw)
 
     def trim(self) -> int:
         """Free every cached buffer; return the bytes freed."""
