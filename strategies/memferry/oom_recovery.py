@@ -151,9 +151,8 @@ def rebuild_keeping_state(engine: "MemFerry", plan: Any) -> None:
     backend, device = engine.backend, engine.device
     engine.optimizer.wait_all()  # the previous step's updates are part of the state kept
     handle, lr = engine._handle, engine._lr
-    _rebuild(engine, plan, keep_optimizer=True)  # the state taken out and put back unit by unit
-    engine.optimizer.sync_steps_from_shadows()
-    engine.device_optimizer.sync_steps_from_shadows(engine.shadow.shadows)
+    # The state taken out and put back unit by unit; the optimizers, built after, take their step counts from it.
+    _rebuild(engine, plan, keep_optimizer=True)
     backend.release_cache(device)  # the old plan's cached fragments: the new plan starts from what is in use
     engine._handle = handle  # an LR scheduler's optimizer stays this engine's
     engine.set_lr(lr)
