@@ -247,3 +247,36 @@ def test_the_rehearsal_s_sends_calibrate_the_plan_though_its_host_rate_is_within
     assert engine.plan.profile.earlier_send_s == 2e-3 and engine.plan.predicted_step_s > plan.predicted_step_s
     assert same_layout(engine.plan, plan)
     engine.close()
+
+
+def test_the_host_rate_after_a_rebuild_for_memory_is_the_least_of_the_rehearsals(cpu_backend, monkeypatch,
+                                                                                true_min_budget):  # noqa: F811
+    """The first plan peaks over the budget (the memory model made to under-count) and is made
+    again; the rehearsal after the rebuild measures the host 1.5x slower than the one before it
+    (as a rebuild's freeing and pinning did on an H100): the plan is priced on the faster."""
+    from tests.test_memferry_rehearsal import _undercounting
+
+    _undercounting(monkeypatch, 0.8)
+    rate = {"s": 1e-9}  # the host updates' seconds per parameter the rehearsals report
+    _measuring(monkeypatch, 0.0)
+    monkeypatch.setattr(HostOptimizer, "split_since",
+                        lambda self, start: (rate["s"], 0.0) if self.updated_numel else None)
+    monkeypatch.setattr(rehearsal, "ratios", lambda plan, measured: (measured[0] / 1e-9, 1.0))
+    monkeypatch.setattr(rehearsal, "replan", _slowing_after(rehearsal.replan, rate))
+    engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan="auto", sample=batch(),
+                      device_budget=int(true_min_budget * 1.1), backend=cpu_backend, memory_margin=0.0)
+    notes = engine.plan.notes
+    assert any("(after margin 0% peaked at" in n for n in notes), notes  # made again for memory
+    said = [n for n in notes if n.startswith("host rate:")]
+    assert len(said) == 1 and "updates 1.50x" in said[0], said
+    assert "the least of 2 timed rehearsals'" in said[0] and "updates 1.00x, sums 1.00x" in said[0], said
+    assert engine.plan.profile.host_update_scale == pytest.approx(1.0)
+    engine.close()
+
+
+def _slowing_after(replan, rate):
+    """``replan`` that makes the host 1.5x slower for the rehearsals after it."""
+    def slower(*args, **kwargs):
+        rate["s"] = 1.5e-9
+        return replan(*args, **kwargs)
+    return slower

@@ -16,7 +16,7 @@ from strategies.memferry.cost import H200_DHA_ROWS, Links, links_from_probe, pre
 from strategies.memferry.profiler import BlockProfile, StepProfile, profile_step
 from strategies.memferry import c_library, pareto
 from strategies.memferry.pareto import pareto_front
-from strategies.memferry.scheduler import NoPlanFitsError, brute_force, min_budget, prune_choices, schedule, unit_choices
+from strategies.memferry.scheduler import NoPlanFitsError, brute_force_budgets, min_budget, prune_choices, schedule, unit_choices
 from strategies.memferry.units import split_units
 
 GB = 1e9
@@ -145,8 +145,8 @@ def test_dp_is_optimal_against_brute_force(seed):
     choices = prune_choices(unit_choices(device_sum=prof.accumulation_steps > 1), prof, links)
     lo = min_budget(prof, links, choices, depths=(1, 2))
     summed, selective = [], []
-    for budget in (lo, lo * 1.2, lo * 2, lo * 10):
-        best = brute_force(prof, links, budget, depths=(1, 2))
+    budgets = (lo, lo * 1.2, lo * 2, lo * 10)
+    for budget, best in zip(budgets, brute_force_budgets(prof, links, budgets, depths=(1, 2))):
         plan = schedule(prof, links, budget, n, depths=(1, 2), explain=False, max_labels=None,
                         host_room=False)
         assert best is not None
@@ -267,10 +267,10 @@ def test_profiler_on_the_cpu_backend_with_a_tiny_gpt(cpu_backend):
 def test_dp_is_optimal_against_brute_force_four_blocks(seed):
     rng = random.Random(seed)
     prof, links = _fix(random_profile(rng, 4)), random_links(rng)
-    # the choices brute_force and schedule consider (offload dropped where it never pays)
+    # the choices brute_force_budgets and schedule consider (offload dropped where it never pays)
     lo = min_budget(prof, links, prune_choices(unit_choices(allow_dha=False), prof, links), depths=(1,))
-    for budget in (lo, lo * 1.2, lo * 3):
-        best = brute_force(prof, links, budget, allow_dha=False, depths=(1,))
+    budgets = (lo, lo * 1.2, lo * 3)
+    for budget, best in zip(budgets, brute_force_budgets(prof, links, budgets, allow_dha=False, depths=(1,))):
         assert best is not None
         plan = schedule(prof, links, budget, 4, allow_dha=False, depths=(1,), explain=False, max_labels=None,
                         host_room=False)

@@ -31,7 +31,7 @@ host updates, and a step's rate says nothing a profile could keep.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from .config import Plan
 
@@ -41,7 +41,8 @@ if TYPE_CHECKING:
     from .links import Links
     from .profiler import StepProfile
 
-__all__ = ["TOLERANCE", "SEARCH_AGAIN", "applies", "ratios", "calibrated", "with_sends", "repriced", "same_layout"]
+__all__ = ["TOLERANCE", "SEARCH_AGAIN", "applies", "ratios", "least_disturbed", "calibrated", "with_sends", "repriced",
+           "same_layout"]
 
 #: Measured over planned host rate beyond which the scheduler may search again (either way).
 TOLERANCE = 1.10
@@ -66,6 +67,16 @@ def ratios(plan: Plan, measured: tuple[float, float]) -> tuple[float, float]:
         update, earlier = update + earlier, 0.0
     return (update / planned_update if planned_update > 0 and update > 0 else 1.0,
             earlier / planned_earlier if planned_earlier > 0 and earlier > 0 else 1.0)
+
+
+def least_disturbed(found: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """The least of each part's :func:`ratios` over the timed rehearsals of one fit, each measured
+    against the plan it rehearsed. A disturbance only slows the host, and rebuilding the engine for
+    a plan that peaked over the budget disturbs it: it frees the old shadow's pinned buffers and
+    pins the new one's. The 128-layer GPT's host updates ran 1.00x their price in its first
+    rehearsal, 1.22x in the one after such a rebuild, and 1.04x in its steps (H100,
+    bench/results/2026-12-05-h100-session35/call2/s128)."""
+    return min(r[0] for r in found), min(r[1] for r in found)
 
 
 def calibrated(profile: "StepProfile", update: float, earlier: float = 1.0) -> "StepProfile":

@@ -57,7 +57,7 @@ from .pareto import pareto_front
 if TYPE_CHECKING:
     from .profiler import StepProfile
 
-__all__ = ["NoPlanFitsError", "unit_choices", "sums_on_host_by_choice", "schedule", "brute_force", "min_budget", "price",
+__all__ = ["NoPlanFitsError", "unit_choices", "sums_on_host_by_choice", "schedule", "brute_force_budgets", "min_budget", "price",
            "planned_host_rate", "host_numel"]
 
 _GB = 1e9
@@ -447,15 +447,17 @@ def _explain(plan: Plan, pred: Prediction, profile: "StepProfile", links: Links,
     return lines
 
 
-def brute_force(profile: "StepProfile", links: Links, budget_bytes: float, allow_dha: bool = True,
-                allow_device_optimizer: bool = True, depths: Iterable[int] = (1, 2),
-                rest_optimizers: Iterable[str] = ("host", "device"), margin: float = 0.10) -> tuple[float, Plan] | None:
-    """The best plan by trying every one (tests only: exponential in the block count)."""
+def brute_force_budgets(profile: "StepProfile", links: Links, budgets: Sequence[float], allow_dha: bool = True,
+                        allow_device_optimizer: bool = True, depths: Iterable[int] = (1, 2),
+                        rest_optimizers: Iterable[str] = ("host", "device"),
+                        margin: float = 0.10) -> list[tuple[float, Plan] | None]:
+    """The best plan (its predicted step and the plan; None where none fits) under each of ``budgets``,
+    by trying every one, each predicted once (tests only: exponential in the block count)."""
     n = len(profile.blocks)
     allow_dha = allow_dha and bool(links.dha_read_GBps)
     choices = prune_choices(unit_choices(allow_dha, allow_device_optimizer, profile.accumulation_steps > 1), profile,
                             links)
-    best: tuple[float, Plan] | None = None
+    best: list[tuple[float, Plan] | None] = [None] * len(budgets)
     for depth in depths:
         opts = block_options(profile, links, choices, depth)  # predict()'s terms, computed once per block and choice
         for rest_optimizer in rest_optimizers:
@@ -464,6 +466,7 @@ def brute_force(profile: "StepProfile", links: Links, budget_bytes: float, allow
             for combo in itertools.product(range(len(choices)), repeat=n):
                 p = predict_options([opts[i][c] for i, c in enumerate(combo)], profile, links, rest_optimizer, depth,
                                     margin)
-                if p.peak_bytes <= budget_bytes and (best is None or p.step_s < best[0]):
-                    best = (p.step_s, Plan([choices[c] for c in combo], depth, rest_optimizer))
+                for k, budget in enumerate(budgets):
+                    if p.peak_bytes <= budget and (best[k] is None or p.step_s < best[k][0]):
+                        best[k] = (p.step_s, Plan([choices[c] for c in combo], depth, rest_optimizer))
     return best
