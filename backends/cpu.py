@@ -27,7 +27,6 @@ import weakref
 from typing import Any, Iterator, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from xpu.backend import Backend, BufferHandle, MemoryStats
@@ -125,13 +124,32 @@ class _Tracker(TorchDispatchMode):
         device = self.backend._current()
         if device is None or self.backend._untracked_depth():
             return out
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+        made = [t for t in _tensors(out) if t.device.type == "cpu"]
+        if made:
+            inputs = {t.untyped_storage().data_ptr() for t in _tensors(args) + (_tensors(kwargs) if kwargs else [])}
+            for t in made:
                 storage = t.untyped_storage()
                 if storage.data_ptr() not in inputs:
                     self.backend._track(storage, device)
         return out
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or results (nested lists, tuples and dicts): what
+    ``torch.utils._pytree.tree_flatten`` finds there, at a fraction of its cost on every op
+    (the cpu backend's tests spent a third of their time flattening)."""
+    if isinstance(tree, torch.Tensor):  # most ops' result
+        return [tree]
+    found, stack = [], [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.Tensor):
+            found.append(node)
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+    return found
 
 
 class CpuBackend(Backend):
