@@ -19,12 +19,16 @@ forward + backward (dX and dW into host memory)
     ``fb_host_ring`` the same with ``grad_write="ring"`` (dW through device slots and a copy stream;
                      what ``"auto"`` does where the weight streams).
 
+With ``--host-load`` a thread streams host memory the whole time (a triad over three 512 MiB
+fp32 arrays, as a host optimizer does in a starved step) and reports the rate it kept: does the
+ring keep its link rate beside the host optimizer it meets in training?
+
 Also: the link rate of a plain 128 MB copy each way, a chunk-size sweep of the ring at one M,
 whether the link carries both directions at once (copy in beside copy out, copy in beside a
 DHA-writing GEMM), and host_linear's bf16 error against F.linear on the same data. Prints a table and one JSON
 line starting ``{"diag": "dha_linear"``. Runs in well under a minute on an H200.
 
-    XPU_BACKEND=cuda python3 bench/scripts/diag_dha_linear.py [--n 8192] [--ms 64,256,1024,4096,16384]
+    XPU_BACKEND=cuda python3 bench/scripts/diag_dha_linear.py [--n 8192] [--ms 64,256,1024,4096,16384] [--host-load]
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # run from anywhere
@@ -60,12 +65,41 @@ def timed(fn, budget_s: float = 0.25, min_iters: int = 3, max_iters: int = 30) -
     return statistics.median(times)
 
 
+class HostLoad:
+    """A thread running a triad over host arrays until stopped (a host optimizer's memory traffic)."""
+
+    def __init__(self, nbytes: int = 512 << 20) -> None:
+        n = nbytes // 4
+        self.a, self.b, self.c = torch.empty(n), torch.ones(n), torch.ones(n)
+        self.passes, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            torch.add(self.b, self.c, alpha=0.5, out=self.a)  # reads 2 arrays, writes 1
+            self.passes += 1
+
+    def __enter__(self) -> "HostLoad":
+        self._t0 = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.GBps = self.passes * 3 * self.a.numel() * 4 / (time.perf_counter() - self._t0) / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=8192, help="weight is n x n")
     ap.add_argument("--ms", default="64,256,1024,4096,16384", help="batch sizes M (rows of X)")
     ap.add_argument("--sweep-m", type=int, default=4096, help="M of the chunk-size sweep")
+    ap.add_argument("--host-load", action="store_true", help="time everything beside a thread streaming host memory")
     args = ap.parse_args()
+    load = HostLoad() if args.host_load else None
+    if load is not None:
+        load.__enter__()
     t_start = time.perf_counter()
     b = xpu.get_backend()
     if b.device_type != "cuda":
@@ -187,7 +221,11 @@ def main() -> None:
     print(f"ring forward peak device memory at M={args.sweep_m}: {stream_peak / 2**20:.1f} MiB "
           f"(y is {args.sweep_m * n * 2 / 2**20:.0f} MiB, W {wbytes / 2**20:.0f} MiB)")
     print("duplex (ms, M=%d for the DHA write): " % args.sweep_m + ", ".join(f"{k} {v:.2f}" for k, v in duplex.items()))
+    if load is not None:
+        load.__exit__()
+        print(f"host load: a triad thread kept {load.GBps:.1f} GB/s of host memory traffic throughout")
     out = {"diag": "dha_linear", "device": torch.cuda.get_device_name(0), "n": n, "dtype": "bf16", "link": link,
+           "host_load_GBps": load.GBps if load is not None else None,
            "rows": rows, "chunk_sweep_ms": sweep, "sweep_m": args.sweep_m, "stream_peak_bytes": stream_peak, "duplex_ms": duplex,
            "wall_s": time.perf_counter() - t_start}
     print(json.dumps(out))
