@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--stream-overhead", type=float, default=None,
                     help="a streamed host_linear block's time over its link time (block_costs.STREAM_OVERHEAD)")
     ap.add_argument("--link-scale", type=float, default=1.0, help="both link rates times this")
+    ap.add_argument("--probe", default=None, help="the run's xpu-probe.json (default: beside the log's run or a sibling)")
     ap.add_argument("--as-logged", action="store_true",
                     help="keep the logged recomputation and backward times (ignore --recompute and --backward)")
     args = ap.parse_args()
@@ -80,7 +81,7 @@ def main() -> None:
         probes = [os.path.join(run, "xpu-probe.json")] + sorted(glob.glob(os.path.join(os.path.dirname(run), "*",
                                                                                         "xpu-probe.json")))
         name = os.path.basename(log)[:-4]
-        found = [p for p in probes if os.path.exists(p)]
+        found = [args.probe] if args.probe else [p for p in probes if os.path.exists(p)]
         if not found:
             print(f"| {run} {name} | no xpu-probe.json beside it or in a sibling folder: not priced | | | | |")
             continue
