@@ -297,6 +297,37 @@ def test_dha_forward_blocks_are_priced_as_streamed_linears_at_large_m():
     assert late.b > 10 * dha.b  # plain GEMMs over the host view re-read the weight per tile
 
 
+def test_a_streamed_host_linear_is_priced_no_faster_than_copies_beside_host_load():
+    """Where the probe measured its copies beside host-memory traffic, a streamed ``host_linear``
+    block (both passes) runs no faster than that rate a direction; links from a probe carry half
+    its both-ways figure."""
+    import dataclasses
+
+    from strategies.memferry.cost import RING_SERIAL, STREAM_OVERHEAD, option_cost
+
+    prof = h200_profile()
+    w, fwd, bwd = prof.blocks[0].param_bytes, prof.blocks[0].fwd_s, prof.blocks[0].bwd_s
+    unit = UnitPlan("dha", "dha")
+    alone = option_cost(prof, H200_LINKS, 5, unit)
+    loaded = option_cost(prof, dataclasses.replace(H200_LINKS, loaded_copy_GBps=20.0), 5, unit)
+    slow = w / 20e9
+    assert slow > STREAM_OVERHEAD * w / 55.2e9  # the loaded rate binds here
+    assert loaded.a == pytest.approx(max(fwd, slow)) and loaded.a > alone.a
+    assert loaded.b == pytest.approx(max(bwd, slow) + RING_SERIAL * min(bwd, slow))
+    fast = option_cost(prof, dataclasses.replace(H200_LINKS, loaded_copy_GBps=500.0), 5, unit)
+    assert (fast.a, fast.b) == (alone.a, alone.b)  # never faster than the bare link's price
+    probe = {"h2d_pinned_GBps": 55.0, "d2h_pinned_GBps": 55.0, "dha_read_GBps": 50.0,
+             "host": {"triad_GBps": 100.0, "triad_with_copies_GBps": 90.0, "copies_GBps": 42.4}}
+
+    class Probed:  # what links_from_probe asks of a backend given a probe
+        class caps:  # noqa: N801
+            dha = True
+
+    assert links_from_probe(Probed(), 0, probe=probe).loaded_copy_GBps == pytest.approx(21.2)
+    del probe["host"]["copies_GBps"]
+    assert links_from_probe(Probed(), 0, probe=probe).loaded_copy_GBps is None
+
+
 def test_plain_kernels_over_a_dha_view_are_priced_beside_the_host_optimizer():
     """A block DHA only in backward runs plain kernels over the host view: its pass is the
     probe's re-read time alone times ``DHA_VIEW_CONTENTION`` (the host optimizer reads the same

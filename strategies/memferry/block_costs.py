@@ -119,11 +119,18 @@ def _host_linear_time(base: float, nbytes: int, links: Links, tokens: int, backw
         return math.inf
     if tokens <= DHA_MAX_ROWS:  # read in place: one GEMM tile, each byte crosses once
         return max(base, nbytes / (links.dha_read_GBps * 1e9) * (2 if backward else 1))
+    # Its chunks cross the link while the host optimizer streams host memory: no faster than
+    # the probe's copies beside such traffic (both ways at once, as backward's weight in and
+    # gradient out). At 1.15x the bare link time the 8 GB GPT's nine such blocks were priced
+    # 2.11 ms a pass and its step missed by 17.8 %; at the loaded rate (4.75 ms) its plan is
+    # predicted within 1 % (H100, 21 GB/s a direction under load;
+    # bench/results/2026-12-05-h100-session35/call1/replay-dha.md).
+    loaded = nbytes / (links.loaded_copy_GBps * 1e9) if links.loaded_copy_GBps else 0.0
     if not backward:
-        return max(base, STREAM_OVERHEAD * nbytes / (links.h2d_GBps * 1e9))
+        return max(base, STREAM_OVERHEAD * nbytes / (links.h2d_GBps * 1e9), loaded)
     # Backward: the weight in (for dX) and its gradient out through the ring share the
     # full-duplex link; the ring's slot waits put part of the compute in series with it.
-    link = STREAM_OVERHEAD * nbytes / (min(links.h2d_GBps, links.d2h_GBps) * 1e9)
+    link = max(STREAM_OVERHEAD * nbytes / (min(links.h2d_GBps, links.d2h_GBps) * 1e9), loaded)
     return max(base, link) + RING_SERIAL * min(base, link)
 
 

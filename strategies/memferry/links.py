@@ -34,6 +34,9 @@ class Links:
         source: where the figures came from (``"probe"``, ``"topology"``, ``"given"``).
         host_GBps: host memory's triad rate on all cores (None: not probed; ``host_budget``).
         host_copy_weight: host-memory bytes a link byte cost the probe's triad (None: not probed).
+        loaded_copy_GBps: one direction's copy rate beside host-memory traffic: half what the
+            probe's copies moved both ways at once while its triad and AdamW ran (None: not
+            probed). A streamed ``host_linear`` forward is priced no faster (``block_costs``).
     """
 
     h2d_GBps: float
@@ -43,6 +46,7 @@ class Links:
     source: str = "given"
     host_GBps: float | None = None
     host_copy_weight: float | None = None
+    loaded_copy_GBps: float | None = None
 
     def dha_penalty(self, tokens: int) -> float:
         """How many times slower a DHA matmul is than copy-then-matmul at ``tokens`` rows.
@@ -91,10 +95,11 @@ def links_from_probe(backend: "Backend", device: int | None = None, probe: dict[
     return Links(link.GBps, link.GBps, link.GBps if dha_ok else None, H200_DHA_ROWS, "topology")
 
 
-def _host_figures(host: dict[str, Any]) -> tuple[float | None, float | None]:
-    """The probe's triad rate and the host-memory bytes a link byte cost it (None: absent)."""
+def _host_figures(host: dict[str, Any]) -> tuple[float | None, float | None, float | None]:
+    """The probe's triad rate, the host-memory bytes a link byte cost it, and one direction's
+    copy rate beside its host load (None: absent)."""
     triad, beside, copies = host.get("triad_GBps"), host.get("triad_with_copies_GBps"), host.get("copies_GBps")
     if not triad:
-        return None, None
+        return None, None, None
     weight = max(0.0, (triad - beside) / copies) if beside and copies else None
-    return float(triad), weight
+    return float(triad), weight, float(copies) / 2 if copies else None
