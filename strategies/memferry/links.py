@@ -36,7 +36,7 @@ class Links:
         host_copy_weight: host-memory bytes a link byte cost the probe's triad (None: not probed).
         loaded_copy_GBps: one direction's copy rate beside host-memory traffic: half what the
             probe's copies moved both ways at once while its triad and AdamW ran (None: not
-            probed). A streamed ``host_linear`` forward is priced no faster (``block_costs``).
+            probed). A streamed ``host_linear`` block is priced no faster, both passes (``block_costs``).
     """
 
     h2d_GBps: float
