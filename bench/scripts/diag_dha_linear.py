@@ -79,12 +79,14 @@ class HostLoad:
             torch.add(self.b, self.c, alpha=0.5, out=self.a)  # reads 2 arrays, writes 1
             self.passes += 1
 
-    def __enter__(self) -> "HostLoad":
+    def start(self) -> "HostLoad":
+        """Begin the traffic (returns this load)."""
         self._t0 = time.perf_counter()
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> None:
+        """End the traffic; ``GBps`` is then what it kept up."""
         self._stop.set()
         self._thread.join()
         self.GBps = self.passes * 3 * self.a.numel() * 4 / (time.perf_counter() - self._t0) / 1e9
@@ -97,9 +99,7 @@ def main() -> None:
     ap.add_argument("--sweep-m", type=int, default=4096, help="M of the chunk-size sweep")
     ap.add_argument("--host-load", action="store_true", help="time everything beside a thread streaming host memory")
     args = ap.parse_args()
-    load = HostLoad() if args.host_load else None
-    if load is not None:
-        load.__enter__()
+    load = HostLoad().start() if args.host_load else None
     t_start = time.perf_counter()
     b = xpu.get_backend()
     if b.device_type != "cuda":
@@ -222,7 +222,7 @@ def main() -> None:
           f"(y is {args.sweep_m * n * 2 / 2**20:.0f} MiB, W {wbytes / 2**20:.0f} MiB)")
     print("duplex (ms, M=%d for the DHA write): " % args.sweep_m + ", ".join(f"{k} {v:.2f}" for k, v in duplex.items()))
     if load is not None:
-        load.__exit__()
+        load.stop()
         print(f"host load: a triad thread kept {load.GBps:.1f} GB/s of host memory traffic throughout")
     out = {"diag": "dha_linear", "device": torch.cuda.get_device_name(0), "n": n, "dtype": "bf16", "link": link,
            "host_load_GBps": load.GBps if load is not None else None,

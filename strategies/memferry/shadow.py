@@ -482,7 +482,7 @@ class ShadowModel:
                 raise ValueError(f"{name}: shape {tuple(value.shape)} in the state, {tuple(p.shape)} in the model")
         for s in self.shadows:
             length = s.work.numel()  # padded under data parallelism
-            keys = ("master", "exp_avg", "exp_avg_sq") if optimizer_state else ("master",)
+            keys = _STATE if optimizer_state else ("master",)
             full = {key: torch.zeros(length, dtype=torch.float32) for key in keys}
             n_train = len(s.unit.trainable)
             for k, (off, (name, p)) in enumerate(zip(s.offsets, s.unit.params)):
