@@ -12,13 +12,15 @@ import dataclasses
 
 import pytest
 
+import strategies.memferry.host_calibration as host_calibration
 import strategies.memferry.profiler as profiler
 import strategies.memferry.rehearsal as rehearsal
 import strategies.memferry.sum_placement as sum_placement
 from strategies.memferry import AdamW, MemFerry
 from strategies.memferry.config import Plan
 from strategies.memferry.cost import links_from_probe, predict
-from strategies.memferry.host_calibration import TOLERANCE, calibrated, ratios, repriced, same_layout, with_sends
+from strategies.memferry.host_calibration import (DISTURBED, TOLERANCE, calibrated, ratios, repriced, same_layout,
+                                                 undisturbed, with_sends)
 from strategies.memferry.host_optimizer import HostOptimizer
 from strategies.memferry.planning import plan_for
 from strategies.memferry.scheduler import min_budget
@@ -81,7 +83,7 @@ def test_a_host_rate_far_off_the_plan_is_calibrated_and_planned_again(cpu_backen
 def test_a_plan_the_host_does_not_bound_is_repriced_not_searched(cpu_backend, monkeypatch, host_plan):
     plan, budget = host_plan
     _measuring(monkeypatch, 2 * plan.host_s_per_param)
-    real = rehearsal.repriced
+    real = host_calibration.repriced
 
     def compute_bound(p, profile, links, margin):  # as if the device bounded the step: it does not move
         out = real(p, profile, links, margin)
@@ -91,8 +93,8 @@ def test_a_plan_the_host_does_not_bound_is_repriced_not_searched(cpu_backend, mo
     def no_search(*args, **kwargs):
         raise AssertionError("searched again for a plan whose step the host does not bound")
 
-    monkeypatch.setattr(rehearsal, "repriced", compute_bound)
-    monkeypatch.setattr(rehearsal, "replan", no_search)
+    monkeypatch.setattr(host_calibration, "repriced", compute_bound)
+    monkeypatch.setattr(host_calibration, "replan", no_search)
     engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=batch(), device_budget=budget,
                       backend=cpu_backend, memory_margin=0.0)
     said = [n for n in engine.plan.notes if n.startswith("host rate:")]
@@ -124,7 +126,7 @@ def test_a_host_rate_within_the_tolerance_keeps_the_layout_and_predicts_on_the_m
     def no_search(*args, **kwargs):
         raise AssertionError("searched again for a host rate within the tolerance")
 
-    monkeypatch.setattr(rehearsal, "replan", no_search)
+    monkeypatch.setattr(host_calibration, "replan", no_search)
     engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=batch(), device_budget=budget,
                       backend=cpu_backend, memory_margin=0.0)
     said = [n for n in engine.plan.notes if n.startswith("host rate:")]
@@ -147,13 +149,13 @@ def test_a_calibrated_plan_of_another_layout_is_built_and_rehearsed(cpu_backend,
     # predicted far faster than the old layout at the calibrated rate: worth building
     other.profile, other.predicted_step_s, other.predicted_peak_bytes = plan.profile, 1e-9, plan.predicted_peak_bytes
     calls = []
-    real = rehearsal.replan
+    real = host_calibration.replan
 
     def replan(*args, **kwargs):
         calls.append(kwargs.get("profile"))
         return other if kwargs.get("profile") is not None else real(*args, **kwargs)
 
-    monkeypatch.setattr(rehearsal, "replan", replan)
+    monkeypatch.setattr(host_calibration, "replan", replan)
     x, y = batch()
     engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=(x, y), device_budget=budget,
                       backend=cpu_backend, memory_margin=0.0)
@@ -204,8 +206,8 @@ def test_parts_off_in_opposite_ways_are_calibrated_though_their_total_is_not(cpu
     update = plan.host_s_per_param - earlier
     slower = min(1.5, 1 + 0.5 * earlier / update)  # the update slower, the sums as much faster: the same total
     _measuring(monkeypatch, slower * update, earlier - (slower - 1) * update)
-    monkeypatch.setattr(rehearsal, "replan", lambda *a, **k: pytest.fail("the sums' gain outweighs: not searched"))
-    monkeypatch.setattr(rehearsal, "SEARCH_AGAIN", 10.0)  # keep the layout: the scales are what is checked
+    monkeypatch.setattr(host_calibration, "replan", lambda *a, **k: pytest.fail("the sums' gain outweighs: not searched"))
+    monkeypatch.setattr(host_calibration, "SEARCH_AGAIN", 10.0)  # keep the layout: the scales are what is checked
     engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=batch(), device_budget=budget,
                       backend=cpu_backend, memory_margin=0.0, accumulation_steps=4)
     said = [n for n in engine.plan.notes if n.startswith("host rate:")]
@@ -239,7 +241,7 @@ def test_the_rehearsal_s_sends_calibrate_the_plan_though_its_host_rate_is_within
     plan, budget = accumulating_plan
     _measuring(monkeypatch, plan.host_s_per_param - plan.host_earlier_s_per_param, plan.host_earlier_s_per_param)
     monkeypatch.setattr(rehearsal, "send_seconds", lambda post, since: 2e-3)
-    monkeypatch.setattr(rehearsal, "SEARCH_AGAIN", 10.0)  # keep the layout: the pricing is what is checked
+    monkeypatch.setattr(host_calibration, "SEARCH_AGAIN", 10.0)  # keep the layout: the pricing is what is checked
     engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=batch(), device_budget=budget,
                       backend=cpu_backend, memory_margin=0.0, accumulation_steps=4)
     said = [n for n in engine.plan.notes if n.startswith("host rate:")]
@@ -262,6 +264,7 @@ def test_the_host_rate_after_a_rebuild_for_memory_is_the_least_of_the_rehearsals
     monkeypatch.setattr(HostOptimizer, "split_since",
                         lambda self, start: (rate["s"], 0.0) if self.updated_numel else None)
     monkeypatch.setattr(rehearsal, "ratios", lambda plan, measured: (measured[0] / 1e-9, 1.0))
+    monkeypatch.setattr(host_calibration, "ratios", lambda plan, measured: (measured[0] / 1e-9, 1.0))
     monkeypatch.setattr(rehearsal, "replan", _slowing_after(rehearsal.replan, rate))
     engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan="auto", sample=batch(),
                       device_budget=int(true_min_budget * 1.1), backend=cpu_backend, memory_margin=0.0)
@@ -280,3 +283,61 @@ def _slowing_after(replan, rate):
         rate["s"] = 1.5e-9
         return replan(*args, **kwargs)
     return slower
+
+
+def test_a_rehearsal_whose_host_ran_slow_alone_too_is_counted_at_the_undisturbed_rate(cpu_backend, monkeypatch,
+                                                                                      host_plan):
+    """The host kernel alone ran 1.3x its profiled rate around the rehearsal (the host disturbed,
+    as right after pinning most of its memory), and the rehearsal's updates 1.3x the plan's: the
+    plan keeps its rate and layout, and the notes say why."""
+    plan, budget = host_plan
+    _measuring(monkeypatch, 1.3 * plan.host_update_s_per_param)
+    monkeypatch.setattr(rehearsal, "alone_slowdown", lambda engine: 1.3)
+    engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=batch(), device_budget=budget,
+                      backend=cpu_backend, memory_margin=0.0)
+    notes = engine.plan.notes
+    said = [n for n in notes if n.startswith("host rate:")]
+    assert len(said) == 1 and "updates 1.00x" in said[0], said
+    assert engine.plan.profile.host_update_scale == pytest.approx(1.0)
+    assert engine.plan.units == plan.units
+    assert any("host kernel alone ran 1.30x" in n and "counts 0.77x" in n for n in notes), notes
+    engine.close()
+
+
+def test_a_host_slow_in_steps_but_not_alone_is_calibrated_as_measured(cpu_backend, monkeypatch, host_plan):
+    """Alone within ``DISTURBED`` of its profiled rate, the kernel says nothing disturbed the
+    host: the rehearsal's 1.3x is the steps' own, and the plan is priced on it."""
+    plan, budget = host_plan
+    _measuring(monkeypatch, 1.3 * plan.host_update_s_per_param)
+    monkeypatch.setattr(rehearsal, "alone_slowdown", lambda engine: DISTURBED)
+    engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=batch(), device_budget=budget,
+                      backend=cpu_backend, memory_margin=0.0)
+    said = [n for n in engine.plan.notes if n.startswith("host rate:")]
+    assert len(said) == 1 and "updates 1.30x" in said[0], said
+    assert engine.plan.profile.host_update_scale == pytest.approx(1.3)
+    assert not any("the host disturbed" in n for n in engine.plan.notes)
+    engine.close()
+
+
+def test_undisturbed_divides_both_parts_only_beyond_the_threshold():
+    assert undisturbed((2e-9, 1e-9), 2.0) == (1e-9, 0.5e-9)
+    assert undisturbed((2e-9, 1e-9), DISTURBED) == (2e-9, 1e-9)
+    assert undisturbed((2e-9, 1e-9), None) == (2e-9, 1e-9)
+    assert undisturbed(None, 2.0) is None
+
+
+def test_the_kernel_alone_is_timed_on_the_profiled_length_and_never_on_virtual_devices(cpu_backend, monkeypatch,
+                                                                                      host_plan):
+    """``alone_slowdown`` times the kernel on buffers as long as the profiler's (and none on
+    virtual devices, whose "device" shares the host's cores); its figure is over the profile's."""
+    plan, budget = host_plan
+    engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=batch(), device_budget=budget,
+                      backend=cpu_backend, memory_margin=0.0)
+    assert plan.profile.host_adamw_numel > 0
+    assert host_calibration.alone_slowdown(engine) is None
+    timed = []
+    monkeypatch.setattr(host_calibration, "applies", lambda backend: True)
+    monkeypatch.setattr(host_calibration, "host_adamw_rate", lambda numel, *a: timed.append(numel) or 3e-9)
+    assert host_calibration.alone_slowdown(engine) == pytest.approx(3e-9 / plan.profile.host_adamw_s_per_param)
+    assert timed == [plan.profile.host_adamw_numel]
+    engine.close()

@@ -196,7 +196,7 @@ def test_the_rehearsal_clock_shows_a_step_held_by_the_host(cpu_backend, monkeypa
     x, y = batch()
     plan = plan_for(qwen2_tied(), (x, y), None, backend=cpu_backend, memory_margin=0.0)  # both blocks host-updated
     monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
-    monkeypatch.setattr(rehearsal, "_host_rate_checked", lambda *args, **kwargs: None)
+    monkeypatch.setattr(rehearsal, "checked_plan", lambda *args, **kwargs: None)
     slow = 0.4
     real_update = HostOptimizer._update
 
@@ -232,8 +232,8 @@ def test_the_rehearsal_step_holds_what_a_training_step_holds(cpu_backend):
                       device_budget=plan.predicted_peak_bytes * 2, backend=cpu_backend, rehearse=False)
     cpu_backend.set_memory_cap(0, None)
     rehearsed = rehearsal._rehearse(engine, (x, y))
-    peak, allocated, rate, send_s, clock = rehearsed
-    assert rate is None and rehearsed.step_s is None and send_s is None and clock == () and peak >= allocated > 0
+    peak, allocated, rate, send_s, clock, alone = rehearsed
+    assert rate is None and rehearsed.step_s is None and send_s is None and clock == () and alone is None and peak >= allocated > 0
     engine.synchronize()
     cpu_backend.reset_peak_memory(0)
     engine.train_step(x, y)

@@ -160,7 +160,7 @@ def test_a_plan_the_host_rate_check_moved_to_the_other_side_races_the_one_it_rep
     calls = _clocked(monkeypatch, host_summing_s=2.0 if device_faster else 1.0,
                      device_summing_s=1.0 if device_faster else 2.0)
     checked = []
-    monkeypatch.setattr(rehearsal, "_host_rate_checked", lambda engine, *a, **k: checked.append(1) or device)
+    monkeypatch.setattr(rehearsal, "checked_plan", lambda engine, *a, **k: checked.append(1) or device)
     monkeypatch.setattr(sum_placement, "replan", lambda *a, **k: pytest.fail("both sides are timed: no search"))
     engine = _engine(plan, budget, cpu_backend)
     assert checked == [1]  # once per engine
@@ -187,7 +187,7 @@ def test_a_plan_the_host_rate_check_replaced_on_the_same_side_is_raced_against_a
     deeper = dataclasses.replace(plan, prefetch_depth=plan.prefetch_depth + 1, notes=list(plan.notes))
     assert not same_layout(deeper, plan) and host_summed_blocks(deeper) == host_summed_blocks(plan)
     calls = _clocked(monkeypatch, host_summing_s=1.0, device_summing_s=2.0)
-    monkeypatch.setattr(rehearsal, "_host_rate_checked", lambda engine, *a, **k: deeper)
+    monkeypatch.setattr(rehearsal, "checked_plan", lambda engine, *a, **k: deeper)
     engine = _engine(plan, budget, cpu_backend)
     hb = host_summed_blocks(plan)
     # the first, the replacing one (timed: it may race), its searched rival, the replacing one again

@@ -186,6 +186,9 @@ class StepProfile:
             profile is scaled to other batches by tokens alone (``batch_growth.scaled_profile``).
         padded: the sample carried padding (an ``attention_mask`` with zeros), so the masked
             forward is what was measured (``batch_growth.watch_unplanned_padding``).
+        host_adamw_numel: the length of the flat buffers the host rates were measured on (0: not
+            recorded); the rehearsal times the kernel alone on buffers as long
+            (``host_calibration.alone_slowdown``).
     """
 
     blocks: list[BlockProfile]
@@ -220,6 +223,7 @@ class StepProfile:
     flat_sends: bool = False
     seq: int = 0
     padded: bool = False
+    host_adamw_numel: int = 0
 
     def to_json(self, indent: int | None = 1) -> str:
         """The profile as a JSON string (``indent=None``: on one line)."""
@@ -481,4 +485,5 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
                        backend.name, str(name), notes, vocab, hidden, chunks,
                        host_adamw_copies_s_per_param=copies_rate if copies_GBps else 0.0, host_copies_GBps=copies_GBps,
                        host_adamw_bytes_per_param=update_bytes(dtype.itemsize).kernel,
-                       seq=sample_shape(inputs)[1] if halves else 0, padded=padded(inputs))
+                       seq=sample_shape(inputs)[1] if halves else 0, padded=padded(inputs),
+                       host_adamw_numel=numel_for_rates)

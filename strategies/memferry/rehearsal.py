@@ -54,16 +54,15 @@ import dataclasses
 import gc
 import logging
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from xpu.units import format_bytes, parse_bytes
 
 from .compute_dtype import cast_parameters, restore_parameters
-from .host_calibration import (SEARCH_AGAIN, TOLERANCE, applies, calibrated, least_disturbed, ratios, repriced, same_layout,
-                               with_sends)
-from .links import links_from_probe
+from .host_calibration import (DISTURBED, alone_slowdown, applies, checked_plan, priced_on_own_rate, ratios, same_layout,
+                               undisturbed)
 from .plan_check import PlanOverBudgetError
 from .planning import SETUP_NOTE, replan
 from .sum_placement import SumPlacement
@@ -124,10 +123,11 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
             rehearsed = _rehearse(engine, sample, timed)
         finally:
             backend.set_memory_cap(device, budget)
-        peak, allocated, host, send_s, clock = rehearsed
+        peak, allocated, host, send_s, clock = rehearsed[:5]
         step_s = rehearsed.step_s
         if clock:
-            clocks.append(clock_note(len(clocks) + 1, clock))
+            clocks.append(clock_note(len(clocks) + 1, clock, rehearsed.alone))
+        host = undisturbed(host, rehearsed.alone)
         if host and not rate_checked and engine.plan.host_s_per_param:
             rates.append(ratios(engine.plan, host))
         predicted = engine.plan.predicted_peak_bytes or 0
@@ -136,7 +136,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                 rate_checked = True
                 if step_s is not None and engine.plan.predicted_step_s:
                     calibration.append(_step_note(step_s, engine.plan.predicted_step_s))
-                again = _host_rate_checked(engine, budget, margin, calibration, host, send_s, rates)
+                again = checked_plan(engine, budget, margin, calibration, host, send_s, rates)
                 if again is not None and not same_layout(again, engine.plan):
                     if placement.may_race(engine):
                         placement.replaced(engine.plan, step_s)
@@ -159,7 +159,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                     if not placement.timing:
                         rehearsed_s = placement.original_s
                     continue
-                _priced_on_its_own_rate(engine, host, margin, placement.notes)
+                priced_on_own_rate(engine, host, margin, placement.notes)
             elif placement.timing:
                 back = placement.settle(step_s)
                 rehearsed_s = step_s
@@ -167,7 +167,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                     _rebuild(engine, back)  # its memory is rehearsed again, untimed
                     rehearsed_s = placement.original_s
                     continue
-                _priced_on_its_own_rate(engine, host, margin, placement.notes)
+                priced_on_own_rate(engine, host, margin, placement.notes)
             held = hold_to_plan(engine, budget, predicted, allocated)
             n = engine.micro.steps
             what = f"{RATE_STEPS} steps of {n} micro-batch{'es' if n > 1 else ''}" if timed else "one step"
@@ -216,73 +216,6 @@ def covering_margin(peak: int, predicted: int, margin: float) -> float:
     return max(margin + MARGIN_STEP, peak / (predicted / (1 + margin)) - 1 + MARGIN_STEP)
 
 
-def _host_rate_checked(engine: "MemFerry", budget: int, margin: float, found: list[str],
-                       measured: tuple[float, float] | None, send_s: float | None = None,
-                       rates: Sequence[tuple[float, float]] = ()) -> Any:
-    """The plan priced again on a profile calibrated to the rehearsal's host work ``measured``
-    (seconds per parameter: the updates, the earlier micro-batches' sums), or to the least ratios
-    of ``rates`` (every timed rehearsal's, this one's last: :func:`least_disturbed`), and to the issuing
-    thread's ``send_s`` (seconds per send before a step's last micro-batch:
-    ``StepProfile.earlier_send_s``) where it was measured; searched again where the host bounds
-    it and either part was off the plan's by more than ``host_calibration.TOLERANCE`` (or sends
-    were measured). None where nothing was measured. What it found is appended to ``found``."""
-    plan = engine.plan
-    links = links_from_probe(engine.backend, engine.device)
-    planned = plan.host_s_per_param  # the rehearsal's steps are whole ones: the plan's own rate
-    if not measured or not planned:
-        return None
-    update, earlier = ratios(plan, measured)
-    total = sum(measured) / planned
-    said = (f"host rate: the rehearsal's host work ran at {sum(measured) * 1e9:.3f} ns/param, {total:.2f}x the "
-            f"{planned * 1e9:.3f} the plan assumed (updates {update:.2f}x, earlier micro-batches' sums {earlier:.2f}x)")
-    if len(rates) > 1 and least_disturbed(rates) != (update, earlier):
-        update, earlier = least_disturbed(rates)
-        said += (f"; the least of {len(rates)} timed rehearsals' (a rebuild's freeing and pinning slows the host "
-                 f"for a while): updates {update:.2f}x, sums {earlier:.2f}x")
-    rates_off = not all(1 / TOLERANCE <= r <= TOLERANCE for r in (update, earlier))
-    # Within the tolerance the layout stays (no search), but its prediction is made on the
-    # measured rates: a host-bound plan 8 % slower than priced had been predicted 13-16 % short
-    # (64 layers under 16 GB, H200, 2026-12-04).
-    profile = calibrated(plan.profile, update, earlier)
-    if send_s:
-        profile = with_sends(profile, send_s)
-        said += (f"{'' if rates_off else ' (within the tolerance)'}; sends before a step's last micro-batch took "
-                 f"{send_s * 1e3:.2f} ms each on the issuing thread")
-    kept = repriced(plan, profile, links, margin)
-    before, now = plan.predicted_step_s or 0.0, kept.predicted_step_s or 0.0
-    again, how = kept, "the host does not bound it: same plan, not searched again"
-    if not rates_off and not send_s:
-        how = "within the tolerance: same plan, not searched again"
-    elif abs(now - before) > SEARCH_AGAIN * before:
-        searched = replan(plan, budget, engine.backend, engine.device, margin, profile=profile)
-        better = (searched.predicted_step_s or now) < now * (1 - SEARCH_AGAIN)
-        again, how = (searched, "searched again: a faster plan") if better else (kept, "searched again: same plan kept")
-    found.append(f"{said}; the profile's host work scaled to it: predicted step {before * 1e3:.1f} -> "
-                 f"{(again.predicted_step_s or 0.0) * 1e3:.1f} ms ({how})")
-    _log.info("MemFerry: %s", found[-1])
-    return again
-
-
-def _priced_on_its_own_rate(engine: "MemFerry", measured: tuple[float, float] | None, margin: float,
-                            found: list[str]) -> None:
-    """A plan kept after its own timed rehearsal (a race's winner, or a re-searched plan of
-    another layout) priced on the host work ``measured`` there: its layout was priced on the
-    rates the first plan's rehearsal measured, and a device-summing plan's updates read one fp32
-    sum where a host-summing one's add the step's last micro-batches (the HF model's
-    device-summing winner ran 10.5 % under its prediction; H200, session 26). Same layout, no
-    search; what it found is appended to ``found``."""
-    plan = engine.plan
-    if not measured or not plan.host_s_per_param or plan.profile is None:
-        return
-    update, earlier = ratios(plan, measured)
-    kept = repriced(plan, calibrated(plan.profile, update, earlier), links_from_probe(engine.backend, engine.device),
-                    margin)
-    found.append(f"sum placement: the kept plan's host work in its own rehearsal ran {update:.2f}x its updates' price "
-                 f"and {earlier:.2f}x its sums': predicted step {(plan.predicted_step_s or 0.0) * 1e3:.1f} -> "
-                 f"{(kept.predicted_step_s or 0.0) * 1e3:.1f} ms")
-    engine.plan = kept
-
-
 def _step_note(measured: float, predicted: float) -> str:
     """The rehearsal's last steps against the plan's prediction (before any calibration): a
     host-bound plan's miss shows here before training, whichever term the model got wrong."""
@@ -329,6 +262,9 @@ class Rehearsed(NamedTuple):
             none sent.
         clock: timed only: each of the last :data:`CLOCKED_STEPS` steps' :class:`Clocked`
             figures, in order; else empty.
+        alone: timed, where the host rate is checked: the host kernel alone just before and
+            after the steps over its profiled rate, the mean of the two
+            (``host_calibration.alone_slowdown``); None where not measured.
     """
 
     peak: int
@@ -336,6 +272,7 @@ class Rehearsed(NamedTuple):
     host: tuple[float, float] | None = None
     send_s: float | None = None
     clock: tuple["Clocked", ...] = ()
+    alone: float | None = None
 
     @property
     def step_s(self) -> float | None:
@@ -355,13 +292,18 @@ class Clocked(NamedTuple):
     host_s: float
 
 
-def clock_note(k: int, clock: tuple[Clocked, ...]) -> str:
-    """The ``k``-th timed rehearsal's clocked steps, one by one, for the plan's notes."""
+def clock_note(k: int, clock: tuple[Clocked, ...], alone: float | None = None) -> str:
+    """The ``k``-th timed rehearsal's clocked steps, one by one, for the plan's notes, and how
+    the host kernel ran alone around them (``alone``: :attr:`Rehearsed.alone`)."""
     def ms(field: str) -> str:
         return ", ".join(f"{getattr(c, field) * 1e3:.1f}" for c in clock)
 
-    return (f"rehearsal clock {k}: steps of {ms('step_s')} ms; the training thread waited {ms('waited_s')} ms "
+    said = (f"rehearsal clock {k}: steps of {ms('step_s')} ms; the training thread waited {ms('waited_s')} ms "
             f"of them for the host optimizer, whose work took {ms('host_s')} ms")
+    if alone is not None:
+        said += f"; the host kernel alone ran {alone:.2f}x its profiled rate around them"
+        said += (f" (the host disturbed: its work here counts {1 / alone:.2f}x)" if alone > DISTURBED else "")
+    return said
 
 
 def _host_clock(engine: "MemFerry") -> tuple[float, float]:
@@ -396,6 +338,8 @@ def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) 
         clocked: list[Clocked] = []
         post = engine.executor.post
         sends = (0, 0.0)
+        # The host as the steps find it, before and after them (undisturbed: host_calibration.py).
+        alone = [alone_slowdown(engine)] if timed else []
         for k in range(steps):
             clock = timed and k >= steps - CLOCKED_STEPS
             if clock:
@@ -420,9 +364,12 @@ def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) 
                 host = engine.optimizer.split_since(start)  # updates still under way are left out
         send_s = send_seconds(post, sends) if clocked else None
         engine.synchronize()
+        if alone and alone[0] is not None:
+            alone.append(alone_slowdown(engine))
     engine.set_lr(engine.cfg.lr)
+    both = None if None in alone or not alone else sum(alone) / len(alone)
     return Rehearsed(measured_peak(backend, device), backend.memory_stats(device).peak_allocated, host, send_s,
-                     tuple(clocked))
+                     tuple(clocked), both)
 
 
 def start_peak(backend: Any, device: int) -> None:
