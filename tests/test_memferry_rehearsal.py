@@ -233,7 +233,7 @@ def test_the_rehearsal_step_holds_what_a_training_step_holds(cpu_backend):
     cpu_backend.set_memory_cap(0, None)
     rehearsed = rehearsal._rehearse(engine, (x, y))
     peak, allocated, rate, send_s, clock, alone = rehearsed
-    assert rate is None and rehearsed.step_s is None and send_s is None and clock == () and alone is None and peak >= allocated > 0
+    assert rate is None and rehearsed.step_s is None and send_s is None and clock == () and alone == () and peak >= allocated > 0
     engine.synchronize()
     cpu_backend.reset_peak_memory(0)
     engine.train_step(x, y)

@@ -48,8 +48,8 @@ if TYPE_CHECKING:
     from .links import Links
     from .profiler import StepProfile
 
-__all__ = ["TOLERANCE", "SEARCH_AGAIN", "DISTURBED", "applies", "ratios", "least_disturbed", "alone_slowdown",
-           "undisturbed", "calibrated", "with_sends", "repriced", "same_layout", "checked_plan", "priced_on_own_rate"]
+__all__ = ["TOLERANCE", "SEARCH_AGAIN", "DISTURBED", "SETTLE_TRIES", "applies", "ratios", "least_disturbed",
+           "alone_slowdown", "disturbance", "settled", "undisturbed", "calibrated", "with_sends", "repriced", "same_layout", "checked_plan", "priced_on_own_rate"]
 
 _log = logging.getLogger("xpu.memferry")
 
@@ -60,6 +60,9 @@ SEARCH_AGAIN = 0.02
 #: The host kernel alone, timed around a rehearsal, over its profiled rate beyond which the
 #: rehearsal's host counts as disturbed (two timings of one buffer differ by a few percent).
 DISTURBED = 1.05
+#: Times a rehearsal's steps run again while the host kernel alone ran slower than
+#: :data:`DISTURBED` around them (:func:`settled`).
+SETTLE_TRIES = 2
 
 
 def applies(backend: "Backend") -> bool:
@@ -108,15 +111,28 @@ def alone_slowdown(engine: "MemFerry") -> float | None:
     return now / profile.host_adamw_s_per_param
 
 
-def undisturbed(measured: tuple[float, float] | None, alone: float | None) -> tuple[float, float] | None:
+def disturbance(pair: tuple[float, float]) -> float:
+    """How much slower than profiled the host kernel ran alone around a rehearsal's steps: the
+    mean of ``pair``, :func:`alone_slowdown` just before and just after them."""
+    return (pair[0] + pair[1]) / 2
+
+
+def settled(pair: tuple[float, float]) -> bool:
+    """Whether the host kernel ran within :data:`DISTURBED` of its profiled rate both before and
+    after a rehearsal's steps (``pair``): nothing else had the host meanwhile."""
+    return max(pair) <= DISTURBED
+
+
+def undisturbed(measured: tuple[float, float] | None,
+                pair: tuple[float, float] | None) -> tuple[float, float] | None:
     """A rehearsal's host work ``measured`` (update, earlier sums: seconds per parameter) with what
-    slowed the host kernel alone around it taken out: divided by ``alone`` (:func:`alone_slowdown`)
-    beyond :data:`DISTURBED`, else as measured. The 128-layer GPT's host updates ran 1.17-1.36x
-    their price in its rehearsals and 1.03-1.05x in its steps (H100, session 36): the host, 105 GB
-    of its 125 pinned moments before, was not yet what the steps would find."""
-    if measured is None or alone is None or alone <= DISTURBED:
+    slowed the host kernel alone around it (``pair``: :func:`alone_slowdown` before and after the
+    steps) taken out: divided by its :func:`disturbance` where not :func:`settled`, else as
+    measured."""
+    if measured is None or pair is None or settled(pair):
         return measured
-    return measured[0] / alone, measured[1] / alone
+    d = disturbance(pair)
+    return measured[0] / d, measured[1] / d
 
 
 def calibrated(profile: "StepProfile", update: float, earlier: float = 1.0) -> "StepProfile":

@@ -54,15 +54,15 @@ import dataclasses
 import gc
 import logging
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import torch
 
 from xpu.units import format_bytes, parse_bytes
 
 from .compute_dtype import cast_parameters, restore_parameters
-from .host_calibration import (DISTURBED, alone_slowdown, applies, checked_plan, priced_on_own_rate, ratios, same_layout,
-                               undisturbed)
+from .host_calibration import (SETTLE_TRIES, alone_slowdown, applies, checked_plan, disturbance, priced_on_own_rate,
+                               ratios, same_layout, settled, undisturbed)
 from .plan_check import PlanOverBudgetError
 from .planning import SETUP_NOTE, replan
 from .sum_placement import SumPlacement
@@ -127,7 +127,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
         step_s = rehearsed.step_s
         if clock:
             clocks.append(clock_note(len(clocks) + 1, clock, rehearsed.alone))
-        host = undisturbed(host, rehearsed.alone)
+        host = undisturbed(host, rehearsed.alone[-1] if rehearsed.alone else None)
         if host and not rate_checked and engine.plan.host_s_per_param:
             rates.append(ratios(engine.plan, host))
         predicted = engine.plan.predicted_peak_bytes or 0
@@ -263,8 +263,8 @@ class Rehearsed(NamedTuple):
         clock: timed only: each of the last :data:`CLOCKED_STEPS` steps' :class:`Clocked`
             figures, in order; else empty.
         alone: timed, where the host rate is checked: the host kernel alone just before and
-            after the steps over its profiled rate, the mean of the two
-            (``host_calibration.alone_slowdown``); None where not measured.
+            after the steps over its profiled rate (``host_calibration.alone_slowdown``), one
+            pair per time the steps ran (again while not ``settled``); empty where not measured.
     """
 
     peak: int
@@ -272,7 +272,7 @@ class Rehearsed(NamedTuple):
     host: tuple[float, float] | None = None
     send_s: float | None = None
     clock: tuple["Clocked", ...] = ()
-    alone: float | None = None
+    alone: tuple[tuple[float, float], ...] = ()
 
     @property
     def step_s(self) -> float | None:
@@ -292,7 +292,7 @@ class Clocked(NamedTuple):
     host_s: float
 
 
-def clock_note(k: int, clock: tuple[Clocked, ...], alone: float | None = None) -> str:
+def clock_note(k: int, clock: tuple[Clocked, ...], alone: Sequence[tuple[float, float]] = ()) -> str:
     """The ``k``-th timed rehearsal's clocked steps, one by one, for the plan's notes, and how
     the host kernel ran alone around them (``alone``: :attr:`Rehearsed.alone`)."""
     def ms(field: str) -> str:
@@ -300,9 +300,13 @@ def clock_note(k: int, clock: tuple[Clocked, ...], alone: float | None = None) -
 
     said = (f"rehearsal clock {k}: steps of {ms('step_s')} ms; the training thread waited {ms('waited_s')} ms "
             f"of them for the host optimizer, whose work took {ms('host_s')} ms")
-    if alone is not None:
-        said += f"; the host kernel alone ran {alone:.2f}x its profiled rate around them"
-        said += (f" (the host disturbed: its work here counts {1 / alone:.2f}x)" if alone > DISTURBED else "")
+    if alone:
+        runs = "; ".join(f"{a:.2f}x/{b:.2f}x" for a, b in alone)
+        said += f"; the host kernel alone ran {runs} its profiled rate before/after them"
+        if len(alone) > 1:
+            said += f" (the steps ran {len(alone)} times, the host disturbed before the last)"
+        if not settled(alone[-1]):
+            said += f" (still disturbed: its work here counts {1 / disturbance(alone[-1]):.2f}x)"
     return said
 
 
@@ -324,7 +328,6 @@ def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) 
     n = engine.micro.steps if timed else min(engine.micro.steps, 2)
     steps = RATE_STEPS if timed else 1
     engine.set_lr(0.0)
-    start = host = None
     # Dropout draws random numbers: the run's random streams start where they would without this step.
     forked = [] if backend.caps.virtual_devices else [device]
     # Plain steps, as the plan prices them: the same sample again would clip every step or none.
@@ -335,41 +338,56 @@ def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) 
         # count as this plan's reserved peak: every attempt at 8 GB, margins 10 to 35 %, "peaked"
         # at 8.1 GB reserved (Qwen2-1.5B shape, H200, 2026-12-04).
         start_peak(backend, device)
-        clocked: list[Clocked] = []
-        post = engine.executor.post
-        sends = (0, 0.0)
-        # The host as the steps find it, before and after them (undisturbed: host_calibration.py).
-        alone = [alone_slowdown(engine)] if timed else []
-        for k in range(steps):
-            clock = timed and k >= steps - CLOCKED_STEPS
-            if clock:
-                backend.synchronize(device)
-                if not clocked:
-                    sends = (post.earlier_sends, post.earlier_seconds)
-                w0, h0 = _host_clock(engine)
-                t0 = time.perf_counter()
-            for _ in range(n):
-                loss = engine._loss(inputs, targets)  # held through backward, as a loop that logs it holds it
-                engine.backward(loss / n)
-                del loss
-            engine.step()
-            if timed and k == steps - 2:
-                start = engine.optimizer.counters()  # not waiting: this step's updates go on beside the next
-            if clock:
-                backend.synchronize(device)
-                t1 = time.perf_counter()
-                w1, h1 = _host_clock(engine)
-                clocked.append(Clocked(t1 - t0, w1 - w0, h1 - h0))
-            if timed and k == steps - 1:
-                host = engine.optimizer.split_since(start)  # updates still under way are left out
-        send_s = send_seconds(post, sends) if clocked else None
-        engine.synchronize()
-        if alone and alone[0] is not None:
-            alone.append(alone_slowdown(engine))
+        # The host as the steps find it, alone before and after them; while it ran slow alone
+        # too (something else had it), the steps are rehearsed again (host_calibration.py).
+        alone: list[tuple[float, float]] = []
+        while True:
+            before = alone_slowdown(engine) if timed else None
+            host, send_s, clocked = _steps(engine, inputs, targets, n, steps, timed)
+            engine.synchronize()
+            after = alone_slowdown(engine) if before is not None else None
+            if after is None:
+                break
+            alone.append((before, after))
+            if settled(alone[-1]) or len(alone) > SETTLE_TRIES:
+                break
     engine.set_lr(engine.cfg.lr)
-    both = None if None in alone or not alone else sum(alone) / len(alone)
     return Rehearsed(measured_peak(backend, device), backend.memory_stats(device).peak_allocated, host, send_s,
-                     tuple(clocked), both)
+                     tuple(clocked), tuple(alone))
+
+
+def _steps(engine: "MemFerry", inputs: Any, targets: Any, n: int, steps: int,
+           timed: bool) -> tuple[tuple[float, float] | None, float | None, list[Clocked]]:
+    """``steps`` steps of ``n`` micro-batches for :func:`_rehearse`: (host work, send seconds,
+    clocked steps) as :class:`Rehearsed` has them, all None or empty untimed."""
+    backend, device = engine.backend, engine.device
+    clocked: list[Clocked] = []
+    post = engine.executor.post
+    sends = (0, 0.0)
+    start = host = None
+    for k in range(steps):
+        clock = timed and k >= steps - CLOCKED_STEPS
+        if clock:
+            backend.synchronize(device)
+            if not clocked:
+                sends = (post.earlier_sends, post.earlier_seconds)
+            w0, h0 = _host_clock(engine)
+            t0 = time.perf_counter()
+        for _ in range(n):
+            loss = engine._loss(inputs, targets)  # held through backward, as a loop that logs it holds it
+            engine.backward(loss / n)
+            del loss
+        engine.step()
+        if timed and k == steps - 2:
+            start = engine.optimizer.counters()  # not waiting: this step's updates go on beside the next
+        if clock:
+            backend.synchronize(device)
+            t1 = time.perf_counter()
+            w1, h1 = _host_clock(engine)
+            clocked.append(Clocked(t1 - t0, w1 - w0, h1 - h0))
+        if timed and k == steps - 1:
+            host = engine.optimizer.split_since(start)  # updates still under way are left out
+    return host, (send_seconds(post, sends) if clocked else None), clocked
 
 
 def start_peak(backend: Any, device: int) -> None:
