@@ -48,7 +48,7 @@ from .block_costs import sums_on_host_by_choice  # re-exported: where the schedu
 from .clip_plan import for_clip, named_plans
 from .config import Plan, UnitPlan
 from .cost import (SCALARS, Links, Prediction, State, advance_rows, describe_units, finish, initial_state, option_cost,
-                   predict, predict_options)
+                   predict)
 from .host_budget import host_budget, rest_terms
 from .host_room import with_host_room
 from .least_memory import block_options, least_memory, peak_rows
@@ -460,12 +460,21 @@ def brute_force_budgets(profile: "StepProfile", links: Links, budgets: Sequence[
     best: list[tuple[float, Plan] | None] = [None] * len(budgets)
     for depth in depths:
         opts = block_options(profile, links, choices, depth)  # predict()'s terms, computed once per block and choice
+        # predict_options' recurrence for every combination at once, a level at a time (advance_rows
+        # is bit-equal to advance), each group of rows by the choice of the block below them
+        rows, combos = np.array([initial_state(depth).key()]), np.zeros((1, 0), dtype=int)
+        for s in range(n - 1, -1, -1):
+            parts = [(advance_rows(rows[idx], opts[s][c], opts[s + 1][j] if s + 1 < n else None),
+                      np.column_stack([np.full(len(idx), c), combos[idx]]))
+                     for c in range(len(choices))
+                     for j, idx in ([(0, np.arange(len(rows)))] if s + 1 == n else
+                                    [(j, np.flatnonzero(combos[:, 0] == j)) for j in range(len(choices))])]
+            rows, combos = np.concatenate([r for r, _ in parts]), np.concatenate([c for _, c in parts])
         for rest_optimizer in rest_optimizers:
             if rest_optimizer == "device" and not allow_device_optimizer:
                 continue
-            for combo in itertools.product(range(len(choices)), repeat=n):
-                p = predict_options([opts[i][c] for i, c in enumerate(combo)], profile, links, rest_optimizer, depth,
-                                    margin)
+            for row, combo in zip(rows, combos):
+                p = finish(State.from_key(row, depth), opts[0][combo[0]], profile, links, rest_optimizer, depth, margin)
                 for k, budget in enumerate(budgets):
                     if p.peak_bytes <= budget and (best[k] is None or p.step_s < best[k][0]):
                         best[k] = (p.step_s, Plan([choices[c] for c in combo], depth, rest_optimizer))
