@@ -61,7 +61,7 @@ import torch
 from xpu.units import format_bytes, parse_bytes
 
 from .compute_dtype import cast_parameters, restore_parameters
-from .host_calibration import (SETTLE_TRIES, alone_slowdown, applies, checked_plan, disturbance, priced_on_own_rate,
+from .host_calibration import (SETTLE_TRIES, alone_slowdown, applies, checked_plan, priced_on_own_rate,
                                ratios, same_layout, settled, undisturbed)
 from .plan_check import PlanOverBudgetError
 from .planning import SETUP_NOTE, replan
@@ -306,7 +306,7 @@ def clock_note(k: int, clock: tuple[Clocked, ...], alone: Sequence[tuple[float, 
         if len(alone) > 1:
             said += f" (the steps ran {len(alone)} times, the host disturbed before the last)"
         if not settled(alone[-1]):
-            said += f" (still disturbed: its work here counts {1 / disturbance(alone[-1]):.2f}x)"
+            said += " (still disturbed: the plan keeps the host rate it was priced on)"
     return said
 
 
