@@ -1,7 +1,7 @@
 """Diagnostic: a device run's own MemFerry plan priced again with recomputation and backward scaled.
 
     python3 bench/scripts/replay_logged.py RESULTS_DIR/logs/memferry-auto.log [...] [--recompute 0.85] [--backward 0.9]
-        [--stream-overhead 1.15] [--link-scale 1.0]
+        [--stream-overhead 1.15] [--link-scale 1.0] [--host-scale 1.0]
 
 Runs on any machine (no device). For each bench row's MemFerry log (its plan lines and its
 ``memferry profile:`` line; the run's ``results.json`` and ``xpu-probe.json`` beside ``logs/``,
@@ -12,8 +12,10 @@ then on the profile with each block's recomputation at ``--recompute`` x its for
 predicted for runs profiled before them. ``--stream-overhead`` prices a streamed ``host_linear``
 block at that multiple of its weight's link time (``block_costs.STREAM_OVERHEAD``) and
 ``--link-scale`` scales both link rates, in that second pricing too (``--as-logged``: with the
-logged recomputation and backward times). Prints one row per log:
-measured median step, both predictions and their errors.
+logged recomputation and backward times); ``--host-scale`` prices the host updates there at that
+multiple of the profiled rate in place of the logged calibration (``StepProfile.host_update_scale``:
+what the rehearsal measured). Prints one row per log:
+measured median step (``--mean``: mean), both predictions and their errors.
 """
 from __future__ import annotations
 
@@ -71,6 +73,9 @@ def main() -> None:
                     help="a streamed host_linear block's time over its link time (block_costs.STREAM_OVERHEAD)")
     ap.add_argument("--link-scale", type=float, default=1.0, help="both link rates times this")
     ap.add_argument("--probe", default=None, help="the run's xpu-probe.json (default: beside the log's run or a sibling)")
+    ap.add_argument("--host-scale", type=float, default=None,
+                    help="host updates at this multiple of the profiled rate (default: the logged calibration)")
+    ap.add_argument("--mean", action="store_true", help="against the mean of the timed steps (default: the median)")
     ap.add_argument("--as-logged", action="store_true",
                     help="keep the logged recomputation and backward times (ignore --recompute and --backward)")
     args = ap.parse_args()
@@ -96,7 +101,9 @@ def main() -> None:
                   for b in profile.blocks]
         scaled = profile if args.as_logged else dataclasses.replace(profile, blocks=blocks,
                                                                      rest_bwd_s=profile.rest_bwd_s * args.backward)
-        measured = row["step_s"]
+        if args.host_scale is not None:
+            scaled = dataclasses.replace(scaled, host_update_scale=args.host_scale)
+        measured = row["step_mean_s"] if args.mean else row["step_s"]
         slower = dataclasses.replace(links, h2d_GBps=links.h2d_GBps * args.link_scale,
                                      d2h_GBps=links.d2h_GBps * args.link_scale)
         cells = []
