@@ -26,7 +26,9 @@ priced a 2-micro-batch step's update that adds the pair as it reads it (0.25): t
 priced with a host 1.58x slower than the one its steps of 8 had, which ran at the plan's own rate
 (0.60-0.66 ns per parameter against 0.67; H200, session 20). The plan is then priced again on
 the profile calibrated to the measured rates of both (its prediction is the measured host's;
-after a rebuild for memory, the least disturbed of the timed rehearsals': ``least_disturbed``);
+after a rebuild for memory, the least disturbed of the timed rehearsals': ``least_disturbed``;
+while the kernel timed alone around the steps ran slower than profiled, they run again, and
+still disturbed they are not taken: ``host_calibration.undisturbed``);
 where the updates, or the sums of the earlier micro-batches, ran more than 10 % off what the
 plan assumed for them, the scheduler also searches again where the host bounds the plan
 (``host_calibration.py``), and a faster plan is built and rehearsed in its turn (real devices
