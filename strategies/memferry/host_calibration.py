@@ -29,7 +29,7 @@ Not on virtual devices (the cpu backend): there the "device" computes on the sam
 host updates, and a step's rate says nothing a profile could keep.
 
 Something else can have the host while a rehearsal runs. The 128-layer GPT's rehearsals ran
-their updates 1.17-1.47x their price and its steps a minute later 1.03-1.10x, with a million
+their updates 1.28-1.47x their price and its steps a minute later 1.03-1.10x, with a million
 interrupts a second and 7 % system time through the rehearsal against ten thousand and 0-1 %
 through the steps (H100, bench/results/2026-12-06-h100-session36/: right after 96 GB of host
 memory was pinned). So the kernel is also timed alone, on the profiler's buffers, just before
@@ -105,7 +105,7 @@ def least_disturbed(found: Sequence[tuple[float, float]]) -> tuple[float, float]
 
 def alone_slowdown(engine: "MemFerry") -> float | None:
     """The host kernel's seconds per parameter alone now, on buffers as long as the profiler's,
-    over the profile's figure (:func:`undisturbed` takes a rehearsal's host work back by it).
+    over the profile's figure (:func:`settled` judges a rehearsal's host by it).
     None where the check does not apply (:func:`applies`), the profile did not record its
     buffers' length, or the host arena has no room for them."""
     profile = engine.plan.profile
