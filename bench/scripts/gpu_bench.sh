@@ -16,7 +16,8 @@
 #              one call: the search's trial journal in DIR lets a re-run go on where a cut-off one
 #              stopped (unpack the returned DIR.tar.gz into the checkout and carry it).
 # Environment: SYSTEMS (as --systems), DEADLINE_S (570) and GPU_T0 (see gpu_env.sh).
-# Output: DIR (results.json/.md/.png, timelines/, logs/, bench-*.log), then a summary of the
+# Output: DIR (results.json/.md/.png, timelines/, logs/, bench-*.log, host-bench-*.txt: the host
+# sampled every second, bench/scripts/sample_host.sh), then a summary of the
 # rows, and DIR packed into $OUT/<basename of DIR>.tar.gz when $OUT is set (the device tool's
 # folder; one file, as the tool brings back at most 8 a call).
 #
@@ -58,8 +59,12 @@ lap "probe ($NAME into $DIR)"
 rc=0
 bench() {  # bench LOG_NAME [xpu bench args]: one call with what is left of the deadline
   local log=$DIR/bench-$1.log; shift
+  # What the host's kernel does meanwhile (interrupts by kind, memory counters: sample_host.sh):
+  # a rehearsal ran on a host busy with a million interrupts a second (session 36).
+  bash bench/scripts/sample_host.sh "$DIR/host-$(basename "$log" .log).txt" 1 & local sampler=$!
   within 100000 python3 -m xpu bench "$SCENARIO" --out "$DIR" --no-progress "$@" ${EXTRA[@]+"${EXTRA[@]}"} > "$log" 2>&1
-  local r=$?; lap "xpu bench $* rc=$r (log $log)"; [ $r -ne 0 ] && rc=$r; tail -3 "$log"
+  local r=$?; kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
+  lap "xpu bench $* rc=$r (log $log)"; [ $r -ne 0 ] && rc=$r; tail -3 "$log"
 }
 if [ -n "$SEARCH" ]; then
   bench "$SEARCH" ${SYSTEMS:+--systems "$SYSTEMS"}
