@@ -12,7 +12,7 @@ import strategies.memferry.host_room as host_room
 import strategies.memferry.scheduler as scheduler
 from strategies.memferry.config import Plan
 from strategies.memferry.cost import Prediction, predict
-from strategies.memferry.links import links_from_probe
+from strategies.memferry.links import probed_links
 from strategies.memferry.profiler import StepProfile
 from strategies.memferry.scheduler import NoPlanFitsError, schedule
 
@@ -68,12 +68,7 @@ def test_the_h100_run_that_missed_gets_a_plan_with_room(monkeypatch):
     log = (RUN / "call2/cap16/logs/memferry-auto.log").read_text()
     prefix = "memferry profile: "
     profile = StepProfile.from_json(next(ln for ln in log.splitlines() if ln.startswith(prefix))[len(prefix):])
-
-    class Probed:  # what links_from_probe asks of a backend given a probe
-        class caps:  # noqa: N801
-            dha = True
-
-    probed = links_from_probe(Probed(), 0, probe=json.loads((RUN / "call1/s64/xpu-probe.json").read_text()))
+    probed = probed_links(json.loads((RUN / "call1/s64/xpu-probe.json").read_text()))
     # Priced as that run was, before streamed host_linear blocks took the loaded copy rate (with
     # it, the search's fastest plan on this profile has 101 ms of host work under 162: room enough).
     links = dataclasses.replace(probed, loaded_copy_GBps=None)

@@ -13,6 +13,7 @@ import torch
 from strategies.memferry.block_costs import option_cost
 from strategies.memferry.config import Plan, UnitPlan
 from strategies.memferry.cost import H200_DHA_ROWS, Links, links_from_probe, predict
+from strategies.memferry.links import probed_links
 from strategies.memferry.profiler import BlockProfile, StepProfile, profile_step
 from strategies.memferry import c_library, pareto
 from strategies.memferry.pareto import pareto_front
@@ -318,14 +319,9 @@ def test_a_streamed_host_linear_is_priced_no_faster_than_copies_beside_host_load
     assert (fast.a, fast.b) == (alone.a, alone.b)  # never faster than the bare link's price
     probe = {"h2d_pinned_GBps": 55.0, "d2h_pinned_GBps": 55.0, "dha_read_GBps": 50.0,
              "host": {"triad_GBps": 100.0, "triad_with_copies_GBps": 90.0, "copies_GBps": 42.4}}
-
-    class Probed:  # what links_from_probe asks of a backend given a probe
-        class caps:  # noqa: N801
-            dha = True
-
-    assert links_from_probe(Probed(), 0, probe=probe).loaded_copy_GBps == pytest.approx(21.2)
+    assert probed_links(probe).loaded_copy_GBps == pytest.approx(21.2)
     del probe["host"]["copies_GBps"]
-    assert links_from_probe(Probed(), 0, probe=probe).loaded_copy_GBps is None
+    assert probed_links(probe).loaded_copy_GBps is None
 
 
 def test_plain_kernels_over_a_dha_view_are_priced_beside_the_host_optimizer():

@@ -26,10 +26,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from replay_logged import logged_plan  # noqa: E402
-from replay_plan import PREFIX, _ProbedDevice  # noqa: E402
+from replay_plan import PREFIX  # noqa: E402
 from strategies.memferry.cost import predict  # noqa: E402
 from strategies.memferry.host_calibration import calibrated, ratios  # noqa: E402
-from strategies.memferry.links import links_from_probe  # noqa: E402
+from strategies.memferry.links import probed_links  # noqa: E402
 from strategies.memferry.profiler import StepProfile  # noqa: E402
 from strategies.memferry.scheduler import host_numel, price, schedule  # noqa: E402
 
@@ -49,7 +49,7 @@ def main() -> None:
             prof = dataclasses.replace(prof, host_adamw_s_per_param=prof.host_adamw_s_per_param / r,
                                        host_adamw_copies_s_per_param=prof.host_adamw_copies_s_per_param / r)
         plan = logged_plan(text)
-        links = links_from_probe(_ProbedDevice(), 0, probe=json.load(open(os.path.join(run, "xpu-probe.json"))))
+        links = probed_links(json.load(open(os.path.join(run, "xpu-probe.json"))))
         name = os.path.basename(log)[:-4]
         row = next(r for r in json.load(open(os.path.join(run, "results.json")))["rows"] if r["system"] == name)
         ms = {k: float(v) for k, v in re.findall(r"(upcast|adamw) ([0-9.]+)", row["notes"])}

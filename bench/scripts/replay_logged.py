@@ -32,11 +32,11 @@ from typing import Iterator
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from replay_plan import PREFIX, _ProbedDevice  # noqa: E402
+from replay_plan import PREFIX  # noqa: E402
 from strategies.memferry import block_costs  # noqa: E402
 from strategies.memferry.config import Plan, UnitPlan  # noqa: E402
 from strategies.memferry.cost import predict  # noqa: E402
-from strategies.memferry.links import links_from_probe  # noqa: E402
+from strategies.memferry.links import probed_links  # noqa: E402
 from strategies.memferry.profiler import StepProfile  # noqa: E402
 
 UNIT = re.compile(r"^\s*\d+: forward=(\S+)\s+backward=(\S+)\s+activations=(\S+)\s+optimizer=(\S+)( accumulate=device)?",
@@ -96,7 +96,7 @@ def main() -> None:
         profile = StepProfile.from_json(next(ln for ln in text.splitlines() if ln.startswith(PREFIX))[len(PREFIX):])
         plan = logged_plan(text)
         margin = row.get("options", {}).get("memory_margin", 0.05)
-        links = links_from_probe(_ProbedDevice(), 0, probe=probe)
+        links = probed_links(probe)
         blocks = [dataclasses.replace(b, recompute_s=b.fwd_s * args.recompute, bwd_s=b.bwd_s * args.backward)
                   for b in profile.blocks]
         scaled = profile if args.as_logged else dataclasses.replace(profile, blocks=blocks,

@@ -25,19 +25,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from strategies.memferry import block_costs, pareto  # noqa: E402
 from strategies.memferry.cost import predict, predict_clip_fired  # noqa: E402
 from strategies.memferry.host_calibration import calibrated  # noqa: E402
-from strategies.memferry.links import links_from_probe  # noqa: E402
+from strategies.memferry.links import probed_links  # noqa: E402
 from strategies.memferry.profiler import StepProfile  # noqa: E402
 from strategies.memferry.scheduler import schedule  # noqa: E402
 
 PREFIX = "memferry profile: "
 HOST_RATES = ("triad_GBps", "copy_GBps", "triad_with_copies_GBps", "copies_GBps")
-
-
-class _ProbedDevice:
-    """What ``links_from_probe`` asks of a backend when the probe is given: DHA is available."""
-
-    class caps:  # noqa: N801 (the attribute the real backends have)
-        dha = True
 
 
 def scaled(profile: StepProfile, probe: dict, scale: float) -> tuple[StepProfile, dict]:
@@ -99,7 +92,7 @@ def main() -> None:
     said: list[str] = []  # the clip-aware choice's notes, after the table
     for scale in (float(s) for s in args.host_scale.split(",")):
         profile, p = scaled(base, probe, scale)
-        links = links_from_probe(_ProbedDevice(), 0, probe=p)
+        links = probed_links(p)
         t0 = time.perf_counter()
         plan = schedule(profile, links, args.budget_gb * 1e9, margin=args.margin, explain=False, allow_dha=True)
         took = time.perf_counter() - t0

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from xpu import Backend
 
-__all__ = ["Links", "links_from_probe", "H200_DHA_ROWS"]
+__all__ = ["Links", "links_from_probe", "probed_links", "H200_DHA_ROWS"]
 
 #: DHA matmul slow-down against copy-then-matmul, by M (rows), measured on the H200
 #: (docs/design.md §3: 8192x8192 bf16 weight; 2.66/2.49 ms at M=64, 5.3/2.5 at 256, 42/3.1 at 4096,
@@ -67,6 +67,17 @@ class Links:
         return max(1.0, rows[-1][1])  # unreachable: the rows are sorted
 
 
+def probed_links(probe: dict[str, Any], dha: bool = True) -> Links:
+    """:class:`Links` from ``probe``'s figures (``xpu probe``'s JSON, with ``h2d_pinned_GBps``);
+    ``dha``: the device reads host memory directly (``Capabilities.dha``), else no DHA rate.
+    Replays of a logged run price its plan on that run's probe with this."""
+    rows = tuple(sorted((int(r["M"]), float(r["dha_ms"]) / float(r["copy_then_matmul_ms"]))
+                        for r in probe.get("dha_matmul", []) if r.get("dha_ms") and r.get("copy_then_matmul_ms")))
+    return Links(float(probe["h2d_pinned_GBps"]), float(probe.get("d2h_pinned_GBps") or probe["h2d_pinned_GBps"]),
+                 float(probe["dha_read_GBps"]) if dha and probe.get("dha_read_GBps") else None,
+                 rows or H200_DHA_ROWS, "probe", *_host_figures(probe.get("host") or {}))
+
+
 def links_from_probe(backend: "Backend", device: int | None = None, probe: dict[str, Any] | None = None) -> Links:
     """:class:`Links` from ``probe`` (default: ``xpu.probe.load_cached(backend)``).
 
@@ -82,11 +93,7 @@ def links_from_probe(backend: "Backend", device: int | None = None, probe: dict[
         probe = load_cached(backend)
     dha_ok = backend.caps.dha
     if probe and probe.get("h2d_pinned_GBps"):
-        rows = tuple(sorted((int(r["M"]), float(r["dha_ms"]) / float(r["copy_then_matmul_ms"]))
-                            for r in probe.get("dha_matmul", []) if r.get("dha_ms") and r.get("copy_then_matmul_ms")))
-        return Links(float(probe["h2d_pinned_GBps"]), float(probe.get("d2h_pinned_GBps") or probe["h2d_pinned_GBps"]),
-                     float(probe["dha_read_GBps"]) if dha_ok and probe.get("dha_read_GBps") else None,
-                     rows or H200_DHA_ROWS, "probe", *_host_figures(probe.get("host") or {}))
+        return probed_links(probe, dha_ok)
     index = backend.index_of(device)
     link = backend.topology().host_link(index)
     if link is None:

@@ -5,17 +5,17 @@
 import dataclasses, json, sys
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[4]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench" / "scripts")]
-from replay_plan import PREFIX, scaled, _ProbedDevice
+from replay_plan import PREFIX, scaled
 from strategies.memferry.profiler import StepProfile
 from strategies.memferry.scheduler import schedule
 from strategies.memferry.cost import predict, predict_clip_fired
-from strategies.memferry.links import links_from_probe
+from strategies.memferry.links import probed_links
 log, probe_path, budget, margin = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
 base = StepProfile.from_json([l for l in open(log) if l.startswith(PREFIX)][0][len(PREFIX):])
 probe = json.load(open(probe_path))
 for clip in (False, True):
     prof, p = scaled(dataclasses.replace(base, clipping=clip), probe, 1.0)
-    links = links_from_probe(_ProbedDevice(), 0, probe=p)
+    links = probed_links(p)
     plan = schedule(prof, links, budget * 1e9, margin=margin, explain=False, allow_dha=True)
     cprof = dataclasses.replace(prof, clipping=True)
     print(f"clipping={clip}: step {predict(plan, prof, links, margin=margin).step_s*1e3:.1f} ms; with clip on, "
