@@ -302,8 +302,6 @@ def test_a_streamed_host_linear_is_priced_no_faster_than_copies_beside_host_load
     """Where the probe measured its copies beside host-memory traffic, a streamed ``host_linear``
     block (both passes) runs no faster than that rate a direction; links from a probe carry half
     its both-ways figure."""
-    import dataclasses
-
     from strategies.memferry.cost import RING_SERIAL, STREAM_OVERHEAD, option_cost
 
     prof = h200_profile()

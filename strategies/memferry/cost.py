@@ -103,8 +103,8 @@ swapper's look-ahead), which then stay through the backward of every block down 
 
 Not modelled: link contention between prefetch copies, DHA reads and gradient copies (the
 probe measures 72-101 GB/s duplex against 55 GB/s per direction), but for a streamed
-``host_linear`` block, priced no faster than the probe's copies beside host-memory load; D2H queueing; a deeper
-prefetch's smoothing of uneven blocks (depth only costs slots here); how often the clip fires
+``host_linear`` block, priced no faster than the probe's copies beside host-memory load; D2H
+queueing; a deeper prefetch's smoothing of uneven blocks (depth only costs slots here); how often the clip fires
 (speculative by default, ``AdamW.clip_mode``: updates overlap backward as without it, but a
 step whose clip fires re-applies them after backward, and the step after it waits for them:
 :func:`predict_clip_fired` predicts that step; ``"wait"`` makes every step such a step; the

@@ -125,11 +125,11 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
             rehearsed = _rehearse(engine, sample, timed)
         finally:
             backend.set_memory_cap(device, budget)
-        peak, allocated, host, send_s, clock = rehearsed[:5]
+        peak, allocated, host, send_s, clock, alone = rehearsed
         step_s = rehearsed.step_s
         if clock:
-            clocks.append(clock_note(len(clocks) + 1, clock, rehearsed.alone))
-        host = undisturbed(host, rehearsed.alone[-1] if rehearsed.alone else None)
+            clocks.append(clock_note(len(clocks) + 1, clock, alone))
+        host = undisturbed(host, alone[-1] if alone else None)
         if host and not rate_checked and engine.plan.host_s_per_param:
             rates.append(ratios(engine.plan, host))
         predicted = engine.plan.predicted_peak_bytes or 0
@@ -324,7 +324,8 @@ def _rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) 
     ones' device gradients, so two show the peak). Timed: :data:`RATE_STEPS` steps of
     ``engine.micro.steps`` micro-batches, the host's work timed from the second-to-last
     ``step()`` to the last (see the module docstring), and the last :data:`CLOCKED_STEPS` on the
-    wall clock."""
+    wall clock; the steps run again, up to :data:`SETTLE_TRIES` times, while the host kernel
+    alone ran disturbed around them (``host_calibration.settled``)."""
     inputs, targets = sample
     backend, device = engine.backend, engine.device
     n = engine.micro.steps if timed else min(engine.micro.steps, 2)

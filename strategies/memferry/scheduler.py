@@ -464,12 +464,14 @@ def brute_force_budgets(profile: "StepProfile", links: Links, budgets: Sequence[
         # is bit-equal to advance), each group of rows by the choice of the block below them
         rows, combos = np.array([initial_state(depth).key()]), np.zeros((1, 0), dtype=int)
         for s in range(n - 1, -1, -1):
-            parts = [(advance_rows(rows[idx], opts[s][c], opts[s + 1][j] if s + 1 < n else None),
-                      np.column_stack([np.full(len(idx), c), combos[idx]]))
-                     for c in range(len(choices))
-                     for j, idx in ([(0, np.arange(len(rows)))] if s + 1 == n else
-                                    [(j, np.flatnonzero(combos[:, 0] == j)) for j in range(len(choices))])]
-            rows, combos = np.concatenate([r for r, _ in parts]), np.concatenate([c for _, c in parts])
+            below = ([(None, np.arange(len(rows)))] if s + 1 == n else
+                     [(opts[s + 1][j], np.flatnonzero(combos[:, 0] == j)) for j in range(len(choices))])
+            grown, chosen = [], []
+            for c in range(len(choices)):
+                for nxt, idx in below:
+                    grown.append(advance_rows(rows[idx], opts[s][c], nxt))
+                    chosen.append(np.column_stack([np.full(len(idx), c), combos[idx]]))
+            rows, combos = np.concatenate(grown), np.concatenate(chosen)
         for rest_optimizer in rest_optimizers:
             if rest_optimizer == "device" and not allow_device_optimizer:
                 continue
