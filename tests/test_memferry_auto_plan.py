@@ -78,6 +78,7 @@ def test_plan_for_plans_apart_from_the_engine_and_leaves_the_model_as_it_came(cp
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     plan = plan_for(model, data[0], "64MB", optim=cfg, backend=cpu_backend)
     engine = MemFerry(model, optim=cfg, plan=plan, device_budget="64MB", backend=cpu_backend)
+    assert [n for n in engine.plan.notes if n.startswith("setup: made the shadow model in ")]
     assert engine.plan is plan
     losses = [engine.train_step(x, y).item() for x, y in data]
     engine.close()

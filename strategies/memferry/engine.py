@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import Any, Callable, Iterable
 
 import torch
@@ -43,7 +44,7 @@ from .executor import Executor
 from .plan_check import check_budget, check_plan
 from .hf_models import model_loss, no_kv_cache
 from .host_optimizer import HostOptimizer
-from .planning import plan_for
+from .planning import SETUP_NOTE, plan_for
 from .sequence_scaling import batch_shape
 from .shadow import ShadowModel
 from .sum_placement import PLACEMENTS
@@ -228,12 +229,14 @@ class MemFerry:
         if setup["device_budget"] is not None:
             check_budget(units, plan, device_homes, setup["device_budget"])
             self.backend.set_memory_cap(self.device, setup["device_budget"])
+        made = time.perf_counter()  # pinning a model's host copies can take a minute (128-layer GPT, H100)
         with self.backend.device_scope(self.device):
             self.shadow = ShadowModel(units, self.backend, self.device, device_homes, self.dp, originals=originals,
                                       accumulate=setup["accumulation_steps"] > 1,
                                       paired=paired_units(units, plan, setup["accumulation_steps"], self.dp is not None),
                                       backup_budget=self.cfg.backup_budget() if self.cfg.speculative else 0,
                                       kept=kept)
+        plan.notes.append(f"{SETUP_NOTE} made the shadow model in {time.perf_counter() - made:.1f} s")
         read_in_place = frozenset(u.index for u, up in zip(units, plan.units) if "dha" in (up.forward, up.backward))
         #: global-norm clipping (None without ``max_grad_norm``): where norms are taken (clip_norms.py)
         self.clip = (GlobalNormClip.for_plan(self.backend, self.cfg.max_grad_norm, units, plan,

@@ -326,10 +326,11 @@ class ShadowModel:
             master = work[mine]  # the fp32 working copy is the master: no second copy to keep in step
         else:
             master = state(torch.float32)
-            full32 = torch.zeros(padded, dtype=torch.float32)
+            # fp32 from the original (not from work), straight in: a temporary is host-memory churn
             for off, (name, p) in zip(offsets, unit.trainable):
-                full32[off:off + p.numel()].copy_(self._original(name, p).reshape(-1))  # fp32 from the original, not from work
-            master.copy_(full32[mine])
+                lo, hi = max(off, mine.start), min(off + p.numel(), mine.stop)
+                if lo < hi:
+                    master[lo - mine.start:hi - mine.start].copy_(self._original(name, p).reshape(-1)[lo - off:hi - off])
         exp_avg, exp_avg_sq = state(torch.float32), state(torch.float32)
         exp_avg.zero_()
         exp_avg_sq.zero_()
