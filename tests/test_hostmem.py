@@ -1,6 +1,7 @@
 """xpu.hostmem: the anonymous mappings behind pinned buffers, and the opt-in huge-page advice."""
 from __future__ import annotations
 
+import io
 import os
 
 import pytest
@@ -64,3 +65,11 @@ def test_huge_page_mappings_are_private(monkeypatch):
     assert _sharing(hostmem.anonymous_mapping(2 * hostmem.HUGE_PAGE_BYTES)) == "p"
     monkeypatch.setenv(hostmem.ENV, "0")
     assert _sharing(hostmem.anonymous_mapping(2 * hostmem.HUGE_PAGE_BYTES)) == "s"  # unchanged default
+
+
+def test_mem_available_reads_meminfo_in_bytes_and_none_without_the_field(monkeypatch):
+    assert hostmem.mem_available() > 0  # Linux: CI and the device machines
+    monkeypatch.setattr(hostmem, "open", lambda path: io.StringIO("MemTotal: 10 kB\nMemAvailable:   7 kB\n"), raising=False)
+    assert hostmem.mem_available() == 7 * 1024
+    monkeypatch.setattr(hostmem, "open", lambda path: io.StringIO("MemTotal: 10 kB\n"), raising=False)
+    assert hostmem.mem_available() is None

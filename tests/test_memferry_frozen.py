@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from strategies.memferry import AdamW, MemFerry, Plan, UnitPlan, split_units
-from strategies.memferry.shadow import host_bytes_needed
+from strategies.memferry.shadow_sizing import host_bytes_needed
 from strategies.weight_decay import no_decay_names, param_groups
 from tests.test_memferry_numerics import TinyGPT, batches, lm_loss
 

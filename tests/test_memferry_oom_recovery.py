@@ -111,12 +111,12 @@ def test_without_host_room_for_the_state_the_step_is_not_run_again(cpu_backend, 
     # as it is taken out), every device-homed unit's at once (its buffers free device memory)
     need = max(host) + sum(device)
     assert len(host) == 2 and need < 16 * sum(p.numel() for p in engine.model.parameters())
-    monkeypatch.setattr(oom_recovery, "_mem_available", lambda: need - 1)
+    monkeypatch.setattr(oom_recovery, "mem_available", lambda: need - 1)
     before = engine.plan
     with pytest.raises(StepOutOfMemoryError, match="keeping the optimizer state through a rebuild takes"):
         replan_after_oom(engine, "CUDA out of memory")
     assert engine.plan is before
-    monkeypatch.setattr(oom_recovery, "_mem_available", lambda: need)
+    monkeypatch.setattr(oom_recovery, "mem_available", lambda: need)
     replan_after_oom(engine, "CUDA out of memory")
     assert engine.plan is not before
     engine.close()

@@ -16,7 +16,8 @@ from strategies.memferry import AdamW, MemFerry, Plan, UnitPlan
 from strategies.memferry.accumulation import paired_units
 from strategies.memferry.host_kernel import SinglePassKernel, TorchKernel
 from strategies.memferry.host_loops import host_loops
-from strategies.memferry.shadow import UnitShadow, host_bytes_needed
+from strategies.memferry.shadow import UnitShadow
+from strategies.memferry.shadow_sizing import host_bytes_needed
 from strategies.memferry.units import split_units
 from tests.test_memferry_numerics import TinyGPT, batches, lm_loss
 

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from strategies.memferry import AdamW, MemFerry, Plan, UnitPlan
 from strategies.memferry.host_optimizer import HostOptimizer
-from strategies.memferry.shadow import backup_elements, host_bytes_needed
+from strategies.memferry.shadow_sizing import backup_elements, host_bytes_needed
 from strategies.memferry.units import split_units
 from tests.test_memferry_numerics import TinyGPT, batches, lm_loss
 

@@ -1,4 +1,5 @@
-"""Anonymous host mappings for the backends' pinned buffers, optionally on huge pages.
+"""Anonymous host mappings for the backends' pinned buffers, optionally on huge pages, and
+the host memory Linux says is available (:func:`mem_available`, for checks before pinning).
 
 Why a mapping of our own: a page-aligned mapping per buffer registers (pins) and unregisters
 on its own, exactly sized (see ``backends/cuda.py``). Why huge pages, optionally: the host
@@ -16,7 +17,7 @@ import os
 
 import torch
 
-__all__ = ["in_host_memory", "anonymous_mapping", "huge_pages_wanted", "advise_huge_pages", "HUGE_PAGE_BYTES", "ENV"]
+__all__ = ["in_host_memory", "mem_available", "anonymous_mapping", "huge_pages_wanted", "advise_huge_pages", "HUGE_PAGE_BYTES", "ENV"]
 
 #: The environment variable that asks for huge pages: ``1`` (advise) or ``0``/unset (do not).
 ENV = "XPU_HOST_HUGEPAGES"
@@ -31,6 +32,19 @@ def in_host_memory(t: torch.Tensor) -> bool:
     the bytes live as torch sees them, not which of the backend's devices owns them.
     """
     return t.device.type == "cpu"
+
+
+def mem_available() -> int | None:
+    """Bytes Linux estimates can be allocated without swapping (``MemAvailable`` in
+    /proc/meminfo), or None where the file or the field is missing."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def huge_pages_wanted() -> bool:

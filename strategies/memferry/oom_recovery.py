@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from xpu.errors import XpuError
+from xpu.hostmem import mem_available
 from xpu.units import format_bytes, parse_bytes
 
 from .batch_growth import longest_shape, scaled_profile
 from .planning import replan
 from .rehearsal import MARGIN_STEP, _rebuild
 from .scheduler import NoPlanFitsError
-from .shadow import _mem_available
 
 if TYPE_CHECKING:
     from .engine import MemFerry
@@ -78,7 +78,7 @@ def rebuild_refusal(engine: "MemFerry") -> str | None:
         return "under data parallelism the ranks plan together only at setup"
     if engine.plan.profile is None:
         return "the plan was given, not scheduled, so it cannot be made again"
-    available, need = _mem_available(), _state_bytes(engine)
+    available, need = mem_available(), _state_bytes(engine)
     if available is not None and available < need:
         return (f"keeping the optimizer state through a rebuild takes {format_bytes(need)} of host memory and "
                 f"{format_bytes(available)} is available")

@@ -30,11 +30,13 @@ import torch
 
 from xpu import Backend
 from xpu.arena import HostArena
+from xpu.hostmem import mem_available
 
 from .data_parallel import DataParallel
+from .shadow_sizing import backup_elements, host_bytes_needed, train_part
 from .units import Unit
 
-__all__ = ["UnitShadow", "ShadowModel", "host_bytes_needed", "backup_elements"]
+__all__ = ["UnitShadow", "ShadowModel"]
 
 #: The optimizer state of a trainable parameter, besides its step count.
 _STATE = ("master", "exp_avg", "exp_avg_sq")
@@ -135,64 +137,6 @@ class UnitShadow:
             p.data = v
 
 
-def train_part(shard: slice, train_numel: int) -> slice:
-    """The trainable part of a rank's ``shard`` of a flat unit whose first ``train_numel``
-    elements train (empty for a rank whose shard holds only frozen parameters or padding)."""
-    return slice(min(shard.start, train_numel), min(shard.stop, train_numel))
-
-
-def backup_elements(units: list[Unit], device_homes: set[int] | frozenset, dp: "DataParallel | None" = None,
-                    budget: int | None = 0) -> int:
-    """fp32 elements of the speculative-clipping backup arena (``AdamW.clip_mode``): room for the
-    master and two moments (12 bytes per parameter) of every host-updated shard, capped at
-    ``budget`` bytes (None: uncapped; 0: no speculation)."""
-    total = 0
-    for u in units:
-        if u.index in device_homes or not u.params:
-            continue
-        shard = dp.shard(u.numel)[1] if dp is not None else slice(0, u.train_numel)
-        shard = train_part(shard, u.train_numel)
-        total += 3 * (shard.stop - shard.start)
-    return total if budget is None else min(total, budget // 4)
-
-
-def host_bytes_needed(units: list[Unit], device_homes: set[int] | frozenset, dp: "DataParallel | None" = None,
-                      accumulate: bool = False, backup_budget: int | None = 0, paired: frozenset[int] = frozenset()) -> int:
-    """Pinned host bytes :class:`ShadowModel` will take for ``units`` (checked before allocating).
-
-    Per host-homed unit: the compute-dtype working copy of all parameters (whole, padded under
-    data parallelism), and for the trainable ones the gradient landing zone, the fp32 master and
-    two moments (this rank's shard); an fp32 unit's master is its working copy. Frozen
-    parameters take only their working copy (2 bytes each in bf16, 4 in fp32). With ``accumulate`` (gradient accumulation), an
-    fp32 sum of the micro-batches' gradients per shard too. With ``backup_budget`` (speculative
-    clipping: 0 none, None uncapped), the backup arena of :func:`backup_elements`. Units in
-    ``paired`` take a second landing zone.
-    """
-    total = 4 * backup_elements(units, device_homes, dp, backup_budget)
-    for u in units:
-        if u.index in device_homes or not u.params:
-            continue
-        elem = u.params[0][1].element_size()
-        padded, shard = dp.shard(u.numel) if dp is not None else (u.numel, slice(0, u.train_numel))
-        shard = train_part(shard, u.train_numel)
-        size = shard.stop - shard.start
-        total += padded * elem + size * elem + 4 * size * (2 if elem == 4 else 3) + (4 * size if accumulate else 0)
-        total += size * elem if u.index in paired else 0
-    return total
-
-
-def _mem_available() -> int | None:
-    """Linux's estimate of memory available without swapping, or None where unknown."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 class ShadowModel:
     """Homes of every unit's parameters; see the module docstring.
 
@@ -249,7 +193,7 @@ class ShadowModel:
         arena = self.backend.host_arena
         if arena.budget is not None:
             return arena.budget - arena.stats().in_use, "the pinned host-memory budget (XPU_HOST_MEM_BUDGET)"
-        return _mem_available(), "the host's available memory (MemAvailable)"
+        return mem_available(), "the host's available memory (MemAvailable)"
 
     def _check_host_memory(self, device_homes: set[int] | frozenset) -> None:
         """Refuse before allocating anything when the host buffers cannot all fit; resolve an
