@@ -1,0 +1,102 @@
+"""Diagnostic: how fast the backend pins host memory, and what the kernel does meanwhile.
+
+    python3 bench/scripts/diag_pinning.py [--gib 16] [--buffers 16] [--ways plain,prefault,huge]
+
+Why: making the 128-layer GPT's shadow (about 98 GB pinned) took 73 s on an H100 host, and
+meanwhile the kernel's background compaction migrated 0.8 M pages, which sent up to 480 k
+TLB-shootdown interrupts a second to the cores running the process's threads
+(bench/results/2026-12-06-h100-session37/). Each way below pins ``--gib`` GiB as ``--buffers``
+equal buffers, the way the host arena takes a shadow's buffers, writes each once (as making a
+shadow does), and prints the times, then the /proc/vmstat and /proc/interrupts deltas (page faults, compaction, migrations, TLB shootdowns):
+
+``plain``     ``backend.alloc_pinned``, as the arena does;
+``prefault``  the mapping first touched by torch's thread pool (every core faults pages at
+              once), then registered;
+``huge``      ``XPU_HOST_HUGEPAGES=1``: the mapping advised onto 2 MiB pages before registering.
+
+Every buffer is freed before the next way starts. On the cpu backend it runs as a rehearsal of
+the script only: there ``alloc_pinned`` is plain torch memory, so ``plain`` and ``huge`` match.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+import xpu
+from xpu.hostmem import ENV, anonymous_mapping
+
+VMSTAT = ("pgfault", "pgfree", "pgmigrate_success", "compact_migrate_scanned", "compact_stall", "thp_fault_alloc")
+
+
+def counters() -> dict[str, int]:
+    """The kernel's running totals this script reports: /proc/vmstat's :data:`VMSTAT` and the
+    TLB-shootdown and function-call interrupts summed over cores (absent keys read 0)."""
+    out = dict.fromkeys(VMSTAT, 0) | {"TLB": 0, "CAL": 0}
+    try:
+        with open("/proc/vmstat") as fh:
+            for line in fh:
+                key, value = line.split()
+                if key in out:
+                    out[key] = int(value)
+        with open("/proc/interrupts") as fh:
+            for line in fh:
+                parts = line.split()
+                if parts and parts[0].rstrip(":") in ("TLB", "CAL"):
+                    out[parts[0].rstrip(":")] = sum(int(p) for p in parts[1:] if p.isdigit())
+    except OSError:
+        pass
+    return out
+
+
+def pin(backend: xpu.Backend, way: str, nbytes: int) -> tuple[torch.Tensor, object]:
+    """One pinned buffer of ``nbytes`` made ``way``; (the buffer, what to keep alive with it)."""
+    if way == "prefault":
+        mapping = anonymous_mapping(nbytes)
+        buf = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+        buf.zero_()  # torch's intra-op pool: the pages are faulted in by every core at once
+        backend.register_host(buf)
+        return buf, mapping
+    if way == "huge":
+        os.environ[ENV] = "1"  # read when the buffer is mapped
+        try:
+            return backend.alloc_pinned(nbytes), None
+        finally:
+            os.environ.pop(ENV, None)
+    return backend.alloc_pinned(nbytes), None
+
+
+def main() -> None:
+    """Pin and free ``--gib`` GiB each way named by ``--ways``; one line per way."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=16.0, help="GiB pinned each way (default 16)")
+    ap.add_argument("--buffers", type=int, default=16, help="equal buffers they are cut into (default 16)")
+    ap.add_argument("--ways", default="plain,prefault,huge", help="comma list: plain, prefault, huge")
+    args = ap.parse_args()
+    ways = [w.strip() for w in args.ways.split(",") if w.strip()]
+    unknown = sorted(set(ways) - {"plain", "prefault", "huge"})
+    if unknown or args.gib <= 0 or args.buffers < 1:
+        ap.error(f"--ways takes plain, prefault, huge (got {unknown}); --gib > 0 and --buffers >= 1")
+    backend = xpu.get_backend()
+    each = int(args.gib * (1 << 30)) // args.buffers
+    print(f"backend {backend.name}, {args.buffers} buffers of {each / (1 << 30):.2f} GiB, threads {torch.get_num_threads()}")
+    for way in ways:
+        before, t0 = counters(), time.perf_counter()
+        held = [pin(backend, way, each) for _ in range(args.buffers)]
+        pinned_s = time.perf_counter() - t0
+        for buf, _ in held:
+            buf.fill_(1)  # as making a shadow writes every buffer once
+        written_s = time.perf_counter() - t0
+        after = counters()
+        for buf, _ in held:
+            backend.unregister_host(buf)
+        del held
+        moved = " ".join(f"{k} {after[k] - before[k]:,}" for k in after)
+        print(f"{way:8s}: pinned in {pinned_s:.2f} s, and written once in {written_s:.2f} s "
+              f"({args.buffers * each / written_s / 1e9:.2f} GB/s); {moved}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
