@@ -307,6 +307,24 @@ def test_a_rehearsal_the_host_stays_disturbed_through_is_not_taken(cpu_backend, 
     engine.close()
 
 
+def test_a_rehearsal_still_disturbed_is_taken_where_it_ran_under_the_price(cpu_backend, monkeypatch, host_plan):
+    """Disturbed every time the steps ran, yet its updates ran 0.8x the plan's price: a disturbance
+    only slows the host, so the plan is priced on 0.8x (the earlier sums, none here, keep theirs)."""
+    plan, budget = host_plan
+    _measuring(monkeypatch, 0.8 * plan.host_update_s_per_param)
+    timings = iter([1.2, 1.4] * (1 + SETTLE_TRIES))
+    monkeypatch.setattr(rehearsal, "alone_slowdown", lambda engine: next(timings))
+    engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=batch(), device_budget=budget,
+                      backend=cpu_backend, memory_margin=0.0)
+    said = [n for n in engine.plan.notes if n.startswith("host rate:")]
+    assert len(said) == 1 and "updates 0.80x" in said[0], said
+    assert engine.plan.profile.host_update_scale == pytest.approx(0.8)
+    clock = [n for n in engine.plan.notes if n.startswith("rehearsal clock 1:")]
+    assert len(clock) == 1 and "counts only where it ran under the plan's price" in clock[0], clock
+    assert next(timings, None) is None
+    engine.close()
+
+
 def test_a_disturbed_rehearsal_runs_again_until_the_host_settles_and_is_calibrated_as_measured(
         cpu_backend, monkeypatch, host_plan):
     """Disturbed around the first run of the steps (1.3x alone after them), settled around the
@@ -333,6 +351,22 @@ def test_undisturbed_takes_a_rehearsal_only_where_the_host_settled():
     assert undisturbed((2e-9, 1e-9), (1.0, DISTURBED * 1.01)) is None
     assert undisturbed((2e-9, 1e-9), (DISTURBED * 1.01, 1.0)) is None
     assert undisturbed(None, (1.0, 1.0)) is None
+
+
+def test_a_disturbed_rehearsal_counts_only_where_it_ran_under_the_price():
+    """A disturbance only slows the host: a part measured under its price bounds the rate from
+    above and is taken; a part over its price keeps the price; nothing under: not taken."""
+    plan = Plan([], host_s_per_param=3e-9, host_earlier_s_per_param=2e-9)  # updates priced 1e-9
+    disturbed = (1.0, DISTURBED * 1.5)
+    assert undisturbed((1.5e-9, 1.2e-9), disturbed, plan) == (plan.host_update_s_per_param, 1.2e-9)
+    assert undisturbed((0.8e-9, 2.5e-9), disturbed, plan) == (0.8e-9, 2e-9)
+    assert undisturbed((1.5e-9, 2.5e-9), disturbed, plan) is None
+    assert undisturbed((1.5e-9, 1.2e-9), disturbed) is None  # no price to bound by
+    assert undisturbed((1.5e-9, 1.2e-9), (1.0, 1.0), plan) == (1.5e-9, 1.2e-9)  # settled: as measured
+    # priced as updates alone (no sums apart): the two parts count together, as ratios() counts them
+    alone = Plan([], host_s_per_param=2e-9, host_earlier_s_per_param=0.0)
+    assert undisturbed((1.0e-9, 0.5e-9), disturbed, alone) == pytest.approx((1.5e-9, 0.0), rel=1e-12)
+    assert undisturbed((1.5e-9, 1.0e-9), disturbed, alone) is None
 
 
 def test_the_kernel_alone_is_timed_on_the_profiled_length_and_never_on_virtual_devices(cpu_backend, monkeypatch,

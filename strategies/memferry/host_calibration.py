@@ -35,7 +35,8 @@ through the steps (H100, bench/results/2026-12-06-h100-session36/: right after 9
 memory was pinned). So the kernel is also timed alone, on the profiler's buffers, just before
 and after the rehearsal's steps (:func:`alone_slowdown`). Where it ran more than
 :data:`DISTURBED` slower than profiled, the steps run again, up to :data:`SETTLE_TRIES` times;
-a rehearsal still disturbed then is not taken (:func:`undisturbed`), and the plan keeps its rate.
+a rehearsal still disturbed then counts only where it ran under the plan's price (a disturbance
+only slows the host: :func:`undisturbed`); elsewhere the plan keeps its rate.
 """
 from __future__ import annotations
 
@@ -126,18 +127,30 @@ def settled(pair: tuple[float, float]) -> bool:
     return max(pair) <= DISTURBED
 
 
-def undisturbed(measured: tuple[float, float] | None,
-                pair: tuple[float, float] | None) -> tuple[float, float] | None:
+def undisturbed(measured: tuple[float, float] | None, pair: tuple[float, float] | None,
+                plan: Plan | None = None) -> tuple[float, float] | None:
     """A rehearsal's host work ``measured`` (update, earlier sums: seconds per parameter) where
     the host kernel ran :func:`settled` alone around its steps (``pair``: :func:`alone_slowdown`
-    before and after them; None: not timed), else None: a rehearsal the host ran disturbed through
-    says nothing the steps will find, and the plan keeps the rate it was priced on. Divided by
-    the kernel's slowdown alone it would not do: the 128-layer GPT's rehearsal ran its updates
-    1.47x their price with the kernel alone 1.13x slower than profiled, and its steps 1.10x
-    (H100, bench/results/2026-12-06-h100-session36/call3/s128)."""
+    before and after them; None: not timed). Where the host stayed disturbed, the figures say
+    nothing exact about the steps: divided by the kernel's slowdown alone they would not do (the
+    128-layer GPT's rehearsal ran its updates 1.47x their price with the kernel alone 1.13x slower
+    than profiled, and its steps 1.10x: H100, bench/results/2026-12-06-h100-session36/call3/s128).
+    But a disturbance only slows the host, so each part still bounds its own rate from above:
+    with ``plan``, a part measured under its price is taken and a part over it keeps the price
+    (the HF model's sums, priced 1.5x what they ran in the rehearsals that settled, kept that
+    price where the host never settled: H100, bench/results/2026-12-06-h100-session37/call3/hf16).
+    None where no part came in under its price, or without ``plan``: the plan keeps its rate."""
     if measured is None or pair is None or settled(pair):
         return measured
-    return None
+    if plan is None or not plan.host_update_s_per_param:
+        return None
+    update, earlier = ratios(plan, measured)
+    if min(update, earlier) >= 1.0:
+        return None
+    price_update, price_earlier = plan.host_update_s_per_param, plan.host_earlier_s_per_param or 0.0
+    if price_earlier <= 0:  # priced as updates alone: ratios() counts the sums with them
+        return min(sum(measured), price_update), 0.0
+    return min(measured[0], price_update), min(measured[1], price_earlier)
 
 
 def calibrated(profile: "StepProfile", update: float, earlier: float = 1.0) -> "StepProfile":

@@ -28,7 +28,7 @@ priced with a host 1.58x slower than the one its steps of 8 had, which ran at th
 the profile calibrated to the measured rates of both (its prediction is the measured host's;
 after a rebuild for memory, the least disturbed of the timed rehearsals': ``least_disturbed``;
 while the kernel timed alone around the steps ran slower than profiled, they run again, and
-still disturbed they are not taken: ``host_calibration.undisturbed``);
+still disturbed they count only where under the plan's price: ``host_calibration.undisturbed``);
 where the updates, or the sums of the earlier micro-batches, ran more than 10 % off what the
 plan assumed for them, the scheduler also searches again where the host bounds the plan
 (``host_calibration.py``), and a faster plan is built and rehearsed in its turn (real devices
@@ -129,7 +129,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
         step_s = rehearsed.step_s
         if clock:
             clocks.append(clock_note(len(clocks) + 1, clock, alone))
-        host = undisturbed(host, alone[-1] if alone else None)
+        host = undisturbed(host, alone[-1] if alone else None, engine.plan)
         if host and not rate_checked and engine.plan.host_s_per_param:
             rates.append(ratios(engine.plan, host))
         predicted = engine.plan.predicted_peak_bytes or 0
@@ -308,7 +308,7 @@ def clock_note(k: int, clock: tuple[Clocked, ...], alone: Sequence[tuple[float, 
         if len(alone) > 1:
             said += f" (the steps ran {len(alone)} times, the host disturbed before the last)"
         if not settled(alone[-1]):
-            said += " (still disturbed: the plan keeps the host rate it was priced on)"
+            said += " (still disturbed: its host work counts only where it ran under the plan's price)"
     return said
 
 
