@@ -285,17 +285,23 @@ def _slowing_after(replan, rate):
     return slower
 
 
+def _rehearsed(cpu_backend, monkeypatch, host_plan, scale: float, timings):
+    """An engine built on ``host_plan`` whose rehearsal's host updates run ``scale`` times the
+    plan's price, the host kernel alone timed ``timings`` around each run of its steps."""
+    plan, budget = host_plan
+    _measuring(monkeypatch, scale * plan.host_update_s_per_param)
+    monkeypatch.setattr(rehearsal, "alone_slowdown", lambda engine: next(timings))
+    return MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=batch(), device_budget=budget,
+                    backend=cpu_backend, memory_margin=0.0), plan
+
+
 def test_a_rehearsal_the_host_stays_disturbed_through_is_not_taken(cpu_backend, monkeypatch, host_plan):
     """The host kernel alone ran 1.2x its profiled rate before the rehearsal's steps and 1.4x
     after them, every time they ran (the host disturbed, as right after pinning most of its
     memory), and the steps' updates 1.5x the plan's: the steps run 1 + ``SETTLE_TRIES`` times,
     the plan keeps its layout and rate, and the notes say why."""
-    plan, budget = host_plan
-    _measuring(monkeypatch, 1.5 * plan.host_update_s_per_param)
     timings = iter([1.2, 1.4] * (1 + SETTLE_TRIES))
-    monkeypatch.setattr(rehearsal, "alone_slowdown", lambda engine: next(timings))
-    engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=batch(), device_budget=budget,
-                      backend=cpu_backend, memory_margin=0.0)
+    engine, plan = _rehearsed(cpu_backend, monkeypatch, host_plan, 1.5, timings)
     notes = engine.plan.notes
     assert not any(n.startswith("host rate:") for n in notes), notes
     assert engine.plan.profile.host_update_scale == 1.0 and engine.plan.units == plan.units
@@ -310,12 +316,8 @@ def test_a_rehearsal_the_host_stays_disturbed_through_is_not_taken(cpu_backend, 
 def test_a_rehearsal_still_disturbed_is_taken_where_it_ran_under_the_price(cpu_backend, monkeypatch, host_plan):
     """Disturbed every time the steps ran, yet its updates ran 0.8x the plan's price: a disturbance
     only slows the host, so the plan is priced on 0.8x (the earlier sums, none here, keep theirs)."""
-    plan, budget = host_plan
-    _measuring(monkeypatch, 0.8 * plan.host_update_s_per_param)
     timings = iter([1.2, 1.4] * (1 + SETTLE_TRIES))
-    monkeypatch.setattr(rehearsal, "alone_slowdown", lambda engine: next(timings))
-    engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=batch(), device_budget=budget,
-                      backend=cpu_backend, memory_margin=0.0)
+    engine, _ = _rehearsed(cpu_backend, monkeypatch, host_plan, 0.8, timings)
     said = [n for n in engine.plan.notes if n.startswith("host rate:")]
     assert len(said) == 1 and "updates 0.80x" in said[0], said
     assert engine.plan.profile.host_update_scale == pytest.approx(0.8)
@@ -330,12 +332,8 @@ def test_a_disturbed_rehearsal_runs_again_until_the_host_settles_and_is_calibrat
     """Disturbed around the first run of the steps (1.3x alone after them), settled around the
     second (within ``DISTURBED``): the second run's 1.3x is the steps' own, and the plan is
     priced on it."""
-    plan, budget = host_plan
-    _measuring(monkeypatch, 1.3 * plan.host_update_s_per_param)
     timings = iter([1.0, 1.3, 1.0, DISTURBED])  # DISTURBED itself counts as settled
-    monkeypatch.setattr(rehearsal, "alone_slowdown", lambda engine: next(timings))
-    engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=batch(), device_budget=budget,
-                      backend=cpu_backend, memory_margin=0.0)
+    engine, _ = _rehearsed(cpu_backend, monkeypatch, host_plan, 1.3, timings)
     said = [n for n in engine.plan.notes if n.startswith("host rate:")]
     assert len(said) == 1 and "updates 1.30x" in said[0], said
     assert engine.plan.profile.host_update_scale == pytest.approx(1.3)
