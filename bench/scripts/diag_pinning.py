@@ -3,11 +3,13 @@
     python3 bench/scripts/diag_pinning.py [--gib 16] [--buffers 16] [--ways plain,prefault,huge]
 
 Why: making the 128-layer GPT's shadow (about 98 GB pinned) took 73 s on an H100 host, and
-meanwhile the kernel's background compaction migrated 0.8 M pages, which sent up to 480 k
-TLB-shootdown interrupts a second to the cores running the process's threads
-(bench/results/2026-12-06-h100-session37/). Each way below pins ``--gib`` GiB as ``--buffers``
-equal buffers, the way the host arena takes a shadow's buffers, writes each once (as making a
-shadow does), and prints the times, then the /proc/vmstat and /proc/interrupts deltas (page faults, compaction, migrations, TLB shootdowns):
+meanwhile the kernel sent up to 480 k TLB-shootdown interrupts a second to the cores running the
+process's threads, beside 300-700 k page faults and frees a second
+(bench/results/2026-12-06-h100-session37/). Which operation sends them is not known.
+
+Each way below pins ``--gib`` GiB as ``--buffers`` equal buffers, the way the host arena takes a
+shadow's buffers, and writes each once (as making a shadow does). It prints the times, then the
+/proc/vmstat and /proc/interrupts deltas (page faults, compaction, migrations, TLB shootdowns):
 
 ``plain``     ``backend.alloc_pinned``, as the arena does;
 ``prefault``  the mapping first touched by torch's thread pool (every core faults pages at
