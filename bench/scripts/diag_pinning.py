@@ -1,6 +1,6 @@
 """Diagnostic: how fast the backend pins host memory, and what the kernel does meanwhile.
 
-    python3 bench/scripts/diag_pinning.py [--gib 16] [--buffers 16] [--ways plain,prefault,huge]
+    python3 bench/scripts/diag_pinning.py [--gib 16] [--buffers 16] [--ways plain,prefault,private,huge]
 
 Why: making the 128-layer GPT's shadow (about 98 GB pinned) took 73 s on an H100 host, and
 meanwhile the kernel sent up to 480 k TLB-shootdown interrupts a second to the cores running the
@@ -14,6 +14,11 @@ shadow's buffers, and writes each once (as making a shadow does). It prints the 
 ``plain``     ``backend.alloc_pinned``, as the arena does;
 ``prefault``  the mapping first touched by torch's thread pool (every core faults pages at
               once), then registered;
+``private``   a private anonymous mapping (the default is shared: shmem), registered. Why: the
+              kernel skips pinned private pages when it compacts memory (their extra reference
+              shows), but it may try, and fail, to migrate pinned shmem pages, each try
+              unmapping the page on every core: a guess at the storm's source, which
+              ``pgmigrate_fail`` and ``compact_isolated`` would show;
 ``huge``      ``XPU_HOST_HUGEPAGES=1``: the mapping advised onto 2 MiB pages before registering.
 
 Every buffer is freed before the next way starts. On the cpu backend it runs as a rehearsal of
@@ -22,6 +27,7 @@ the script only: there ``alloc_pinned`` is plain torch memory, so ``plain`` and 
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import time
 
@@ -30,7 +36,8 @@ import torch
 import xpu
 from xpu.hostmem import ENV, anonymous_mapping
 
-VMSTAT = ("pgfault", "pgfree", "pgmigrate_success", "compact_migrate_scanned", "compact_stall", "thp_fault_alloc")
+VMSTAT = ("pgfault", "pgfree", "pgmigrate_success", "pgmigrate_fail", "compact_isolated", "compact_migrate_scanned",
+          "compact_stall", "thp_fault_alloc")
 
 
 def counters() -> dict[str, int]:
@@ -61,6 +68,11 @@ def pin(backend: xpu.Backend, way: str, nbytes: int) -> tuple[torch.Tensor, obje
         buf.zero_()  # torch's intra-op pool: the pages are faulted in by every core at once
         backend.register_host(buf)
         return buf, mapping
+    if way == "private":
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buf = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+        backend.register_host(buf)
+        return buf, mapping
     if way == "huge":
         os.environ[ENV] = "1"  # read when the buffer is mapped
         try:
@@ -75,12 +87,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=16.0, help="GiB pinned each way (default 16)")
     ap.add_argument("--buffers", type=int, default=16, help="equal buffers they are cut into (default 16)")
-    ap.add_argument("--ways", default="plain,prefault,huge", help="comma list: plain, prefault, huge")
+    ap.add_argument("--ways", default="plain,prefault,private,huge", help="comma list: plain, prefault, private, huge")
     args = ap.parse_args()
     ways = [w.strip() for w in args.ways.split(",") if w.strip()]
-    unknown = sorted(set(ways) - {"plain", "prefault", "huge"})
+    unknown = sorted(set(ways) - {"plain", "prefault", "private", "huge"})
     if unknown or args.gib <= 0 or args.buffers < 1:
-        ap.error(f"--ways takes plain, prefault, huge (got {unknown}); --gib > 0 and --buffers >= 1")
+        ap.error(f"--ways takes plain, prefault, private, huge (got {unknown}); --gib > 0 and --buffers >= 1")
     backend = xpu.get_backend()
     each = int(args.gib * (1 << 30)) // args.buffers
     print(f"backend {backend.name}, {args.buffers} buffers of {each / (1 << 30):.2f} GiB, threads {torch.get_num_threads()}")

@@ -84,8 +84,11 @@ def main() -> None:
     ap.add_argument("--every", action="store_true", help="also print every sample's rates")
     args = ap.parse_args()
     with open(args.path) as fh:
-        per_second = rates(parse(fh.readlines()))
-    keys = ("TLB", "CAL", "pgfault", "pgfree", "pgmigrate_success", "compact_migrate_scanned")
+        samples = parse(fh.readlines())
+    per_second = rates(samples)
+    recorded = set().union(*(s.totals for s in samples))  # older files lack the later counters
+    keys = tuple(k for k in ("TLB", "CAL", "pgfault", "pgfree", "pgmigrate_success", "pgmigrate_fail",
+                             "compact_isolated", "compact_migrate_scanned") if k in recorded)
     if args.every:
         for stamp, d in per_second:
             print(stamp, " ".join(f"{k} {d.get(k, 0):,}" for k in keys))
@@ -93,7 +96,7 @@ def main() -> None:
     print(f"{len(found)} window(s) with over {args.tlb:,} TLB shootdowns a sample, of {len(per_second)} samples")
     for w in found:
         print(f"{w.start} - {w.end} ({w.seconds} samples): peak TLB {w.peak_tlb:,}; "
-              + ", ".join(f"{k} {w.moved.get(k, 0):,}" for k in keys[1:] + ("TLB",)))
+              + ", ".join(f"{k} {w.moved.get(k, 0):,}" for k in keys if k != "TLB"))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@
 #   interrupt totals by kind from /proc/interrupts, then memory counters from /proc/vmstat)
 OUT=${1:?usage: sample_host.sh OUT_FILE [INTERVAL]}
 INTERVAL=${2:-2}
-KEYS='pgfault|pgmajfault|thp_fault_alloc|thp_collapse_alloc|compact_stall|compact_migrate_scanned|pgmigrate_success|numa_hint_faults|nr_tlb_remote_flush|nr_tlb_remote_flush_received|nr_tlb_local_flush_all|pgscan_kswapd|pgsteal_kswapd|pgfree'
+KEYS='pgfault|pgmajfault|pgmigrate_fail|compact_isolated|thp_fault_alloc|thp_collapse_alloc|compact_stall|compact_migrate_scanned|pgmigrate_success|numa_hint_faults|nr_tlb_remote_flush|nr_tlb_remote_flush_received|nr_tlb_local_flush_all|pgscan_kswapd|pgsteal_kswapd|pgfree'
 while true; do
   irq=$(awk 'NR > 1 { s = 0; for (i = 2; i <= NF && $i ~ /^[0-9]+$/; i++) s += $i; if (s > 0) printf "%s=%d ", $1, s }' /proc/interrupts \
         | tr ' ' '\n' | grep -E '^(TLB|CAL|RES|LOC|IWI|PMI|NMI|[0-9]+):' | sort -t= -k2 -nr | head -12 | tr '\n' ' ')
