@@ -110,7 +110,7 @@ def alone_slowdown(engine: "MemFerry") -> float | None:
     None where the check does not apply (:func:`applies`), the profile did not record its
     buffers' length, or the host arena has no room for them."""
     profile = engine.plan.profile
-    numel = getattr(profile, "host_adamw_numel", 0) if profile is not None else 0
+    numel = profile.host_adamw_numel if profile is not None else 0
     if not applies(engine.backend) or not numel or not profile.host_adamw_s_per_param or not engine.shadow.shadows:
         return None
     dtype = engine.shadow.shadows[0].work.dtype
