@@ -62,15 +62,12 @@ def counters() -> dict[str, int]:
 
 def pin(backend: xpu.Backend, way: str, nbytes: int) -> tuple[torch.Tensor, object]:
     """One pinned buffer of ``nbytes`` made ``way``; (the buffer, what to keep alive with it)."""
-    if way == "prefault":
-        mapping = anonymous_mapping(nbytes)
+    if way in ("prefault", "private"):  # a mapping of our own, registered as the backend would
+        mapping = (anonymous_mapping(nbytes) if way == "prefault"
+                   else mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
         buf = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
-        buf.zero_()  # torch's intra-op pool: the pages are faulted in by every core at once
-        backend.register_host(buf)
-        return buf, mapping
-    if way == "private":
-        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        buf = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+        if way == "prefault":
+            buf.zero_()  # torch's intra-op pool: the pages are faulted in by every core at once
         backend.register_host(buf)
         return buf, mapping
     if way == "huge":
