@@ -138,7 +138,7 @@ class CudaBackend(Backend):
             return torch.empty(0, dtype=torch.uint8)
         # An anonymous mapping is page-aligned, so no two buffers share a page and each can be
         # registered (and unregistered) on its own.
-        mapping = anonymous_mapping(nbytes)  # huge pages if XPU_HOST_HUGEPAGES=1
+        mapping = anonymous_mapping(nbytes)  # huge pages unless XPU_HOST_HUGEPAGES=0
         buf = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
         self.register_host(buf)
         weakref.finalize(buf.untyped_storage(), self._unregister_ptr, buf.data_ptr())

@@ -259,7 +259,7 @@ class NpuBackend(Backend):
             return _pinned_by_torch(nbytes)
         # An anonymous mapping is page-aligned, so no two buffers share a page and each can
         # be registered and unregistered on its own.
-        mapping = anonymous_mapping(nbytes)  # huge pages if XPU_HOST_HUGEPAGES=1
+        mapping = anonymous_mapping(nbytes)  # huge pages unless XPU_HOST_HUGEPAGES=0
         buf = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
         try:
             self._host_regs.register(buf, self._npurt(), owner=mapping)

@@ -1,4 +1,4 @@
-"""xpu.hostmem: the anonymous mappings behind pinned buffers, and the opt-in huge-page advice."""
+"""xpu.hostmem: the anonymous mappings behind pinned buffers, and their huge-page and fork advice."""
 from __future__ import annotations
 
 import io
@@ -16,22 +16,22 @@ def advised(monkeypatch):
     return calls
 
 
-def test_mappings_are_exact_and_advised_only_when_asked(monkeypatch, advised):
+def test_mappings_are_exact_and_advised_unless_turned_off(monkeypatch, advised):
     monkeypatch.delenv(hostmem.ENV, raising=False)
     assert len(hostmem.anonymous_mapping(3 * hostmem.HUGE_PAGE_BYTES + 5)) == 3 * hostmem.HUGE_PAGE_BYTES + 5
-    assert advised == []  # default: 4 KiB pages, as before
+    assert advised == [3 * hostmem.HUGE_PAGE_BYTES + 5]  # default: huge pages
     monkeypatch.setenv(hostmem.ENV, "1")
     hostmem.anonymous_mapping(4 * hostmem.HUGE_PAGE_BYTES)
     hostmem.anonymous_mapping(4096)  # smaller than one huge page: nothing to advise
-    assert advised == [4 * hostmem.HUGE_PAGE_BYTES]
+    assert advised == [3 * hostmem.HUGE_PAGE_BYTES + 5, 4 * hostmem.HUGE_PAGE_BYTES]
     monkeypatch.setenv(hostmem.ENV, "0")
     hostmem.anonymous_mapping(4 * hostmem.HUGE_PAGE_BYTES)
-    assert advised == [4 * hostmem.HUGE_PAGE_BYTES]
+    assert advised == [3 * hostmem.HUGE_PAGE_BYTES + 5, 4 * hostmem.HUGE_PAGE_BYTES]
 
 
 def test_a_bad_setting_or_size_says_what_would_work(monkeypatch):
     monkeypatch.setenv(hostmem.ENV, "yes")
-    with pytest.raises(ValueError, match="XPU_HOST_HUGEPAGES must be 1 .* or 0, got 'yes'"):
+    with pytest.raises(ValueError, match=r"XPU_HOST_HUGEPAGES must be 1 .* or 0 \(4 KiB pages\), got 'yes'"):
         hostmem.anonymous_mapping(hostmem.HUGE_PAGE_BYTES)
     monkeypatch.delenv(hostmem.ENV)
     with pytest.raises(ValueError, match="positive size"):
@@ -45,26 +45,34 @@ def test_the_real_advice_never_raises():
     assert mapping[0:4] == b"abcd"
 
 
-def _sharing(mapping) -> str:
-    """'p' (private) or 's' (shared): the mapping's line in /proc/self/maps."""
+def _smaps(mapping) -> tuple[str, set[str]]:
+    """The mapping's sharing, 'p' (private) or 's' (shared), and its VmFlags, from
+    /proc/self/smaps."""
     import ctypes
 
     start = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
-    for line in open("/proc/self/maps"):
-        lo, hi = (int(a, 16) for a in line.split()[0].split("-"))
-        if lo <= start < hi:
-            return line.split()[1][3]
-    raise AssertionError("mapping not found in /proc/self/maps")
+    sharing = None
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+            lo, hi = (int(a, 16) for a in head[0].split("-"))
+            sharing = head[1][3] if lo <= start < hi else None
+        elif sharing and head[0] == "VmFlags:":
+            return sharing, set(head[1:])
+    raise AssertionError("mapping not found in /proc/self/smaps")
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
-def test_huge_page_mappings_are_private(monkeypatch):
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+def test_huge_page_mappings_are_private_and_not_forked(monkeypatch):
     """Shared anonymous memory is shmem, which takes no transparent huge pages by default: the
-    advice only works on a private mapping."""
-    monkeypatch.setenv(hostmem.ENV, "1")
-    assert _sharing(hostmem.anonymous_mapping(2 * hostmem.HUGE_PAGE_BYTES)) == "p"
+    advice only works on a private mapping, and a private pinned mapping must not reach a forked
+    child (VmFlags ``dc``: do not copy on fork)."""
+    monkeypatch.delenv(hostmem.ENV, raising=False)
+    sharing, flags = _smaps(hostmem.anonymous_mapping(2 * hostmem.HUGE_PAGE_BYTES))
+    assert sharing == "p" and "dc" in flags
     monkeypatch.setenv(hostmem.ENV, "0")
-    assert _sharing(hostmem.anonymous_mapping(2 * hostmem.HUGE_PAGE_BYTES)) == "s"  # unchanged default
+    sharing, flags = _smaps(hostmem.anonymous_mapping(2 * hostmem.HUGE_PAGE_BYTES))
+    assert sharing == "s" and "dc" not in flags  # the opt-out: as before session 38
 
 
 def test_mem_available_reads_meminfo_in_bytes_and_none_without_the_field(monkeypatch):

@@ -1,14 +1,20 @@
-"""Anonymous host mappings for the backends' pinned buffers, optionally on huge pages, and
-the host memory Linux says is available (:func:`mem_available`, for checks before pinning).
+"""Anonymous host mappings for the backends' pinned buffers, on huge pages by default, and the
+host memory Linux says is available (:func:`mem_available`, for checks before pinning).
 
 Why a mapping of our own: a page-aligned mapping per buffer registers (pins) and unregisters
-on its own, exactly sized (see ``backends/cuda.py``). Why huge pages, optionally: the host
-optimizer streams tens of GB of pinned buffers per step; with 4 KiB pages that is millions of
-page-table entries, and the page walks compete with the data for the CPU's caches. With
-``XPU_HOST_HUGEPAGES=1`` each mapping is advised ``MADV_HUGEPAGE`` before it is registered, so
-where the kernel's transparent huge pages are ``madvise`` or ``always`` the memory is faulted
-in as 2 MiB pages. Off by default until a GPU machine has measured it (see
-``bench/scripts/diag_host_rate.py``); where the kernel refuses, the advice is a no-op.
+on its own, exactly sized (see ``backends/cuda.py``).
+
+Why huge pages by default (``XPU_HOST_HUGEPAGES=0`` turns them off): a 6.58 B model's shadow pins
+about 98 GB. On 4 KiB pages of a shared mapping, making it took 72 s on an H100 host, and the
+kernel's compaction meanwhile tried and failed to migrate the pinned pages, sending up to 265 k
+TLB shootdowns a second to the process's cores. On 2 MiB pages it took 29-30 s with no such storm,
+and the host AdamW ran at the same rate (bench/results/2026-12-06-h100-session38/). Each mapping
+is private (shared anonymous memory is shmem, which takes huge pages only where
+``shmem_enabled`` allows: "never" by default), advised ``MADV_HUGEPAGE`` before it is registered
+(so it is faulted in as 2 MiB pages where transparent huge pages are ``madvise`` or ``always``;
+elsewhere the advice is a no-op), and advised ``MADV_DONTFORK``: a forked child (a DataLoader
+worker) must not share a private pinned mapping copy-on-write, which would either copy every
+pinned page at the fork or leave the device reading pages the parent no longer owns.
 """
 from __future__ import annotations
 
@@ -17,9 +23,10 @@ import os
 
 import torch
 
-__all__ = ["in_host_memory", "mem_available", "anonymous_mapping", "huge_pages_wanted", "advise_huge_pages", "HUGE_PAGE_BYTES", "ENV"]
+__all__ = ["in_host_memory", "mem_available", "anonymous_mapping", "huge_pages_wanted", "advise_huge_pages", "advise_dont_fork", "HUGE_PAGE_BYTES", "ENV"]
 
-#: The environment variable that asks for huge pages: ``1`` (advise) or ``0``/unset (do not).
+#: The environment variable for huge pages: ``1`` or unset (advise them), ``0`` (4 KiB pages of a
+#: shared mapping, as before session 38).
 ENV = "XPU_HOST_HUGEPAGES"
 #: Size of one transparent huge page on x86-64 and (4 KiB-granule) arm64.
 HUGE_PAGE_BYTES = 2 << 20
@@ -48,20 +55,20 @@ def mem_available() -> int | None:
 
 
 def huge_pages_wanted() -> bool:
-    """Whether ``XPU_HOST_HUGEPAGES`` asks for huge pages.
+    """Whether pinned buffers should be on huge pages: ``XPU_HOST_HUGEPAGES`` is ``1`` or unset.
 
     Raises:
         ValueError: the variable holds something other than ``0`` or ``1``.
     """
-    value = os.environ.get(ENV, "0").strip()
+    value = os.environ.get(ENV, "1").strip()
     if value not in ("0", "1", ""):
-        raise ValueError(f"{ENV} must be 1 (advise huge pages for pinned host buffers) or 0, got {value!r}")
-    return value == "1"
+        raise ValueError(f"{ENV} must be 1 (huge pages for pinned host buffers, the default) or 0 (4 KiB pages), got {value!r}")
+    return value != "0"
 
 
-def advise_huge_pages(mapping: mmap.mmap) -> bool:
-    """Advise ``MADV_HUGEPAGE`` on ``mapping``; False where this Python or kernel cannot."""
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+def _advise(mapping: mmap.mmap, name: str) -> bool:
+    """Advise ``mmap.<name>`` on the whole of ``mapping``; False where this Python or kernel cannot."""
+    advice = getattr(mmap, name, None)
     if advice is None or not hasattr(mapping, "madvise"):
         return False
     try:
@@ -71,10 +78,22 @@ def advise_huge_pages(mapping: mmap.mmap) -> bool:
     return True
 
 
+def advise_huge_pages(mapping: mmap.mmap) -> bool:
+    """Advise ``MADV_HUGEPAGE`` on ``mapping``; False where this Python or kernel cannot."""
+    return _advise(mapping, "MADV_HUGEPAGE")
+
+
+def advise_dont_fork(mapping: mmap.mmap) -> bool:
+    """Advise ``MADV_DONTFORK`` on ``mapping`` (a forked child does not inherit it); False where
+    this Python or kernel cannot."""
+    return _advise(mapping, "MADV_DONTFORK")
+
+
 def anonymous_mapping(nbytes: int) -> mmap.mmap:
-    """A page-aligned anonymous mapping of ``nbytes`` bytes (> 0), advised onto huge pages when
-    :func:`huge_pages_wanted` and it spans at least one huge page. Touch or register it after
-    this call: the advice applies to pages faulted in afterwards."""
+    """A page-aligned anonymous mapping of ``nbytes`` bytes (> 0): private, advised onto huge
+    pages and kept out of forked children when :func:`huge_pages_wanted` and it spans at least
+    one huge page, else shared. Touch or register it after this call: the advice applies to
+    pages faulted in afterwards."""
     if nbytes <= 0:
         raise ValueError(f"anonymous_mapping needs a positive size, got {nbytes}")
     if nbytes >= HUGE_PAGE_BYTES and huge_pages_wanted():
@@ -82,6 +101,7 @@ def anonymous_mapping(nbytes: int) -> mmap.mmap:
         # huge pages follow shmem_enabled ("never" by default), so the advice did nothing there
         # (H200 machine, 2026-12-01: AnonHugePages stayed 0 kB).
         mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        advise_dont_fork(mapping)
         advise_huge_pages(mapping)
         return mapping
     return mmap.mmap(-1, nbytes)

@@ -1,12 +1,13 @@
 """Diagnostic: the host AdamW rate MemFerry's scheduler plans with, measured three ways.
 
-    python3 bench/scripts/diag_host_rate.py [--what profiler,buffers,hugepages] [--numel 50331648]
+    python3 bench/scripts/diag_host_rate.py [--what profiler,buffers,hugepages] [--numel 50331648] [--kernel torch]
 
 ``profiler``   the profiler's own figure (``strategies.memferry.profiler.host_adamw_rate``) on
                one block-sized buffer, alone and beside 35 % host<->device copy duty;
-``buffers``    the torch host kernel over 1, 4 and 12 *distinct* block-sized units in turn,
-               at the default thread count and at 8: does the rate per parameter fall as the
-               units grow (TLB reach, NUMA placement)?
+``buffers``    the host kernel ``--kernel`` (torch, single-pass) over 1, 4 and 12 *distinct*
+               block-sized units in turn, at the default thread count and at 8: does the rate
+               per parameter fall as the units grow (TLB reach, NUMA placement)? Run it with
+               ``XPU_HOST_HUGEPAGES=0`` and ``=1`` to compare 4 KiB and 2 MiB pages.
 ``hugepages``  whether ``XPU_HOST_HUGEPAGES=1`` gives a 1 GiB pinned buffer transparent huge
                pages (AnonHugePages before and after).
 
@@ -52,13 +53,14 @@ def _unit(backend: xpu.Backend, numel: int):
                       grad=grad, grad_stage=grad, device_flat=None, offsets=[])
 
 
-def buffers_rate(backend: xpu.Backend, numel: int, counts: tuple[int, ...] = (1, 4, 12)) -> None:
-    """The torch host kernel over several distinct units in turn, best and median of 3."""
+def buffers_rate(backend: xpu.Backend, numel: int, kind: str = "torch", counts: tuple[int, ...] = (1, 4, 12)) -> None:
+    """The host kernel ``kind`` over several distinct units in turn, best and median of 3."""
     from strategies.memferry.config import AdamW
     from strategies.memferry.host_kernel import make_host_kernel
 
     units = [_unit(backend, numel) for _ in range(max(counts))]
-    kernel = make_host_kernel("torch", AdamW(lr=1e-4, weight_decay=0.0, host_kernel="torch"), units)
+    kernel = make_host_kernel(kind, AdamW(lr=1e-4, weight_decay=0.0, host_kernel=kind), units)
+    print(f"kernel {type(kernel).__name__}, {os.environ.get('XPU_HOST_HUGEPAGES', 'default')} XPU_HOST_HUGEPAGES")
     for threads in (torch.get_num_threads(), 8):
         torch.set_num_threads(threads)
         for count in counts:
@@ -94,6 +96,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--what", default="profiler,buffers,hugepages", help="comma list: profiler, buffers, hugepages")
     ap.add_argument("--numel", type=int, default=BLOCK, help="parameters per buffer (default one GPT block)")
+    ap.add_argument("--kernel", default="torch", choices=("torch", "single-pass"), help="the host kernel `buffers` times")
     args = ap.parse_args()
     backend = xpu.get_backend()
     for what in [w.strip() for w in args.what.split(",") if w.strip()]:
@@ -101,7 +104,7 @@ def main() -> None:
         if what == "profiler":
             profiler_rate(backend, args.numel)
         elif what == "buffers":
-            buffers_rate(backend, args.numel)
+            buffers_rate(backend, args.numel, args.kernel)
         elif what == "hugepages":
             hugepages()
         else:

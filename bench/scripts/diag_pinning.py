@@ -5,21 +5,27 @@
 Why: making the 128-layer GPT's shadow (about 98 GB pinned) took 73 s on an H100 host, and
 meanwhile the kernel sent up to 480 k TLB-shootdown interrupts a second to the cores running the
 process's threads, beside 300-700 k page faults and frees a second
-(bench/results/2026-12-06-h100-session37/). Which operation sends them is not known.
+(bench/results/2026-12-06-h100-session37/). This script asked whether the pinning sends them.
 
 Each way below pins ``--gib`` GiB as ``--buffers`` equal buffers, the way the host arena takes a
 shadow's buffers, and writes each once (as making a shadow does). It prints the times, then the
 /proc/vmstat and /proc/interrupts deltas (page faults, compaction, migrations, TLB shootdowns):
 
-``plain``     ``backend.alloc_pinned``, as the arena does;
-``prefault``  the mapping first touched by torch's thread pool (every core faults pages at
-              once), then registered;
+``plain``     ``backend.alloc_pinned`` with ``XPU_HOST_HUGEPAGES=0``: 4 KiB pages of a shared
+              mapping, as the arena did before session 38;
+``prefault``  the same mapping first touched by torch's thread pool (every core faults pages
+              at once), then registered;
 ``private``   a private anonymous mapping (the default is shared: shmem), registered. Why: the
               kernel skips pinned private pages when it compacts memory (their extra reference
               shows), but it may try, and fail, to migrate pinned shmem pages, each try
               unmapping the page on every core: a guess at the storm's source, which
               ``pgmigrate_fail`` and ``compact_isolated`` would show;
-``huge``      ``XPU_HOST_HUGEPAGES=1``: the mapping advised onto 2 MiB pages before registering.
+``huge``      ``XPU_HOST_HUGEPAGES=1``, the default since session 38: a private mapping advised
+              onto 2 MiB pages before registering.
+
+Session 38 ran it on an H100 host (bench/results/2026-12-06-h100-session38/pinning.txt): pinning
+alone sent no storm any way (under 40 shootdowns for 16 GiB); ``huge`` pinned in 3.1 s against
+7.3 s ``plain``. The storms came from compaction while a 98 GB shadow was made (see that README).
 
 Every buffer is freed before the next way starts. On the cpu backend it runs as a rehearsal of
 the script only: there ``alloc_pinned`` is plain torch memory, so ``plain`` and ``huge`` match.
@@ -34,7 +40,7 @@ import time
 import torch
 
 import xpu
-from xpu.hostmem import ENV, anonymous_mapping
+from xpu.hostmem import ENV
 
 VMSTAT = ("pgfault", "pgfree", "pgmigrate_success", "pgmigrate_fail", "compact_isolated", "compact_migrate_scanned",
           "compact_stall", "thp_fault_alloc")
@@ -60,23 +66,27 @@ def counters() -> dict[str, int]:
     return out
 
 
+def _alloc_with(backend: xpu.Backend, nbytes: int, huge: str) -> torch.Tensor:
+    """``backend.alloc_pinned(nbytes)`` with ``XPU_HOST_HUGEPAGES`` set to ``huge`` meanwhile."""
+    saved = os.environ.get(ENV)
+    os.environ[ENV] = huge  # read when the buffer is mapped
+    try:
+        return backend.alloc_pinned(nbytes)
+    finally:
+        os.environ.pop(ENV) if saved is None else os.environ.__setitem__(ENV, saved)
+
+
 def pin(backend: xpu.Backend, way: str, nbytes: int) -> tuple[torch.Tensor, object]:
     """One pinned buffer of ``nbytes`` made ``way``; (the buffer, what to keep alive with it)."""
     if way in ("prefault", "private"):  # a mapping of our own, registered as the backend would
-        mapping = (anonymous_mapping(nbytes) if way == "prefault"
+        mapping = (mmap.mmap(-1, nbytes) if way == "prefault"
                    else mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
         buf = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
         if way == "prefault":
             buf.zero_()  # torch's intra-op pool: the pages are faulted in by every core at once
         backend.register_host(buf)
         return buf, mapping
-    if way == "huge":
-        os.environ[ENV] = "1"  # read when the buffer is mapped
-        try:
-            return backend.alloc_pinned(nbytes), None
-        finally:
-            os.environ.pop(ENV, None)
-    return backend.alloc_pinned(nbytes), None
+    return _alloc_with(backend, nbytes, "1" if way == "huge" else "0"), None
 
 
 def main() -> None:
