@@ -9,8 +9,9 @@ about 98 GB. On 4 KiB pages of a shared mapping, making it took 72 s on an H100 
 kernel's compaction meanwhile tried and failed to migrate the pinned pages, sending up to 265 k
 TLB shootdowns a second to the process's cores. On 2 MiB pages it took 29-30 s with no such storm,
 and the host AdamW ran at the same rate (bench/results/2026-12-06-h100-session38/). Each mapping
-is private (shared anonymous memory is shmem, which takes huge pages only where
-``shmem_enabled`` allows: "never" by default), advised ``MADV_HUGEPAGE`` before it is registered
+is private: shared anonymous memory is shmem, which takes huge pages only where
+``shmem_enabled`` allows ("never" by default), and whose pinned pages compaction does not skip
+(it skips pinned private anonymous pages). Each is advised ``MADV_HUGEPAGE`` before it is registered
 (so it is faulted in as 2 MiB pages where transparent huge pages are ``madvise`` or ``always``;
 elsewhere the advice is a no-op), and advised ``MADV_DONTFORK``: a forked child (a DataLoader
 worker) must not share a private pinned mapping copy-on-write, which would either copy every
