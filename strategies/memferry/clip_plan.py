@@ -15,10 +15,11 @@ predict 135 and 152: at the 36 % firing rate measured there, 141 ms against 155 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterable
 
-from .config import Plan, UnitPlan
+from .config import Plan
 from .cost import Links, Prediction, predict, predict_clip_fired
+from .named_plans import named_plans  # re-exported: where for_clip's candidates come from
 
 if TYPE_CHECKING:
     from .profiler import StepProfile
@@ -27,23 +28,6 @@ __all__ = ["named_plans", "expected_step", "for_clip", "fire_rate_hint", "HINT_S
 
 #: The step after which the engine compares the clip's firing with the rate planned for.
 HINT_STEP = 50
-
-
-def named_plans(n: int, choices: Sequence[UnitPlan], rest_optimizers: Sequence[str],
-                depths: Sequence[int]) -> Iterator[Plan]:
-    """Every plan :meth:`Plan.from_spec` names for ``n`` blocks (``prefetch``, ``prefetch2``,
-    ``dha``, ``residentK``, ``deviceK``; plain, ``+recompute`` or ``+offload``) at each prefetch
-    depth and place of ``rest``'s update, whose blocks all take one of ``choices``."""
-    allowed = set(choices)
-    specs = ["prefetch", "prefetch2", "dha"] + [f"{k}{i}" for k in ("resident", "device") for i in range(n + 1)]
-    for spec in specs:
-        for suffix in ("", "+recompute", "+offload"):
-            base = Plan.from_spec(spec + suffix, n)
-            if not set(base.units) <= allowed:
-                continue
-            for depth in depths:
-                for rest in rest_optimizers:
-                    yield Plan(list(base.units), depth, rest)
 
 
 def expected_step(plan: Plan, profile: "StepProfile", links: Links, margin: float, rate: float) -> float:

@@ -44,14 +44,16 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 from xpu.errors import XpuError
 from xpu.units import format_bytes
 
+from .batched_predict import one_block_changes
 from .block_costs import sums_on_host_by_choice  # re-exported: where the scheduler's choices are filtered
-from .clip_plan import for_clip, named_plans
+from .clip_plan import for_clip
 from .config import Plan, UnitPlan
 from .cost import (SCALARS, Links, Prediction, State, advance_rows, describe_units, finish, initial_state, option_cost,
                    predict)
 from .host_budget import host_budget, rest_terms
 from .host_room import with_host_room
 from .least_memory import block_options, least_memory, peak_rows
+from .named_plans import named_predictions
 from .pareto import pareto_front
 
 if TYPE_CHECKING:
@@ -300,7 +302,7 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
         max_labels = LABELS if n <= GROUP_ABOVE else LONG_MODEL_LABELS
     if group < 1:
         raise ValueError(f"group_blocks must be a positive number of blocks, got {group_blocks}")
-    named = [(plan, predict(plan, profile, links, margin)) for plan in named_plans(n, choices, rest_optimizers, depths)]
+    named = named_predictions(profile, links, margin, choices, rest_optimizers, depths)
     inc = _incumbent(named, float(budget_bytes))
     upper = inc[0] * (1 + 1e-9) if inc else math.inf  # a DP plan must beat the incumbent to replace it
     best: tuple[Prediction, Plan] | None = None
@@ -424,6 +426,7 @@ def _explain(plan: Plan, pred: Prediction, profile: "StepProfile", links: Links,
              f"{links.h2d_GBps:.1f} GB/s, d2h {links.d2h_GBps:.1f} GB/s ({links.source}); prefetch depth "
              f"{plan.prefetch_depth}, rest optimizer on the {plan.rest_optimizer}; loss peak "
              f"{profile.loss_peak_bytes / _GB:.3f} GB at loss_chunks {profile.loss_chunks}" + _host_line(pred, profile, links)]
+    changed = one_block_changes(plan, profile, links, margin, choices)
     for i, u in enumerate(plan.units):
         o = option_cost(profile, links, i, u, plan.prefetch_depth)
         alt_line = ""
@@ -431,9 +434,7 @@ def _explain(plan: Plan, pred: Prediction, profile: "StepProfile", links: Links,
         for c in choices:
             if c == u:
                 continue
-            trial = Plan(list(plan.units), plan.prefetch_depth, plan.rest_optimizer)
-            trial.units[i] = c
-            p = predict(trial, profile, links, margin)
+            p = changed[(i, c)]
             if p.peak_bytes <= budget and (best_alt is None or p.step_s < best_alt[0]):
                 best_alt = (p.step_s, c)
         if best_alt is not None:
