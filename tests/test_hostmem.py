@@ -70,6 +70,8 @@ def test_huge_page_mappings_are_private_and_not_forked(monkeypatch):
     monkeypatch.delenv(hostmem.ENV, raising=False)
     sharing, flags = _smaps(hostmem.anonymous_mapping(2 * hostmem.HUGE_PAGE_BYTES))
     assert sharing == "p" and "dc" in flags
+    sharing, flags = _smaps(hostmem.anonymous_mapping(4096))  # too small for a huge page: private all the same
+    assert sharing == "p" and "dc" in flags
     monkeypatch.setenv(hostmem.ENV, "0")
     sharing, flags = _smaps(hostmem.anonymous_mapping(2 * hostmem.HUGE_PAGE_BYTES))
     assert sharing == "s" and "dc" not in flags  # the opt-out: as before session 38

@@ -91,18 +91,19 @@ def advise_dont_fork(mapping: mmap.mmap) -> bool:
 
 
 def anonymous_mapping(nbytes: int) -> mmap.mmap:
-    """A page-aligned anonymous mapping of ``nbytes`` bytes (> 0): private, advised onto huge
-    pages and kept out of forked children when :func:`huge_pages_wanted` and it spans at least
-    one huge page, else shared. Touch or register it after this call: the advice applies to
-    pages faulted in afterwards."""
+    """A page-aligned anonymous mapping of ``nbytes`` bytes (> 0). Where :func:`huge_pages_wanted`
+    (the default): private, kept out of forked children, and advised onto huge pages where it
+    spans at least one; else shared (``XPU_HOST_HUGEPAGES=0``). Touch or register it after this
+    call: the advice applies to pages faulted in afterwards."""
     if nbytes <= 0:
         raise ValueError(f"anonymous_mapping needs a positive size, got {nbytes}")
-    if nbytes >= HUGE_PAGE_BYTES and huge_pages_wanted():
-        # Private, not mmap's default shared mapping: shared anonymous memory is shmem, whose
-        # huge pages follow shmem_enabled ("never" by default), so the advice did nothing there
-        # (H200 machine, 2026-12-01: AnonHugePages stayed 0 kB).
-        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        advise_dont_fork(mapping)
+    if not huge_pages_wanted():
+        return mmap.mmap(-1, nbytes)
+    # Private, not mmap's default shared mapping: shared anonymous memory is shmem, whose huge
+    # pages follow shmem_enabled ("never" by default: H200 machine, 2026-12-01, AnonHugePages
+    # stayed 0 kB), and whose pinned pages compaction tries to move (the module docstring).
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advise_dont_fork(mapping)
+    if nbytes >= HUGE_PAGE_BYTES:
         advise_huge_pages(mapping)
-        return mapping
-    return mmap.mmap(-1, nbytes)
+    return mapping

@@ -1,6 +1,6 @@
 """Diagnostic: how fast the backend pins host memory, and what the kernel does meanwhile.
 
-    python3 bench/scripts/diag_pinning.py [--gib 16] [--buffers 16] [--ways plain,prefault,private,huge]
+    python3 bench/scripts/diag_pinning.py [--gib 16] [--buffers 16] [--ways plain,prefault,private,huge,hugefault]
 
 Why: making the 128-layer GPT's shadow (about 98 GB pinned) took 73 s on an H100 host, and
 meanwhile the kernel sent up to 480 k TLB-shootdown interrupts a second to the cores running the
@@ -21,7 +21,11 @@ shadow's buffers, and writes each once (as making a shadow does). It prints the 
               unmapping the page on every core: a guess at the storm's source, which
               ``pgmigrate_fail`` and ``compact_isolated`` would show;
 ``huge``      ``XPU_HOST_HUGEPAGES=1``, the default since session 38: a private mapping advised
-              onto 2 MiB pages before registering.
+              onto 2 MiB pages before registering;
+``hugefault`` the same mapping first touched by torch's thread pool, then registered: the
+              kernel zeroes each huge page on the thread that faults it, so one registering
+              thread zeroes them all (5.5 GB/s in session 38) where the pool's threads would
+              share the work.
 
 Session 38 ran it on an H100 host (bench/results/2026-12-06-h100-session38/pinning.txt): pinning
 alone sent no storm any way (under 40 shootdowns for 16 GiB); ``huge`` pinned in 3.1 s against
@@ -33,14 +37,16 @@ the script only: there ``alloc_pinned`` is plain torch memory, so ``plain`` and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import mmap
 import os
 import time
+from typing import Iterator
 
 import torch
 
 import xpu
-from xpu.hostmem import ENV
+from xpu.hostmem import ENV, anonymous_mapping
 
 VMSTAT = ("pgfault", "pgfree", "pgmigrate_success", "pgmigrate_fail", "compact_isolated", "compact_migrate_scanned",
           "compact_stall", "thp_fault_alloc")
@@ -66,27 +72,35 @@ def counters() -> dict[str, int]:
     return out
 
 
-def _alloc_with(backend: xpu.Backend, nbytes: int, huge: str) -> torch.Tensor:
-    """``backend.alloc_pinned(nbytes)`` with ``XPU_HOST_HUGEPAGES`` set to ``huge`` meanwhile."""
+@contextlib.contextmanager
+def _huge_pages(value: str) -> Iterator[None]:
+    """``XPU_HOST_HUGEPAGES`` set to ``value`` meanwhile (read when a buffer is mapped)."""
     saved = os.environ.get(ENV)
-    os.environ[ENV] = huge  # read when the buffer is mapped
+    os.environ[ENV] = value
     try:
-        return backend.alloc_pinned(nbytes)
+        yield
     finally:
         os.environ.pop(ENV) if saved is None else os.environ.__setitem__(ENV, saved)
 
 
 def pin(backend: xpu.Backend, way: str, nbytes: int) -> tuple[torch.Tensor, object]:
     """One pinned buffer of ``nbytes`` made ``way``; (the buffer, what to keep alive with it)."""
-    if way in ("prefault", "private"):  # a mapping of our own, registered as the backend would
-        mapping = (mmap.mmap(-1, nbytes) if way == "prefault"
-                   else mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
-        buf = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
-        if way == "prefault":
-            buf.zero_()  # torch's intra-op pool: the pages are faulted in by every core at once
-        backend.register_host(buf)
-        return buf, mapping
-    return _alloc_with(backend, nbytes, "1" if way == "huge" else "0"), None
+    if way in ("plain", "huge"):
+        with _huge_pages("1" if way == "huge" else "0"):
+            return backend.alloc_pinned(nbytes), None
+    # a mapping of our own, registered as the backend would
+    if way == "hugefault":
+        with _huge_pages("1"):
+            mapping = anonymous_mapping(nbytes)
+    elif way == "prefault":
+        mapping = mmap.mmap(-1, nbytes)
+    else:
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+    if way in ("prefault", "hugefault"):
+        buf.zero_()  # torch's intra-op pool: the pages are faulted in by every core at once
+    backend.register_host(buf)
+    return buf, mapping
 
 
 def main() -> None:
@@ -94,12 +108,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=16.0, help="GiB pinned each way (default 16)")
     ap.add_argument("--buffers", type=int, default=16, help="equal buffers they are cut into (default 16)")
-    ap.add_argument("--ways", default="plain,prefault,private,huge", help="comma list: plain, prefault, private, huge")
+    ap.add_argument("--ways", default="plain,prefault,private,huge,hugefault",
+                    help="comma list: plain, prefault, private, huge, hugefault")
     args = ap.parse_args()
     ways = [w.strip() for w in args.ways.split(",") if w.strip()]
-    unknown = sorted(set(ways) - {"plain", "prefault", "private", "huge"})
+    unknown = sorted(set(ways) - {"plain", "prefault", "private", "huge", "hugefault"})
     if unknown or args.gib <= 0 or args.buffers < 1:
-        ap.error(f"--ways takes plain, prefault, private, huge (got {unknown}); --gib > 0 and --buffers >= 1")
+        ap.error(f"--ways takes plain, prefault, private, huge, hugefault (got {unknown}); --gib > 0 and --buffers >= 1")
     backend = xpu.get_backend()
     each = int(args.gib * (1 << 30)) // args.buffers
     print(f"backend {backend.name}, {args.buffers} buffers of {each / (1 << 30):.2f} GiB, threads {torch.get_num_threads()}")
@@ -115,7 +130,7 @@ def main() -> None:
             backend.unregister_host(buf)
         del held
         moved = " ".join(f"{k} {after[k] - before[k]:,}" for k in after)
-        print(f"{way:8s}: pinned in {pinned_s:.2f} s, and written once in {written_s:.2f} s "
+        print(f"{way:9s}: pinned in {pinned_s:.2f} s, and written once in {written_s:.2f} s "
               f"({args.buffers * each / written_s / 1e9:.2f} GB/s); {moved}", flush=True)
 
 
