@@ -46,3 +46,21 @@ def test_totals_become_rates_and_runs_over_the_threshold_become_windows(host_sto
     assert windows[0].moved["pgfault"] == 800 and windows[0].moved["pgmigrate_success"] == 9
     assert windows[0].moved["TLB"] == 150_000
     assert host_storms.storms(per_second, tlb=200_000) == []
+
+
+def test_the_storms_correlation_names_the_counter_that_moves_with_them(host_storms):
+    """Across the storms' span the TLB rate follows failed migrations, not page faults."""
+    fails, faults, tlb = [0, 100, 900, 50, 700, 0], [500, 400, 450, 600, 380, 500], [0, 120, 1_000, 60, 810, 5]
+    lines, totals = [], {"TLB": 0, "pgmigrate_fail": 0, "pgfault": 0}
+    for t, (dt, df, dp) in enumerate(zip(tlb, fails, faults)):
+        totals = {"TLB": totals["TLB"] + dt, "pgmigrate_fail": totals["pgmigrate_fail"] + df,
+                  "pgfault": totals["pgfault"] + dp}
+        lines.append(f"00:00:0{t} TLB:={totals['TLB']} | pgmigrate_fail={totals['pgmigrate_fail']} "
+                     f"pgfault={totals['pgfault']} pgfree=7\n")
+    per_second = host_storms.rates(host_storms.parse(lines))
+    windows = host_storms.storms(per_second, tlb=500)
+    assert [(w.start, w.end) for w in windows] == [("00:00:02", "00:00:02"), ("00:00:04", "00:00:04")]
+    corr = host_storms.correlations(per_second, windows, ("pgmigrate_fail", "pgfault", "pgfree"))
+    assert set(corr) == {"pgmigrate_fail", "pgfault"}  # pgfree never moved: no correlation to give
+    assert corr["pgmigrate_fail"] > 0.99 and corr["pgfault"] < 0
+    assert host_storms.correlations(per_second, [], ("pgfault",)) == {}

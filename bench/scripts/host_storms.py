@@ -9,12 +9,16 @@ a second. For each window it gives the start, end, length, the peak TLB rate, an
 faults, pages freed, pages migrated and compaction's scanned pages. Why: while a 6.58 B model's
 shadow was pinned, up to 480 k TLB shootdowns a second reached the cores of the process's
 threads, and such a storm through a rehearsal slowed its host updates 1.3x
-(bench/results/2026-12-06-h100-session37/README.md). ``--every`` also prints each sample's rates.
+(bench/results/2026-12-06-h100-session37/README.md). Last, the TLB rate's correlation with each
+counter's, second by second across the storms: in session 38 it followed ``pgmigrate_fail`` at
+0.99, compaction failing to move pinned pages (bench/results/2026-12-06-h100-session38/).
+``--every`` also prints each sample's rates.
 """
 from __future__ import annotations
 
 import argparse
 import re
+import statistics
 from dataclasses import dataclass
 
 _PAIR = re.compile(r"([\w]+):?=(\d+)")
@@ -76,6 +80,26 @@ def storms(per_second: list[tuple[str, dict[str, int]]], tlb: int) -> list[Windo
     return windows
 
 
+def correlations(per_second: list[tuple[str, dict[str, int]]], windows: list[Window],
+                 keys: tuple[str, ...]) -> dict[str, float]:
+    """Pearson's correlation of the TLB-shootdown rate with each of ``keys``' rates, second by
+    second from the first window's start to the last one's end (quiet seconds between storms
+    included); a counter that never moved there is left out."""
+    if not windows:
+        return {}
+    times = [stamp for stamp, _ in per_second]
+    span = per_second[times.index(windows[0].start):times.index(windows[-1].end) + 1]
+    tlb = [d.get("TLB", 0) for _, d in span]
+    out = {}
+    for k in keys:
+        other = [d.get(k, 0) for _, d in span]
+        try:
+            out[k] = statistics.correlation(tlb, other)
+        except statistics.StatisticsError:  # fewer than two seconds, or a constant rate
+            continue
+    return out
+
+
 def main() -> None:
     """Print the storms in one host sample file (and each second's rates with ``--every``)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,6 +121,10 @@ def main() -> None:
     for w in found:
         print(f"{w.start} - {w.end} ({w.seconds} samples): peak TLB {w.peak_tlb:,}; "
               + ", ".join(f"{k} {w.moved.get(k, 0):,}" for k in keys if k != "TLB"))
+    corr = correlations(per_second, found, tuple(k for k in keys if k != "TLB"))
+    if corr:
+        print(f"second by second from {found[0].start} to {found[-1].end}, TLB shootdowns correlate with: "
+              + ", ".join(f"{k} {r:+.2f}" for k, r in sorted(corr.items(), key=lambda kv: -kv[1])))
 
 
 if __name__ == "__main__":
