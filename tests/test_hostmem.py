@@ -45,21 +45,34 @@ def test_the_real_advice_never_raises():
     assert mapping[0:4] == b"abcd"
 
 
-def _smaps(mapping) -> tuple[str, set[str]]:
-    """The mapping's sharing, 'p' (private) or 's' (shared), and its VmFlags, from
-    /proc/self/smaps."""
-    import ctypes
-
-    start = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+def smaps_at(address: int) -> tuple[str, set[str]]:
+    """The sharing, 'p' (private) or 's' (shared), and the VmFlags of the mapping holding
+    ``address``, from /proc/self/smaps."""
     sharing = None
     for line in open("/proc/self/smaps"):
         head = line.split()
         if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
             lo, hi = (int(a, 16) for a in head[0].split("-"))
-            sharing = head[1][3] if lo <= start < hi else None
+            sharing = head[1][3] if lo <= address < hi else None
         elif sharing and head[0] == "VmFlags:":
             return sharing, set(head[1:])
     raise AssertionError("mapping not found in /proc/self/smaps")
+
+
+def mapped_in_child(address: int) -> bool:
+    """Whether a forked child has ``address`` mapped (its /proc/self/maps)."""
+    pid = os.fork()
+    if pid == 0:  # the child: answer by the exit status, nothing else
+        found = any(int(lo, 16) <= address < int(hi, 16)
+                    for lo, hi in (line.split()[0].split("-") for line in open("/proc/self/maps")))
+        os._exit(1 if found else 0)
+    return os.waitpid(pid, 0)[1] != 0
+
+
+def _smaps(mapping) -> tuple[str, set[str]]:
+    import ctypes
+
+    return smaps_at(ctypes.addressof(ctypes.c_char.from_buffer(mapping)))
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
@@ -72,9 +85,15 @@ def test_huge_page_mappings_are_private_and_not_forked(monkeypatch):
     assert sharing == "p" and "dc" in flags
     sharing, flags = _smaps(hostmem.anonymous_mapping(4096))  # too small for a huge page: private all the same
     assert sharing == "p" and "dc" in flags
+    import ctypes
+
+    kept = hostmem.anonymous_mapping(2 * hostmem.HUGE_PAGE_BYTES)
+    assert not mapped_in_child(ctypes.addressof(ctypes.c_char.from_buffer(kept)))
     monkeypatch.setenv(hostmem.ENV, "0")
-    sharing, flags = _smaps(hostmem.anonymous_mapping(2 * hostmem.HUGE_PAGE_BYTES))
+    shared = hostmem.anonymous_mapping(2 * hostmem.HUGE_PAGE_BYTES)
+    sharing, flags = _smaps(shared)
     assert sharing == "s" and "dc" not in flags  # the opt-out: as before session 38
+    assert mapped_in_child(ctypes.addressof(ctypes.c_char.from_buffer(shared)))  # the check can tell
 
 
 def test_mem_available_reads_meminfo_in_bytes_and_none_without_the_field(monkeypatch):
