@@ -4,9 +4,9 @@ The scheduler starts its search from the best named plan that fits (its incumben
 dynamic program must beat, and the plan kept where it cannot), and ``clip_plan.py`` weighs them
 against the search's pick. ``residentK`` and ``deviceK`` name a plan for every ``K`` from 0 to
 the block count, so a model of ``n`` blocks has about ``24 n`` of them. Priced one by one with
-:func:`~.cost.predict`, each over ``n`` blocks, that took 19 s of a 44 s search for the 128-layer
-GPT (2-core machine; bench/results/2026-12-06-h100-session38/). Each such family is two runs of
-units, head and tail, so all its splits are priced in one pass
+:func:`~.cost.predict`, each over ``n`` blocks, they were most of the 128-layer GPT's search: 26 s
+in all before, 6 s now (2-core machine, bench/results/2026-12-06-cpu-session38/). Each such family
+is two runs of units, head and tail, so all its splits are priced in one pass
 (:func:`~.batched_predict.split_predictions`).
 """
 from __future__ import annotations
