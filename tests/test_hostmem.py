@@ -102,3 +102,16 @@ def test_mem_available_reads_meminfo_in_bytes_and_none_without_the_field(monkeyp
     assert hostmem.mem_available() == 7 * 1024
     monkeypatch.setattr(hostmem, "open", lambda path: io.StringIO("MemTotal: 10 kB\n"), raising=False)
     assert hostmem.mem_available() is None
+
+
+def test_the_kernels_huge_page_mode_is_the_bracketed_word(monkeypatch):
+    for text, mode in (("always [madvise] never\n", "madvise"), ("[always] madvise never\n", "always"),
+                       ("always madvise [never]\n", "never"), ("garbled\n", None)):
+        monkeypatch.setattr(hostmem, "open", lambda path, text=text: io.StringIO(text), raising=False)
+        assert hostmem.transparent_huge_pages() == mode
+
+    def missing(path):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(hostmem, "open", missing, raising=False)
+    assert hostmem.transparent_huge_pages() is None

@@ -162,7 +162,11 @@ def test_the_probe_s_host_section_is_cached_and_read_into_links(cpu_backend, tmp
     result = run_probe(cpu_backend, dataclasses.replace(small, host_nbytes=2**20))
     host = result["host"]
     assert set(host) == {"threads", "array_bytes", "copy_GBps", "triad_GBps", "adamw_ns_per_param",
-                         "triad_with_copies_GBps", "adamw_with_copies_ns_per_param", "copies_GBps"}
+                         "triad_with_copies_GBps", "adamw_with_copies_ns_per_param", "copies_GBps",
+                         "transparent_hugepages"}
+    from xpu.hostmem import transparent_huge_pages
+
+    assert host.pop("transparent_hugepages") == transparent_huge_pages()
     assert host["array_bytes"] == 2**20 and all(v > 0 for v in host.values())
     save_cached(cpu_backend, result)
     assert cache_path(cpu_backend).parent == tmp_path and load_cached(cpu_backend)["host"] == host

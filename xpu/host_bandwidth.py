@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from .backend import Backend
+from .hostmem import transparent_huge_pages
 
 __all__ = ["CopyLoad", "measure_host", "ADAMW_BYTES_PER_PARAM"]
 
@@ -127,7 +128,8 @@ def measure_host(backend: Backend, nbytes: int = 512 << 20, repeats: int = 5, wa
     gradients, :data:`ADAMW_BYTES_PER_PARAM` bytes per parameter) and, with host->device and
     device->host copies running back to back meanwhile (:class:`CopyLoad`),
     ``triad_with_copies_GBps``, ``adamw_with_copies_ns_per_param`` and ``copies_GBps`` (what
-    the copies moved, both directions together).
+    the copies moved, both directions together); ``transparent_hugepages``: the kernel's mode
+    (:func:`~xpu.hostmem.transparent_huge_pages`), which decides the pinned buffers' pages.
 
     Raises:
         ValueError: ``nbytes`` below 4 bytes or ``repeats`` below 1.
@@ -160,5 +162,6 @@ def measure_host(backend: Backend, nbytes: int = 512 << 20, repeats: int = 5, wa
         out["triad_with_copies_GBps"] = _gbps(3 * 4 * n, _median_s(triad, repeats, warmup))
         out["adamw_with_copies_ns_per_param"] = round(_median_s(opt.step, repeats, warmup) / n * 1e9, 4)
     out["copies_GBps"] = load.rate_GBps
+    out["transparent_hugepages"] = transparent_huge_pages()
     a.grad = None
     return out

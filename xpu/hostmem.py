@@ -24,7 +24,8 @@ import os
 
 import torch
 
-__all__ = ["in_host_memory", "mem_available", "anonymous_mapping", "huge_pages_wanted", "advise_huge_pages", "advise_dont_fork", "HUGE_PAGE_BYTES", "ENV"]
+__all__ = ["in_host_memory", "mem_available", "anonymous_mapping", "huge_pages_wanted", "advise_huge_pages", "advise_dont_fork",
+           "transparent_huge_pages", "HUGE_PAGE_BYTES", "ENV"]
 
 #: The environment variable for huge pages: ``1`` or unset (advise them), ``0`` (4 KiB pages of a
 #: shared mapping, as before session 38).
@@ -53,6 +54,20 @@ def mem_available() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def transparent_huge_pages() -> str | None:
+    """The kernel's transparent-huge-page mode, the bracketed word of
+    /sys/kernel/mm/transparent_hugepage/enabled (``always``, ``madvise`` or ``never``): under
+    ``never`` the advice does nothing and pinned buffers take 4 KiB pages. None where the file is
+    missing (not Linux, or a kernel without them)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as fh:
+            text = fh.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else None
 
 
 def huge_pages_wanted() -> bool:

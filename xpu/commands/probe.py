@@ -80,7 +80,8 @@ def _print_table(result: dict) -> None:
     console.print(mm)
     host = result.get("host")
     if host:
-        ht = Table(title=f"host memory, {host['threads']} threads, {host['array_bytes'] / 2**20:.0f} MiB arrays")
+        ht = Table(title=f"host memory, {host['threads']} threads, {host['array_bytes'] / 2**20:.0f} MiB arrays; "
+                         f"transparent huge pages: {host.get('transparent_hugepages') or 'unknown'}")
         for col in ("figure", "alone", "beside h2d + d2h copies"):
             ht.add_column(col, justify="right")
         ht.add_row("triad (GB/s)", f"{host['triad_GBps']:.1f}", f"{host['triad_with_copies_GBps']:.1f}")
