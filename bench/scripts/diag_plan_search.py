@@ -23,9 +23,10 @@ import time
 from dataclasses import replace
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
+from replay_plan import logged_profile  # noqa: E402
 from strategies.memferry.links import probed_links  # noqa: E402
-from strategies.memferry.profiler import StepProfile  # noqa: E402
 from strategies.memferry.scheduler import schedule  # noqa: E402
 from tests.test_memferry_scheduler import H200_LINKS, h200_profile  # noqa: E402
 
@@ -65,11 +66,9 @@ def logged(args) -> None:
     """The logged profile searched under each cap, without and with the notes, timed."""
     import json
 
-    prefix = "memferry profile: "
-    line = next((ln for ln in open(args.log) if ln.startswith(prefix)), None)
-    if line is None or not args.probe:
-        sys.exit(f"error: --log needs a log with a '{prefix.strip()}' line, and --probe")
-    profile = StepProfile.from_json(line[len(prefix):])
+    if not args.probe:
+        sys.exit("error: --log needs --probe, the same run's xpu-probe.json")
+    profile = logged_profile(args.log)
     links = probed_links(json.load(open(args.probe)))
     print("| blocks | cap (GB) | notes | search (s) | predicted step (ms) |\n|---:|---:|---|---:|---:|")
     for gb in (float(c) for c in args.caps.split(",")):

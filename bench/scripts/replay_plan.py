@@ -33,6 +33,15 @@ PREFIX = "memferry profile: "
 HOST_RATES = ("triad_GBps", "copy_GBps", "triad_with_copies_GBps", "copies_GBps")
 
 
+def logged_profile(path: str) -> StepProfile:
+    """The profile a MemFerry bench log recorded (its ``memferry profile:`` line); exits with a
+    one-line error where the log has none."""
+    line = next((ln for ln in open(path) if ln.startswith(PREFIX)), None)
+    if line is None:
+        sys.exit(f"error: {path} has no '{PREFIX.strip()}' line; give the log of a MemFerry row with plan=auto")
+    return StepProfile.from_json(line[len(PREFIX):])
+
+
 def scaled(profile: StepProfile, probe: dict, scale: float) -> tuple[StepProfile, dict]:
     """``profile`` and ``probe`` with every host rate ``scale`` times faster."""
     probe = copy.deepcopy(probe)
@@ -72,10 +81,7 @@ def main() -> None:
         pareto._c_scan = lambda: None
     if args.dha_view_contention is not None:
         block_costs.DHA_VIEW_CONTENTION = args.dha_view_contention
-    lines = [ln for ln in open(args.log) if ln.startswith(PREFIX)]
-    if not lines:
-        sys.exit(f"error: {args.log} has no '{PREFIX.strip()}' line; give the log of a MemFerry row with plan=auto")
-    base = StepProfile.from_json(lines[0][len(PREFIX):])
+    base = logged_profile(args.log)
     if args.clip_fire_rate is not None:
         base = dataclasses.replace(base, clip_fire_rate=args.clip_fire_rate)
     if args.earlier_send_ms is not None:
