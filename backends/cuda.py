@@ -18,7 +18,7 @@ import torch
 
 from xpu.backend import Backend, MemoryStats
 from xpu.capabilities import Capabilities
-from xpu.hostmem import anonymous_mapping
+from xpu.hostmem import mapped_buffer
 from xpu.topology import HOST, DeviceSpec, Link, Topology
 
 __all__ = ["CudaBackend", "pcie_GBps", "nvlink_GBps_per_link"]
@@ -138,8 +138,7 @@ class CudaBackend(Backend):
             return torch.empty(0, dtype=torch.uint8)
         # An anonymous mapping is page-aligned, so no two buffers share a page and each can be
         # registered (and unregistered) on its own.
-        mapping = anonymous_mapping(nbytes)  # huge pages unless XPU_HOST_HUGEPAGES=0
-        buf = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+        _, buf = mapped_buffer(nbytes)  # huge pages unless XPU_HOST_HUGEPAGES=0, faulted in
         self.register_host(buf)
         weakref.finalize(buf.untyped_storage(), self._unregister_ptr, buf.data_ptr())
         return buf

@@ -54,7 +54,7 @@ from backends.npu_topology import VISIBLE_ENV, build_topology, visible_devices
 from xpu.backend import Backend, MemoryStats, check_copy_pairs
 from xpu.capabilities import Capabilities
 from xpu.errors import CapabilityError, XpuError
-from xpu.hostmem import anonymous_mapping
+from xpu.hostmem import mapped_buffer
 from xpu.topology import Topology
 
 __all__ = ["NpuBackend"]
@@ -259,8 +259,7 @@ class NpuBackend(Backend):
             return _pinned_by_torch(nbytes)
         # An anonymous mapping is page-aligned, so no two buffers share a page and each can
         # be registered and unregistered on its own.
-        mapping = anonymous_mapping(nbytes)  # huge pages unless XPU_HOST_HUGEPAGES=0
-        buf = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+        mapping, buf = mapped_buffer(nbytes)  # huge pages unless XPU_HOST_HUGEPAGES=0, faulted in
         try:
             self._host_regs.register(buf, self._npurt(), owner=mapping)
         except XpuError as exc:

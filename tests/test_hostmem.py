@@ -5,6 +5,7 @@ import io
 import os
 
 import pytest
+import torch
 
 from xpu import hostmem
 
@@ -94,6 +95,36 @@ def test_huge_page_mappings_are_private_and_not_forked(monkeypatch):
     sharing, flags = _smaps(shared)
     assert sharing == "s" and "dc" not in flags  # the opt-out: as before session 38
     assert mapped_in_child(ctypes.addressof(ctypes.c_char.from_buffer(shared)))  # the check can tell
+
+
+def resident_bytes(address: int, nbytes: int) -> int:
+    """Bytes of ``[address, address + nbytes)`` whose pages are present in memory (the "present"
+    bit of each 4 KiB page in /proc/self/pagemap, readable unprivileged)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    first, last = address // page, (address + nbytes - 1) // page
+    with open("/proc/self/pagemap", "rb") as fh:
+        fh.seek(first * 8)
+        entries = fh.read((last - first + 1) * 8)
+    return page * sum(int.from_bytes(entries[k:k + 8], "little") >> 63 for k in range(0, len(entries), 8))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="needs Linux /proc")
+@pytest.mark.parametrize("huge", ["1", "0"])
+def test_a_mapped_buffer_is_faulted_in_before_it_is_registered(monkeypatch, huge):
+    """Registering faults every page on one thread; ``mapped_buffer`` has torch's pool fault them
+    first, so every page is resident (and still zero) when the backend registers it."""
+    monkeypatch.setenv(hostmem.ENV, huge)
+    nbytes = 3 * hostmem.HUGE_PAGE_BYTES + 4096
+    fresh = hostmem.anonymous_mapping(nbytes)
+    import ctypes
+
+    assert resident_bytes(ctypes.addressof(ctypes.c_char.from_buffer(fresh)), nbytes) == 0  # the check can tell
+    mapping, buf = hostmem.mapped_buffer(nbytes)
+    assert buf.numel() == nbytes and buf.dtype == torch.uint8
+    assert buf.data_ptr() == ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert resident_bytes(buf.data_ptr(), nbytes) == -(-nbytes // page) * page
+    assert not buf.any()  # read last: a read maps the shared zero page, which counts as present
 
 
 def test_mem_available_reads_meminfo_in_bytes_and_none_without_the_field(monkeypatch):

@@ -11,8 +11,7 @@ Each way below pins ``--gib`` GiB as ``--buffers`` equal buffers, the way the ho
 shadow's buffers, and writes each once (as making a shadow does). It prints the times, then the
 /proc/vmstat and /proc/interrupts deltas (page faults, compaction, migrations, TLB shootdowns):
 
-``plain``     ``backend.alloc_pinned`` with ``XPU_HOST_HUGEPAGES=0``: 4 KiB pages of a shared
-              mapping, as the arena did before session 38;
+``plain``     4 KiB pages of a shared mapping, registered as it is: the arena before session 38;
 ``prefault``  the same mapping first touched by torch's thread pool (every core faults pages
               at once), then registered;
 ``private``   a private anonymous mapping (the default is shared: shmem), registered. Why: the
@@ -20,19 +19,21 @@ shadow's buffers, and writes each once (as making a shadow does). It prints the 
               shows), but it may try, and fail, to migrate pinned shmem pages, each try
               unmapping the page on every core: a guess at the storm's source, which
               ``pgmigrate_fail`` and ``compact_isolated`` would show;
-``huge``      ``XPU_HOST_HUGEPAGES=1``, the default since session 38: a private mapping advised
-              onto 2 MiB pages before registering;
-``hugefault`` the same mapping first touched by torch's thread pool, then registered: the
-              kernel zeroes each huge page on the thread that faults it, so one registering
-              thread zeroes them all (5.5 GB/s in session 38) where the pool's threads would
-              share the work.
+``huge``      a private mapping advised onto 2 MiB pages, registered as it is: the arena in
+              session 38;
+``hugefault`` ``backend.alloc_pinned`` as it is now (``hostmem.mapped_buffer``): the same mapping
+              first touched by torch's thread pool, then registered. The kernel zeroes each huge
+              page on the thread that faults it, so one registering thread zeroes them all
+              (5.5 GB/s in session 38) where the pool's threads share the work.
 
 Session 38 ran it on an H100 host (bench/results/2026-12-06-h100-session38/pinning.txt): pinning
 alone sent no storm any way (under 40 shootdowns for 16 GiB); ``huge`` pinned in 3.1 s against
 7.3 s ``plain``. The storms came from compaction while a 98 GB shadow was made (see that README).
+Session 39 on the H200's host (bench/results/2026-12-06-h200-session39/call1/pinning.txt):
+``hugefault`` 0.87 s against ``huge`` 2.82 s, so the backends fault their buffers that way since.
 
 Every buffer is freed before the next way starts. On the cpu backend it runs as a rehearsal of
-the script only: there ``alloc_pinned`` is plain torch memory, so ``plain`` and ``huge`` match.
+the script only: there nothing is pinned, and ``alloc_pinned`` (``hugefault``) is plain torch memory.
 """
 from __future__ import annotations
 
@@ -85,19 +86,19 @@ def _huge_pages(value: str) -> Iterator[None]:
 
 def pin(backend: xpu.Backend, way: str, nbytes: int) -> tuple[torch.Tensor, object]:
     """One pinned buffer of ``nbytes`` made ``way``; (the buffer, what to keep alive with it)."""
-    if way in ("plain", "huge"):
-        with _huge_pages("1" if way == "huge" else "0"):
+    if way == "hugefault":  # the backends' own way since session 39 (hostmem.mapped_buffer)
+        with _huge_pages("1"):
             return backend.alloc_pinned(nbytes), None
     # a mapping of our own, registered as the backend would
-    if way == "hugefault":
-        with _huge_pages("1"):
+    if way in ("plain", "huge"):
+        with _huge_pages("1" if way == "huge" else "0"):
             mapping = anonymous_mapping(nbytes)
     elif way == "prefault":
         mapping = mmap.mmap(-1, nbytes)
     else:
         mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buf = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
-    if way in ("prefault", "hugefault"):
+    if way == "prefault":
         buf.zero_()  # torch's intra-op pool: the pages are faulted in by every core at once
     backend.register_host(buf)
     return buf, mapping
