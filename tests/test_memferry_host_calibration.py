@@ -296,20 +296,33 @@ def _rehearsed(cpu_backend, monkeypatch, host_plan, scale: float, timings):
 
 
 def test_a_rehearsal_the_host_stays_disturbed_through_is_not_taken(cpu_backend, monkeypatch, host_plan):
-    """The host kernel alone ran 1.2x its profiled rate before the rehearsal's steps and 1.4x
-    after them, every time they ran (the host disturbed, as right after pinning most of its
+    """The host kernel alone ran at its profiled rate before the rehearsal's steps and 1.4x after
+    them, every time they ran (the host disturbed meanwhile, as right after pinning most of its
     memory), and the steps' updates 1.5x the plan's: the steps run 1 + ``SETTLE_TRIES`` times,
     the plan keeps its layout and rate, and the notes say why."""
-    timings = iter([1.2, 1.4] * (1 + SETTLE_TRIES))
+    timings = iter([1.0, 1.4] * (1 + SETTLE_TRIES))
     engine, plan = _rehearsed(cpu_backend, monkeypatch, host_plan, 1.5, timings)
     notes = engine.plan.notes
     assert not any(n.startswith("host rate:") for n in notes), notes
     assert engine.plan.profile.host_update_scale == 1.0 and engine.plan.units == plan.units
     assert engine.plan.predicted_step_s == pytest.approx(plan.predicted_step_s)
     clock = [n for n in notes if n.startswith("rehearsal clock 1:")]
-    assert len(clock) == 1 and "1.20x/1.40x; 1.20x/1.40x; 1.20x/1.40x its profiled rate" in clock[0], notes
+    assert len(clock) == 1 and "1.00x/1.40x; 1.00x/1.40x; 1.00x/1.40x its profiled rate" in clock[0], notes
     assert f"the steps ran {1 + SETTLE_TRIES} times" in clock[0] and "still disturbed" in clock[0]
     assert next(timings, None) is None  # timed before and after each run, no more
+    engine.close()
+
+
+def test_a_host_slower_on_both_sides_of_a_disturbed_rehearsal_counts_that_much(cpu_backend, monkeypatch, host_plan):
+    """The kernel alone ran 1.2x its profiled rate before the steps and 1.4x after, every time,
+    and the steps' updates 1.5x the plan's: the host was at least 1.2x slower all along, so the
+    updates are priced 1.2x (not the disturbed 1.5x, not the profile's 1.0x)."""
+    timings = iter([1.2, 1.4] * (1 + SETTLE_TRIES))
+    engine, _ = _rehearsed(cpu_backend, monkeypatch, host_plan, 1.5, timings)
+    notes = engine.plan.notes
+    assert any(n.startswith("host rate:") and "updates 1.20x" in n for n in notes), notes
+    assert engine.plan.profile.host_update_scale == pytest.approx(1.2)
+    assert next(timings, None) is None
     engine.close()
 
 
@@ -322,7 +335,7 @@ def test_a_rehearsal_still_disturbed_is_taken_where_it_ran_under_the_price(cpu_b
     assert len(said) == 1 and "updates 0.80x" in said[0], said
     assert engine.plan.profile.host_update_scale == pytest.approx(0.8)
     clock = [n for n in engine.plan.notes if n.startswith("rehearsal clock 1:")]
-    assert len(clock) == 1 and "counts only where it ran under the plan's price" in clock[0], clock
+    assert len(clock) == 1 and "counts at most at the plan's price times the kernel's slowdown alone" in clock[0], clock
     assert next(timings, None) is None
     engine.close()
 
@@ -353,7 +366,8 @@ def test_undisturbed_takes_a_rehearsal_only_where_the_host_settled():
 
 def test_a_disturbed_rehearsal_counts_only_where_it_ran_under_the_price():
     """A disturbance only slows the host: a part measured under its price bounds the rate from
-    above and is taken; a part over its price keeps the price; nothing under: not taken."""
+    above and is taken; a part over its price keeps the price, times the slowdown the kernel
+    alone showed on both sides of the steps; nothing under and no such slowdown: not taken."""
     plan = Plan([], host_s_per_param=3e-9, host_earlier_s_per_param=2e-9)  # updates priced 1e-9
     disturbed = (1.0, DISTURBED * 1.5)
     assert undisturbed((1.5e-9, 1.2e-9), disturbed, plan) == (plan.host_update_s_per_param, 1.2e-9)
@@ -361,10 +375,18 @@ def test_a_disturbed_rehearsal_counts_only_where_it_ran_under_the_price():
     assert undisturbed((1.5e-9, 2.5e-9), disturbed, plan) is None
     assert undisturbed((1.5e-9, 1.2e-9), disturbed) is None  # no price to bound by
     assert undisturbed((1.5e-9, 1.2e-9), (1.0, 1.0), plan) == (1.5e-9, 1.2e-9)  # settled: as measured
+    # the kernel alone slower on both sides: the host was that much slower all along, so each
+    # part counts up to its price times the lesser slowdown, and as measured under that
+    slow = (DISTURBED * 1.05, DISTURBED * 1.1)
+    level = DISTURBED * 1.05
+    assert undisturbed((1.5e-9, 2.5e-9), slow, plan) == pytest.approx((1e-9 * level, 2e-9 * level), rel=1e-12)
+    assert undisturbed((1.05e-9, 2.5e-9), slow, plan) == pytest.approx((1.05e-9, 2e-9 * level), rel=1e-12)
+    assert undisturbed((0.8e-9, 1.2e-9), slow, plan) == (0.8e-9, 1.2e-9)
     # priced as updates alone (no sums apart): the two parts count together, as ratios() counts them
     alone = Plan([], host_s_per_param=2e-9, host_earlier_s_per_param=0.0)
     assert undisturbed((1.0e-9, 0.5e-9), disturbed, alone) == pytest.approx((1.5e-9, 0.0), rel=1e-12)
     assert undisturbed((1.5e-9, 1.0e-9), disturbed, alone) is None
+    assert undisturbed((1.5e-9, 1.0e-9), slow, alone) == pytest.approx((2e-9 * level, 0.0), rel=1e-12)
 
 
 def test_the_kernel_alone_is_timed_on_the_profiled_length_and_never_on_virtual_devices(cpu_backend, monkeypatch,

@@ -35,8 +35,8 @@ through the steps (H100, bench/results/2026-12-06-h100-session36/: right after 9
 memory was pinned). So the kernel is also timed alone, on the profiler's buffers, just before
 and after the rehearsal's steps (:func:`alone_slowdown`). Where it ran more than
 :data:`DISTURBED` slower than profiled, the steps run again, up to :data:`SETTLE_TRIES` times;
-a rehearsal still disturbed then counts only where it ran under the plan's price (a disturbance
-only slows the host: :func:`undisturbed`); elsewhere the plan keeps its rate.
+a rehearsal still disturbed then counts at most at the plan's price times the slowdown the kernel
+alone showed on both sides of its steps (a disturbance only slows the host: :func:`undisturbed`).
 """
 from __future__ import annotations
 
@@ -135,22 +135,29 @@ def undisturbed(measured: tuple[float, float] | None, pair: tuple[float, float] 
     nothing exact about the steps: divided by the kernel's slowdown alone they would not do (the
     128-layer GPT's rehearsal ran its updates 1.47x their price with the kernel alone 1.13x slower
     than profiled, and its steps 1.10x: H100, bench/results/2026-12-06-h100-session36/call3/s128).
-    But a disturbance only slows the host, so each part still bounds its own rate from above:
-    with ``plan``, a part measured under its price is taken and a part over it keeps the price
-    (the HF model's sums, priced 1.5x what they ran in the rehearsals that settled, kept that
-    price where the host never settled: H100, bench/results/2026-12-06-h100-session37/call3/hf16).
-    None where no part came in under its price, or without ``plan``: the plan keeps its rate."""
+    But a disturbance only slows the host, so each part still bounds its own rate from above,
+    and the kernel alone bounds it from below where it ran slower on both sides of the steps: the
+    host was that much slower than profiled all along, not only disturbed (an H200's 128-layer
+    rehearsal ran its updates 1.27x their price, the kernel alone 1.08-1.13x around every run of
+    its steps, and its steps 1.19x; kept at the price, the step was predicted 17 % short:
+    bench/results/2026-12-06-h200-session39/call2/s128). So with ``plan``, each part is taken at
+    most at its price times that level (the smaller of ``pair``, at least 1): a part measured
+    under that is taken as measured (the HF model's sums, priced 1.5x what they ran in the
+    rehearsals that settled: H100, bench/results/2026-12-06-h100-session37/call3/hf16). None
+    where every part stays at its price (no part came in under it and the kernel alone was not
+    slower on both sides), or without ``plan``: the plan keeps its rate."""
     if measured is None or pair is None or settled(pair):
         return measured
     if plan is None or not plan.host_update_s_per_param:
         return None
-    update, earlier = ratios(plan, measured)
-    if min(update, earlier) >= 1.0:
-        return None
+    level = max(1.0, min(pair))
     price_update, price_earlier = plan.host_update_s_per_param, plan.host_earlier_s_per_param or 0.0
     if price_earlier <= 0:  # priced as updates alone: ratios() counts the sums with them
-        return min(sum(measured), price_update), 0.0
-    return min(measured[0], price_update), min(measured[1], price_earlier)
+        measured, price_earlier = (sum(measured), 0.0), 0.0
+    taken = (min(measured[0], price_update * level), min(measured[1], price_earlier * level))
+    if level == 1.0 and min(ratios(plan, measured)) >= 1.0:
+        return None
+    return taken
 
 
 def calibrated(profile: "StepProfile", update: float, earlier: float = 1.0) -> "StepProfile":

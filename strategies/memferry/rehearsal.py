@@ -28,7 +28,8 @@ priced with a host 1.58x slower than the one its steps of 8 had, which ran at th
 the profile calibrated to the measured rates of both (its prediction is the measured host's;
 after a rebuild for memory, the least disturbed of the timed rehearsals': ``least_disturbed``;
 while the kernel timed alone around the steps ran slower than profiled, they run again, and
-still disturbed they count only where under the plan's price: ``host_calibration.undisturbed``);
+still disturbed they count at most at the plan's price times the slowdown the kernel alone
+showed on both sides of them: ``host_calibration.undisturbed``);
 where the updates, or the sums of the earlier micro-batches, ran more than 10 % off what the
 plan assumed for them, the scheduler also searches again where the host bounds the plan
 (``host_calibration.py``), and a faster plan is built and rehearsed in its turn (real devices
@@ -308,7 +309,8 @@ def clock_note(k: int, clock: tuple[Clocked, ...], alone: Sequence[tuple[float, 
         if len(alone) > 1:
             said += f" (the steps ran {len(alone)} times, the host disturbed before the last)"
         if not settled(alone[-1]):
-            said += " (still disturbed: its host work counts only where it ran under the plan's price)"
+            said += (" (still disturbed: its host work counts at most at the plan's price times the kernel's "
+                     "slowdown alone on both sides)")
     return said
 
 
