@@ -8,7 +8,9 @@ line), ``PROBE`` the ``xpu-probe.json`` of the same run. For each host scale the
 searches again under the budget: what would the plan be if the host were that much faster
 (or, below 1, slower)? Prints one row per scale: predicted step (and, for a clipped run's
 profile, the step after a clipped one), compute chain, bound, what the blocks do with their
-activations and weights, and how many are updated on the device.
+activations and weights, and how many are updated on the device. ``--logged-plan`` prices the
+plan the log trained instead of searching again (with ``--calibrate``: what a change to the host
+work's price would do to that plan).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 
@@ -25,6 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from strategies.memferry import block_costs, pareto  # noqa: E402
 from strategies.memferry.cost import predict, predict_clip_fired  # noqa: E402
 from strategies.memferry.host_calibration import calibrated  # noqa: E402
+from strategies.memferry.config import Plan, UnitPlan  # noqa: E402
 from strategies.memferry.links import probed_links  # noqa: E402
 from strategies.memferry.profiler import StepProfile  # noqa: E402
 from strategies.memferry.scheduler import schedule  # noqa: E402
@@ -40,6 +44,31 @@ def logged_profile(path: str) -> StepProfile:
     if line is None:
         sys.exit(f"error: {path} has no '{PREFIX.strip()}' line; give the log of a MemFerry row with plan=auto")
     return StepProfile.from_json(line[len(PREFIX):])
+
+
+_UNIT_LINE = re.compile(r"^\s*\d+: forward=(\S+)\s+backward=(\S+)\s+activations=(\S+)\s+optimizer=(\S+)"
+                        r"( accumulate=device)?\s*$")
+_LAYOUT = re.compile(r"prefetch depth (\d+), rest optimizer on the (host|device)")
+
+
+def logged_plan(path: str) -> Plan:
+    """The plan a MemFerry bench log trained (its ``Plan.describe`` lines, the first plan logged,
+    with the prefetch depth and rest's optimizer from its ``predicted:`` note); exits with a
+    one-line error where the log has none."""
+    units: list[UnitPlan] = []
+    layout = None
+    for line in open(path):
+        m = _UNIT_LINE.match(line)
+        if m and layout is None:
+            fwd, bwd, acts, opt, devacc = m.groups()
+            units.append(UnitPlan(fwd, bwd, recompute=acts in ("recompute", "selective"), optimizer=opt,
+                                  offload=acts == "offload", accumulate="device" if devacc else "host",
+                                  selective=acts == "selective"))
+        elif units and layout is None and (found := _LAYOUT.search(line)):
+            layout = found
+    if not units or layout is None:
+        sys.exit(f"error: {path} has no logged plan ('N: forward=... optimizer=...' lines and a 'predicted:' note)")
+    return Plan(units, int(layout.group(1)), layout.group(2))
 
 
 def scaled(profile: StepProfile, probe: dict, scale: float) -> tuple[StepProfile, dict]:
@@ -73,6 +102,8 @@ def main() -> None:
                     help="search with AdamW.flat_sends (the gathered gradients in each block's backward transient)")
     ap.add_argument("--dha-view-contention", type=float, default=None,
                     help="price plain kernels over a DHA view at this factor (block_costs.DHA_VIEW_CONTENTION)")
+    ap.add_argument("--logged-plan", action="store_true",
+                    help="price the plan the log trained at each host scale instead of searching again")
     ap.add_argument("--calibrate", default=None, metavar="UPDATE[,EARLIER]",
                     help="also price each plan on the profile calibrated to a rehearsal's host ratios "
                          "(host_calibration.calibrated: the 'host rate:' line's updates and sums factors)")
@@ -100,7 +131,8 @@ def main() -> None:
         profile, p = scaled(base, probe, scale)
         links = probed_links(p)
         t0 = time.perf_counter()
-        plan = schedule(profile, links, args.budget_gb * 1e9, margin=args.margin, explain=False, allow_dha=True)
+        plan = (logged_plan(args.log) if args.logged_plan else
+                schedule(profile, links, args.budget_gb * 1e9, margin=args.margin, explain=False, allow_dha=True))
         took = time.perf_counter() - t0
         pr = predict(plan, profile, links, margin=args.margin)
         acts = [u.activations for u in plan.units]
