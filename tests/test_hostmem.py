@@ -113,11 +113,11 @@ def resident_bytes(address: int, nbytes: int) -> int:
 def test_a_mapped_buffer_is_faulted_in_before_it_is_registered(monkeypatch, huge):
     """Registering faults every page on one thread; ``mapped_buffer`` has torch's pool fault them
     first, so every page is resident (and still zero) when the backend registers it."""
+    import ctypes
+
     monkeypatch.setenv(hostmem.ENV, huge)
     nbytes = 3 * hostmem.HUGE_PAGE_BYTES + 4096
     fresh = hostmem.anonymous_mapping(nbytes)
-    import ctypes
-
     assert resident_bytes(ctypes.addressof(ctypes.c_char.from_buffer(fresh)), nbytes) == 0  # the check can tell
     mapping, buf = hostmem.mapped_buffer(nbytes)
     assert buf.numel() == nbytes and buf.dtype == torch.uint8

@@ -364,7 +364,7 @@ def test_undisturbed_takes_a_rehearsal_only_where_the_host_settled():
     assert undisturbed(None, (1.0, 1.0)) is None
 
 
-def test_a_disturbed_rehearsal_counts_only_where_it_ran_under_the_price():
+def test_a_disturbed_rehearsal_counts_up_to_its_price_times_the_hosts_slowdown_alone():
     """A disturbance only slows the host: a part measured under its price bounds the rate from
     above and is taken; a part over its price keeps the price, times the slowdown the kernel
     alone showed on both sides of the steps; nothing under and no such slowdown: not taken."""

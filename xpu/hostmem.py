@@ -130,8 +130,7 @@ def mapped_buffer(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
     thread that faults it, and registering faults them all on the one calling thread; written by
     torch's intra-op pool instead, 16 GiB of huge pages pinned in 0.87 s against 2.82 s (H200 host,
     16 cores: bench/results/2026-12-06-h200-session39/call1/pinning.txt), so a 98 GB shadow's
-    buffers take seconds less to make. The mapping must outlive the tensor's last use (the tensor
-    keeps it alive: ``torch.frombuffer``)."""
+    buffers take seconds less to make. The tensor keeps the mapping alive (``torch.frombuffer``)."""
     mapping = anonymous_mapping(nbytes)
     buf = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
     buf.zero_()  # a write faults each page in (a read would map the shared zero page)
