@@ -8,7 +8,7 @@ import pytest
 
 from strategies.memferry.config import Plan, UnitPlan
 from strategies.memferry.cost import Links, links_from_probe, option_cost, predict
-from strategies.memferry.host_budget import MIN_SHARE, host_budget, update_bytes
+from strategies.memferry.host_budget import HostBudget, MIN_SHARE, host_budget, update_bytes
 from strategies.memferry.profiler import BlockProfile, StepProfile
 from strategies.memferry.scheduler import schedule
 
@@ -57,6 +57,23 @@ def test_update_bytes_count_what_the_host_optimizer_moves():
     assert eight.accumulate_earlier + eight.accumulate_final == 44  # against 76 one by one
     assert update_bytes(2, 8, paired=True).timed == 32 + 34  # 8 B fewer than summing the last pair first
     assert update_bytes(2, 8, device_sum=True, paired=True).timed == 30  # nothing summed on the host
+    # split in two passes: the working copy and the fp32 gradient once the last pair has landed
+    # (26 B, not 34), the master and moments later (28 B, with the earlier micro-batches)
+    split = update_bytes(2, 8, paired=True, split=True)
+    assert (split.kernel, split.final, split.deferred, split.timed) == (26, 26, 28, 32 + 26 + 28)
+    assert update_bytes(2, 8, device_sum=True, paired=True, split=True).kernel == 30 - 12 + 4
+    assert update_bytes(2, 8, "wait", paired=True, split=True).deferred == 0  # never under clipping
+    assert update_bytes(4, 8, paired=True, split=True).deferred == 0  # an fp32 master is the copy
+    assert update_bytes(2, 1, split=True).deferred == 0  # no accumulation: nothing to wait for
+
+
+def test_a_split_updates_second_pass_is_priced_with_the_earlier_micro_batches():
+    budget = HostBudget(100.0, kernel_weight=1.5, copy_weight=0.0, source="test", update_scale=2.0, earlier_scale=0.5)
+    one, split = update_bytes(2, 8, paired=True), update_bytes(2, 8, paired=True, split=True)
+    final, earlier = budget.work(1000, one)
+    assert (final, earlier) == (1000 * 1.5 * 34 * 2.0, 1000 * 32 * 0.5)
+    final, earlier = budget.work(1000, split)
+    assert (final, earlier) == (1000 * 1.5 * 26 * 2.0, 1000 * (32 + 1.5 * 28) * 0.5)
 
 
 def test_a_host_bound_step_takes_its_host_bytes_over_the_bandwidth_and_copies_slow_the_optimizer():

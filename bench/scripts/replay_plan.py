@@ -102,6 +102,8 @@ def main() -> None:
                     help="search with AdamW.flat_sends (the gathered gradients in each block's backward transient)")
     ap.add_argument("--dha-view-contention", type=float, default=None,
                     help="price plain kernels over a DHA view at this factor (block_costs.DHA_VIEW_CONTENTION)")
+    ap.add_argument("--split-update", action="store_true",
+                    help="price host updates split in two passes (AdamW.split_update; accumulation)")
     ap.add_argument("--logged-plan", action="store_true",
                     help="price the plan the log trained at each host scale instead of searching again")
     ap.add_argument("--calibrate", default=None, metavar="UPDATE[,EARLIER]",
@@ -119,6 +121,8 @@ def main() -> None:
         base = dataclasses.replace(base, earlier_send_s=args.earlier_send_ms / 1e3)
     if args.flat_sends:
         base = dataclasses.replace(base, flat_sends=True)
+    if args.split_update:
+        base = dataclasses.replace(base, split_update=True)
     probe = json.load(open(args.probe))
     clipped = getattr(base, "clipping", False)  # then also the step after a clipped one (cost.predict_clip_fired)
     ratios = [float(r) for r in args.calibrate.split(",")] if args.calibrate else None

@@ -17,20 +17,22 @@ __all__ = ["host_metrics", "host_note"]
 
 
 def host_metrics(measured: float | None, planned: float | None, dtype: torch.dtype, accumulation_steps: int,
-                 clip_mode: str, backend: Any, device_summed: float = 0.0, paired: bool = True) -> dict[str, Any]:
+                 clip_mode: str, backend: Any, device_summed: float = 0.0, paired: bool = True,
+                 split: bool = False) -> dict[str, Any]:
     """Row fields from the engine's ``host_rate()`` (seconds per parameter, measured and planned):
 
     ``host_ns_per_param`` (None before any update), ``host_planned_ns_per_param`` (None without
     plan ``auto``), ``host_bytes_per_param`` (what those timed updates move per parameter:
     ``host_budget.update_bytes(...).timed``, averaged with ``device_summed``, the share of the
     host-updated parameters whose micro-batches the device sums; ``paired``: the host sums the
-    others two at a time, as one process does), ``host_triad_GBps`` (the cached
+    others two at a time, as one process does; ``split``: updates in two passes,
+    ``AdamW.split_update``), ``host_triad_GBps`` (the cached
     probe's; None when not probed), ``host_floor_ns_per_param`` (the bytes at that rate) and
     ``host_over_floor``.
     """
     from xpu.probe import load_cached
 
-    on_host, on_device = (update_bytes(dtype.itemsize, accumulation_steps, clip_mode, summed, paired).timed
+    on_host, on_device = (update_bytes(dtype.itemsize, accumulation_steps, clip_mode, summed, paired, split=split).timed
                           for summed in (False, True))
     nbytes = round((1 - device_summed) * on_host + device_summed * on_device, 1) if device_summed else on_host
     triad = ((load_cached(backend) or {}).get("host") or {}).get("triad_GBps")

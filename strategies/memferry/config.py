@@ -71,6 +71,12 @@ class AdamW:
             cost per send falls to about one copy's, for one unit's gradients of device memory
             more during backward (the scheduler counts them) and one fused device copy. Default
             False.
+        split_update: under gradient accumulation, update each host-summed unit of 16-bit
+            compute in two passes (``split_update.py``): the working copy first, which the next
+            forward waits for (26 B a parameter after a last pair instead of 34), then the fp32
+            master and moments while the next step's earlier micro-batches run. It keeps the
+            step's fp32 gradient between them: 4 B a parameter more of pinned host memory. Not
+            with ``max_grad_norm`` (a clipped update waits for the coefficient). Default False.
     """
 
     lr: float = 1e-3
@@ -86,6 +92,7 @@ class AdamW:
     landing_wait: str = "spin"
     clip_fire_rate: float = 0.0
     flat_sends: bool = False
+    split_update: bool = False
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -107,6 +114,11 @@ class AdamW:
         if self.clip_fire_rate and self.max_grad_norm is None:
             raise ValueError(f"clip_fire_rate={self.clip_fire_rate} weighs steps whose clip fires, but max_grad_norm is "
                              f"None (no clipping): set max_grad_norm, or leave clip_fire_rate at 0")
+        if not isinstance(self.split_update, bool):
+            raise ValueError(f"split_update must be True or False, got {self.split_update!r}")
+        if self.split_update and self.max_grad_norm is not None:
+            raise ValueError("split_update=True splits updates that need no clip coefficient: leave max_grad_norm None, "
+                             "or split_update False")
         if not isinstance(self.flat_sends, bool):
             raise ValueError(f"flat_sends must be True or False, got {self.flat_sends!r}")
         if self.landing_wait not in ("spin", "sleep"):

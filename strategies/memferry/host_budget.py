@@ -19,7 +19,11 @@ AdamW took 0.24 ns per parameter alone and 0.33 while both copy directions ran a
   more) but writes an fp32-compute unit's old master and moments to a backup in the update's own
   sweep (12 B written; ``speculative_clip.py``), and clipping reads the gradient once more for
   its norm where the device cannot sum its squares (``clip_norms.norm_on_device``). A clipped step's re-application from the backups is not counted (it
-  happens only in steps whose norm exceeds the limit).
+  happens only in steps whose norm exceeds the limit). A split update (``split_update.py``:
+  accumulation, 16-bit compute, no clipping) writes the working copy and the fp32 gradient
+  (4 B) instead of the master and moments once the last gradient has landed, and reads that
+  gradient and the master and moments and writes them back (28 B) while the next step's
+  earlier micro-batches run.
 * **Bandwidth** B: ``xpu probe``'s triad on all cores (``Links.host_GBps``), else what the
   measured kernel itself moved alone. The kernel's bytes weigh ``kernel_weight`` =
   (its time alone) x B / (its bytes): 1 for a kernel at triad speed. Accumulation, backups and
@@ -78,6 +82,8 @@ class UpdateBytes:
         accumulate_earlier: summing the earlier micro-batches, while they run.
         backup: speculative clipping's copy of master and moments (written in the update's sweep).
         norm: clipping's read of the gradient for its norm.
+        deferred: a split update's second pass, done during the next step's earlier
+            micro-batches (kernel bytes).
     """
 
     kernel: int
@@ -85,6 +91,7 @@ class UpdateBytes:
     accumulate_earlier: int = 0
     backup: int = 0
     norm: int = 0
+    deferred: int = 0
 
     @property
     def final(self) -> int:
@@ -94,11 +101,12 @@ class UpdateBytes:
     @property
     def timed(self) -> int:
         """What ``HostOptimizer.measured_s_per_param`` times (all but the norm's read)."""
-        return self.kernel + self.accumulate_final + self.accumulate_earlier + self.backup
+        return self.kernel + self.accumulate_final + self.accumulate_earlier + self.backup + self.deferred
 
 
 def update_bytes(dtype_bytes: int, accumulation_steps: int = 1, clip_mode: str = "",
-                 device_sum: bool = False, paired: bool = False, host_norm: bool = True) -> UpdateBytes:
+                 device_sum: bool = False, paired: bool = False, host_norm: bool = True,
+                 split: bool = False) -> UpdateBytes:
     """Host bytes per host-updated parameter per step for gradients of ``dtype_bytes`` bytes,
     ``accumulation_steps`` micro-batches and ``clip_mode`` (empty: no clipping; see the module);
     ``device_sum``: the micro-batches are summed on the device (the host sums nothing);
@@ -107,7 +115,8 @@ def update_bytes(dtype_bytes: int, accumulation_steps: int = 1, clip_mode: str =
     without clipping a step that ends with a pair leaves it to the update, which reads the pair
     and the sum before it (2g, or 4 + 2g) instead of the fp32 sum (``LandingZones.fuse_last_pair``);
     ``host_norm``: with clipping, the host reads the gradient for its norm (False: the device
-    sums its squares, ``clip_norms.norm_on_device``)."""
+    sums its squares, ``clip_norms.norm_on_device``); ``split``: ``AdamW.split_update``, which
+    applies under accumulation without clipping to 16-bit compute (see the module)."""
     g, n = dtype_bytes, max(1, int(accumulation_steps))
     grad_read = g if n == 1 else ACC_BYTES  # the pass reads the landed gradient, or the fp32 sum
     kernel = STATE_BYTES + grad_read + (g if g != ACC_BYTES else 0)  # an fp32 master is the working copy
@@ -123,9 +132,12 @@ def update_bytes(dtype_bytes: int, accumulation_steps: int = 1, clip_mode: str =
             final = 0
     else:
         final, earlier = (add, (ACC_BYTES + g) + (n - 2) * add) if host_sum else (0, 0)
+    deferred = 0
+    if split and n > 1 and not clip_mode and g != ACC_BYTES:  # the master and moments written later
+        kernel, deferred = kernel - STATE_BYTES // 2 + ACC_BYTES, ACC_BYTES + STATE_BYTES
     return UpdateBytes(kernel, final, earlier,
                        BACKUP_BYTES if clip_mode == "speculative" and g == ACC_BYTES else 0,
-                       grad_read if clip_mode and host_norm else 0)
+                       grad_read if clip_mode and host_norm else 0, deferred)
 
 
 @dataclass(frozen=True)
@@ -169,7 +181,8 @@ class HostBudget:
         """(after the last gradient lands, during earlier micro-batches) host-memory bytes of
         updating ``numel`` parameters, the kernel's bytes weighted, each part calibrated."""
         final = numel * (self.kernel_weight * ub.kernel + ub.final - ub.kernel)
-        return final * self.update_scale, numel * ub.accumulate_earlier * self.earlier_scale
+        earlier = numel * (ub.accumulate_earlier + self.kernel_weight * ub.deferred)
+        return final * self.update_scale, earlier * self.earlier_scale
 
 
 def host_budget(profile: "StepProfile", links: "Links") -> HostBudget | None:
@@ -231,7 +244,8 @@ def unit_terms(profile: "StepProfile", budget: HostBudget | None, numel: int, ho
     final = earlier = 0.0
     if host:
         clip = profile.clip_mode if getattr(profile, "clipping", False) else ""
-        final, earlier = budget.work(numel, update_bytes(profile.dtype_bytes, n, clip, device_sum, paired, host_norm))
+        final, earlier = budget.work(numel, update_bytes(profile.dtype_bytes, n, clip, device_sum, paired, host_norm,
+                                                         getattr(profile, "split_update", False)))
     acc = (n - 1) * budget.beside(earlier / (n - 1), bwd, backward_s) if n > 1 else 0.0
     return (budget.beside(final, bwd + summed, backward_s), acc,
             budget.seconds(final + earlier + budget.copy_weight * link))

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from .host_kernel import PHASES
 
-__all__ = ["HostClock", "HostReading"]
+__all__ = ["HostClock", "HostReading", "ClockReadings"]
 
 
 class HostReading(NamedTuple):
@@ -44,7 +44,8 @@ class HostClock:
             ``HostOptimizer.wait_consumed``: a backward blocked until the host had summed what
             the unit's landing zone held) and ``backup`` (speculative clipping's copies and restores).
         updated_numel: parameters updated so far (this rank's shards).
-        earlier_s: seconds of summing micro-batches before a step's last (within ``upcast``).
+        earlier_s: seconds of work for micro-batches before a step's last: summing them (within
+            ``upcast``) and split updates' second passes (within ``adamw``: ``split_update.py``).
     """
 
     def __init__(self) -> None:
@@ -67,6 +68,11 @@ class HostClock:
         self.time_s["upcast"] += seconds
         if earlier:
             self.earlier_s += seconds
+
+    def add_second(self, seconds: float) -> None:
+        """Seconds of split updates' second passes (AdamW work, run during earlier micro-batches)."""
+        self.time_s["adamw"] += seconds
+        self.earlier_s += seconds
 
     def count(self, index: int, times: dict[str, float], done: bool, numel: int) -> None:
         """Add a piece of unit ``index``'s update (seconds per phase); ``done``: the update is
@@ -96,3 +102,45 @@ class HostClock:
         """What :meth:`reading` added since ``start``."""
         now = self.reading()
         return HostReading(now.seconds - start.seconds, now.numel - start.numel, now.earlier_s - start.earlier_s)
+
+
+class ClockReadings:
+    """What the host optimizer's :class:`HostClock` (its ``clock``) has counted, in the forms the
+    scheduler and the rehearsal compare with a plan."""
+
+    clock: HostClock
+
+    @property
+    def time_s(self) -> dict[str, float]:
+        """Seconds spent per phase (:attr:`HostClock.time_s`)."""
+        return self.clock.time_s
+
+    @property
+    def updated_numel(self) -> int:
+        """Parameters updated so far (this rank's shards)."""
+        return self.clock.updated_numel
+
+    def measured_s_per_param(self) -> float | None:
+        """Seconds per parameter the updates so far took (upcast, AdamW and write-back, which
+        under data parallelism includes the weight exchange, and speculative clipping's backups;
+        not the waits; a rolled-back update counts twice), the figure the scheduler's profile
+        predicts; None before any update."""
+        return self.s_per_param_since(HostReading(0.0, 0, 0.0))
+
+    def counters(self) -> HostReading:
+        """The clock's totals now, as :meth:`measured_s_per_param` counts them, without waiting
+        for queued work (:meth:`HostClock.reading`: updates under way are left out)."""
+        return self.clock.reading()
+
+    def s_per_param_since(self, start: HostReading) -> float | None:
+        """:meth:`measured_s_per_param` of the updates finished since :meth:`counters` gave
+        ``start`` (None where none was)."""
+        spent = self.clock.since(start)
+        return spent.seconds / spent.numel if spent.numel else None
+
+    def split_since(self, start: HostReading) -> tuple[float, float] | None:
+        """:meth:`s_per_param_since` in two parts: (the work once units' last gradients had
+        landed, the work for earlier micro-batches: their sums and split updates' second
+        passes), each per parameter updated in the window."""
+        spent = self.clock.since(start)
+        return ((spent.seconds - spent.earlier_s) / spent.numel, spent.earlier_s / spent.numel) if spent.numel else None

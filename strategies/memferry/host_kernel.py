@@ -67,6 +67,8 @@ class HostKernel:
     #: unit's state must stay in the buffers it had at construction: no twin for speculative
     #: clipping, ``speculative_clip.py``).
     binds_state = False
+    #: Whether :meth:`split` is built (the copy-first pass of ``split_update.py``).
+    splits = False
 
     def pieces(self, s: UnitShadow, coef: float, save: Triple | None = None, source: Triple | None = None,
                whole: bool = False) -> Iterator[dict[str, float]]:
@@ -78,6 +80,11 @@ class HostKernel:
         few pieces as the kernel can (nothing waits between them).
         """
         raise NotImplementedError
+
+    def split(self, s: UnitShadow, pending: torch.Tensor,
+              whole: bool = False) -> tuple[Iterator[dict[str, float]], Iterator[dict[str, float]]]:
+        """The update in two passes (only where :attr:`splits`; :meth:`SinglePassKernel.split`)."""
+        raise NotImplementedError(f"the {self.name} kernel does not split updates")
 
     def apply(self, s: UnitShadow, coef: float, save: Triple | None = None,
               source: Triple | None = None) -> dict[str, float]:
@@ -124,6 +131,13 @@ class HostKernel:
             part = scratch[: b - a]
             part.copy_(grad[a:b])
             acc[a:b].add_(part)
+
+
+def _cut(v: object, a: int, b: int) -> object:
+    """Elements ``a:b`` of a tensor or of each tensor of a tuple; anything else as it is."""
+    if isinstance(v, torch.Tensor):
+        return v[a:b]
+    return tuple(t[a:b] for t in v) if isinstance(v, tuple) else v
 
 
 def _l3_bytes() -> int | None:
@@ -238,6 +252,7 @@ class SinglePassKernel(HostKernel):
     """
 
     name = "single-pass"
+    splits = True
 
     #: Elements per piece (:meth:`HostKernel.pieces`): about 5 ms at the H200 host's rate, the
     #: longest the worker keeps the training thread waiting for a gradient norm, or a unit due
@@ -260,26 +275,49 @@ class SinglePassKernel(HostKernel):
 
     def pieces(self, s: UnitShadow, coef: float, save: Triple | None = None, source: Triple | None = None,
                whole: bool = False) -> Iterator[dict[str, float]]:
-        step, lr = s.step + 1, self.lr  # fixed for the whole unit, whatever happens between pieces
+        # step and rate fixed for the whole unit, whatever happens between pieces
+        return self._sweep(s, s.step + 1, self.lr, s.grad_terms, coef, whole, save=save, source=source)
+
+    def split(self, s: UnitShadow, pending: torch.Tensor,
+              whole: bool = False) -> tuple[Iterator[dict[str, float]], Iterator[dict[str, float]]]:
+        """``s``'s update (coefficient 1) in two passes, each a piece at a time: the first writes
+        the working copy and the step's whole gradient in fp32 into ``pending``, leaves the
+        master, moments and ``s.step`` as they were and sets ``s.copied`` to the new step with
+        its last piece; the second, run once the first is done, updates them in place from
+        ``pending`` and advances ``s.step``. Together bit-equal to :meth:`pieces`; both use the
+        step and learning rate of now (``split_update.py``)."""
+        if s.master_is_work:
+            raise ValueError(f"unit {s.unit.name}: an fp32-compute unit's master is its working copy; it is not split")
+        step, lr = s.step + 1, self.lr
+        return (self._sweep(s, step, lr, s.grad_terms, 1.0, whole, mark="copied", copy_first=True, grad_out=pending),
+                self._sweep(s, step, lr, (pending,), 1.0, whole, work=None))
+
+    def _sweep(self, s: UnitShadow, step: int, lr: float, terms: tuple[torch.Tensor, ...], coef: float, whole: bool,
+               mark: str = "step", work: torch.Tensor | None | str = "own", **form: object
+               ) -> Iterator[dict[str, float]]:
+        """The loop over ``s``'s decay groups (in pieces unless ``whole``) at ``step`` and ``lr``,
+        reading ``terms``; ``work``: the working copy written ("own": the unit's, None where the
+        master is it); ``mark``: the attribute of ``s`` set to ``step`` with the last piece
+        (``step``, or a split update's ``copied``); ``form``: the loop's
+        ``save``, ``source``, ``copy_first`` and ``grad_out``, cut to each piece."""
         b1, b2 = (float(b) for b in self.cfg.betas)
         bc1, bc2 = 1.0 - b1 ** step, 1.0 - b2 ** step
-        terms = s.grad_terms
-        work = None if s.master_is_work else s.train_work
+        if work == "own":
+            work = None if s.master_is_work else s.train_work
         ranges = decay_ranges(s.master.numel(), s.decay_end, None if whole else self.piece)
         if not ranges:  # nothing trainable: the step still counts
-            s.step = step
+            setattr(s, mark, step)
             yield {}
         for k, (a, b, decays) in enumerate(ranges):
             t0 = time.perf_counter()
             wd = self.cfg.weight_decay if decays else 0.0
+            cut = {key: _cut(v, a, b) for key, v in form.items() if v is not None}
             self._loops.adamw(s.master[a:b], tuple(t[a:b] for t in terms), s.exp_avg[a:b], s.exp_avg_sq[a:b],
                               None if work is None else work[a:b], grad_scale=coef, decay=1.0 - lr * wd,
                               beta1=b1, beta2=b2, bias_correction2_sqrt=math.sqrt(bc2), eps=float(self.cfg.eps),
-                              step_size=lr / bc1, threads=self.threads,
-                              save=None if save is None else tuple(t[a:b] for t in save),
-                              source=None if source is None else tuple(t[a:b] for t in source))
+                              step_size=lr / bc1, threads=self.threads, **cut)
             if k == len(ranges) - 1:
-                s.step = step
+                setattr(s, mark, step)
             yield {"adamw": time.perf_counter() - t0}
 
     def sqnorm(self, t: torch.Tensor) -> float:

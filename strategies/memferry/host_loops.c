@@ -17,7 +17,12 @@
  * values from that backup instead of from the master and moments (a rollback: restore and
  * re-apply in 28 bytes instead of 24 + 28; or an update into a spare, which leaves the old state
  * as it was). fp16 gradients or working copies run scalar where GCC has no vector type for
- * _Float16 (GCC 12 on x86-64); bf16 and fp32 vectorise in every form. */
+ * _Float16 (GCC 12 on x86-64); bf16 and fp32 vectorise in every form.
+ *
+ * A split update (split_update.py) needs a third kind: "copy first" computes the update as the
+ * others do but writes only the working copy and the step's whole gradient in fp32 (the sum it
+ * read, to a buffer of its own), not the master and moments; a later in-place update from that
+ * fp32 sum without a working copy writes them, bit-equal to the one-pass update. */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -47,7 +52,8 @@ typedef struct {
     const void *g;
     void *w;
     float gscale, decay, lerp_w, b2, omb2, bc2s, eps, neg_step;
-    float *sp, *sm, *sv; /* the backup: written ("save") or read ("from"); unused in place */
+    float *sp, *sm, *sv; /* the backup: written ("save") or read ("from"); unused in place; sp: the
+                          * fp32 gradient written by forms 5-7 (NULL: not written) */
     const float *acc;    /* forms 3 and 4: the fp32 sum of earlier micro-batches (form 3) */
     const void *g1;      /* forms 3 and 4: the step's last micro-batch (g is the one before) */
 } adamw_args;
@@ -85,9 +91,14 @@ static inline void stream_fence(void) {}
  * re-application, or an update into a spare); 3 and 4 update in place from the step's last two
  * micro-batches summed as they are read, 3: (acc + g) + g1, 4: g + g1, added in the order
  * xpu_accumulate2 adds them (bit-equal to summing first, in 8 bytes per parameter fewer than
- * that pass's write and re-read of the fp32 sum). HAS_W: the working copy (type WT) is written.
+ * that pass's write and re-read of the fp32 sum); 5, 6 and 7 are 0, 3 and 4 copying first: they
+ * write the working copy and the fp32 gradient (to sp), not the master and moments (see the top
+ * of the file). HAS_W: the working copy (type WT) is written.
  * GCC ivdep: no element depends on another, so the loop vectorises without the run-time alias
  * checks GCC would otherwise give up on for this many arrays (it had, in forms 1 and 2). */
+#define TRIPLE(F) ((F) == 3 || (F) == 6)   /* the gradient is (acc + g) + g1 */
+#define PAIR(F) ((F) == 4 || (F) == 7)     /* the gradient is g + g1 */
+#define FIRST(F) ((F) >= 5)                /* copying first: no master or moments written */
 #define ADAMW_LOOP(NAME, GT, LD, WT, ST, HAS_W, FORM)                                         \
     static void NAME(void *ctx, int64_t a, int64_t b) {                                       \
         const adamw_args *x = (const adamw_args *)ctx;                                        \
@@ -98,20 +109,22 @@ static inline void stream_fence(void) {}
         const float s2 = x->bc2s, eps = x->eps, ns = x->neg_step, w1 = x->lerp_w;             \
         const int small = fabsf(w1) < 0.5f;                                                   \
         const float lc = small ? w1 : w1 - 1.0f;                                              \
-        float tp[TILE], tm[TILE], tv[TILE];                                                   \
+        float tp[TILE], tm[TILE], tv[TILE], ts[TILE];                                         \
         WT tw[TILE];                                                                          \
         for (int64_t t = a; t < b; t += TILE) {                                               \
             const int64_t n = b - t < TILE ? b - t : TILE;                                    \
             const float *rp = (FORM == 2 ? x->sp : p) + t, *rm = (FORM == 2 ? x->sm : m) + t; \
             const float *rv = (FORM == 2 ? x->sv : v) + t;                                    \
-            float *wp = FORM == 2 ? tp : p + t, *wm = FORM == 2 ? tm : m + t;                 \
-            float *wv = FORM == 2 ? tv : v + t;                                               \
-            const GT *gt = g + t, *gt1 = FORM >= 3 ? g1 + t : g;                              \
-            const float *at = FORM == 3 ? acc + t : p;                                        \
+            const int tiles = FORM == 2 || FIRST(FORM); /* new state kept in the tiles */      \
+            float *wp = tiles ? tp : p + t, *wm = tiles ? tm : m + t;                         \
+            float *wv = tiles ? tv : v + t;                                                   \
+            const GT *gt = g + t, *gt1 = TRIPLE(FORM) || PAIR(FORM) ? g1 + t : g;             \
+            const float *at = TRIPLE(FORM) ? acc + t : p;                                     \
             _Pragma("GCC ivdep") for (int64_t j = 0; j < n; j++) {                            \
-                float gsum = FORM == 3 ? at[j] : LD(gt[j]);                                   \
-                if (FORM == 3) gsum += LD(gt[j]);                                             \
-                if (FORM >= 3) gsum += LD(gt1[j]);                                            \
+                float gsum = TRIPLE(FORM) ? at[j] : LD(gt[j]);                                \
+                if (TRIPLE(FORM)) gsum += LD(gt[j]);                                          \
+                if (TRIPLE(FORM) || PAIR(FORM)) gsum += LD(gt1[j]);                           \
+                if (FIRST(FORM)) ts[j] = gsum;                                                \
                 const float gi = gsum * gs;                                                   \
                 const float p0 = rp[j], m0 = rm[j], v0 = rv[j];                               \
                 if (FORM == 1) {                                                              \
@@ -137,19 +150,23 @@ static inline void stream_fence(void) {}
                 stream_out(dm + t, tm, n * 4);                                                \
                 stream_out(dv + t, tv, n * 4);                                                \
             }                                                                                 \
+            if (FIRST(FORM) && x->sp) stream_out(x->sp + t, ts, n * 4);                      \
             if (HAS_W) stream_out((WT *)x->w + t, tw, n * (int64_t)sizeof(WT));               \
         }                                                                                     \
         stream_fence();                                                                       \
     }
 
-/* Per gradient dtype: every working-copy dtype, in each of the five forms (0 in place, 1 save,
- * 2 from, 3 and 4 from a pair). */
+/* Per gradient dtype: every working-copy dtype, in each of the eight forms (0 in place, 1 save,
+ * 2 from, 3 and 4 from a pair, 5-7 copying first). */
 #define ADAMW_FORMS(NAME, GT, LD, WT, ST, HAS_W)                                              \
     ADAMW_LOOP(NAME##_0, GT, LD, WT, ST, HAS_W, 0)                                            \
     ADAMW_LOOP(NAME##_1, GT, LD, WT, ST, HAS_W, 1)                                            \
     ADAMW_LOOP(NAME##_2, GT, LD, WT, ST, HAS_W, 2)                                            \
     ADAMW_LOOP(NAME##_3, GT, LD, WT, ST, HAS_W, 3)                                            \
-    ADAMW_LOOP(NAME##_4, GT, LD, WT, ST, HAS_W, 4)
+    ADAMW_LOOP(NAME##_4, GT, LD, WT, ST, HAS_W, 4)                                            \
+    ADAMW_LOOP(NAME##_5, GT, LD, WT, ST, HAS_W, 5)                                            \
+    ADAMW_LOOP(NAME##_6, GT, LD, WT, ST, HAS_W, 6)                                            \
+    ADAMW_LOOP(NAME##_7, GT, LD, WT, ST, HAS_W, 7)
 
 #define ADAMW_FOR_GRAD(SUFFIX, GT, LD)                                                        \
     ADAMW_FORMS(adamw_##SUFFIX##_none, GT, LD, float, st_f32, 0)                              \
@@ -294,11 +311,12 @@ static void parallel(range_fn fn, void *ctx, int64_t n, int threads) {
     parallel_over(fn, ctx, n, threads, MIN_PER_THREAD, 64);
 }
 
-#define FORM(NAME) \
-    (form == 0 ? NAME##_0 : form == 1 ? NAME##_1 : form == 2 ? NAME##_2 : form == 3 ? NAME##_3 : NAME##_4)
+#define FORM(NAME)                                                                            \
+    (form == 0 ? NAME##_0 : form == 1 ? NAME##_1 : form == 2 ? NAME##_2 : form == 3 ? NAME##_3   \
+     : form == 4 ? NAME##_4 : form == 5 ? NAME##_5 : form == 6 ? NAME##_6 : NAME##_7)
 
 static range_fn adamw_fn(int gkind, int wkind, int form) {
-    if (form < 0 || form > 4) return NULL;
+    if (form < 0 || form > 7) return NULL;
 #define PICK(SUFFIX)                                                                          \
     switch (wkind) {                                                                          \
     case -1: return FORM(adamw_##SUFFIX##_none);                                              \
@@ -325,7 +343,8 @@ static range_fn adamw_fn(int gkind, int wkind, int form) {
 /* One AdamW step over n elements. hp: gradient scale, 1 - lr*wd, 1 - beta1, beta2, 1 - beta2,
  * sqrt(bias_correction2), eps, -lr/bias_correction1. form: 0 in place, 1 also save the old
  * master and moments to bp/bm/bv, 2 read them from bp/bm/bv (the backup; unused otherwise),
- * 3 the gradient is (acc + g) + g1, 4 it is g + g1 (acc and g1 unused in forms 0-2).
+ * 3 the gradient is (acc + g) + g1, 4 it is g + g1 (acc and g1 unused in forms 0-2), 5-7 are
+ * 0, 3 and 4 writing the working copy and the fp32 gradient to bp (if not NULL), not p, m, v.
  * Returns 0, or -1 for an unbuilt dtype pair or form. */
 int xpu_adamw(int gkind, int wkind, float *p, const void *g, float *m, float *v, void *w, int64_t n,
               const float *hp, int threads, int form, float *bp, float *bm, float *bv, const float *acc,

@@ -72,7 +72,8 @@ class HostLoops:
               exp_avg_sq: torch.Tensor, work: torch.Tensor | None, *, grad_scale: float, decay: float, beta1: float,
               beta2: float, bias_correction2_sqrt: float, eps: float, step_size: float, threads: int,
               save: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-              source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+              source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+              copy_first: bool = False, grad_out: torch.Tensor | None = None) -> None:
         """One AdamW step in place over fp32 ``master``/moments, ``grad`` of any built dtype, and
         (unless None) the ``work`` copy written from the updated master.
 
@@ -84,6 +85,9 @@ class HostLoops:
         scalar is rounded to fp32 once, as torch's ops round their Python-float arguments.
         ``save``: fp32 (master, exp_avg, exp_avg_sq) to receive the old values in the same sweep;
         ``source``: read the old values from these instead (restore and update in one sweep).
+        ``copy_first``: write only ``work`` and (unless None) the whole fp32 gradient to
+        ``grad_out``, not the master and moments: the first pass of a split update, whose second
+        is this update in place from ``grad_out`` with no ``work`` (bit-equal to one pass).
         """
         n = master.numel()
         if save is not None and source is not None:
@@ -95,9 +99,13 @@ class HostLoops:
             raise ValueError("an update from a pair of micro-batches takes no save or source")
         acc = terms[0] if len(terms) == 3 else None
         g0, g1 = (terms[-2], terms[-1]) if len(terms) > 1 else (terms[0], None)
+        if copy_first and (save is not None or source is not None or work is None):
+            raise ValueError("a copy-first pass writes the working copy (give work) and takes no save or source")
+        if grad_out is not None and not copy_first:
+            raise ValueError("grad_out is written by a copy-first pass only (copy_first=True)")
         backup = save if save is not None else source
         tensors = {"master": master, "grad": g0, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "work": work,
-                   "last grad": g1, "acc": acc}
+                   "last grad": g1, "acc": acc, "grad_out": grad_out}
         if backup is not None:
             tensors.update(zip(("backup master", "backup exp_avg", "backup exp_avg_sq"), backup))
         self._check(tensors, n)
@@ -111,6 +119,8 @@ class HostLoops:
         wkind = -1 if work is None else self._kind(work, "work")
         form = 3 if acc is not None else 4 if g1 is not None else 0 if backup is None else 1 if save is not None else 2
         bp, bm, bv = (t.data_ptr() for t in backup) if backup is not None else (0, 0, 0)
+        if copy_first:  # forms 5-7: 0, 3 and 4 copying first; the gradient goes out where a backup's master would
+            form, bp = form + 5 if form == 0 else form + 3, 0 if grad_out is None else grad_out.data_ptr()
         rc = self._lib.xpu_adamw(self._kind(g0, "grad"), wkind, master.data_ptr(), g0.data_ptr(),
                                  exp_avg.data_ptr(), exp_avg_sq.data_ptr(), 0 if work is None else work.data_ptr(),
                                  n, hp, int(threads), form, bp, bm, bv, 0 if acc is None else acc.data_ptr(),

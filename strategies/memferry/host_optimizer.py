@@ -37,18 +37,20 @@ import torch
 from .clip_norms import GlobalNormClip, PendingClip, clips
 from .config import AdamW
 from .data_parallel import DataParallel
-from .host_clock import HostClock, HostReading
+from .host_clock import ClockReadings, HostClock
 from .host_kernel import make_host_kernel
 from .host_tasks import TaskBoard, deadline_of
 from .landing_zones import LandingZones
 from .shadow import UnitShadow
 from .speculative_clip import Backups, Held
+from .split_update import SplitUpdates
 
 __all__ = ["HostOptimizer"]
 
 
-class HostOptimizer:
-    """A worker thread applying AdamW to units' host buffers.
+class HostOptimizer(ClockReadings):
+    """A worker thread applying AdamW to units' host buffers (its clock's readings:
+    :class:`~.host_clock.ClockReadings`).
 
     Args:
         cfg: optimizer settings.
@@ -92,7 +94,9 @@ class HostOptimizer:
         # once done). Data parallelism keeps arrival order: ranks exchange shards in one order.
         by_deadline = dp is None and cfg.host_order == "deadline"
         self._board = TaskBoard(self._tasks, deadline_of([s.unit.is_block for s in shadows]) if by_deadline else None)
-        self._paused: dict[int, tuple[Iterator[dict[str, float]], int]] = {}
+        self._paused: dict[int, tuple[Iterator[dict[str, float]], int, str]] = {}  # + the shadow's counter it sets
+        # Split updates: the working copy first, the master and moments when the host has room.
+        self._split = SplitUpdates(self.kernel, shadows, cfg.split_update and clip is None and dp is None)
         # Clipping, worker side: this step's units in landing order; those waiting to be
         # speculated; the one being speculated; how many units the last step had (the one landing
         # last is not speculated).
@@ -215,9 +219,11 @@ class HostOptimizer:
         self._raise_if_failed()
 
     def wait_all(self) -> None:
-        """Block until every submitted update is applied."""
+        """Block until every submitted update is applied (split ones' second passes too)."""
         for i in range(len(self.shadows)):
             self.wait(i)
+        if self._split.units:
+            self._ask("drain")
 
     def sync_steps_from_shadows(self) -> None:
         """Take step counts from the shadows (after loading a checkpoint)."""
@@ -230,40 +236,6 @@ class HostOptimizer:
         per step). Queued behind earlier updates, so none of those sees the new rate."""
         self._raise_if_failed()
         self._tasks.put(("lr", lr, None))
-
-    @property
-    def time_s(self) -> dict[str, float]:
-        """Seconds spent per phase (:attr:`HostClock.time_s`)."""
-        return self.clock.time_s
-
-    @property
-    def updated_numel(self) -> int:
-        """Parameters updated so far (this rank's shards)."""
-        return self.clock.updated_numel
-
-    def measured_s_per_param(self) -> float | None:
-        """Seconds per parameter the updates so far took (upcast, AdamW and write-back, which
-        under data parallelism includes the weight exchange, and speculative clipping's backups;
-        not the waits; a rolled-back update counts twice), the figure the scheduler's profile
-        predicts; None before any update."""
-        return self.s_per_param_since(HostReading(0.0, 0, 0.0))
-
-    def counters(self) -> HostReading:
-        """The clock's totals now, as :meth:`measured_s_per_param` counts them, without waiting
-        for queued work (:meth:`HostClock.reading`: updates under way are left out)."""
-        return self.clock.reading()
-
-    def s_per_param_since(self, start: HostReading) -> float | None:
-        """:meth:`measured_s_per_param` of the updates finished since :meth:`counters` gave
-        ``start`` (None where none was)."""
-        spent = self.clock.since(start)
-        return spent.seconds / spent.numel if spent.numel else None
-
-    def split_since(self, start: HostReading) -> tuple[float, float] | None:
-        """:meth:`s_per_param_since` in two parts: (the work once units' last gradients had
-        landed, the sums of earlier micro-batches), each per parameter updated in the window."""
-        spent = self.clock.since(start)
-        return ((spent.seconds - spent.earlier_s) / spent.numel, spent.earlier_s / spent.numel) if spent.numel else None
 
     def close(self) -> None:
         """Stop the worker after the queued work; every unit's state back in its own buffers."""
@@ -286,13 +258,17 @@ class HostOptimizer:
         if self.cfg.host_threads is not None:
             torch.set_num_threads(self.cfg.host_threads)  # this thread's OpenMP team
         # Tasks are (kind, argument, callback): ("grad", unit index, (ready, final, landed, summed, zone)),
-        # ("flush", None, None), ("norm" | "stats" | "settle" | "reset", None, reply), ("finish", clip
-        # coefficient, None), ("lr", rate, None), ("stop", None, None).
+        # ("flush", None, None), ("norm" | "stats" | "settle" | "reset" | "drain", None, reply), ("finish",
+        # clip coefficient, None), ("lr", rate, None), ("stop", None, None).
         while True:
             try:
                 kind, arg, callback = self._take()
+                if kind in ("stop", "reset", "drain"):  # the state whole first
+                    self._split.drain(self.clock)
                 if kind == "stop":
                     return
+                if kind == "drain":
+                    callback(None)
                 if kind == "grad":
                     ready, final, _, summed, zone = callback
                     t0 = time.perf_counter()
@@ -332,7 +308,7 @@ class HostOptimizer:
         time: paused updates that are due sooner than every landed task, and speculative updates
         while no task can be worked on at once (none has landed, or the clip is on its way)."""
         while True:
-            due = self._running is not None or bool(self._to_speculate)
+            due = self._running is not None or bool(self._to_speculate) or self._split.waiting()
             self._board.fill(block=not (due or self._paused))
             pick = self._board.next(self._paused)
             if isinstance(pick, int):
@@ -340,14 +316,14 @@ class HostOptimizer:
                 continue
             if pick is None:
                 if due:
-                    self._speculate_piece()
+                    self._background_piece()
                     continue
                 pick = self._board.backlog[0]  # nothing has landed: wait for the first to land
             kind, arg, callback = pick
             waits = (kind == "grad" and callback[2] is not None and not callback[2]()
                      or kind == "finish" and isinstance(arg, PendingClip) and not arg.ready())
             if due and waits:
-                self._speculate_piece()
+                self._background_piece()
                 continue
             self._board.remove(pick)
             return pick
@@ -364,10 +340,13 @@ class HostOptimizer:
         s = self.shadows[index]
         self._zones.complete(index)
         if self.cfg.max_grad_norm is None:
-            if self._board.deadline is None:
+            self._split.finish(index, self.clock)  # the last step's second pass: this update reads its state
+            split = self._split.splits(index)
+            if self._board.deadline is None and not split:
                 self._update(index, 1.0)
             else:  # a piece at a time, so a unit the next forward needs sooner can go first
-                self._paused[index] = (self.kernel.pieces(s, 1.0), s.step + 1)
+                pieces = self._split.first(index) if split else self.kernel.pieces(s, 1.0)
+                self._paused[index] = (pieces, s.step + 1, "copied" if split else "step")
             return
         if self._clip is None or index not in self._clip.device_normed:
             self._sq_terms.append(self.kernel.sqnorm(s.grad_source))
@@ -385,6 +364,13 @@ class HostOptimizer:
                 self.clip_stats["sure_units"] += 1
             else:
                 self._to_speculate.append(held)
+
+    def _background_piece(self) -> None:
+        """A piece of work nothing landed waits for: a speculative update, else a second pass."""
+        if self._running is not None or self._to_speculate:
+            self._speculate_piece()
+        else:
+            self._split.piece(self.clock)
 
     def _speculate_piece(self) -> None:
         """One piece of a speculative update: start the next queued unit's if none is under way
@@ -415,15 +401,17 @@ class HostOptimizer:
 
     def _resume(self, index: int) -> None:
         """One piece of unit ``index``'s paused update; publish it after the last."""
-        pieces, done_step = self._paused[index]
+        pieces, done_step, counter = self._paused[index]
         s = self.shadows[index]
         with torch.profiler.record_function(f"optimizer:host {s.unit.name}"):
             times = next(pieces, {})
-        done = s.step == done_step  # the kernel counts the step with its last piece
+        done = getattr(s, counter) == done_step  # the kernel counts the step with its last piece
         self._count(index, times, done)
         if done:
             del self._paused[index]
             self._publish(index)
+            if counter == "copied":
+                self._split.queue(index)
 
     def _count(self, index: int, times: dict[str, float], done: bool) -> None:
         """Add a piece's seconds per phase; ``done``: unit ``index``'s update is complete."""

@@ -182,6 +182,9 @@ class StepProfile:
         flat_sends: a setting (``plan_for`` sets it): ``AdamW.flat_sends``, a host-homed unit's
             gradients gathered into one more device buffer for their copy home (the block's
             backward transient holds them twice).
+        split_update: a setting (``plan_for`` sets it): ``AdamW.split_update``, host updates under
+            accumulation in two passes, the second priced with the earlier micro-batches' sums
+            (``host_budget.update_bytes``).
         seq: the sample's sequence length (its rows: ``tokens / seq``); 0: not known, then a
             profile is scaled to other batches by tokens alone (``batch_growth.scaled_profile``).
         padded: the sample carried padding (an ``attention_mask`` with zeros), so the masked
@@ -221,6 +224,7 @@ class StepProfile:
     earlier_send_s: float = 0.0
     clip_fire_rate: float = 0.0
     flat_sends: bool = False
+    split_update: bool = False
     seq: int = 0
     padded: bool = False
     host_adamw_numel: int = 0

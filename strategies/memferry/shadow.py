@@ -67,6 +67,11 @@ class UnitShadow:
     accumulated: bool = False
     #: the second landing zone of a unit whose micro-batches are summed two at a time (None: one zone)
     grad_stage2: torch.Tensor | None = None
+    #: a split update's fp32 gradient of the step, kept from its first pass to its second
+    #: (``split_update.py``; None: the unit's updates are not split)
+    grad_pending: torch.Tensor | None = None
+    #: the step whose working copy a split update's first pass has written
+    copied: int = 0
     #: the step's last two micro-batches wait in both zones, not summed: the update adds them as
     #: it reads them (``LandingZones(fuse_last_pair=True)``, :attr:`grad_terms`)
     last_pair: bool = False
@@ -158,13 +163,17 @@ class ShadowModel:
             :meth:`release`): each unit's master, moments and step come from it as the unit is
             made, and its entries are dropped then (the caller's dict is this one), so the host
             never holds the whole state beside the finished shadows.
+        split: with ``accumulate``, give each host-homed unit of 16-bit compute a buffer for its
+            step's fp32 gradient between a split update's passes (``split_update.py``).
     """
 
     def __init__(self, units: list[Unit], backend: Backend, device: int, device_homes: set[int] | frozenset = frozenset(),
                  dp: "DataParallel | None" = None, originals: dict[str, torch.Tensor] | None = None,
                  accumulate: bool = False, backup_budget: int | str | None = 0,
-                 paired: frozenset[int] = frozenset(), kept: dict[str, Any] | None = None) -> None:
+                 paired: frozenset[int] = frozenset(), kept: dict[str, Any] | None = None,
+                 split: bool = False) -> None:
         self.backend, self.device, self.dp = backend, device, dp
+        self.split = split and accumulate
         self.paired = paired
         self.backup_budget = backup_budget
         self.accumulate = accumulate
@@ -203,9 +212,11 @@ class ShadowModel:
 
         room, what = self._room()
         if self.backup_budget == "auto":
-            rest = host_bytes_needed(self.units, device_homes, self.dp, self.accumulate, paired=self.paired)
+            rest = host_bytes_needed(self.units, device_homes, self.dp, self.accumulate, paired=self.paired,
+                                     split=self.split)
             self.backup_budget = None if room is None else max(0, (room - rest) // 2)
-        need = host_bytes_needed(self.units, device_homes, self.dp, self.accumulate, self.backup_budget, self.paired)
+        need = host_bytes_needed(self.units, device_homes, self.dp, self.accumulate, self.backup_budget, self.paired,
+                                 split=self.split)
         if room is None:
             return
         if need > room:
@@ -287,6 +298,8 @@ class ShadowModel:
             shadow.grad_acc = state(torch.float32)
             if unit.index in self.paired:
                 shadow.grad_stage2 = state(dtype)
+            if self.split and dtype != torch.float32:
+                shadow.grad_pending = state(torch.float32)
         shadow.device_views = shadow.slices(device_flat)
         if b.caps.dha:
             shadow.dha_flat = b.device_view(work, self.device)
@@ -333,7 +346,8 @@ class ShadowModel:
         """Free ``s``'s device memory; its host buffers back to ``arena`` (``free``: to the system)."""
         on_device = [s.device_flat]
         if s.home == "device":
-            on_device += [s.master, s.grad_stage, s.work, s.exp_avg, s.exp_avg_sq, s.grad, s.grad_acc, s.grad_stage2]
+            on_device += [s.master, s.grad_stage, s.work, s.exp_avg, s.exp_avg_sq, s.grad, s.grad_acc, s.grad_stage2,
+                          s.grad_pending]
         for t in {t.untyped_storage().data_ptr(): t for t in on_device if t is not None}.values():
             self.backend.free_storage(t)
         s.dha_flat, s.dha_views = None, []
@@ -341,7 +355,8 @@ class ShadowModel:
             return
         # Aliases (an fp32 master inside the working copy, fp32 gradients staged in place)
         # share one arena buffer: release each storage once.
-        held = (s.master, s.grad_stage, s.work, s.exp_avg, s.exp_avg_sq, s.grad, s.grad_acc, s.grad_stage2)
+        held = (s.master, s.grad_stage, s.work, s.exp_avg, s.exp_avg_sq, s.grad, s.grad_acc, s.grad_stage2,
+                s.grad_pending)
         buffers = {t.untyped_storage().data_ptr(): t for t in held if t is not None and t.numel()}
         for t in buffers.values():
             (arena.free if free else arena.release)(t)

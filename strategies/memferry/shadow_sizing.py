@@ -37,7 +37,8 @@ def backup_elements(units: list[Unit], device_homes: set[int] | frozenset, dp: "
 
 
 def host_bytes_needed(units: list[Unit], device_homes: set[int] | frozenset, dp: "DataParallel | None" = None,
-                      accumulate: bool = False, backup_budget: int | None = 0, paired: frozenset[int] = frozenset()) -> int:
+                      accumulate: bool = False, backup_budget: int | None = 0, paired: frozenset[int] = frozenset(),
+                      split: bool = False) -> int:
     """Pinned host bytes :class:`ShadowModel` will take for ``units`` (checked before allocating).
 
     Per host-homed unit: the compute-dtype working copy of all parameters (whole, padded under
@@ -46,7 +47,8 @@ def host_bytes_needed(units: list[Unit], device_homes: set[int] | frozenset, dp:
     parameters take only their working copy (2 bytes each in bf16, 4 in fp32). With ``accumulate`` (gradient accumulation), an
     fp32 sum of the micro-batches' gradients per shard too. With ``backup_budget`` (speculative
     clipping: 0 none, None uncapped), the backup arena of :func:`backup_elements`. Units in
-    ``paired`` take a second landing zone.
+    ``paired`` take a second landing zone. With ``split`` (and ``accumulate``), a 16-bit unit
+    keeps its step's fp32 gradient between the two passes of a split update too.
     """
     total = 4 * backup_elements(units, device_homes, dp, backup_budget)
     for u in units:
@@ -58,4 +60,5 @@ def host_bytes_needed(units: list[Unit], device_homes: set[int] | frozenset, dp:
         size = shard.stop - shard.start
         total += padded * elem + size * elem + 4 * size * (2 if elem == 4 else 3) + (4 * size if accumulate else 0)
         total += size * elem if u.index in paired else 0
+        total += 4 * size if split and accumulate and elem != 4 else 0
     return total
