@@ -69,6 +69,9 @@ class SplitUpdates:
         s = self.shadows[index]
         if index in self._made or index in self._queue:
             raise RuntimeError(f"unit {s.unit.name}: a split update began before the last one's second pass ended")
+        # Not copied for the coming step yet: after a checkpoint is loaded, ``copied`` may already
+        # hold that step's number from before, and the first piece would look like the last.
+        s.copied = s.step
         first, self._made[index] = self.kernel.split(s, s.grad_pending, whole)
         return first
 
