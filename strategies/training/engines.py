@@ -38,6 +38,12 @@ def _check_memferry(options: dict[str, Any], config: TrainConfig) -> None:
     if rate and options.get("max_grad_norm") is None:
         raise TrainConfigError("strategy.options.clip_fire_rate weighs steps whose clip fires, but max_grad_norm is "
                                "not set: set strategy.options.max_grad_norm, or leave clip_fire_rate at 0")
+    split = options["split_update"]
+    if not isinstance(split, bool):
+        raise TrainConfigError(f"strategy.options.split_update must be true or false, got {split!r}")
+    if split and options.get("max_grad_norm") is not None:
+        raise TrainConfigError("strategy.options.split_update splits updates that need no clip coefficient: leave "
+                               "max_grad_norm unset, or split_update false")
     margin = options["memory_margin"]
     if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise TrainConfigError(f"strategy.options.memory_margin must lie in [0, 1), got {margin!r}")
@@ -56,7 +62,7 @@ def _build_memferry(model: nn.Module, config: TrainConfig, backend: Any, device:
 
     o, opts = config.optimizer, config.strategy.options
     cfg = AdamW(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=opts["max_grad_norm"],
-                clip_fire_rate=float(opts["clip_fire_rate"]))
+                clip_fire_rate=float(opts["clip_fire_rate"]), split_update=opts["split_update"])
     sample = None
     if opts["plan"] == "auto" or config.device_budget is not None:
         # the scheduler profiles one batch of the run's shape (its values do not matter), and the
@@ -240,7 +246,7 @@ def _check_torch(options: dict[str, Any], config: TrainConfig) -> None:
 
 
 MEMFERRY = StrategySpec(_build_memferry, {"plan": "prefetch", "max_grad_norm": None, "loss_chunks": "auto",
-                                          "memory_margin": 0.10, "clip_fire_rate": 0.0},
+                                          "memory_margin": 0.10, "clip_fire_rate": 0.0, "split_update": False},
                         "MemFerry: parameters homed in host memory, per-block plan, host AdamW", _check_memferry,
                         takes_budget=True, fp32_model=True, data_parallel=True)
 TORCH = StrategySpec(TorchEngine, {"max_grad_norm": None, "recompute": False},
