@@ -18,8 +18,9 @@ passes (``HostKernel.split``):
    first, so the two together are bit-equal to one pass.
 
 A unit's second pass ends before anything reads or writes what it does: its next first pass
-(:meth:`SplitUpdates.finish`), and every caller of ``HostOptimizer.wait_all`` (checkpoints, an
-out-of-memory re-plan, ``close``: :meth:`SplitUpdates.drain`). Only units with a
+(:meth:`SplitUpdates.finish`), every caller of ``HostOptimizer.wait_all`` (checkpoints, an
+out-of-memory re-plan), a reset of the host clock and the worker's stop (``close``): all of
+those drain them (:meth:`SplitUpdates.drain`). Only units with a
 ``grad_pending`` buffer split (``ShadowModel(split=True)``: 16-bit compute, accumulation), only
 with a kernel that :attr:`~.host_kernel.HostKernel.splits`, and never under clipping or data
 parallelism (their updates are published in other ways).
