@@ -62,7 +62,8 @@ def test_update_bytes_count_what_the_host_optimizer_moves():
     split = update_bytes(2, 8, paired=True, split=True)
     assert (split.kernel, split.final, split.deferred, split.timed) == (26, 26, 28, 32 + 26 + 28)
     assert update_bytes(2, 8, device_sum=True, paired=True, split=True).kernel == 30 - 12 + 4
-    assert update_bytes(2, 8, "wait", paired=True, split=True).deferred == 0  # never under clipping
+    clipped = update_bytes(2, 8, "speculative", paired=True, split=True)  # the fp32 sum read, the pair not fused
+    assert (clipped.kernel, clipped.deferred, clipped.backup) == (30 - 12 + 4, 28, 0)
     assert update_bytes(4, 8, paired=True, split=True).deferred == 0  # an fp32 master is the copy
     assert update_bytes(2, 1, split=True).deferred == 0  # no accumulation: nothing to wait for
 

@@ -42,10 +42,10 @@ def _model():
 
 
 def run(backend, clip, mode, plan="prefetch", dtype="fp32", accumulation=1, backup=None, lr_between=None,
-        kernel="auto"):
+        kernel="auto", split=False):
     """Train STEPS steps; returns losses, norms, every shadow buffer, the state dicts and clip stats."""
     cfg = AdamW(lr=3e-3, weight_decay=0.1, max_grad_norm=clip, clip_mode=mode, clip_backup_bytes=backup,
-                host_kernel=kernel)
+                host_kernel=kernel, split_update=split)
     engine = MemFerry(_model(), optim=cfg, plan=PLANS[plan](), backend=backend, loss_fn=lm_loss,
                       compute_dtype=DTYPES[dtype], accumulation_steps=accumulation)
     losses, norms = [], []

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from strategies.memferry import AdamW, MemFerry, Plan, UnitPlan, host_loops
-from strategies.memferry.shadow_sizing import host_bytes_needed
+from strategies.memferry.shadow_sizing import backup_elements, host_bytes_needed
 from strategies.memferry.split_update import SplitUpdates
 from strategies.memferry.units import split_units
 from tests.test_memferry_frozen import frozen_model
 from tests.test_memferry_numerics import TinyGPT, batches, lm_loss
+from tests.test_memferry_speculative_clip import CLIPS, run
 
 KW = dict(grad_scale=1.0, decay=1 - 1e-3 * 0.1, beta1=0.9, beta2=0.99, bias_correction2_sqrt=0.3, eps=1e-8,
           step_size=1e-3)
@@ -117,8 +118,6 @@ def test_split_updates_train_bit_equal_to_one_pass(cpu_backend, monkeypatch, n, 
 
 
 def test_split_update_settings_say_what_would_work():
-    with pytest.raises(ValueError, match="split_update=True splits updates that need no clip coefficient"):
-        AdamW(split_update=True, max_grad_norm=1.0)
     with pytest.raises(ValueError, match="split_update must be True or False, got 'yes'"):
         AdamW(split_update="yes")
 
@@ -134,6 +133,11 @@ def test_a_split_unit_keeps_its_steps_fp32_gradient_in_host_memory():
              - host_bytes_needed(bf16, homes, accumulate=True))
     assert extra == 4 * sum(u.train_numel for u in bf16 if u.index not in homes)
     assert host_bytes_needed(bf16, homes, accumulate=False, split=True) == host_bytes_needed(bf16, homes)
+    # with speculative clipping a split unit needs no backup: its first pass changes no state
+    assert backup_elements(bf16, homes, budget=None, split=True) == 0
+    assert backup_elements(bf16, homes, budget=None) == 3 * sum(u.train_numel for u in bf16 if u.index not in homes)
+    assert (host_bytes_needed(bf16, homes, accumulate=True, backup_budget=None, split=True)
+            == host_bytes_needed(bf16, homes, accumulate=True, split=True))
 
 
 def _checkpointed(cpu_backend, split: bool):
@@ -172,3 +176,23 @@ def test_split_updates_keep_frozen_parameters_and_checkpoints_exact(cpu_backend)
     for name, st in state["optimizer"].items():
         for key in ("master", "exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(torch.as_tensor(st[key]), torch.as_tensor(want["optimizer"][name][key])), (name, key)
+
+
+@pytest.mark.parametrize("mode", ["speculative", "wait"])
+@pytest.mark.parametrize("clip", sorted(CLIPS))
+@pytest.mark.parametrize("plan", ["prefetch", "resident"])
+def test_clipped_split_updates_train_bit_equal_to_one_pass(cpu_backend, mode, clip, plan):
+    """With clipping (never, always, in some steps; a rate changed between speculation and
+    step), split units speculate or wait with their first pass and make it again with the
+    coefficient where the clip fires: every loss, norm, working copy, master and moment bit-equal
+    to one-pass updates, and no split unit asks for backup room."""
+    kw = dict(plan=plan, dtype="bf16", accumulation=2, kernel="single-pass", lr_between=1e-3)
+    got = run(cpu_backend, CLIPS[clip], mode, split=True, **kw)
+    want = run(cpu_backend, CLIPS[clip], mode, **kw)
+    assert got["losses"] == want["losses"] and got["norms"] == want["norms"]
+    for mine, theirs in zip(got["buffers"], want["buffers"]):
+        assert all(torch.equal(torch.as_tensor(mine[k]), torch.as_tensor(theirs[k])) for k in mine), mine.keys()
+    # which units the worker reaches before the coefficient (and the rate change) depends on
+    # timing; that some first passes speculated, and none asked for backup room, does not
+    assert got["stats"]["held_units"] == 0
+    assert (got["stats"]["speculated_units"] > 0) == (mode == "speculative")

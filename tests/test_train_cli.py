@@ -77,8 +77,6 @@ def test_text_path_is_found_next_to_the_config_from_any_working_directory(tmp_pa
      "split_update"),
     ({"strategy": {"name": "memferry", "options": {"clip_fire_rate": 2}}}, "clip_fire_rate is the share of steps"),
     ({"strategy": {"name": "memferry", "options": {"split_update": "yes"}}}, "split_update must be true or false"),
-    ({"strategy": {"name": "memferry", "options": {"split_update": True, "max_grad_norm": 1.0}}},
-     "split_update splits updates that need no clip coefficient"),
     ({"strategy": {"name": "memferry", "options": {"clip_fire_rate": 0.3}}},
      "clip_fire_rate weighs steps whose clip fires, but max_grad_norm is not set"),
     ({"strategy": {"name": "memferry", "options": {"loss_chunks": 0}}}, "loss_chunks must be a positive integer"),

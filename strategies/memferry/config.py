@@ -75,8 +75,10 @@ class AdamW:
             compute in two passes (``split_update.py``): the working copy first, which the next
             forward waits for (26 B a parameter after a last pair instead of 34), then the fp32
             master and moments while the next step's earlier micro-batches run. It keeps the
-            step's fp32 gradient between them: 4 B a parameter more of pinned host memory. Not
-            with ``max_grad_norm`` (a clipped update waits for the coefficient). Default False.
+            step's fp32 gradient between them: 4 B a parameter more of pinned host memory. With
+            speculative clipping the first pass is what speculates: it changes no state, so a
+            step whose clip fires makes it again with the coefficient (22 B) instead of
+            re-applying the whole update from a backup (28 B), and needs no backup. Default False.
     """
 
     lr: float = 1e-3
@@ -116,9 +118,6 @@ class AdamW:
                              f"None (no clipping): set max_grad_norm, or leave clip_fire_rate at 0")
         if not isinstance(self.split_update, bool):
             raise ValueError(f"split_update must be True or False, got {self.split_update!r}")
-        if self.split_update and self.max_grad_norm is not None:
-            raise ValueError("split_update=True splits updates that need no clip coefficient: leave max_grad_norm None, "
-                             "or split_update False")
         if not isinstance(self.flat_sends, bool):
             raise ValueError(f"flat_sends must be True or False, got {self.flat_sends!r}")
         if self.landing_wait not in ("spin", "sleep"):

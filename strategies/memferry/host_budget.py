@@ -20,7 +20,7 @@ AdamW took 0.24 ns per parameter alone and 0.33 while both copy directions ran a
   sweep (12 B written; ``speculative_clip.py``), and clipping reads the gradient once more for
   its norm where the device cannot sum its squares (``clip_norms.norm_on_device``). A clipped step's re-application from the backups is not counted (it
   happens only in steps whose norm exceeds the limit). A split update (``split_update.py``:
-  accumulation, 16-bit compute, no clipping) writes the working copy and the fp32 gradient
+  accumulation, 16-bit compute) writes the working copy and the fp32 gradient
   (4 B) instead of the master and moments once the last gradient has landed, and reads that
   gradient and the master and moments and writes them back (28 B) while the next step's
   earlier micro-batches run.
@@ -116,7 +116,7 @@ def update_bytes(dtype_bytes: int, accumulation_steps: int = 1, clip_mode: str =
     and the sum before it (2g, or 4 + 2g) instead of the fp32 sum (``LandingZones.fuse_last_pair``);
     ``host_norm``: with clipping, the host reads the gradient for its norm (False: the device
     sums its squares, ``clip_norms.norm_on_device``); ``split``: ``AdamW.split_update``, which
-    applies under accumulation without clipping to 16-bit compute (see the module)."""
+    applies under accumulation to 16-bit compute (see the module)."""
     g, n = dtype_bytes, max(1, int(accumulation_steps))
     grad_read = g if n == 1 else ACC_BYTES  # the pass reads the landed gradient, or the fp32 sum
     kernel = STATE_BYTES + grad_read + (g if g != ACC_BYTES else 0)  # an fp32 master is the working copy
@@ -133,7 +133,7 @@ def update_bytes(dtype_bytes: int, accumulation_steps: int = 1, clip_mode: str =
     else:
         final, earlier = (add, (ACC_BYTES + g) + (n - 2) * add) if host_sum else (0, 0)
     deferred = 0
-    if split and n > 1 and not clip_mode and g != ACC_BYTES:  # the master and moments written later
+    if split and n > 1 and g != ACC_BYTES:  # the master and moments written later
         kernel, deferred = kernel - STATE_BYTES // 2 + ACC_BYTES, ACC_BYTES + STATE_BYTES
     return UpdateBytes(kernel, final, earlier,
                        BACKUP_BYTES if clip_mode == "speculative" and g == ACC_BYTES else 0,

@@ -81,8 +81,8 @@ class HostKernel:
         """
         raise NotImplementedError
 
-    def split(self, s: UnitShadow, pending: torch.Tensor,
-              whole: bool = False) -> tuple[Iterator[dict[str, float]], Iterator[dict[str, float]]]:
+    def split(self, s: UnitShadow, pending: torch.Tensor, whole: bool = False,
+              coef: float = 1.0) -> tuple[Iterator[dict[str, float]], Iterator[dict[str, float]]]:
         """The update in two passes (only where :attr:`splits`; :meth:`SinglePassKernel.split`)."""
         raise NotImplementedError(f"the {self.name} kernel does not split updates")
 
@@ -278,19 +278,20 @@ class SinglePassKernel(HostKernel):
         # step and rate fixed for the whole unit, whatever happens between pieces
         return self._sweep(s, s.step + 1, self.lr, s.grad_terms, coef, whole, save=save, source=source)
 
-    def split(self, s: UnitShadow, pending: torch.Tensor,
-              whole: bool = False) -> tuple[Iterator[dict[str, float]], Iterator[dict[str, float]]]:
-        """``s``'s update (coefficient 1) in two passes, each a piece at a time: the first writes
+    def split(self, s: UnitShadow, pending: torch.Tensor, whole: bool = False,
+              coef: float = 1.0) -> tuple[Iterator[dict[str, float]], Iterator[dict[str, float]]]:
+        """``s``'s update, its gradient scaled by ``coef`` (clipping), in two passes, each a
+        piece at a time: the first writes
         the working copy and the step's whole gradient in fp32 into ``pending``, leaves the
         master, moments and ``s.step`` as they were and sets ``s.copied`` to the new step with
         its last piece; the second, run once the first is done, updates them in place from
-        ``pending`` and advances ``s.step``. Together bit-equal to :meth:`pieces`; both use the
-        step and learning rate of now (``split_update.py``)."""
+        ``pending`` (the gradient unscaled) and advances ``s.step``. Together bit-equal to
+        :meth:`pieces`; both use the step and learning rate of now (``split_update.py``)."""
         if s.master_is_work:
             raise ValueError(f"unit {s.unit.name}: an fp32-compute unit's master is its working copy; it is not split")
         step, lr = s.step + 1, self.lr
-        return (self._sweep(s, step, lr, s.grad_terms, 1.0, whole, mark="copied", copy_first=True, grad_out=pending),
-                self._sweep(s, step, lr, (pending,), 1.0, whole, work=None))
+        return (self._sweep(s, step, lr, s.grad_terms, coef, whole, mark="copied", copy_first=True, grad_out=pending),
+                self._sweep(s, step, lr, (pending,), coef, whole, work=None))
 
     def _sweep(self, s: UnitShadow, step: int, lr: float, terms: tuple[torch.Tensor, ...], coef: float, whole: bool,
                mark: str = "step", work: torch.Tensor | None | str = "own", **form: object

@@ -9,19 +9,18 @@ forward of unit *i* starts as soon as unit *i* is updated.
 Global-norm clipping (``max_grad_norm``) needs every gradient before the coefficient is known
 (``clip_norms.py``): ``clip_mode="wait"`` holds every update until :meth:`finish_step` brings it;
 ``"speculative"`` updates with coefficient 1 while backward goes on and, at the finish, commits or
-re-applies from the old values, bit-equal to ``"wait"`` (``speculative_clip.py``). Either way an
-update is published only at the finish, in index order. Norms and landed gradients go before
-speculative pieces, so the coefficient is not held up; the unit expected to land last is not
-speculated.
+re-applies from the old values, bit-equal to ``"wait"`` (``speculative_clip.py``; a split update's
+first pass, ``split_update.py``, changes no state, so it is made again instead). Either way an
+update is published only at the finish. Norms and landed gradients go before speculative pieces,
+so the coefficient is not held up; the unit expected to land last is not speculated.
 
 Which landed gradient goes first: ``AdamW.host_order`` (``host_tasks.py``).
 
-Gradient accumulation: a gradient submitted with ``final=False`` (an earlier micro-batch of
-the step) is only added into the unit's fp32 ``grad_acc``; the one submitted with
-``final=True`` adds the last micro-batch and updates (or holds the update, with clipping)
-from the sum. :meth:`flush` turns what was accumulated into updates when the step ends early.
-A unit summed on the device (``UnitPlan.accumulate="device"``) is submitted once per step, with
-``summed=True``: its complete fp32 sum has landed in ``grad_acc`` and is not added again.
+Gradient accumulation: a gradient submitted with ``final=False`` (an earlier micro-batch) is only
+added into the unit's fp32 ``grad_acc``; the one with ``final=True`` adds the last and updates (or
+holds the update, with clipping) from the sum. :meth:`flush` turns what was accumulated into
+updates when the step ends early. A unit summed on the device (``UnitPlan.accumulate="device"``)
+is submitted once per step with ``summed=True``: its whole fp32 sum has landed in ``grad_acc``.
 """
 from __future__ import annotations
 
@@ -91,15 +90,13 @@ class HostOptimizer(ClockReadings):
         self._tasks: queue.Queue = queue.Queue()
         # Worker side: the tasks in the order the device needs their results (host_tasks.py), and
         # updates under way that yielded to a more urgent one: unit index -> (pieces left, its step
-        # once done). Data parallelism keeps arrival order: ranks exchange shards in one order.
+        # once done, the shadow's counter that says so). Data parallelism keeps arrival order.
         by_deadline = dp is None and cfg.host_order == "deadline"
         self._board = TaskBoard(self._tasks, deadline_of([s.unit.is_block for s in shadows]) if by_deadline else None)
-        self._paused: dict[int, tuple[Iterator[dict[str, float]], int, str]] = {}  # + the shadow's counter it sets
-        # Split updates: the working copy first, the master and moments when the host has room.
-        self._split = SplitUpdates(self.kernel, shadows, cfg.split_update and clip is None and dp is None)
-        # Clipping, worker side: this step's units in landing order; those waiting to be
-        # speculated; the one being speculated; how many units the last step had (the one landing
-        # last is not speculated).
+        self._paused: dict[int, tuple[Iterator[dict[str, float]], int, str]] = {}
+        self._split = SplitUpdates(self.kernel, shadows, cfg.split_update and dp is None)  # split_update.py
+        # Clipping, worker side: this step's units in landing order; those waiting to be speculated;
+        # the one being speculated; how many units the last step had (the last to land is not speculated).
         self._order: list[Held] = []
         self._to_speculate: list[Held] = []
         self._running: Held | None = None
@@ -115,16 +112,15 @@ class HostOptimizer(ClockReadings):
         #: speculated because the step's running norm already made it clip).
         self.clip_stats = {"steps": 0, "rollback_steps": 0, "speculated_units": 0, "rolled_back_units": 0,
                            "held_units": 0, "direct_units": 0, "sure_units": 0}
-        # Worker side, this step's squared norm so far: the host's part (per unit, summed exactly,
-        # so deadline order's timing cannot change it), the device's, and whether they make it clip.
+        # This step's squared norm so far: the host's (per unit, summed exactly), the device's, whether it clips.
         self._sq_terms, self._device_sq, self._sure = [], 0.0, False
         self._error: BaseException | None = None
         #: seconds per phase, parameters updated, sums of earlier micro-batches (``host_clock.py``)
         self.clock = HostClock()
         self._thread = threading.Thread(target=self._run, name="memferry-host-adamw", daemon=True)
         self._thread.start()
-        # Stop the worker when this object goes, or at interpreter exit if nobody closed the
-        # engine: a worker killed mid-update at exit aborts the process ("terminate called").
+        # Stop the worker when this object goes, or at interpreter exit if nobody closed the engine:
+        # a worker killed mid-update at exit aborts the process ("terminate called").
         self._finalizer = weakref.finalize(self, _stop_worker, self._tasks, self._thread)
 
     # ------------------------------------------------------------------ producer side
@@ -339,8 +335,8 @@ class HostOptimizer(ClockReadings):
         (and queue it for a speculative update, unless it is the step's last expected)."""
         s = self.shadows[index]
         self._zones.complete(index)
+        self._split.finish(index, self.clock)  # the last step's second pass: this update reads its state
         if self.cfg.max_grad_norm is None:
-            self._split.finish(index, self.clock)  # the last step's second pass: this update reads its state
             split = self._split.splits(index)
             if self._board.deadline is None and not split:
                 self._update(index, 1.0)
@@ -374,19 +370,23 @@ class HostOptimizer(ClockReadings):
 
     def _speculate_piece(self) -> None:
         """One piece of a speculative update: start the next queued unit's if none is under way
-        (taking backup room, or leaving the unit held where there is none)."""
+        (taking backup room, or leaving the unit held where there is none; a split unit's first
+        pass changes no state, so it needs none)."""
         if self._running is None:  # in landing order, or the unit the next forward needs first
             deadline, waiting = self._board.deadline, self._to_speculate
             held = waiting.pop(0 if deadline is None
                                else min(range(len(waiting)), key=lambda k: deadline(waiting[k].index)))
             s = self.shadows[held.index]
-            room = self._backups.reserve(s)
-            if room is None:
-                held.no_room = True
-                self.clip_stats["held_units"] += 1
-                return
-            held.old, where = self._backups.begin(s, room)
-            held.lr, held.pieces = self._lr, self.kernel.pieces(s, 1.0, **where)
+            if self._split.splits(held.index):
+                held.lr, held.pieces = self._lr, self._split.first(held.index)
+            else:
+                room = self._backups.reserve(s)
+                if room is None:
+                    held.no_room = True
+                    self.clip_stats["held_units"] += 1
+                    return
+                held.old, where = self._backups.begin(s, room)
+                held.lr, held.pieces = self._lr, self.kernel.pieces(s, 1.0, **where)
             self._running = held
             self.clip_stats["speculated_units"] += 1
         held = self._running
@@ -435,7 +435,9 @@ class HostOptimizer(ClockReadings):
         rolled, need = 0, self._board.deadline
         for held in sorted(self._order, key=lambda h: need(h.index) if need else h.index):
             s = self.shadows[held.index]
-            if held.lr is None:
+            if self._split.splits(held.index):
+                rolled += self._resolve_split(held, coef)
+            elif held.lr is None:
                 self.clip_stats["direct_units"] += int(self._backups is not None and not held.no_room)
                 self._update(held.index, coef)
             elif coef == 1.0 and held.lr == self._lr:
@@ -452,6 +454,19 @@ class HostOptimizer(ClockReadings):
         self.clip_stats["steps"] += 1
         self.clip_stats["rollback_steps"] += int(rolled > 0)
         self.clip_stats["rolled_back_units"] += rolled
+
+    def _resolve_split(self, held: Held, coef: float) -> int:
+        """A split unit's update, as :meth:`_resolve`'s for the others but with nothing to restore
+        (a first pass changes no state); its second pass queued. Returns 1 if it was made again."""
+        index = held.index
+        redo = held.lr is not None and not (coef == 1.0 and held.lr == self._lr)
+        if held.lr is None or redo:
+            self.clip_stats["direct_units"] += int(held.lr is None and self._backups is not None)
+            with torch.profiler.record_function(f"optimizer:host {self.shadows[index].unit.name}"):
+                self._count(index, self._split.copy_now(index, coef), done=True)
+        self._publish(index)
+        self._split.queue(index)
+        return int(redo)
 
     def _fail(self, exc: BaseException) -> None:
         """Keep ``exc`` for the training thread (``_raise_if_failed``) and release every waiter."""

@@ -193,7 +193,7 @@ class ShadowModel:
             for name, _ in u.params:
                 self._originals.pop(name, None)
         # Speculative clipping's backups of masters and moments (host_optimizer.py): one flat fp32 arena.
-        n_backup = backup_elements(units, device_homes, dp, self.backup_budget)
+        n_backup = backup_elements(units, device_homes, dp, self.backup_budget, self.split)
         #: fp32 backup arena for speculative clipping (empty without it).
         self.backup = backend.host_arena.empty(n_backup, torch.float32) if n_backup else torch.empty(0)
 
@@ -220,7 +220,7 @@ class ShadowModel:
         if room is None:
             return
         if need > room:
-            backup = 4 * backup_elements(self.units, device_homes, self.dp, self.backup_budget)
+            backup = 4 * backup_elements(self.units, device_homes, self.dp, self.backup_budget, self.split)
             extra = (f", {format_bytes(backup)} of them speculative clipping's backups (AdamW clip_mode='wait' or a "
                      f"smaller clip_backup_bytes needs less)") if backup else ""
             raise HostMemoryBudgetError(

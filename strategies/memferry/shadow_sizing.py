@@ -22,13 +22,14 @@ def train_part(shard: slice, train_numel: int) -> slice:
 
 
 def backup_elements(units: list[Unit], device_homes: set[int] | frozenset, dp: "DataParallel | None" = None,
-                    budget: int | None = 0) -> int:
+                    budget: int | None = 0, split: bool = False) -> int:
     """fp32 elements of the speculative-clipping backup arena (``AdamW.clip_mode``): room for the
     master and two moments (12 bytes per parameter) of every host-updated shard, capped at
-    ``budget`` bytes (None: uncapped; 0: no speculation)."""
+    ``budget`` bytes (None: uncapped; 0: no speculation). ``split``: 16-bit units split their
+    updates, whose first pass speculates without changing state (``split_update.py``): none."""
     total = 0
     for u in units:
-        if u.index in device_homes or not u.params:
+        if u.index in device_homes or not u.params or (split and u.params[0][1].element_size() < 4):
             continue
         shard = dp.shard(u.numel)[1] if dp is not None else slice(0, u.train_numel)
         shard = train_part(shard, u.train_numel)
@@ -50,7 +51,7 @@ def host_bytes_needed(units: list[Unit], device_homes: set[int] | frozenset, dp:
     ``paired`` take a second landing zone. With ``split`` (and ``accumulate``), a 16-bit unit
     keeps its step's fp32 gradient between the two passes of a split update too.
     """
-    total = 4 * backup_elements(units, device_homes, dp, backup_budget)
+    total = 4 * backup_elements(units, device_homes, dp, backup_budget, split and accumulate)
     for u in units:
         if u.index in device_homes or not u.params:
             continue

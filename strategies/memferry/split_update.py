@@ -22,8 +22,14 @@ A unit's second pass ends before anything reads or writes what it does: its next
 out-of-memory re-plan), a reset of the host clock and the worker's stop (``close``): all of
 those drain them (:meth:`SplitUpdates.drain`). Only units with a
 ``grad_pending`` buffer split (``ShadowModel(split=True)``: 16-bit compute, accumulation), only
-with a kernel that :attr:`~.host_kernel.HostKernel.splits`, and never under clipping or data
-parallelism (their updates are published in other ways).
+with a kernel that :attr:`~.host_kernel.HostKernel.splits`, and never under data parallelism
+(whose updates are published by an exchange of shards).
+
+With clipping the first pass is the update that waits for the coefficient, or that speculates
+with coefficient 1 (``clip_mode="speculative"``). It changes no state, so a step whose clip fires
+just makes it again with the coefficient (22 B a parameter, from the fp32 sum) where a one-pass
+update is re-applied from its backup (28 B), and a split unit needs no backup room. The second
+pass then scales the pending gradient by the same coefficient.
 
 The cost model prices the second pass with the earlier micro-batches' sums
 (``host_budget.update_bytes(split=True)``); a second fp32 gradient per unit is what lets it wait
@@ -64,17 +70,32 @@ class SplitUpdates:
         """Whether unit ``index``'s updates split."""
         return index in self.units
 
-    def first(self, index: int, whole: bool = False) -> Iterator[dict[str, float]]:
-        """Unit ``index``'s first pass, a piece at a time (it sets ``copied`` to its step with the
-        last); its second is made now, with the same step and rate, and waits for :meth:`queue`."""
+    def first(self, index: int, coef: float = 1.0, whole: bool = False) -> Iterator[dict[str, float]]:
+        """Unit ``index``'s first pass with its gradient scaled by ``coef``, a piece at a time
+        (it sets ``copied`` to its step with the last); its second is made now, with the same
+        step, rate and coefficient, and waits for :meth:`queue` (or :meth:`discard`)."""
         s = self.shadows[index]
         if index in self._made or index in self._queue:
             raise RuntimeError(f"unit {s.unit.name}: a split update began before the last one's second pass ended")
         # Not copied for the coming step yet: after a checkpoint is loaded, ``copied`` may already
         # hold that step's number from before, and the first piece would look like the last.
         s.copied = s.step
-        first, self._made[index] = self.kernel.split(s, s.grad_pending, whole)
+        first, self._made[index] = self.kernel.split(s, s.grad_pending, whole, coef)
         return first
+
+    def copy_now(self, index: int, coef: float) -> dict[str, float]:
+        """Unit ``index``'s first pass with ``coef``, whole, now (a second pass made before it is
+        dropped: :meth:`discard`); its seconds per phase."""
+        self.discard(index)
+        total: dict[str, float] = {}
+        for piece in self.first(index, coef, whole=True):
+            total = {k: total.get(k, 0.0) + v for k, v in piece.items()}
+        return total
+
+    def discard(self, index: int) -> None:
+        """Forget unit ``index``'s second pass made with its first (a speculative first pass to be
+        made again with the clip coefficient), if any."""
+        self._made.pop(index, None)
 
     def queue(self, index: int) -> None:
         """Unit ``index``'s first pass is done: its second may run."""

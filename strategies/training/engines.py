@@ -41,9 +41,6 @@ def _check_memferry(options: dict[str, Any], config: TrainConfig) -> None:
     split = options["split_update"]
     if not isinstance(split, bool):
         raise TrainConfigError(f"strategy.options.split_update must be true or false, got {split!r}")
-    if split and options.get("max_grad_norm") is not None:
-        raise TrainConfigError("strategy.options.split_update splits updates that need no clip coefficient: leave "
-                               "max_grad_norm unset, or split_update false")
     margin = options["memory_margin"]
     if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise TrainConfigError(f"strategy.options.memory_margin must lie in [0, 1), got {margin!r}")
