@@ -28,8 +28,9 @@ with a kernel that :attr:`~.host_kernel.HostKernel.splits`, and never under data
 With clipping the first pass is the update that waits for the coefficient, or that speculates
 with coefficient 1 (``clip_mode="speculative"``). It changes no state, so a step whose clip fires
 just makes it again with the coefficient (22 B a parameter, from the fp32 sum) where a one-pass
-update is re-applied from its backup (28 B), and a split unit needs no backup room. The second
-pass then scales the pending gradient by the same coefficient.
+update is re-applied from its backup (28 B), and a split unit needs no backup room (so with the
+``torch`` kernel, which does not split, those units' clipped updates wait for the coefficient).
+The second pass then scales the pending gradient by the same coefficient.
 
 The cost model prices the second pass with the earlier micro-batches' sums
 (``host_budget.update_bytes(split=True)``); a second fp32 gradient per unit is what lets it wait
