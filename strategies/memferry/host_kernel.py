@@ -281,30 +281,28 @@ class SinglePassKernel(HostKernel):
     def split(self, s: UnitShadow, pending: torch.Tensor, whole: bool = False,
               coef: float = 1.0) -> tuple[Iterator[dict[str, float]], Iterator[dict[str, float]]]:
         """``s``'s update, its gradient scaled by ``coef`` (clipping), in two passes, each a
-        piece at a time: the first writes
-        the working copy and the step's whole gradient in fp32 into ``pending``, leaves the
-        master, moments and ``s.step`` as they were and sets ``s.copied`` to the new step with
-        its last piece; the second, run once the first is done, updates them in place from
-        ``pending`` (the gradient unscaled) and advances ``s.step``. Together bit-equal to
-        :meth:`pieces`; both use the step and learning rate of now (``split_update.py``)."""
+        piece at a time: the first writes the working copy and the step's whole gradient in fp32
+        into ``pending``, leaves the master, moments and ``s.step`` as they were and sets
+        ``s.copied`` to the new step with its last piece; the second, run once the first is done,
+        updates them in place from ``pending`` (the gradient unscaled) and advances ``s.step``.
+        Together bit-equal to :meth:`pieces`; both use the step and learning rate of now
+        (``split_update.py``)."""
         if s.master_is_work:
             raise ValueError(f"unit {s.unit.name}: an fp32-compute unit's master is its working copy; it is not split")
         step, lr = s.step + 1, self.lr
         return (self._sweep(s, step, lr, s.grad_terms, coef, whole, mark="copied", copy_first=True, grad_out=pending),
-                self._sweep(s, step, lr, (pending,), coef, whole, work=None))
+                self._sweep(s, step, lr, (pending,), coef, whole, write_work=False))
 
     def _sweep(self, s: UnitShadow, step: int, lr: float, terms: tuple[torch.Tensor, ...], coef: float, whole: bool,
-               mark: str = "step", work: torch.Tensor | None | str = "own", **form: object
-               ) -> Iterator[dict[str, float]]:
+               mark: str = "step", write_work: bool = True, **form: object) -> Iterator[dict[str, float]]:
         """The loop over ``s``'s decay groups (in pieces unless ``whole``) at ``step`` and ``lr``,
-        reading ``terms``; ``work``: the working copy written ("own": the unit's, None where the
-        master is it); ``mark``: the attribute of ``s`` set to ``step`` with the last piece
-        (``step``, or a split update's ``copied``); ``form``: the loop's
-        ``save``, ``source``, ``copy_first`` and ``grad_out``, cut to each piece."""
+        reading ``terms``; ``write_work``: write the unit's working copy (never where the master
+        is it); ``mark``: the attribute of ``s`` set to ``step`` with the last piece (``step``, or
+        a split update's ``copied``); ``form``: the loop's ``save``, ``source``, ``copy_first``
+        and ``grad_out``, cut to each piece."""
         b1, b2 = (float(b) for b in self.cfg.betas)
         bc1, bc2 = 1.0 - b1 ** step, 1.0 - b2 ** step
-        if work == "own":
-            work = None if s.master_is_work else s.train_work
+        work = s.train_work if write_work and not s.master_is_work else None
         ranges = decay_ranges(s.master.numel(), s.decay_end, None if whole else self.piece)
         if not ranges:  # nothing trainable: the step still counts
             setattr(s, mark, step)

@@ -33,7 +33,7 @@ from xpu.arena import HostArena
 from xpu.hostmem import mem_available
 
 from .data_parallel import DataParallel
-from .shadow_sizing import backup_elements, host_bytes_needed, train_part
+from .shadow_sizing import backup_elements, host_bytes_needed, splits, train_part
 from .units import Unit
 
 __all__ = ["UnitShadow", "ShadowModel"]
@@ -68,7 +68,7 @@ class UnitShadow:
     #: the second landing zone of a unit whose micro-batches are summed two at a time (None: one zone)
     grad_stage2: torch.Tensor | None = None
     #: a split update's fp32 gradient of the step, kept from its first pass to its second
-    #: (``split_update.py``; None: the unit's updates are not split)
+    #: (``split_update.py``; None: the unit's updates never split)
     grad_pending: torch.Tensor | None = None
     #: the step whose working copy a split update's first pass has written
     copied: int = 0
@@ -298,7 +298,7 @@ class ShadowModel:
             shadow.grad_acc = state(torch.float32)
             if unit.index in self.paired:
                 shadow.grad_stage2 = state(dtype)
-            if self.split and dtype != torch.float32:
+            if self.split and splits(unit):
                 shadow.grad_pending = state(torch.float32)
         shadow.device_views = shadow.slices(device_flat)
         if b.caps.dha:

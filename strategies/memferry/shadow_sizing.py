@@ -12,13 +12,19 @@ from .units import Unit
 if TYPE_CHECKING:
     from .data_parallel import DataParallel
 
-__all__ = ["train_part", "backup_elements", "host_bytes_needed"]
+__all__ = ["train_part", "splits", "backup_elements", "host_bytes_needed"]
 
 
 def train_part(shard: slice, train_numel: int) -> slice:
     """The trainable part of a rank's ``shard`` of a flat unit whose first ``train_numel``
     elements train (empty for a rank whose shard holds only frozen parameters or padding)."""
     return slice(min(shard.start, train_numel), min(shard.stop, train_numel))
+
+
+def splits(unit: Unit) -> bool:
+    """Whether ``unit``'s updates split under ``AdamW.split_update`` (``split_update.py``): its
+    compute is 16-bit (an fp32 master is the working copy itself, so there is nothing to write first)."""
+    return bool(unit.params) and unit.params[0][1].element_size() < 4
 
 
 def backup_elements(units: list[Unit], device_homes: set[int] | frozenset, dp: "DataParallel | None" = None,
@@ -29,7 +35,7 @@ def backup_elements(units: list[Unit], device_homes: set[int] | frozenset, dp: "
     updates, whose first pass speculates without changing state (``split_update.py``): none."""
     total = 0
     for u in units:
-        if u.index in device_homes or not u.params or (split and u.params[0][1].element_size() < 4):
+        if u.index in device_homes or not u.params or (split and splits(u)):
             continue
         shard = dp.shard(u.numel)[1] if dp is not None else slice(0, u.train_numel)
         shard = train_part(shard, u.train_numel)
@@ -61,5 +67,5 @@ def host_bytes_needed(units: list[Unit], device_homes: set[int] | frozenset, dp:
         size = shard.stop - shard.start
         total += padded * elem + size * elem + 4 * size * (2 if elem == 4 else 3) + (4 * size if accumulate else 0)
         total += size * elem if u.index in paired else 0
-        total += 4 * size if split and accumulate and elem != 4 else 0
+        total += 4 * size if split and accumulate and splits(u) else 0
     return total
