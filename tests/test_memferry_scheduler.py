@@ -446,3 +446,35 @@ def test_choices_pruned_for_time_are_searched_when_nothing_else_fits():
     assert any(u.offload for u in plan.units) and predict(plan, prof, H200_LINKS).peak_bytes <= least
     with pytest.raises(NoPlanFitsError, match=r"\(%d bytes" % least):
         schedule(prof, H200_LINKS, least - 1, explain=False)
+
+
+def test_a_cold_device_s_first_figures_are_timed_again_and_the_lesser_kept(cpu_backend, monkeypatch):
+    """On a real device the first distinct block and the rest are timed again once all is warm,
+    and each time is the lesser of the two (pass_timing.py); their bytes are the first reading's."""
+    from strategies.memferry import profiler
+    from strategies.models import build_model
+
+    monkeypatch.setattr(cpu_backend, "_caps", dataclasses.replace(cpu_backend.caps, virtual_devices=False))
+    calls = {"passes": 0, "rest": 0}
+    real_rest = profiler._profile_rest
+
+    def passes(*args, **kwargs):  # the first block's two timings (plain, selective) run slow, later ones not
+        calls["passes"] += 1
+        return (3e-3, 9e-3, 3e-3) if calls["passes"] <= 2 else (1e-3, 2e-3, 1e-3)
+
+    def rest(*args, **kwargs):
+        calls["rest"] += 1
+        fwd, bwd, peak, notes = real_rest(*args, **kwargs)
+        return (5e-3, 7e-3, peak, notes) if calls["rest"] == 1 else (4e-3, 8e-3, peak, notes)
+
+    monkeypatch.setattr(profiler, "timed_passes", passes)
+    monkeypatch.setattr(profiler, "_profile_rest", rest)
+    torch.manual_seed(0)
+    model = build_model("gpt", layers=3, hidden=64, heads=4, vocab=128, seq=32)
+    x, y = torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32))
+    prof = profile_step(model, split_units(model), cpu_backend, 0, x, y, repeats=1, adamw_numel=100_000)
+    assert calls == {"passes": 4, "rest": 2}  # one distinct block, timed twice; the rest twice
+    for b in prof.blocks:  # every block reuses the first's figures, lowered where the second timing was less
+        assert (b.fwd_s, b.bwd_s, b.recompute_s, b.bwd_selective_s, b.fwd_selective_s) == (1e-3, 2e-3, 1e-3, 2e-3, 1e-3)
+        assert b.act_bytes > b.act_bytes_recompute > 0
+    assert (prof.rest_fwd_s, prof.rest_bwd_s) == (4e-3, 7e-3)  # each the lesser of its two

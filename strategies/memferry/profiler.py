@@ -17,15 +17,11 @@ their gradient), from ``backend.memory_stats``. And the AdamW rates, seconds per
 the same kernels the host and device optimizers run, with their dtype conversions
 (``adamw_rates.py``).
 
-How passes are timed: a forward as the training thread issues it, alone (events around it: the
-device also waits for each launch, as it does behind Python in a step); a backward, and a
-forward as recomputation runs it inside backward, issued ahead (``xpu.timing.pipelined_seconds``:
-the device is first kept busy for twice the pass's host time of the round before and a
-millisecond, so the host issues the whole pass before the device reaches it; the longer of the
-device's and the host's time), as autograd issues them in a step. On the H200 the §3 block's
-forward took 1.49-2.14 ms alone and 1.33 ms (±0.3 %) issued ahead, its backward 3.15-3.26 and
-2.90; pricing recomputation at the alone figure over-priced an 8-micro-batch step of 24
-recomputed blocks by about 50 ms (bench/results/2026-12-03-h200-session20/).
+How passes are timed (alone, or issued ahead as autograd issues them in a step), and why the
+first distinct block is timed twice: ``pass_timing.py``. On the H200 the §3 block's forward took
+1.49-2.14 ms alone and 1.33 ms (±0.3 %) issued ahead, its backward 3.15-3.26 and 2.90; pricing
+recomputation at the alone figure over-priced an 8-micro-batch step of 24 recomputed blocks by
+about 50 ms (bench/results/2026-12-03-h200-session20/).
 """
 from __future__ import annotations
 
@@ -41,7 +37,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from xpu import Backend
-from xpu.timing import pipelined_seconds
 
 from ..selective_recompute import kept_output_bytes, selective_checkpoint
 from .adamw_rates import device_adamw_rate, host_adamw_rate, host_adamw_rates
@@ -50,16 +45,13 @@ from .config import OFFLOAD_MIN_BYTES
 from .cost import loss_peak_estimate
 from .hf_models import head_shape, model_loss
 from .host_budget import update_bytes
+from .pass_timing import lesser_times, timed, timed_passes
 from .sequence_scaling import (block_on_device, capture_block_input, half_sequence_bytes, padded, sample_shape,
                                saved_bytes)
 from .units import Unit
 
 __all__ = ["BlockProfile", "StepProfile", "profile_step", "host_adamw_rate", "host_adamw_rates", "device_adamw_rate"]  # rates: adamw_rates.py
 
-#: A pass timed issued ahead waits behind LEAD_FACTOR x its host time of the round before, plus
-#: LEAD_MIN_S, of device work: room for the host to issue all of it before the device reaches it.
-LEAD_FACTOR = 2.0
-LEAD_MIN_S = 1e-3
 
 
 @dataclass
@@ -283,42 +275,8 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _timed(backend: Backend, device: int, fn: Callable[[], None],
-           host_before: float | None = None) -> tuple[float, float]:
-    """(seconds of ``fn``, seconds the host spent issuing it). ``host_before`` None: alone, the
-    device time read with events around ``fn``; else issued ahead (see the module docstring),
-    behind a lead sized from ``host_before``, the host time of the same pass the round before.
-    Virtual devices run work as it is issued: there both ways are the plain reading."""
-    ahead = host_before is not None and not backend.caps.virtual_devices
-    lead = LEAD_FACTOR * host_before + LEAD_MIN_S if ahead else 0.0
-    dev_s, host_s = pipelined_seconds(backend, device, backend.current_stream(device), fn, lead)
-    return (max(dev_s, host_s) if ahead else dev_s), host_s
-
-
 def _block_signature(block: nn.Module) -> tuple:
     return (type(block).__name__, tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()))
-
-
-def _timed_passes(backend: Backend, device: int, blk: nn.Module, forward: Callable[[], Any],
-                  grads: list[torch.Tensor], repeats: int) -> tuple[float, float, float]:
-    """Median forward (alone), backward (issued ahead) and recomputation (the forward issued
-    ahead) times of ``forward()`` over ``repeats`` rounds, after one that warms up kernels and
-    the allocator and gives each pass's host time (:func:`_timed`)."""
-    fwd, bwd, again = [], [], []
-    host_f = host_b = 0.0
-    for i in range(repeats + 1):
-        for p in blk.parameters():
-            p.grad = None
-        holder: list[Any] = []
-        f, host_f = _timed(backend, device, lambda: holder.append(forward()))
-        outs = [t for t in _tensors(holder[0]) if t.requires_grad]
-        b, host_b = _timed(backend, device, lambda: torch.autograd.backward(outs, grads), host_b if i else None)
-        if i:
-            r, _ = _timed(backend, device, forward, host_f)  # recomputation records a graph too
-            fwd.append(f)
-            bwd.append(b)
-            again.append(r)
-    return statistics.median(fwd), statistics.median(bwd), statistics.median(again)
 
 
 def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend, device: int,
@@ -341,11 +299,11 @@ def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend
     bwd_extra, grads = backward_extra(backend, device, out_tensors)
     bwd_recompute = recomputed_backward_extra(backend, device, blk, lambda: checkpoint(run_forward, use_reentrant=False))
     bwd_selective = recomputed_backward_extra(backend, device, blk, lambda: selective_checkpoint(run_forward))
-    fwd_s, bwd_s, recompute_s = _timed_passes(backend, device, blk, run_forward, grads, repeats)
+    fwd_s, bwd_s, recompute_s = timed_passes(backend, device, blk, run_forward, grads, repeats)
     recompute_bytes = sum(_nbytes(t) for t in _tensors((x_args, x_kwargs)))
     selective_bytes = recompute_bytes + kept_output_bytes(run_forward)
     # a selectively checkpointed forward, and its backward with the recompute in it
-    fwd_sel, bwd_sel, _ = _timed_passes(backend, device, blk, lambda: selective_checkpoint(run_forward), grads,
+    fwd_sel, bwd_sel, _ = timed_passes(backend, device, blk, lambda: selective_checkpoint(run_forward), grads,
                                         repeats)
     result = BlockProfile(numel, param_bytes, fwd_s, bwd_s, act_bytes, recompute_bytes, small_bytes,
                           selective_bytes, max(bwd_s, bwd_sel), max(fwd_s, fwd_sel), recompute_s,
@@ -387,9 +345,9 @@ def _profile_rest(model: nn.Module, blocks: nn.ModuleList, rest: Unit, inputs: A
         base = backend.memory_stats(device).allocated
         backend.reset_peak_memory(device)
         holder: list[torch.Tensor] = []
-        f, _ = _timed(backend, device, lambda: holder.append(loss_of()))
+        f, _ = timed(backend, device, lambda: holder.append(loss_of()))
         # A shell with nothing to train (LoRA: embedding and tied head frozen) has no backward.
-        b, host_b = _timed(backend, device, lambda: holder[0].backward() if holder[0].requires_grad else None,
+        b, host_b = timed(backend, device, lambda: holder[0].backward() if holder[0].requires_grad else None,
                            host_b if i else None)
         peak = max(peak, backend.memory_stats(device).peak_allocated - base)
         if i:
@@ -444,6 +402,7 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
     profiles: list[BlockProfile] = []
     cache: dict[tuple, BlockProfile] = {}
     pass_through_ok = True
+    first_input = (args, kwargs)
     with backend.device_scope(index):
         for u in block_units:
             sig = _block_signature(u.module)
@@ -469,6 +428,15 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
             loss_peak = loss_peak_estimate(int(tokens), vocab, hidden, chunks, dtype.itemsize) if vocab else 0
             notes.append("rest: blocks change the hidden shape; rest times scaled from blocks by parameter count, "
                          + ("loss peak estimated from the head's shape" if vocab else "loss peak unknown (0)"))
+        if block_units and not backend.caps.virtual_devices:  # a cold device's first figures, again (pass_timing.py)
+            again, _ = _profile_block(block_units[0].module, *first_input, backend, index, repeats)
+            first_sig = _block_signature(block_units[0].module)
+            for u, prof in zip(block_units, profiles):
+                if _block_signature(u.module) == first_sig:
+                    lesser_times(prof, again)
+            if pass_through_ok:
+                f2, b2, _, _ = _profile_rest(model, blocks, rest, inputs, targets, loss_fn, backend, index, repeats, out)
+                rest_fwd, rest_bwd = min(rest_fwd, f2), min(rest_bwd, b2)
         halves = half_sequence_bytes(model, [u.module for u in block_units], _block_signature, inputs, targets,
                                      loss_fn, backend, index)
         for u, prof in zip(block_units, profiles):
