@@ -117,8 +117,13 @@ def test_split_updates_train_bit_equal_to_one_pass(cpu_backend, monkeypatch, n, 
             assert torch.equal(torch.as_tensor(st[key]), torch.as_tensor(want["optimizer"][name][key])), (name, key)
 
 
+def test_updates_split_by_default_only_where_clipping_is():
+    assert not AdamW().splits and AdamW(max_grad_norm=1.0).splits
+    assert not AdamW(max_grad_norm=1.0, split_update=False).splits and AdamW(split_update=True).splits
+
+
 def test_split_update_settings_say_what_would_work():
-    with pytest.raises(ValueError, match="split_update must be True or False, got 'yes'"):
+    with pytest.raises(ValueError, match="split_update must be True, False or None \\(on where clipping is\\), got 'yes'"):
         AdamW(split_update="yes")
 
 

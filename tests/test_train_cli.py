@@ -76,7 +76,7 @@ def test_text_path_is_found_next_to_the_config_from_any_working_directory(tmp_pa
      "has no option(s) ['plann']; valid options: clip_fire_rate, loss_chunks, max_grad_norm, memory_margin, plan, "
      "split_update"),
     ({"strategy": {"name": "memferry", "options": {"clip_fire_rate": 2}}}, "clip_fire_rate is the share of steps"),
-    ({"strategy": {"name": "memferry", "options": {"split_update": "yes"}}}, "split_update must be true or false"),
+    ({"strategy": {"name": "memferry", "options": {"split_update": "yes"}}}, "split_update must be true, false or null"),
     ({"strategy": {"name": "memferry", "options": {"clip_fire_rate": 0.3}}},
      "clip_fire_rate weighs steps whose clip fires, but max_grad_norm is not set"),
     ({"strategy": {"name": "memferry", "options": {"loss_chunks": 0}}}, "loss_chunks must be a positive integer"),
@@ -106,7 +106,7 @@ def test_bad_configs_name_what_is_valid(change, message):
 def test_set_overrides_reach_nested_keys_and_bare_strategy_names():
     config = load_config(_micro(strategy="memferry"), {"strategy.options.plan": "prefetch2+recompute", "model.layers": 3})
     assert config.strategy.options == {"plan": "prefetch2+recompute", "max_grad_norm": None, "loss_chunks": "auto",
-                                       "memory_margin": 0.10, "clip_fire_rate": 0.0, "split_update": False}
+                                       "memory_margin": 0.10, "clip_fire_rate": 0.0, "split_update": None}
     assert config.model["layers"] == 3
     assert config.to_dict()["optimizer"]["betas"] == [0.9, 0.999]
 

@@ -17,8 +17,9 @@ Options:
         worker waits for gradients to land. For an A/B of what a spinning wait costs the sends.
     flat_sends: ``false`` (default) or ``true`` (``AdamW.flat_sends``): a unit's gradients gathered
         on the device and sent home in one copy. For an A/B of what the per-tensor copies cost.
-    split_update: ``false`` (default) or ``true`` (``AdamW.split_update``): under accumulation, the
-        working copy first and the fp32 state while the next step's earlier micro-batches run.
+    split_update: unset (default: on where ``max_grad_norm`` is), ``false`` or ``true``
+        (``AdamW.split_update``): under accumulation, the working copy first and the fp32 state
+        while the next step's earlier micro-batches run.
     memory_margin: the scheduler's fragmentation margin on predicted peak memory (plan auto).
     allocator_cap: ``plan`` (the engine's own: the caching allocator held to the rehearsed
         plan's predicted peak) or ``budget`` (re-capped at the scenario's device cap after setup:
@@ -107,7 +108,7 @@ class MemFerrySystem(BenchSystem):
                     landing_wait=ctx.options.get("landing_wait", "spin"),
                     clip_fire_rate=ctx.options.get("clip_fire_rate", 0.0),
                     flat_sends=ctx.options.get("flat_sends", False),
-                    split_update=ctx.options.get("split_update", False))
+                    split_update=ctx.options.get("split_update"))
         sample = None
         if spec == "auto":  # the scheduler profiles one batch of the scenario's shape under the device cap
             vocab = _vocab(ctx)
@@ -224,7 +225,7 @@ class MemFerrySystem(BenchSystem):
         summed = sum(s.master.numel() for s in host if s in self.engine.executor.sums)
         return host_metrics(*self.engine.host_rate(), self._ctx.dtype, self._accumulation,
                             cfg.clip_mode if cfg.max_grad_norm is not None else "", self._ctx.backend,
-                            summed / max(1, sum(s.master.numel() for s in host)), split=cfg.split_update)
+                            summed / max(1, sum(s.master.numel() for s in host)), split=cfg.splits)
 
     def _clip_note(self) -> str:
         """With clipping: where norms were summed, how many steps clipped, and how many speculative

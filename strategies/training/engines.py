@@ -39,8 +39,9 @@ def _check_memferry(options: dict[str, Any], config: TrainConfig) -> None:
         raise TrainConfigError("strategy.options.clip_fire_rate weighs steps whose clip fires, but max_grad_norm is "
                                "not set: set strategy.options.max_grad_norm, or leave clip_fire_rate at 0")
     split = options["split_update"]
-    if not isinstance(split, bool):
-        raise TrainConfigError(f"strategy.options.split_update must be true or false, got {split!r}")
+    if split is not None and not isinstance(split, bool):
+        raise TrainConfigError(f"strategy.options.split_update must be true, false or null (on where clipping is), "
+                               f"got {split!r}")
     margin = options["memory_margin"]
     if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise TrainConfigError(f"strategy.options.memory_margin must lie in [0, 1), got {margin!r}")
@@ -243,7 +244,7 @@ def _check_torch(options: dict[str, Any], config: TrainConfig) -> None:
 
 
 MEMFERRY = StrategySpec(_build_memferry, {"plan": "prefetch", "max_grad_norm": None, "loss_chunks": "auto",
-                                          "memory_margin": 0.10, "clip_fire_rate": 0.0, "split_update": False},
+                                          "memory_margin": 0.10, "clip_fire_rate": 0.0, "split_update": None},
                         "MemFerry: parameters homed in host memory, per-block plan, host AdamW", _check_memferry,
                         takes_budget=True, fp32_model=True, data_parallel=True)
 TORCH = StrategySpec(TorchEngine, {"max_grad_norm": None, "recompute": False},
