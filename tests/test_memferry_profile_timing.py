@@ -1,4 +1,4 @@
-"""How the profiler times passes (``profiler._timed``): a forward alone, a backward and a
+"""How the profiler times passes (``pass_timing.timed``): a forward alone, a backward and a
 recomputation issued ahead of the device (the longer of device and host time, behind a lead sized
 from the host time of the round before); on virtual devices, whose work runs as it is issued,
 both are the plain reading. ``pipelined_seconds`` is replaced by a stub that records its lead and
@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-import strategies.memferry.profiler as profiler
+import strategies.memferry.pass_timing as pass_timing
 
 
 class _Device:
@@ -33,18 +33,18 @@ def leads(monkeypatch):
         fn()
         return 1e-3, 3e-3
 
-    monkeypatch.setattr(profiler, "pipelined_seconds", stub)
+    monkeypatch.setattr(pass_timing, "pipelined_seconds", stub)
     return asked
 
 
 def test_a_pass_issued_ahead_waits_behind_a_lead_and_reads_the_longer_of_device_and_host(cpu_backend, leads):
     dev = _Device(cpu_backend)
-    assert profiler._timed(dev, 0, lambda: None) == (1e-3, 3e-3)  # alone: the device's reading
-    assert profiler._timed(dev, 0, lambda: None, host_before=0.004) == (3e-3, 3e-3)  # the host bounds it
-    assert leads == [0.0, pytest.approx(profiler.LEAD_FACTOR * 0.004 + profiler.LEAD_MIN_S)]
+    assert pass_timing.timed(dev, 0, lambda: None) == (1e-3, 3e-3)  # alone: the device's reading
+    assert pass_timing.timed(dev, 0, lambda: None, host_before=0.004) == (3e-3, 3e-3)  # the host bounds it
+    assert leads == [0.0, pytest.approx(pass_timing.LEAD_FACTOR * 0.004 + pass_timing.LEAD_MIN_S)]
 
 
 def test_on_virtual_devices_both_ways_are_the_plain_reading(cpu_backend, leads):
     assert cpu_backend.caps.virtual_devices
-    assert profiler._timed(cpu_backend, 0, lambda: None, host_before=0.004) == (1e-3, 3e-3)
+    assert pass_timing.timed(cpu_backend, 0, lambda: None, host_before=0.004) == (1e-3, 3e-3)
     assert leads == [0.0]
