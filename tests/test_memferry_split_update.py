@@ -122,6 +122,23 @@ def test_updates_split_by_default_only_where_clipping_is():
     assert not AdamW(max_grad_norm=1.0, split_update=False).splits and AdamW(split_update=True).splits
 
 
+def test_by_default_updates_split_only_where_the_single_pass_loops_build(monkeypatch):
+    from strategies.memferry import split_update
+
+    clipped = AdamW(max_grad_norm=1.0)
+    assert split_update.updates_split(clipped, data_parallel=False)
+    assert not split_update.updates_split(clipped, data_parallel=True)
+    # the torch kernel does not split: by default nothing does (its units keep their backup room)
+    assert not split_update.updates_split(AdamW(max_grad_norm=1.0, host_kernel="torch"), data_parallel=False)
+    assert split_update.updates_split(AdamW(max_grad_norm=1.0, host_kernel="torch", split_update=True), False)
+
+    def unavailable():
+        raise split_update.UnavailableError("no C compiler found")
+
+    monkeypatch.setattr(split_update, "host_loops", unavailable)
+    assert not split_update.updates_split(clipped, data_parallel=False)
+
+
 def test_split_update_settings_say_what_would_work():
     with pytest.raises(ValueError, match="split_update must be True, False or None \\(on where clipping is\\), got 'yes'"):
         AdamW(split_update="yes")
@@ -201,3 +218,15 @@ def test_clipped_split_updates_train_bit_equal_to_one_pass(cpu_backend, mode, cl
     # timing; that some first passes speculated, and none asked for backup room, does not
     assert got["stats"]["held_units"] == 0
     assert (got["stats"]["speculated_units"] > 0) == (mode == "speculative")
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_an_engine_splits_by_default_only_under_clipping(cpu_backend, clip):
+    engine = MemFerry(TinyGPT(), optim=AdamW(lr=1e-2, host_kernel="single-pass", max_grad_norm=clip),
+                      plan=Plan.uniform(4, UnitPlan("prefetch", "prefetch")), backend=cpu_backend, loss_fn=lm_loss,
+                      accumulation_steps=2, compute_dtype=torch.bfloat16)
+    try:
+        assert engine.shadow.split == (clip is not None)
+        assert bool(engine.optimizer._split.units) == (clip is not None)
+    finally:
+        engine.close()

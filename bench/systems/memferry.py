@@ -225,7 +225,7 @@ class MemFerrySystem(BenchSystem):
         summed = sum(s.master.numel() for s in host if s in self.engine.executor.sums)
         return host_metrics(*self.engine.host_rate(), self._ctx.dtype, self._accumulation,
                             cfg.clip_mode if cfg.max_grad_norm is not None else "", self._ctx.backend,
-                            summed / max(1, sum(s.master.numel() for s in host)), split=cfg.splits)
+                            summed / max(1, sum(s.master.numel() for s in host)), split=self.engine.shadow.split)
 
     def _clip_note(self) -> str:
         """With clipping: where norms were summed, how many steps clipped, and how many speculative

@@ -79,7 +79,8 @@ class AdamW:
             speculative clipping the first pass is what speculates: it changes no state, so a
             step whose clip fires makes it again with the coefficient (22 B) instead of
             re-applying the whole update from a backup (28 B), and needs no backup. None (default):
-            on where ``max_grad_norm`` is set, off otherwise; on the HF model with accumulation 8
+            on where ``max_grad_norm`` is set and the single-pass loops build here
+            (``split_update.updates_split``), off otherwise; on the HF model with accumulation 8
             and clipping it was 2-3 % faster on two H100 hosts, without clipping on the §3 GPT 1 %
             slower (bench/results/2026-12-06-h100-session40/). Read it as :attr:`splits`.
     """

@@ -47,6 +47,7 @@ from .host_optimizer import HostOptimizer
 from .planning import SETUP_NOTE, plan_for
 from .sequence_scaling import batch_shape
 from .shadow import ShadowModel
+from .split_update import updates_split
 from .sum_placement import PLACEMENTS
 from .units import split_units
 
@@ -235,7 +236,7 @@ class MemFerry:
                                       accumulate=setup["accumulation_steps"] > 1,
                                       paired=paired_units(units, plan, setup["accumulation_steps"], self.dp is not None),
                                       backup_budget=self.cfg.backup_budget() if self.cfg.speculative else 0,
-                                      kept=kept, split=self.cfg.splits and self.dp is None)
+                                      kept=kept, split=updates_split(self.cfg, self.dp is not None))
         plan.notes.append(f"{SETUP_NOTE} made the shadow model in {time.perf_counter() - made:.1f} s")
         read_in_place = frozenset(u.index for u, up in zip(units, plan.units) if "dha" in (up.forward, up.backward))
         #: global-norm clipping (None without ``max_grad_norm``): where norms are taken (clip_norms.py)

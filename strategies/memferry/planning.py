@@ -27,6 +27,7 @@ from xpu.dist import collective_timeout, decide_on_first_rank
 from .compute_dtype import cast_parameters, check_compute_dtype, restore_parameters
 from .config import AdamW, Plan
 from .hf_models import kv_cache_off
+from .split_update import updates_split
 from .units import split_units
 
 __all__ = ["plan_for", "replan", "SETUP_NOTE"]
@@ -116,7 +117,7 @@ def _profile_and_schedule(model: nn.Module, sample: Any, device_budget: Any, opt
         profile.clip_mode = optim.clip_mode
         profile.clip_fire_rate = optim.clip_fire_rate  # the steps after clipped ones weigh too (clip_plan.py)
         profile.flat_sends = optim.flat_sends  # a host-homed unit's gradients gathered once more (flat_sends.py)
-        profile.split_update = optim.splits and not data_parallel  # what the worker will do (split_update.py)
+        profile.split_update = updates_split(optim, data_parallel)  # what the worker will do (split_update.py)
         profile.host_order = "landing" if data_parallel else optim.host_order  # what the worker will do
         budget = parse_bytes(device_budget) if device_budget is not None else backend.mem_info(index)[0]
         plan = schedule(profile, links_from_probe(backend, index), budget, n_blocks, allow_dha=backend.caps.dha,

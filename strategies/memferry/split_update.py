@@ -36,17 +36,41 @@ The cost model prices the second pass with the earlier micro-batches' sums
 (``host_budget.update_bytes(split=True)``); a second fp32 gradient per unit is what lets it wait
 a whole step (bench/results/2026-12-06-cpu-session39/weights-first.md sized the gain with the
 cost model: 3.8-6.8 % of the step on the plans session 39 trained).
+
+Measured (bench/results/2026-12-06-h100-session40/): without clipping it lost 1.2 % on the §3
+GPT with accumulation 8 (its first pass ran at 0.216 ns a parameter against the one pass's
+0.2245: both read the same 20 B); with clipping it won 3.3-3.9 % by the mean on the HF model, on
+two hosts. So it is on by default only where clipping is (:func:`updates_split`).
 """
 from __future__ import annotations
 
 import time
 from typing import Iterator
 
+from .config import AdamW
 from .host_clock import HostClock
 from .host_kernel import HostKernel
+from .host_loops import UnavailableError, host_loops
 from .shadow import UnitShadow
 
-__all__ = ["SplitUpdates"]
+__all__ = ["SplitUpdates", "updates_split"]
+
+
+def updates_split(cfg: AdamW, data_parallel: bool) -> bool:
+    """Whether this run's host updates split (``AdamW.splits``): never under data parallelism.
+    By default (``split_update=None``) only where the single-pass loops build here: the torch
+    kernel does not split, and a unit sized to split has no backup room, so under speculative
+    clipping its updates would wait for the coefficient. ``split_update=True`` is kept as asked."""
+    if data_parallel or not cfg.splits:
+        return False
+    if cfg.split_update is None:
+        if cfg.host_kernel == "torch":
+            return False
+        try:
+            host_loops()
+        except UnavailableError:
+            return False
+    return True
 
 
 class SplitUpdates:
