@@ -53,7 +53,6 @@ from .units import Unit
 __all__ = ["BlockProfile", "StepProfile", "profile_step", "host_adamw_rate", "host_adamw_rates", "device_adamw_rate"]  # rates: adamw_rates.py
 
 
-
 @dataclass
 class BlockProfile:
     """Measured figures of one block.
