@@ -2,8 +2,8 @@
 gradients land in two zones in turn and one pass adds both to the fp32 sum, in the order two
 passes would. Bit-equal to summing them one by one, for even and odd micro-batch counts and for
 a step cut short; the pass, the eligibility and the host bytes checked on their own. Without
-clipping a step's last pair is added by the update as it reads it (``UnitShadow.last_pair``),
-bit-equal to summing it first."""
+clipping a step's last micro-batch is added by the update as it reads the sum
+(``UnitShadow.last_alone``; of two, the pair: ``last_pair``), bit-equal to summing it first."""
 from __future__ import annotations
 
 import copy
@@ -83,6 +83,49 @@ def test_an_update_from_the_last_pair_equals_summing_it_first(kind, dtype, work,
     assert torch.equal(fused.grad_acc, acc0)  # read, never written
 
 
+@pytest.mark.parametrize("kind", ["single-pass", "torch"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("first", [False, True])
+def test_an_update_from_the_sum_and_one_more_equals_summing_it_first(kind, dtype, first):
+    """``acc + g`` read in the update's sweep (the C loop's form 8, and 9 copying first): master,
+    moments, working copy (and the fp32 gradient a first pass writes) bit-equal to summing ``g``
+    into ``grad_acc`` and updating from that; ``grad_acc`` itself is only read."""
+    if kind == "single-pass" and dtype not in host_loops().dtypes:
+        pytest.skip(f"{dtype} not built here")
+    if first and kind == "torch":
+        pytest.skip("the torch kernel does not split")
+    torch.manual_seed(2)
+    n = 2**16 + 5
+    g, acc0 = (torch.randn(n) * 1e-3).to(dtype), torch.randn(n) * 100
+
+    def shadow() -> UnitShadow:
+        master = torch.linspace(-2, 2, n)
+        s = UnitShadow(None, master.to(torch.bfloat16), master, torch.zeros(n), torch.zeros(n), g.clone(), g.clone(),
+                       None, [])
+        s.grad_acc, s.accumulated = acc0.clone(), True
+        return s
+
+    one_more, summed = shadow(), shadow()
+    cfg = AdamW(weight_decay=0.1)
+    k = (SinglePassKernel(cfg, [one_more, summed], threads=2) if kind == "single-pass"
+         else TorchKernel(cfg, [one_more, summed], chunk=1000))
+    one_more.last_alone = 0
+    assert len(one_more.grad_terms) == 2 and one_more.grad_terms[0] is one_more.grad_acc
+    k.accumulate(summed.grad_acc, summed.grad_stage)
+    if first:  # a split update's first pass: the working copy and the fp32 gradient, no state
+        outs = [torch.full((n,), float("nan")) for _ in range(2)]
+        for s, out in zip((one_more, summed), outs):
+            for _ in k.split(s, out, whole=True)[0]:
+                pass
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], summed.grad_acc)
+    else:
+        k.apply(one_more, 1.0)
+        k.apply(summed, 1.0)
+    for name in ("master", "exp_avg", "exp_avg_sq", "work"):
+        assert torch.equal(getattr(one_more, name), getattr(summed, name)), name
+    assert torch.equal(one_more.grad_acc, acc0)  # read, never written
+
+
 def _train(cpu_backend, monkeypatch, paired: bool, micro: list[int], n: int, clip: float | None) -> dict:
     """Steps of ``micro[i]`` micro-batches each (fewer than ``n``: the step is cut short), bf16 compute."""
     if not paired:
@@ -108,11 +151,12 @@ def _train(cpu_backend, monkeypatch, paired: bool, micro: list[int], n: int, cli
         engine.step()
     state = engine.state_dict()
     engine.close()
-    # every two micro-batches of a step made one pass per paired unit; without clipping, a whole
-    # step that ends with a pair leaves that pair to the update, which adds it as it reads
-    ends_in_pair = sum(clip is None and c == n and n % 2 == 0 for c in micro)
-    assert len(pairs) == len(zones) * (sum(c // 2 for c in micro) - ends_in_pair)
-    assert sum(fused) == len(zones) * ends_in_pair
+    # every two micro-batches of a step made one pass per paired unit; without clipping a whole
+    # step's last micro-batch is left to the update, which adds it to the sum (of two, the pair) as
+    # it reads, and of an even count the one before it is summed alone
+    full = [clip is None and c == n for c in micro]
+    assert len(pairs) == len(zones) * sum((c - 1) // 2 if f else c // 2 for c, f in zip(micro, full))
+    assert sum(fused) == len(zones) * sum(full)
     monkeypatch.undo()
     return state
 
@@ -152,7 +196,7 @@ def test_an_update_from_a_pair_refuses_what_it_cannot_sum():
     g = torch.zeros(n, dtype=torch.bfloat16)
     kw = dict(grad_scale=1.0, decay=1.0, beta1=0.9, beta2=0.99, bias_correction2_sqrt=1.0, eps=1e-8, step_size=1e-3,
               threads=1)
-    with pytest.raises(ValueError, match=r"grad must be a tensor, \(g0, g1\) or \(acc, g0, g1\); got 4 tensors"):
+    with pytest.raises(ValueError, match=r"grad must be a tensor, \(g0, g1\), \(acc, g\) or \(acc, g0, g1\); got 4 tensors"):
         loops.adamw(p, (acc, g, g, g), m, v, None, **kw)
     with pytest.raises(ValueError, match="must share a dtype, got torch.bfloat16 and torch.float32"):
         loops.adamw(p, (g, acc), m, v, None, **kw)

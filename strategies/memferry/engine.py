@@ -246,7 +246,8 @@ class MemFerry:
                      if self.cfg.max_grad_norm is not None else None)
         self.optimizer = HostOptimizer(self.cfg, self.shadow.shadows, self.dp,
                                        bind=functools.partial(self.backend.bind_process, self.device),
-                                       whole_on_host=read_in_place, backup=self.shadow.backup, clip=self.clip)
+                                       whole_on_host=read_in_place, backup=self.shadow.backup, clip=self.clip,
+                                       steps=setup["accumulation_steps"])
         self.device_optimizer = DeviceOptimizer(self.cfg, self.shadow.shadows, self.backend,
                                                 norms=self.clip.norms if self.clip is not None else None)
         self.copier = self._copier(setup["multipath"])

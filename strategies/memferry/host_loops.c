@@ -91,14 +91,16 @@ static inline void stream_fence(void) {}
  * re-application, or an update into a spare); 3 and 4 update in place from the step's last two
  * micro-batches summed as they are read, 3: (acc + g) + g1, 4: g + g1, added in the order
  * xpu_accumulate2 adds them (bit-equal to summing first, in 8 bytes per parameter fewer than
- * that pass's write and re-read of the fp32 sum); 5, 6 and 7 are 0, 3 and 4 copying first: they
- * write the working copy and the fp32 gradient (to sp), not the master and moments (see the top
- * of the file). HAS_W: the working copy (type WT) is written.
+ * that pass's write and re-read of the fp32 sum); 8 from the fp32 sum and the last micro-batch,
+ * acc + g, as xpu_accumulate adds them; 5, 6, 7 and 9 are 0, 3, 4 and 8 copying first: they write
+ * the working copy and the fp32 gradient (to sp), not the master and moments (see the top of the
+ * file). HAS_W: the working copy (type WT) is written.
  * GCC ivdep: no element depends on another, so the loop vectorises without the run-time alias
  * checks GCC would otherwise give up on for this many arrays (it had, in forms 1 and 2). */
 #define TRIPLE(F) ((F) == 3 || (F) == 6)   /* the gradient is (acc + g) + g1 */
 #define PAIR(F) ((F) == 4 || (F) == 7)     /* the gradient is g + g1 */
-#define FIRST(F) ((F) >= 5)                /* copying first: no master or moments written */
+#define SUM1(F) ((F) == 8 || (F) == 9)     /* the gradient is acc + g */
+#define FIRST(F) ((F) >= 5 && (F) != 8)    /* copying first: no master or moments written */
 #define ADAMW_LOOP(NAME, GT, LD, WT, ST, HAS_W, FORM)                                         \
     static void NAME(void *ctx, int64_t a, int64_t b) {                                       \
         const adamw_args *x = (const adamw_args *)ctx;                                        \
@@ -119,10 +121,10 @@ static inline void stream_fence(void) {}
             float *wp = tiles ? tp : p + t, *wm = tiles ? tm : m + t;                         \
             float *wv = tiles ? tv : v + t;                                                   \
             const GT *gt = g + t, *gt1 = TRIPLE(FORM) || PAIR(FORM) ? g1 + t : g;             \
-            const float *at = TRIPLE(FORM) ? acc + t : p;                                     \
+            const float *at = TRIPLE(FORM) || SUM1(FORM) ? acc + t : p;                       \
             _Pragma("GCC ivdep") for (int64_t j = 0; j < n; j++) {                            \
-                float gsum = TRIPLE(FORM) ? at[j] : LD(gt[j]);                                \
-                if (TRIPLE(FORM)) gsum += LD(gt[j]);                                          \
+                float gsum = TRIPLE(FORM) || SUM1(FORM) ? at[j] : LD(gt[j]);                  \
+                if (TRIPLE(FORM) || SUM1(FORM)) gsum += LD(gt[j]);                            \
                 if (TRIPLE(FORM) || PAIR(FORM)) gsum += LD(gt1[j]);                           \
                 if (FIRST(FORM)) ts[j] = gsum;                                                \
                 const float gi = gsum * gs;                                                   \
@@ -156,8 +158,8 @@ static inline void stream_fence(void) {}
         stream_fence();                                                                       \
     }
 
-/* Per gradient dtype: every working-copy dtype, in each of the eight forms (0 in place, 1 save,
- * 2 from, 3 and 4 from a pair, 5-7 copying first). */
+/* Per gradient dtype: every working-copy dtype, in each of the ten forms (0 in place, 1 save,
+ * 2 from, 3 and 4 from a pair, 8 from the sum and one more, 5-7 and 9 copying first). */
 #define ADAMW_FORMS(NAME, GT, LD, WT, ST, HAS_W)                                              \
     ADAMW_LOOP(NAME##_0, GT, LD, WT, ST, HAS_W, 0)                                            \
     ADAMW_LOOP(NAME##_1, GT, LD, WT, ST, HAS_W, 1)                                            \
@@ -166,7 +168,9 @@ static inline void stream_fence(void) {}
     ADAMW_LOOP(NAME##_4, GT, LD, WT, ST, HAS_W, 4)                                            \
     ADAMW_LOOP(NAME##_5, GT, LD, WT, ST, HAS_W, 5)                                            \
     ADAMW_LOOP(NAME##_6, GT, LD, WT, ST, HAS_W, 6)                                            \
-    ADAMW_LOOP(NAME##_7, GT, LD, WT, ST, HAS_W, 7)
+    ADAMW_LOOP(NAME##_7, GT, LD, WT, ST, HAS_W, 7)                                            \
+    ADAMW_LOOP(NAME##_8, GT, LD, WT, ST, HAS_W, 8)                                            \
+    ADAMW_LOOP(NAME##_9, GT, LD, WT, ST, HAS_W, 9)
 
 #define ADAMW_FOR_GRAD(SUFFIX, GT, LD)                                                        \
     ADAMW_FORMS(adamw_##SUFFIX##_none, GT, LD, float, st_f32, 0)                              \
@@ -313,10 +317,11 @@ static void parallel(range_fn fn, void *ctx, int64_t n, int threads) {
 
 #define FORM(NAME)                                                                            \
     (form == 0 ? NAME##_0 : form == 1 ? NAME##_1 : form == 2 ? NAME##_2 : form == 3 ? NAME##_3   \
-     : form == 4 ? NAME##_4 : form == 5 ? NAME##_5 : form == 6 ? NAME##_6 : NAME##_7)
+     : form == 4 ? NAME##_4 : form == 5 ? NAME##_5 : form == 6 ? NAME##_6 : form == 7 ? NAME##_7   \
+     : form == 8 ? NAME##_8 : NAME##_9)
 
 static range_fn adamw_fn(int gkind, int wkind, int form) {
-    if (form < 0 || form > 7) return NULL;
+    if (form < 0 || form > 9) return NULL;
 #define PICK(SUFFIX)                                                                          \
     switch (wkind) {                                                                          \
     case -1: return FORM(adamw_##SUFFIX##_none);                                              \

@@ -80,7 +80,8 @@ class HostLoops:
         ``grad`` may also be a step's last two micro-batches, summed as the sweep reads them and
         in the order :meth:`accumulate_pair` adds them (bit-equal to summing first): ``(g0, g1)``
         for ``g0 + g1``, or ``(acc, g0, g1)`` for ``(acc + g0) + g1`` with ``acc`` the fp32 sum
-        of the micro-batches before (read, not written).
+        of the micro-batches before (read, not written); or ``(acc, g)`` for ``acc + g``, as
+        :meth:`accumulate` adds them.
         ``decay`` is ``1 - lr * weight_decay`` and ``step_size`` ``lr / bias_correction1``; each
         scalar is rounded to fp32 once, as torch's ops round their Python-float arguments.
         ``save``: fp32 (master, exp_avg, exp_avg_sq) to receive the old values in the same sweep;
@@ -94,11 +95,12 @@ class HostLoops:
             raise ValueError("adamw takes save or source, not both")
         terms = grad if isinstance(grad, tuple) else (grad,)
         if len(terms) not in (1, 2, 3):
-            raise ValueError(f"grad must be a tensor, (g0, g1) or (acc, g0, g1); got {len(terms)} tensors")
+            raise ValueError(f"grad must be a tensor, (g0, g1), (acc, g) or (acc, g0, g1); got {len(terms)} tensors")
         if len(terms) > 1 and (save is not None or source is not None):
             raise ValueError("an update from a pair of micro-batches takes no save or source")
-        acc = terms[0] if len(terms) == 3 else None
-        g0, g1 = (terms[-2], terms[-1]) if len(terms) > 1 else (terms[0], None)
+        one_more = len(terms) == 2 and terms[0].dtype == torch.float32 != terms[1].dtype  # (acc, g)
+        acc = terms[0] if len(terms) == 3 or one_more else None
+        g0, g1 = (terms[1], None) if one_more else (terms[-2], terms[-1]) if len(terms) > 1 else (terms[0], None)
         if copy_first and (save is not None or source is not None or work is None):
             raise ValueError("a copy-first pass writes the working copy (give work) and takes no save or source")
         if grad_out is not None and not copy_first:
@@ -117,10 +119,11 @@ class HostLoops:
         hp = (ctypes.c_float * 8)(grad_scale, decay, 1.0 - beta1, beta2, 1.0 - beta2, bias_correction2_sqrt, eps,
                                   -step_size)
         wkind = -1 if work is None else self._kind(work, "work")
-        form = 3 if acc is not None else 4 if g1 is not None else 0 if backup is None else 1 if save is not None else 2
+        form = (8 if one_more else 3 if acc is not None else 4 if g1 is not None else 0 if backup is None
+                else 1 if save is not None else 2)
         bp, bm, bv = (t.data_ptr() for t in backup) if backup is not None else (0, 0, 0)
-        if copy_first:  # forms 5-7: 0, 3 and 4 copying first; the gradient goes out where a backup's master would
-            form, bp = form + 5 if form == 0 else form + 3, 0 if grad_out is None else grad_out.data_ptr()
+        if copy_first:  # forms 5-7 and 9: 0, 3, 4 and 8 copying first; the gradient goes out where a backup's master would
+            form, bp = {0: 5, 3: 6, 4: 7, 8: 9}[form], 0 if grad_out is None else grad_out.data_ptr()
         rc = self._lib.xpu_adamw(self._kind(g0, "grad"), wkind, master.data_ptr(), g0.data_ptr(),
                                  exp_avg.data_ptr(), exp_avg_sq.data_ptr(), 0 if work is None else work.data_ptr(),
                                  n, hp, int(threads), form, bp, bm, bv, 0 if acc is None else acc.data_ptr(),

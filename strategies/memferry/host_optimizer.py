@@ -12,15 +12,14 @@ Global-norm clipping (``max_grad_norm``) needs every gradient before the coeffic
 re-applies from the old values, bit-equal to ``"wait"`` (``speculative_clip.py``; a split update's
 first pass, ``split_update.py``, changes no state, so it is made again instead). Either way an
 update is published only at the finish. Norms and landed gradients go before speculative pieces,
-so the coefficient is not held up; the unit expected to land last is not speculated.
-
-Which landed gradient goes first: ``AdamW.host_order`` (``host_tasks.py``).
+so the coefficient is not held up; the unit expected to land last is not speculated. Which
+landed gradient goes first: ``AdamW.host_order`` (``host_tasks.py``).
 
 Gradient accumulation: a gradient submitted with ``final=False`` (an earlier micro-batch) is only
-added into the unit's fp32 ``grad_acc``; the one with ``final=True`` adds the last and updates (or
-holds the update, with clipping) from the sum. :meth:`flush` turns what was accumulated into
-updates when the step ends early. A unit summed on the device (``UnitPlan.accumulate="device"``)
-is submitted once per step with ``summed=True``: its whole fp32 sum has landed in ``grad_acc``.
+added into the unit's fp32 ``grad_acc``; the one with ``final=True`` is added by the update (held,
+with clipping) as it reads the sum (``landing_zones.py``). :meth:`flush` updates from what was
+accumulated when the step ends early. A unit summed on the device (``accumulate="device"``) is
+submitted once per step with ``summed=True``: its whole fp32 sum has landed in ``grad_acc``.
 """
 from __future__ import annotations
 
@@ -69,11 +68,12 @@ class HostOptimizer(ClockReadings):
             running sum that landed with it (``GlobalNormClip.partials``); it sums the others'
             squares, and stops speculating once the two parts so far make the step clip
             (``clip_norms.clips``).
+        steps: micro-batches per optimizer step (``MemFerry(accumulation_steps=...)``).
     """
 
     def __init__(self, cfg: AdamW, shadows: list[UnitShadow], dp: DataParallel | None = None,
                  bind: Callable[[], None] | None = None, whole_on_host: frozenset[int] = frozenset(),
-                 backup: torch.Tensor | None = None, clip: GlobalNormClip | None = None) -> None:
+                 backup: torch.Tensor | None = None, clip: GlobalNormClip | None = None, steps: int = 1) -> None:
         self.cfg = cfg
         self._clip = clip
         self.whole_on_host = whole_on_host
@@ -84,8 +84,8 @@ class HostOptimizer(ClockReadings):
         self._done = [threading.Event() for _ in shadows]  # unit i's working copy holds its latest update
         for ev in self._done:
             ev.set()
-        # Without clipping nothing but the update reads a step's gradient: it may sum the last pair itself.
-        self._zones = LandingZones(shadows, self.kernel, fuse_last_pair=cfg.max_grad_norm is None and clip is None)
+        # Without clipping nothing but the update reads a step's gradient: it may add the last micro-batch itself.
+        self._zones = LandingZones(shadows, self.kernel, cfg.max_grad_norm is None and clip is None, steps)
         self._open: set[int] = set()  # training side: units with accumulated gradients and no update queued
         self._tasks: queue.Queue = queue.Queue()
         # Worker side: the tasks in the order the device needs their results (host_tasks.py), and

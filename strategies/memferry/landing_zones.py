@@ -7,16 +7,25 @@ training thread marks a zone taken before its copy is queued (:meth:`LandingZone
 waits for a zone to be free before reusing it (:meth:`LandingZones.wait_free`); the host
 optimizer's worker sums what landed (:meth:`LandingZones.receive`) and frees a zone once it has
 read it. A zone that holds a step's only gradient stays taken until that update is published
-(the update reads it there: :meth:`LandingZones.free`). So do both zones of a paired unit whose
-step ends with a pair, where the last pair is not summed (``fuse_last_pair``): the update adds
-it as it reads (``UnitShadow.grad_terms``), 8 bytes per parameter fewer than writing the fp32
-sum and reading it back.
+(the update reads it there: :meth:`LandingZones.free`).
+
+Without clipping (``fuse_last_pair``) a paired unit's last 16-bit micro-batch is not summed: the
+update adds it to the fp32 sum as it reads them (``UnitShadow.last_alone``, its zone taken until
+then), and in a step of an even count the one before it is summed alone as soon as it lands. The
+update after the last micro-batch, all the next forward waits for, then reads 18 bytes per bf16
+parameter, where adding the last pair as it reads read 20: on session 40's H100 hosts that update
+ran at 0.207-0.211 ns a parameter against 0.227-0.230
+(bench/results/2026-12-06-h100-session40/call5/). In a step of two micro-batches (or of fp32
+gradients, where no loop adds one more to the sum) the update adds the last pair as it reads it,
+with the sum before it if any (``UnitShadow.last_pair``).
 """
 from __future__ import annotations
 
 import threading
 import time
 from typing import Callable
+
+import torch
 
 from .host_kernel import HostKernel
 from .shadow import UnitShadow
@@ -30,14 +39,18 @@ class LandingZones:
     Args:
         shadows: all units' buffers, by unit index.
         kernel: the host kernel whose ``accumulate`` and ``accumulate_pair`` sum them.
-        fuse_last_pair: leave a step's last pair to the update (not where anything else reads
-            the step's gradient, e.g. clipping's norm or re-application).
+        fuse_last_pair: leave a paired unit's last micro-batch (of two, the pair) to the update
+            (not where anything else reads the step's gradient, e.g. clipping's norm or
+            re-application).
+        steps: micro-batches per optimizer step (``MemFerry(accumulation_steps=...)``).
     """
 
-    def __init__(self, shadows: list[UnitShadow], kernel: HostKernel, fuse_last_pair: bool = False) -> None:
+    def __init__(self, shadows: list[UnitShadow], kernel: HostKernel, fuse_last_pair: bool = False,
+                 steps: int = 1) -> None:
         self.shadows = shadows
         self.kernel = kernel
         self.fuse_last_pair = fuse_last_pair
+        self.steps = steps
         # _free[zone][i]: unit i's zone has been read, so the next micro-batch may land there.
         self._free = ([threading.Event() for _ in shadows], [threading.Event() for _ in shadows])
         self.release_all()
@@ -68,7 +81,11 @@ class LandingZones:
             s.accumulated = True  # grad_acc holds the step's sum, made on the device
         elif final and not self._received[index] and index not in self._pending:
             s.accumulated = False  # one micro-batch: update straight from the landing zone
-        elif zone == 0 and not final and s.grad_stage2 is not None:
+        elif self._leave_last(s, final) and self._received[index] == self.steps - 1 and index not in self._pending:
+            s.last_alone = zone  # the update adds it to the sum as it reads them; the zone stays taken
+            return 0.0
+        elif (zone == 0 and not final and s.grad_stage2 is not None
+              and not (self._leave_last(s, True) and self._received[index] == self.steps - 2 > 0)):
             if index in self._pending:
                 raise RuntimeError(f"unit {s.unit.name}: two gradients landed in its first zone without a pair")
             self._pending.add(index)  # summed with the next micro-batch's (zone 1); the zone stays taken
@@ -83,6 +100,13 @@ class LandingZones:
             self._free[0][index].set()  # the sum holds it: the next micro-batch may land
         return seconds
 
+    def _leave_last(self, s: UnitShadow, final: bool) -> bool:
+        """Whether ``s``'s last micro-batch of a full step, ``final``, is left to the update,
+        beside the sum (a paired unit of 16-bit gradients, more than two micro-batches, no
+        clipping); the one before it is then summed alone."""
+        return (final and self.fuse_last_pair and self.steps > 2 and s.grad_stage2 is not None
+                and s.grad_stage.dtype != torch.float32)
+
     def flush(self) -> tuple[list[int], float]:
         """The step ends before its last micro-batch: sum every first zone whose pair never came.
         Returns the units with something accumulated (to update) and the seconds spent summing."""
@@ -96,6 +120,7 @@ class LandingZones:
     def free(self, index: int) -> None:
         """Unit ``index``'s update is published: both its zones may receive again."""
         self.shadows[index].accumulated = self.shadows[index].last_pair = False
+        self.shadows[index].last_alone = None
         self._free[0][index].set()
         self._free[1][index].set()
 

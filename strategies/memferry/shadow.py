@@ -75,6 +75,9 @@ class UnitShadow:
     #: the step's last two micro-batches wait in both zones, not summed: the update adds them as
     #: it reads them (``LandingZones(fuse_last_pair=True)``, :attr:`grad_terms`)
     last_pair: bool = False
+    #: the step's last micro-batch waits in this zone (0, 1), not summed: the update adds it to
+    #: ``grad_acc`` as it reads them (``LandingZones(fuse_last_pair=True)``); None: not so
+    last_alone: int | None = None
 
     @property
     def grad_source(self) -> torch.Tensor:
@@ -85,7 +88,9 @@ class UnitShadow:
     def grad_terms(self) -> tuple[torch.Tensor, ...]:
         """What the next update sums, left to right in fp32, for its gradient: ``(grad_source,)``;
         with :attr:`last_pair`, ``(grad_stage, grad_stage2)``, after ``grad_acc`` when earlier
-        micro-batches were summed into it."""
+        micro-batches were summed into it; with :attr:`last_alone`, ``grad_acc`` and that zone."""
+        if self.last_alone is not None:
+            return (self.grad_acc, self.grad_stage2 if self.last_alone else self.grad_stage)
         if not self.last_pair:
             return (self.grad_source,)
         pair = (self.grad_stage, self.grad_stage2)
