@@ -155,8 +155,10 @@ def test_dp_is_optimal_against_brute_force(seed):
         assert predict(plan, prof, links).peak_bytes <= budget
         summed.append(any(u.accumulate == "device" for u in plan.units))
         selective.append(any(u.selective for u in plan.units))
-    # Accumulating profiles (seeds 3 and 4) offer summing on the device, and some budget takes it.
-    assert any(summed) == (prof.accumulation_steps > 1), (seed, summed)
+    # Accumulating profiles (seeds 3 and 4) offer summing on the device; on seed 4 some budget
+    # takes it (seed 3 took it too until the host's update added the last micro-batch to the sum
+    # as it reads them, 8 B a parameter fewer on the host after the last micro-batch).
+    assert any(summed) == (seed == 4), (seed, summed)
     # Selective recompute is taken where it pays: on seeds 0 and 4 (which seeds depends on the
     # memory model: seed 1, clipped, took it while its held gradients were counted all step, seed
     # 3 while every block's activations were counted beside the worst backward transient).

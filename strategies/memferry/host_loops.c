@@ -21,8 +21,7 @@
  *
  * A split update (split_update.py) needs a third kind: "copy first" computes the update as the
  * others do but writes only the working copy and the step's whole gradient in fp32 (the sum it
- * read, to a buffer of its own), not the master and moments; a later in-place update from that
- * fp32 sum without a working copy writes them, bit-equal to the one-pass update. */
+ * read, to a buffer of its own); a later in-place update from it writes the master and moments. */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
