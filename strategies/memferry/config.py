@@ -127,7 +127,8 @@ class AdamW:
             raise ValueError(f"clip_fire_rate={self.clip_fire_rate} weighs steps whose clip fires, but max_grad_norm is "
                              f"None (no clipping): set max_grad_norm, or leave clip_fire_rate at 0")
         if self.split_update is not None and not isinstance(self.split_update, bool):
-            raise ValueError(f"split_update must be True, False or None (on where clipping is), got {self.split_update!r}")
+            raise ValueError(f"split_update must be True, False or None (on where clipping is), "
+                             f"got {self.split_update!r}")
         if not isinstance(self.flat_sends, bool):
             raise ValueError(f"flat_sends must be True or False, got {self.flat_sends!r}")
         if self.landing_wait not in ("spin", "sleep"):

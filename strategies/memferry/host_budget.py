@@ -11,10 +11,10 @@ AdamW took 0.24 ns per parameter alone and 0.33 while both copy directions ran a
   ``accumulation_steps`` N > 1 the micro-batches are summed into an fp32 buffer on the host
   (the first copied: 4 + g bytes, each later one added: 8 + g; or two at a time where the
   engine pairs them: 4 + 2g for the first pair, 8 + 2g for each later one) and the pass reads
-  that fp32 sum (without clipping the last micro-batch is not summed: the pass reads it beside
-  the sum, 4 + g instead of 4 + (8 + g), or of two the pair alone, 2g; a unit planned ``accumulate="device"`` sums on the
-  device instead: the host only receives the fp32 sum, 4 B per parameter over the link once a
-  step, and the pass reads it);
+  that fp32 sum (without clipping the last 16-bit micro-batch is not summed: the pass reads it
+  beside the sum, 4 + g instead of 4 + (8 + g), or of two the pair alone, 2g; a unit planned
+  ``accumulate="device"`` sums on the device instead: the host only receives the fp32 sum, 4 B per
+  parameter over the link once a step, and the pass reads it);
   speculative clipping updates a 16-bit-compute unit into a spare master and moments (no bytes
   more) but writes an fp32-compute unit's old master and moments to a backup in the update's own
   sweep (12 B written; ``speculative_clip.py``), and clipping reads the gradient once more for

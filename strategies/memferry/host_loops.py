@@ -122,7 +122,7 @@ class HostLoops:
         form = (8 if one_more else 3 if acc is not None else 4 if g1 is not None else 0 if backup is None
                 else 1 if save is not None else 2)
         bp, bm, bv = (t.data_ptr() for t in backup) if backup is not None else (0, 0, 0)
-        if copy_first:  # forms 5-7 and 9: 0, 3, 4 and 8 copying first; the gradient goes out where a backup's master would
+        if copy_first:  # forms 5-7 and 9: 0, 3, 4 and 8 copying first; the gradient goes where a backup's master would
             form, bp = {0: 5, 3: 6, 4: 7, 8: 9}[form], 0 if grad_out is None else grad_out.data_ptr()
         rc = self._lib.xpu_adamw(self._kind(g0, "grad"), wkind, master.data_ptr(), g0.data_ptr(),
                                  exp_avg.data_ptr(), exp_avg_sq.data_ptr(), 0 if work is None else work.data_ptr(),

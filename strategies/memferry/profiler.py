@@ -303,7 +303,7 @@ def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend
     selective_bytes = recompute_bytes + kept_output_bytes(run_forward)
     # a selectively checkpointed forward, and its backward with the recompute in it
     fwd_sel, bwd_sel, _ = timed_passes(backend, device, blk, lambda: selective_checkpoint(run_forward), grads,
-                                        repeats)
+                                       repeats)
     result = BlockProfile(numel, param_bytes, fwd_s, bwd_s, act_bytes, recompute_bytes, small_bytes,
                           selective_bytes, max(bwd_s, bwd_sel), max(fwd_s, fwd_sel), recompute_s,
                           bwd_extra_bytes=bwd_extra, bwd_recompute_bytes=bwd_recompute,
@@ -347,7 +347,7 @@ def _profile_rest(model: nn.Module, blocks: nn.ModuleList, rest: Unit, inputs: A
         f, _ = timed(backend, device, lambda: holder.append(loss_of()))
         # A shell with nothing to train (LoRA: embedding and tied head frozen) has no backward.
         b, host_b = timed(backend, device, lambda: holder[0].backward() if holder[0].requires_grad else None,
-                           host_b if i else None)
+                          host_b if i else None)
         peak = max(peak, backend.memory_stats(device).peak_allocated - base)
         if i:
             fwd.append(f)
@@ -434,7 +434,8 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
                 if _block_signature(u.module) == first_sig:
                     lesser_times(prof, again)
             if pass_through_ok:
-                f2, b2, _, _ = _profile_rest(model, blocks, rest, inputs, targets, loss_fn, backend, index, repeats, out)
+                f2, b2, _, _ = _profile_rest(model, blocks, rest, inputs, targets, loss_fn, backend, index, repeats,
+                                             out)
                 rest_fwd, rest_bwd = min(rest_fwd, f2), min(rest_bwd, b2)
         halves = half_sequence_bytes(model, [u.module for u in block_units], _block_signature, inputs, targets,
                                      loss_fn, backend, index)
