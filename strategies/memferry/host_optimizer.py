@@ -41,7 +41,7 @@ from .host_tasks import TaskBoard, deadline_of
 from .landing_zones import LandingZones
 from .shadow import UnitShadow
 from .speculative_clip import Backups, Held
-from .split_update import SplitUpdates
+from .split_update import SplitUpdates, updates_split
 
 __all__ = ["HostOptimizer"]
 
@@ -94,7 +94,7 @@ class HostOptimizer(ClockReadings):
         by_deadline = dp is None and cfg.host_order == "deadline"
         self._board = TaskBoard(self._tasks, deadline_of([s.unit.is_block for s in shadows]) if by_deadline else None)
         self._paused: dict[int, tuple[Iterator[dict[str, float]], int, str]] = {}
-        self._split = SplitUpdates(self.kernel, shadows, cfg.splits and dp is None)  # split_update.py
+        self._split = SplitUpdates(self.kernel, shadows, updates_split(cfg, dp is not None))  # split_update.py
         # Clipping, worker side: this step's units in landing order; those waiting to be speculated;
         # the one being speculated; how many units the last step had (the last to land is not speculated).
         self._order: list[Held] = []

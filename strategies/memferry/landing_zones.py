@@ -81,11 +81,11 @@ class LandingZones:
             s.accumulated = True  # grad_acc holds the step's sum, made on the device
         elif final and not self._received[index] and index not in self._pending:
             s.accumulated = False  # one micro-batch: update straight from the landing zone
-        elif self._leave_last(s, final) and self._received[index] == self.steps - 1 and index not in self._pending:
+        elif final and self._leaves_last(s) and self._received[index] == self.steps - 1 and index not in self._pending:
             s.last_alone = zone  # the update adds it to the sum as it reads them; the zone stays taken
             return 0.0
         elif (zone == 0 and not final and s.grad_stage2 is not None
-              and not (self._leave_last(s, True) and self._received[index] == self.steps - 2 > 0)):
+              and not (self._leaves_last(s) and self._received[index] == self.steps - 2)):
             if index in self._pending:
                 raise RuntimeError(f"unit {s.unit.name}: two gradients landed in its first zone without a pair")
             self._pending.add(index)  # summed with the next micro-batch's (zone 1); the zone stays taken
@@ -100,11 +100,11 @@ class LandingZones:
             self._free[0][index].set()  # the sum holds it: the next micro-batch may land
         return seconds
 
-    def _leave_last(self, s: UnitShadow, final: bool) -> bool:
-        """Whether ``s``'s last micro-batch of a full step, ``final``, is left to the update,
-        beside the sum (a paired unit of 16-bit gradients, more than two micro-batches, no
-        clipping); the one before it is then summed alone."""
-        return (final and self.fuse_last_pair and self.steps > 2 and s.grad_stage2 is not None
+    def _leaves_last(self, s: UnitShadow) -> bool:
+        """Whether ``s``'s last micro-batch of a full step is left to the update, beside the sum
+        (a paired unit of 16-bit gradients, more than two micro-batches, no clipping); the one
+        before it is then summed alone."""
+        return (self.fuse_last_pair and self.steps > 2 and s.grad_stage2 is not None
                 and s.grad_stage.dtype != torch.float32)
 
     def flush(self) -> tuple[list[int], float]:

@@ -402,9 +402,9 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
     cache: dict[tuple, BlockProfile] = {}
     pass_through_ok = True
     first_input = (args, kwargs)
+    sigs = [_block_signature(u.module) for u in block_units]
     with backend.device_scope(index):
-        for u in block_units:
-            sig = _block_signature(u.module)
+        for u, sig in zip(block_units, sigs):
             if reuse_identical and sig in cache:
                 profiles.append(copy.copy(cache[sig]))
                 continue
@@ -429,9 +429,8 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
                          + ("loss peak estimated from the head's shape" if vocab else "loss peak unknown (0)"))
         if block_units and not backend.caps.virtual_devices:  # a cold device's first figures, again (pass_timing.py)
             again, _ = _profile_block(block_units[0].module, *first_input, backend, index, repeats)
-            first_sig = _block_signature(block_units[0].module)
-            for u, prof in zip(block_units, profiles):
-                if _block_signature(u.module) == first_sig:
+            for sig, prof in zip(sigs, profiles):
+                if sig == sigs[0]:
                     lesser_times(prof, again)
             if pass_through_ok:
                 f2, b2, _, _ = _profile_rest(model, blocks, rest, inputs, targets, loss_fn, backend, index, repeats,

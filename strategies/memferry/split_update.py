@@ -79,8 +79,8 @@ class SplitUpdates:
     Args:
         kernel: the host kernel (``split`` where it :attr:`~.host_kernel.HostKernel.splits`).
         shadows: all units' buffers, by unit index.
-        enabled: ``AdamW.split_update``, where nothing else publishes updates (not under data
-            parallelism, whose updates are published by an exchange of shards).
+        enabled: :func:`updates_split`, the rule the shadow's ``grad_pending`` buffers were
+            sized by.
     """
 
     def __init__(self, kernel: HostKernel, shadows: list[UnitShadow], enabled: bool) -> None:
