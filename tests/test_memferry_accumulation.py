@@ -215,6 +215,7 @@ def _dp_rank(rank, port, out_dir):
 
     os.environ.update(XPU_BACKEND="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import xpu
+    from xpu.dist import leave_rank
 
     xpu.reset_backend()
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -233,6 +234,7 @@ def _dp_rank(rank, port, out_dir):
     torch.save(state["model"], f"{out_dir}/rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+    leave_rank(0)  # see xpu.dist.leave_rank: a torch thread alive at shutdown can abort the rank
 
 
 def test_accumulation_under_data_parallelism(tmp_path, cpu_backend):

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from strategies.memferry import AdamW, MemFerry, Plan
 from strategies.weight_decay import param_groups
-from xpu.dist import free_port
+from xpu.dist import free_port, leave_rank
 from test_memferry_numerics import TinyGPT, lm_loss
 
 STEPS, WORLD = 6, 2
@@ -46,6 +46,7 @@ def _rank(rank, port, plan_spec, clip, out_dir):
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()  # see _failing_auto_rank
     dist.destroy_process_group()
+    leave_rank(0)  # see xpu.dist.leave_rank: a torch thread alive at shutdown can abort the rank
 
 
 @pytest.mark.parametrize("plan_spec, clip", [("prefetch", None), ("device2+recompute", 0.5), ("dha", None),
@@ -111,6 +112,7 @@ def _auto_rank(rank, port, out_dir):
                os.path.join(out_dir, f"auto{rank}.pt"))
     dist.barrier()  # see _failing_auto_rank
     dist.destroy_process_group()
+    leave_rank(0)  # see xpu.dist.leave_rank: a torch thread alive at shutdown can abort the rank
 
 
 def test_plan_auto_is_scheduled_once_and_shared_by_every_rank(tmp_path):
@@ -136,6 +138,7 @@ def _failing_auto_rank(rank, port, out_dir):
     (Path(out_dir) / f"failed{rank}.txt").write_text(outcome)
     dist.barrier()  # gloo aborts a process whose peer tore its pairs down first (1 run in 6 here)
     dist.destroy_process_group()
+    leave_rank(0)  # see xpu.dist.leave_rank: a torch thread alive at shutdown can abort the rank
 
 
 def test_a_plan_the_first_rank_cannot_make_fails_every_rank_instead_of_hanging_them(tmp_path):
