@@ -49,21 +49,21 @@ def test_update_bytes_count_what_the_host_optimizer_moves():
     pairs = {n: update_bytes(2, n, "wait", paired=True) for n in (2, 3, 4)}
     assert [(pairs[n].accumulate_earlier, pairs[n].accumulate_final, pairs[n].kernel) for n in (2, 3, 4)] == [
         (0, 8, 30), (8, 10, 30), (8, 12, 30)]
-    # without clipping the update adds the last micro-batch as it reads it, beside the fp32 sum
-    # (4 + 2), or of two the pair alone (2 + 2), and nothing is summed after the last micro-batch
+    # without clipping nothing is summed after the last micro-batch: the update adds a last pair as
+    # it reads it (2 + 2, and the sum before it, 4), and of an odd count the last micro-batch
+    # beside the fp32 sum (4 + 2)
     assert [(update_bytes(2, n, paired=True).accumulate_final, update_bytes(2, n, paired=True).kernel,
-             update_bytes(2, n, paired=True).accumulate_earlier) for n in (2, 3, 4)] == [
-        (0, 24 + 4 + 2, 0), (0, 24 + 6 + 2, 8), (0, 24 + 6 + 2, 8 + 10)]
+             update_bytes(2, n, paired=True).accumulate_earlier) for n in (2, 3, 4, 5)] == [
+        (0, 24 + 4 + 2, 0), (0, 24 + 6 + 2, 8), (0, 24 + 8 + 2, 8), (0, 24 + 6 + 2, 8 + 12)]
     eight = update_bytes(2, 8, "wait", paired=True)
     assert eight.accumulate_earlier + eight.accumulate_final == 44  # against 76 one by one
-    # pairs (1, 2), (3, 4), (5, 6), then the 7th alone: 2 B fewer after the last micro-batch than an
-    # update adding the last pair (34), 10 B more before it
-    assert (update_bytes(2, 8, paired=True).kernel, update_bytes(2, 8, paired=True).timed) == (32, 42 + 32)
+    # pairs (1, 2), (3, 4), (5, 6), then the update adds (7, 8): 8 B fewer than summing them first
+    assert (update_bytes(2, 8, paired=True).kernel, update_bytes(2, 8, paired=True).timed) == (34, 32 + 34)
     assert update_bytes(2, 8, device_sum=True, paired=True).timed == 30  # nothing summed on the host
-    # split in two passes: the working copy and the fp32 gradient once the last micro-batch has
-    # landed (24 B, not 32), the master and moments later (28 B, with the earlier micro-batches)
+    # split in two passes: the working copy and the fp32 gradient once the last pair has landed
+    # (26 B, not 34), the master and moments later (28 B, with the earlier micro-batches)
     split = update_bytes(2, 8, paired=True, split=True)
-    assert (split.kernel, split.final, split.deferred, split.timed) == (24, 24, 28, 42 + 24 + 28)
+    assert (split.kernel, split.final, split.deferred, split.timed) == (26, 26, 28, 32 + 26 + 28)
     assert update_bytes(2, 8, device_sum=True, paired=True, split=True).kernel == 30 - 12 + 4
     clipped = update_bytes(2, 8, "speculative", paired=True, split=True)  # the fp32 sum read, the pair not fused
     assert (clipped.kernel, clipped.deferred, clipped.backup) == (30 - 12 + 4, 28, 0)
@@ -75,9 +75,9 @@ def test_a_split_updates_second_pass_is_priced_with_the_earlier_micro_batches():
     budget = HostBudget(100.0, kernel_weight=1.5, copy_weight=0.0, source="test", update_scale=2.0, earlier_scale=0.5)
     one, split = update_bytes(2, 8, paired=True), update_bytes(2, 8, paired=True, split=True)
     final, earlier = budget.work(1000, one)
-    assert (final, earlier) == (1000 * 1.5 * 32 * 2.0, 1000 * 42 * 0.5)
+    assert (final, earlier) == (1000 * 1.5 * 34 * 2.0, 1000 * 32 * 0.5)
     final, earlier = budget.work(1000, split)
-    assert (final, earlier) == (1000 * 1.5 * 24 * 2.0, 1000 * (42 + 1.5 * 28) * 0.5)
+    assert (final, earlier) == (1000 * 1.5 * 26 * 2.0, 1000 * (32 + 1.5 * 28) * 0.5)
 
 
 def test_a_host_bound_step_takes_its_host_bytes_over_the_bandwidth_and_copies_slow_the_optimizer():
@@ -155,10 +155,8 @@ def test_clipping_reads_a_gradient_for_its_norm_only_where_the_device_cannot_sum
     four, four_clipped = profile(B, accumulation_steps=4), profile(B, accumulation_steps=4, clipping=True)
     unit = UnitPlan("prefetch", "prefetch")
     extra = option_cost(four_clipped, links(B), 1, unit).hm - option_cost(four, links(B), 1, unit).hm
-    # the norm reads the 4 B sum, which clipping needs whole: the last pair summed (12 B) and the
-    # sum read (30), where without it the third is summed alone (10) and the update adds the
-    # fourth as it reads (32)
-    assert extra == pytest.approx(N * (4 + (12 + 30) - (10 + 32)) / (B * 1e9), rel=1e-9)
+    # the norm reads the 4 B sum, which clipping needs whole: the last pair is summed first (8 B more)
+    assert extra == pytest.approx(N * (4 + 8) / (B * 1e9), rel=1e-9)
 
 
 def test_the_scheduler_moves_updates_to_the_device_when_host_memory_shrinks():

@@ -143,7 +143,9 @@ def _train(cpu_backend, monkeypatch, paired: bool, micro: list[int], n: int, cli
     kernel = engine.optimizer.kernel
     real, real_pieces = kernel.accumulate_pair, kernel.pieces
     kernel.accumulate_pair = lambda *a, **k: (pairs.append(1), real(*a, **k))
-    kernel.pieces = lambda sh, *a, **k: (fused.append(len(sh.grad_terms) > 1), real_pieces(sh, *a, **k))[1]
+    kernel.pieces = lambda sh, *a, **k: (
+        fused.append("alone" if sh.last_alone is not None else "pair" if sh.last_pair else None),
+        real_pieces(sh, *a, **k))[1]
     for count in micro:
         for _ in range(count):
             x, y = next(data)
@@ -152,11 +154,12 @@ def _train(cpu_backend, monkeypatch, paired: bool, micro: list[int], n: int, cli
     state = engine.state_dict()
     engine.close()
     # every two micro-batches of a step made one pass per paired unit; without clipping a whole
-    # step's last micro-batch is left to the update, which adds it to the sum (of two, the pair) as
-    # it reads, and of an even count the one before it is summed alone
+    # step's last pair is left to the update, which adds it (and the sum before it) as it reads,
+    # and of an odd count its last micro-batch, added to the sum
     full = [clip is None and c == n for c in micro]
     assert len(pairs) == len(zones) * sum((c - 1) // 2 if f else c // 2 for c, f in zip(micro, full))
-    assert sum(fused) == len(zones) * sum(full)
+    kinds = [("alone" if c % 2 and c > 2 else "pair") for c, f in zip(micro, full) if f for _ in zones]
+    assert [k for k in fused if k] == kinds
     monkeypatch.undo()
     return state
 

@@ -11,8 +11,9 @@ AdamW took 0.24 ns per parameter alone and 0.33 while both copy directions ran a
   ``accumulation_steps`` N > 1 the micro-batches are summed into an fp32 buffer on the host
   (the first copied: 4 + g bytes, each later one added: 8 + g; or two at a time where the
   engine pairs them: 4 + 2g for the first pair, 8 + 2g for each later one) and the pass reads
-  that fp32 sum (without clipping the last 16-bit micro-batch is not summed: the pass reads it
-  beside the sum, 4 + g instead of 4 + (8 + g), or of two the pair alone, 2g; a unit planned
+  that fp32 sum (without clipping a last pair is not summed: the pass reads it and the sum
+  before it, 4 + 2g instead of 4 + (8 + 2g), or of two the pair alone, 2g; of an odd count the
+  last 16-bit micro-batch is not summed: the pass reads it beside the sum; a unit planned
   ``accumulate="device"`` sums on the device instead: the host only receives the fp32 sum, 4 B per
   parameter over the link once a step, and the pass reads it);
   speculative clipping updates a 16-bit-compute unit into a spare master and moments (no bytes
@@ -112,8 +113,9 @@ def update_bytes(dtype_bytes: int, accumulation_steps: int = 1, clip_mode: str =
     ``device_sum``: the micro-batches are summed on the device (the host sums nothing);
     ``paired``: the host sums them two at a time (``accumulation.paired_units``): the sum is
     read and written once per pair (first pair 4 + 2g, later ones 8 + 2g, an odd last 8 + g);
-    without clipping the last 16-bit micro-batch is left to the update, which reads it beside the
-    sum (4 + g; of two, the pair alone, 2g) instead of the fp32 sum (``LandingZones.fuse_last_pair``);
+    without clipping a last pair is left to the update, which reads it and the sum before it (2g,
+    or 4 + 2g), and of an odd count the last 16-bit micro-batch, read beside the sum (4 + g),
+    instead of the fp32 sum (``LandingZones.fuse_last_pair``);
     ``host_norm``: with clipping, the host reads the gradient for its norm (False: the device
     sums its squares, ``clip_norms.norm_on_device``); ``split``: ``AdamW.split_update``, which
     applies under accumulation to 16-bit compute (see the module)."""
@@ -122,9 +124,8 @@ def update_bytes(dtype_bytes: int, accumulation_steps: int = 1, clip_mode: str =
     kernel = STATE_BYTES + grad_read + (g if g != ACC_BYTES else 0)  # an fp32 master is the working copy
     add = 2 * ACC_BYTES + g
     host_sum = n > 1 and not device_sum
-    if host_sum and paired and not clip_mode and n > 2 and g != ACC_BYTES:  # the update adds the last one as it reads
-        pairs, lone = divmod(n - 1, 2)  # the ones before it, summed as they land
-        final, earlier, kernel = 0, (ACC_BYTES + 2 * g) + (pairs - 1) * (add + g) + lone * add, kernel + g
+    if host_sum and paired and not clip_mode and n > 2 and n % 2 and g != ACC_BYTES:  # the update adds the last one
+        final, earlier, kernel = 0, (ACC_BYTES + 2 * g) + (n // 2 - 1) * (add + g), kernel + g  # the pairs before it
     elif host_sum and paired:
         pairs, lone = divmod(n, 2)
         total = (ACC_BYTES + 2 * g) + (pairs - 1) * (add + g) + lone * add

@@ -9,15 +9,15 @@ optimizer's worker sums what landed (:meth:`LandingZones.receive`) and frees a z
 read it. A zone that holds a step's only gradient stays taken until that update is published
 (the update reads it there: :meth:`LandingZones.free`).
 
-Without clipping (``fuse_last_pair``) a paired unit's last 16-bit micro-batch is not summed: the
-update adds it to the fp32 sum as it reads them (``UnitShadow.last_alone``, its zone taken until
-then), and in a step of an even count the one before it is summed alone as soon as it lands. The
-update after the last micro-batch, all the next forward waits for, then reads 18 bytes per bf16
-parameter, where adding the last pair as it reads read 20: on session 40's H100 hosts that update
-ran at 0.207-0.211 ns a parameter against 0.227-0.230
-(bench/results/2026-12-06-h100-session40/call5/). In a step of two micro-batches (or of fp32
-gradients, where no loop adds one more to the sum) the update adds the last pair as it reads it,
-with the sum before it if any (``UnitShadow.last_pair``).
+Without clipping (``fuse_last_pair``) a paired unit's step that ends with a pair leaves the pair
+to the update, which adds it (and the sum before it, if any) as it reads (``UnitShadow.last_pair``):
+8 bytes per parameter fewer than writing the fp32 sum and reading it back. A step of an odd count
+(over 2) leaves its last 16-bit micro-batch to the update instead, which adds it to the sum as it
+reads them (``UnitShadow.last_alone``, its zone taken until then): 18 bytes read where summing it
+alone first and updating from the sum moved 10 + 16. An even count keeps the pair: leaving its
+last micro-batch alone too means summing the one before alone (10 bytes while the last runs) to
+save 2 in the update; on session 41's H100 host that plan's rehearsed steps took 1473 ms against
+1362 with the pair (bench/results/2026-12-06-h100-session41/call2/).
 """
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ class LandingZones:
     Args:
         shadows: all units' buffers, by unit index.
         kernel: the host kernel whose ``accumulate`` and ``accumulate_pair`` sum them.
-        fuse_last_pair: leave a paired unit's last micro-batch (of two, the pair) to the update
-            (not where anything else reads the step's gradient, e.g. clipping's norm or
-            re-application).
+        fuse_last_pair: leave a paired unit's last pair (of an odd count, its last micro-batch) to
+            the update (not where anything else reads the step's gradient, e.g. clipping's norm
+            or re-application).
         steps: micro-batches per optimizer step (``MemFerry(accumulation_steps=...)``).
     """
 
@@ -84,8 +84,7 @@ class LandingZones:
         elif final and self._leaves_last(s) and self._received[index] == self.steps - 1 and index not in self._pending:
             s.last_alone = zone  # the update adds it to the sum as it reads them; the zone stays taken
             return 0.0
-        elif (zone == 0 and not final and s.grad_stage2 is not None
-              and not (self._leaves_last(s) and self._received[index] == self.steps - 2)):
+        elif zone == 0 and not final and s.grad_stage2 is not None:
             if index in self._pending:
                 raise RuntimeError(f"unit {s.unit.name}: two gradients landed in its first zone without a pair")
             self._pending.add(index)  # summed with the next micro-batch's (zone 1); the zone stays taken
@@ -101,11 +100,11 @@ class LandingZones:
         return seconds
 
     def _leaves_last(self, s: UnitShadow) -> bool:
-        """Whether ``s``'s last micro-batch of a full step is left to the update, beside the sum
-        (a paired unit of 16-bit gradients, more than two micro-batches, no clipping); the one
-        before it is then summed alone."""
-        return (self.fuse_last_pair and self.steps > 2 and s.grad_stage2 is not None
-                and s.grad_stage.dtype != torch.float32)
+        """Whether ``s``'s last micro-batch of a full step is left alone to the update, beside
+        the sum (a paired unit of 16-bit gradients, an odd count over 2, no clipping): it would
+        otherwise be summed alone just before the update."""
+        return (self.fuse_last_pair and self.steps > 2 and self.steps % 2 == 1
+                and s.grad_stage2 is not None and s.grad_stage.dtype != torch.float32)
 
     def flush(self) -> tuple[list[int], float]:
         """The step ends before its last micro-batch: sum every first zone whose pair never came.
