@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .clip_norms import GlobalNormClip, PendingClip, clips
+from .clip_norms import GlobalNormClip, PendingClip
 from .config import AdamW
 from .data_parallel import DataParallel
 from .host_clock import ClockReadings, HostClock
@@ -40,15 +40,16 @@ from .host_kernel import make_host_kernel
 from .host_tasks import TaskBoard, deadline_of
 from .landing_zones import LandingZones
 from .shadow import UnitShadow
-from .speculative_clip import Backups, Held
+from .speculative_clip import ClipSpeculation
 from .split_update import SplitUpdates, updates_split
 
 __all__ = ["HostOptimizer"]
 
 
-class HostOptimizer(ClockReadings):
+class HostOptimizer(ClockReadings, ClipSpeculation):
     """A worker thread applying AdamW to units' host buffers (its clock's readings:
-    :class:`~.host_clock.ClockReadings`).
+    :class:`~.host_clock.ClockReadings`; its work under clipping:
+    :class:`~.speculative_clip.ClipSpeculation`).
 
     Args:
         cfg: optimizer settings.
@@ -95,25 +96,8 @@ class HostOptimizer(ClockReadings):
         self._board = TaskBoard(self._tasks, deadline_of([s.unit.is_block for s in shadows]) if by_deadline else None)
         self._paused: dict[int, tuple[Iterator[dict[str, float]], int, str]] = {}
         self._split = SplitUpdates(self.kernel, shadows, updates_split(cfg, dp is not None))  # split_update.py
-        # Clipping, worker side: this step's units in landing order; those waiting to be speculated;
-        # the one being speculated; how many units the last step had (the last to land is not speculated).
-        self._order: list[Held] = []
-        self._to_speculate: list[Held] = []
-        self._running: Held | None = None
-        self._expect: int | None = None
-        self._backups = (Backups(backup if backup is not None else torch.empty(0), twins=not self.kernel.binds_state)
-                         if cfg.speculative else None)
         self._lr = cfg.lr  # worker side: the rate the kernel applies now
-        #: speculative clipping, totals so far (worker side; read them with :meth:`clip_counts`):
-        #: ``steps`` finished with clipping on, ``rollback_steps`` among them that re-applied
-        #: updates from backups, ``speculated_units``, ``rolled_back_units``, ``held_units`` (no
-        #: backup room), ``direct_units`` (updated once the coefficient was known: the unit landing
-        #: last, or one whose speculation had not started), ``sure_units`` (among those, units not
-        #: speculated because the step's running norm already made it clip).
-        self.clip_stats = {"steps": 0, "rollback_steps": 0, "speculated_units": 0, "rolled_back_units": 0,
-                           "held_units": 0, "direct_units": 0, "sure_units": 0}
-        # This step's squared norm so far: the host's (per unit, summed exactly), the device's, whether it clips.
-        self._sq_terms, self._device_sq, self._sure = [], 0.0, False
+        self._start_clipping(backup)  # speculative_clip.ClipSpeculation
         self._error: BaseException | None = None
         #: seconds per phase, parameters updated, sums of earlier micro-batches (``host_clock.py``)
         self.clock = HostClock()
@@ -332,7 +316,7 @@ class HostOptimizer(ClockReadings):
 
     def _finalize(self, index: int) -> None:
         """The step's gradient of unit ``index`` is complete: update now, or hold it for the clip
-        (and queue it for a speculative update, unless it is the step's last expected)."""
+        (:meth:`~.speculative_clip.ClipSpeculation._hold`)."""
         s = self.shadows[index]
         self._zones.complete(index)
         self._split.finish(index, self.clock)  # the last step's second pass: this update reads its state
@@ -344,22 +328,7 @@ class HostOptimizer(ClockReadings):
                 pieces = self._split.first(index) if split else self.kernel.pieces(s, 1.0)
                 self._paused[index] = (pieces, s.step + 1, "copied" if split else "step")
             return
-        if self._clip is None or index not in self._clip.device_normed:
-            self._sq_terms.append(self.kernel.sqnorm(s.grad_source))
-        else:  # the device's running sum so far (landed with this gradient, after every earlier one)
-            self._device_sq = float(self._clip.partials[index])
-        max_norm = self._clip.max_norm if self._clip is not None else self.cfg.max_grad_norm  # suspended: inf
-        if not self._sure and clips(self._device_sq + math.fsum(self._sq_terms), max_norm):
-            self._sure = True  # whatever comes later: speculating now would only be re-applied
-            self.clip_stats["sure_units"] += len(self._to_speculate)
-            self._to_speculate.clear()
-        held = Held(index)
-        self._order.append(held)
-        if self._backups is not None and (self._expect is None or len(self._order) < self._expect):
-            if self._sure:
-                self.clip_stats["sure_units"] += 1
-            else:
-                self._to_speculate.append(held)
+        self._hold(index)
 
     def _background_piece(self) -> None:
         """A piece of work nothing landed waits for: a speculative update, else a second pass."""
@@ -367,37 +336,6 @@ class HostOptimizer(ClockReadings):
             self._speculate_piece()
         else:
             self._split.piece(self.clock)
-
-    def _speculate_piece(self) -> None:
-        """One piece of a speculative update: start the next queued unit's if none is under way
-        (taking backup room, or leaving the unit held where there is none; a split unit's first
-        pass changes no state, so it needs none)."""
-        if self._running is None:  # in landing order, or the unit the next forward needs first
-            deadline, waiting = self._board.deadline, self._to_speculate
-            held = waiting.pop(0 if deadline is None
-                               else min(range(len(waiting)), key=lambda k: deadline(waiting[k].index)))
-            s = self.shadows[held.index]
-            if self._split.splits(held.index):
-                held.lr, held.pieces = self._lr, self._split.first(held.index)
-            else:
-                room = self._backups.reserve(s)
-                if room is None:
-                    held.no_room = True
-                    self.clip_stats["held_units"] += 1
-                    return
-                held.old, where = self._backups.begin(s, room)
-                held.lr, held.pieces = self._lr, self.kernel.pieces(s, 1.0, **where)
-            self._running = held
-            self.clip_stats["speculated_units"] += 1
-        held = self._running
-        s = self.shadows[held.index]
-        with torch.profiler.record_function(f"optimizer:host speculative {s.unit.name}"):
-            times = next(held.pieces, None)
-        if times is None:
-            held.pieces, self._running = None, None
-            self._count(held.index, {}, done=True)
-            return
-        self._count(held.index, times, done=False)
 
     def _resume(self, index: int) -> None:
         """One piece of unit ``index``'s paused update; publish it after the last."""
@@ -416,57 +354,6 @@ class HostOptimizer(ClockReadings):
     def _count(self, index: int, times: dict[str, float], done: bool) -> None:
         """Add a piece's seconds per phase; ``done``: unit ``index``'s update is complete."""
         self.clock.count(index, times, done, self.shadows[index].master.numel())
-
-    def _finish_running(self) -> None:
-        """Complete the speculative update under way, if any."""
-        while self._running is not None:
-            self._speculate_piece()
-
-    def _resolve(self, coef: float | PendingClip) -> None:
-        """The clip coefficient is known (or about to be: a ``PendingClip`` is waited for): keep
-        speculative updates that used coefficient 1 and the current rate, re-apply the others from
-        their backups, and update the rest once (exactly what ``clip_mode="wait"`` computes), in
-        the order the next forward needs them: ``rest`` first with deadlines (re-applied last, it
-        held the forward until all were done), else (and under data parallelism) by index."""
-        if isinstance(coef, PendingClip):
-            coef = coef.coef()
-        self._finish_running()
-        self._to_speculate.clear()
-        rolled, need = 0, self._board.deadline
-        for held in sorted(self._order, key=lambda h: need(h.index) if need else h.index):
-            s = self.shadows[held.index]
-            if self._split.splits(held.index):
-                rolled += self._resolve_split(held, coef)
-            elif held.lr is None:
-                self.clip_stats["direct_units"] += int(self._backups is not None and not held.no_room)
-                self._update(held.index, coef)
-            elif coef == 1.0 and held.lr == self._lr:
-                self._publish(held.index)
-            else:  # re-apply in one sweep, from the old values
-                s.step -= 1
-                self.kernel.sync_step(s)
-                rolled += 1
-                self._update(held.index, coef, source=held.old)
-            if held.old is not None:
-                self._backups.release(s, held.old)
-        self._expect = len(self._order)
-        self._order, self._sq_terms, self._device_sq, self._sure = [], [], 0.0, False
-        self.clip_stats["steps"] += 1
-        self.clip_stats["rollback_steps"] += int(rolled > 0)
-        self.clip_stats["rolled_back_units"] += rolled
-
-    def _resolve_split(self, held: Held, coef: float) -> int:
-        """A split unit's update, as :meth:`_resolve`'s for the others but with nothing to restore
-        (a first pass changes no state); its second pass queued. Returns 1 if it was made again."""
-        index = held.index
-        redo = held.lr is not None and not (coef == 1.0 and held.lr == self._lr)
-        if held.lr is None or redo:
-            self.clip_stats["direct_units"] += int(held.lr is None and self._backups is not None)
-            with torch.profiler.record_function(f"optimizer:host {self.shadows[index].unit.name}"):
-                self._count(index, self._split.copy_now(index, coef), done=True)
-        self._publish(index)
-        self._split.queue(index)
-        return int(redo)
 
     def _fail(self, exc: BaseException) -> None:
         """Keep ``exc`` for the training thread (``_raise_if_failed``) and release every waiter."""
