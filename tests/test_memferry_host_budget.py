@@ -8,7 +8,7 @@ import pytest
 
 from strategies.memferry.config import Plan, UnitPlan
 from strategies.memferry.cost import Links, links_from_probe, option_cost, predict
-from strategies.memferry.host_budget import HostBudget, MIN_SHARE, host_budget, update_bytes
+from strategies.memferry.host_budget import HostBudget, MIN_SHARE, host_budget, rest_terms, update_bytes
 from strategies.memferry.profiler import BlockProfile, StepProfile
 from strategies.memferry.scheduler import schedule
 
@@ -69,6 +69,15 @@ def test_update_bytes_count_what_the_host_optimizer_moves():
     assert (clipped.kernel, clipped.deferred, clipped.backup) == (30 - 12 + 4, 28, 0)
     assert update_bytes(4, 8, paired=True, split=True).deferred == 0  # an fp32 master is the copy
     assert update_bytes(2, 1, split=True).deferred == 0  # no accumulation: nothing to wait for
+    # the sum that starts in the last earlier micro-batch (one micro-batch's compute to finish in):
+    # an odd count's last pair (the first pair of 3: 4 + 2g; later ones 8 + 2g), with or without
+    # clipping; none where the last earlier micro-batch waits for the last (an even count's pair)
+    tail = {(n, clip): update_bytes(2, n, clip, paired=True).accumulate_tail for n in (2, 3, 4, 5, 8) for clip in ("", "wait")}
+    assert tail == {(2, ""): 0, (3, ""): 8, (4, ""): 0, (5, ""): 12, (8, ""): 0,
+                    (2, "wait"): 0, (3, "wait"): 8, (4, "wait"): 0, (5, "wait"): 12, (8, "wait"): 0}
+    # one by one, the one before the last (copied 4 + g where it is the first, else added 8 + g)
+    assert [update_bytes(2, n).accumulate_tail for n in (2, 4)] == [6, 10]
+    assert update_bytes(2, 5, device_sum=True, paired=True).accumulate_tail == 0
 
 
 def test_a_split_updates_second_pass_is_priced_with_the_earlier_micro_batches():
@@ -200,3 +209,27 @@ def test_the_probe_s_host_section_is_cached_and_read_into_links(cpu_backend, tmp
     assert "host" not in run_probe(cpu_backend, dataclasses.replace(small, host_nbytes=0))
     with pytest.raises(ValueError, match="nbytes >= 4"):
         measure_host(cpu_backend, 0)
+
+
+def test_sums_that_overrun_the_last_earlier_micro_batch_delay_the_updates():
+    """Accumulation 3 sums its first pair while the second micro-batch's backward and the third's
+    forward run: on a slow host that overruns them, and the updates of the last micro-batch
+    start that much later (``earlier_spill_s``); an even count's last earlier pair has two
+    micro-batches, and a fast host's pair fits in one."""
+    plan = Plan.from_spec("prefetch", L)
+
+    def spill(B: float, n: int) -> tuple[float, float]:
+        prof = profile(B, accumulation_steps=n)
+        pred = predict(plan, prof, links(B))
+        tails = sum(option_cost(prof, links(B), i, u).h_tail for i, u in enumerate(plan.units))
+        tails += rest_terms(prof, host_budget(prof, links(B)), plan.rest_optimizer == "host").tail
+        one = pred.parts["earlier_micro_batches_s"] / (n - 1)
+        return pred.parts["earlier_spill_s"], tails - one
+
+    slow, expected = spill(2.0, 3)
+    assert expected > 0 and slow == pytest.approx(expected, rel=1e-12)
+    assert spill(2.0, 4)[0] == 0.0  # the pair (1, 2) has the 3rd micro-batch too; (3, 4) goes to the update
+    assert spill(2000.0, 3)[0] == 0.0
+    prof = profile(2.0, accumulation_steps=3)
+    pred = predict(plan, prof, links(2.0))
+    assert pred.step_s >= pred.parts["host optimizer"] > slow

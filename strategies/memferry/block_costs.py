@@ -32,7 +32,8 @@ class OptionCost:
     a stale host-homed resident block; ``x``: forward copy (overlaps the previous block);
     ``b``: backward (recompute + backward + device AdamW); ``y``: backward copy (overlaps the
     next-later block's backward); ``d``: gradient copy to the host; ``h``: host AdamW once
-    the last gradient landed; ``h_acc``: host work of earlier micro-batches; ``hm``: the
+    the last gradient landed; ``h_acc``: host work of earlier micro-batches, ``h_tail`` the part
+    of it that starts in the last earlier one (``host_budget.HostTerms.tail``); ``hm``: the
     block's host-memory seconds per step (``host_budget``); ``a0``, ``b0``, ``y0``: ``a``,
     ``b`` without the device AdamW and ``y``, as an earlier micro-batch of an accumulated step
     runs them (0 without accumulation; such a micro-batch reloads no resident block, ``r``: its
@@ -64,6 +65,7 @@ class OptionCost:
     dha_fwd: bool
     h_acc: float = 0.0
     hm: float = 0.0
+    h_tail: float = 0.0
     a0: float = 0.0
     b0: float = 0.0
     y0: float = 0.0
@@ -205,7 +207,7 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
         off_out, off_in = blk.act_bytes / d2h, blk.act_bytes / h2d
     y = (w / h2d if unit.backward == "prefetch" and not kept else 0.0) + off_in
     d = (device_sum_bytes(blk.numel) if summed else grad_bytes) / d2h if host else 0.0
-    h, h_acc, hm = unit_terms(profile, host_budget(profile, links), blk.numel, host,
+    h, h_acc, hm, h_tail = unit_terms(profile, host_budget(profile, links), blk.numel, host,
                               link_bytes(unit, w, grad_bytes, blk.act_bytes, kept, host), max(b, y, d), summed,
                               sums_in_pairs(unit, profile.data_parallel),
                               not norm_on_device(unit, profile.accumulation_steps, profile.data_parallel))
@@ -237,6 +239,7 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
         prefetch_fwd=unit.forward == "prefetch",
         dha_fwd=unit.forward == "dha",
         h_acc=h_acc,
+        h_tail=h_tail,
         hm=hm,
         a0=max(a, off_out) if accumulated else 0.0,
         # an earlier micro-batch sends a host-summing block's gradients home: the issuing thread's time

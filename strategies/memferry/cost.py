@@ -62,7 +62,11 @@ prefetched one it is an upper bound.) ``M``
 byte weighted by what it costs host memory) over the host's bandwidth: the host worker and
 every PCIe transfer share one DRAM (``host_budget.py``). Under gradient accumulation the
 ``n - 1`` micro-batches before the last add their forward and backward to ``C`` and to the
-host terms (no updates, no reloads of ``rest``). This closed
+host terms (no updates, no reloads of ``rest``). Their host sums count in ``M``, and are taken
+as done by the time the updates want the host, but for those that start in the last earlier
+micro-batch (an odd count's last pair: ``OptionCost.h_tail``): what they take beyond that
+micro-batch's compute delays the host chain (``earlier_spill_s``; a backlog carried from sums
+further back is not counted). This closed
 form is what :func:`predict` evaluates, with the exact recurrence the scheduler's dynamic
 program uses (:func:`advance`, :func:`finish`), so the scheduler is optimal for this model.
 
@@ -174,6 +178,9 @@ class State:
             when that block is processed; -inf while no block is offloaded.
         nslot: prefetch slots the processed blocks can hold at once: how many of them are
             prefetched, at most ``depth + 1`` (the one in use and the ``depth`` loads ahead of it).
+        tail: host seconds of the processed blocks' sums that start in a step's last earlier
+            micro-batch (``OptionCost.h_tail``): what of them overruns that micro-batch delays
+            the updates (:func:`finish`).
     """
 
     phi: float
@@ -189,11 +196,12 @@ class State:
     r: int = 0
     pend: float = _NEG
     nslot: int = 0
+    tail: float = 0.0
 
     def key(self) -> tuple[float, ...]:
         """The components, for dominance checks."""
         return (self.phi, self.psi, self.late, self.m, *self.pending, float(self.mem), float(self.excess),
-                float(self.slot), self.hm, self.psi0, float(self.r), self.pend, float(self.nslot))
+                float(self.slot), self.hm, self.psi0, float(self.r), self.pend, float(self.nslot), self.tail)
 
     @classmethod
     def from_key(cls, key: Sequence[float], prefetch_depth: int) -> "State":
@@ -201,17 +209,17 @@ class State:
         k = SCALARS + prefetch_depth
         return cls(float(key[0]), float(key[1]), float(key[2]), float(key[3]), tuple(float(x) for x in key[SCALARS:k]),
                    int(key[k]), int(key[k + 1]), int(key[k + 2]), float(key[k + 3]), float(key[k + 4]), int(key[k + 5]),
-                   float(key[k + 6]), int(key[k + 7]))
+                   float(key[k + 6]), int(key[k + 7]), float(key[k + 8]))
 
 
 #: Columns of :meth:`State.key` before ``pending`` (phi, psi, late, m); mem, excess, slot, hm,
-#: psi0, r, pend and nslot follow it.
+#: psi0, r, pend, nslot and tail follow it.
 SCALARS = 4
 
 
 def initial_state(prefetch_depth: int) -> State:
     """Nothing processed yet."""
-    return State(0.0, 0.0, _NEG, _NEG, (_NEG,) * prefetch_depth, 0, 0, 0, 0.0, 0.0, 0, _NEG)
+    return State(0.0, 0.0, _NEG, _NEG, (_NEG,) * prefetch_depth, 0, 0, 0, 0.0, 0.0, 0, _NEG, 0, 0.0)
 
 
 def advance(state: State, cur: OptionCost, nxt: OptionCost | None) -> State:
@@ -223,8 +231,8 @@ def advance(state: State, cur: OptionCost, nxt: OptionCost | None) -> State:
 def advance_rows(rows: np.ndarray, cur: OptionCost, nxt: OptionCost | None) -> np.ndarray:
     """:func:`advance` on many states at once, one :meth:`State.key` per row (the scheduler's
     partial plans); float64 arithmetic in the same order, so the result is the same to the bit."""
-    depth = rows.shape[1] - SCALARS - 8
-    k = SCALARS + depth  # where mem, excess, slot, hm, psi0, r, pend, nslot start
+    depth = rows.shape[1] - SCALARS - 9
+    k = SCALARS + depth  # where mem, excess, slot, hm, psi0, r, pend, nslot, tail start
     out = np.empty_like(rows)
     phi = rows[:, 0] + max(cur.a + cur.r, nxt.x if nxt is not None else 0.0)
     # psi gains block s+1's slot: its backward, or the copy of block s it overlaps.
@@ -258,6 +266,7 @@ def advance_rows(rows: np.ndarray, cur: OptionCost, nxt: OptionCost | None) -> n
     fwd0 = max(cur.a0, nxt.x if nxt is not None else 0.0) if cur.a0 else 0.0
     out[:, k + 4] = rows[:, k + 4] + (max(nxt.b0, cur.y0) if nxt is not None else cur.y0) + fwd0
     out[:, k + 7] = slot_count(rows[:, k + 7], cur, depth)
+    out[:, k + 8] = rows[:, k + 8] + cur.h_tail
     return out
 
 
@@ -315,13 +324,19 @@ def finish(state: State, first: OptionCost, profile: "StepProfile", links: Links
     u_rest = 0.0 if rest_host else profile.rest_numel * profile.device_adamw_s_per_param
     # Accumulation: the micro-batches before the last run without updates or reloads (of rest or
     # of resident blocks: their host copies change only at the update), psi0's chains.
-    earlier = (max(1, profile.accumulation_steps) - 1) * (first.x + t_rest + state.psi0 + first.b0)
+    one = first.x + t_rest + state.psi0 + first.b0  # an earlier micro-batch
+    earlier = (max(1, profile.accumulation_steps) - 1) * one
     compute = pre + state.phi + t_rest + psi + u_rest + earlier
     terms = {"compute": compute}
     # Units released at begin_forward (the first loads, and rest) delay the whole forward.
     late = max(state.late, pre + state.phi + max(state.pending))
     budget = host_budget(profile, links)
-    h_rest, _, hm_rest = rest_terms(profile, budget, rest_host)
+    h_rest, _, hm_rest, tail_rest = rest_terms(profile, budget, rest_host)
+    # The sums that start in the last earlier micro-batch have its compute to finish in; what
+    # they overrun holds the host when the updates want it (session 41's 18 B form moved one
+    # there and lost, where the model had counted it hidden).
+    # (Not in a step whose clip fires: its updates wait for the coefficient, after backward.)
+    spill = max(0.0, state.tail + tail_rest - one) if profile.accumulation_steps > 1 and fired_at is None else 0.0
     if rest_host:  # lands last (behind block 0's gradient on the d2h stream) and is due first
         land = max(psi + first.d + profile.rest_numel * profile.dtype_bytes / d2h, fired_at or 0.0)
         if first.by_deadline:  # it goes at once, and delays every block's update
@@ -329,7 +344,7 @@ def finish(state: State, first: OptionCost, profile: "StepProfile", links: Links
         else:  # it goes after every block's
             late = max(late, pre + state.phi + max(land, state.m) + h_rest)
     if late > _NEG:
-        terms["host optimizer"] = earlier + t_rest + late
+        terms["host optimizer"] = earlier + t_rest + late + spill
     if budget is not None:  # every host byte of the step, copies included, through one bandwidth
         terms["host memory"] = state.hm + hm_rest
     bound, step = max(terms.items(), key=lambda kv: kv[1])
@@ -337,7 +352,7 @@ def finish(state: State, first: OptionCost, profile: "StepProfile", links: Links
                          state.nslot))
     return Prediction(step, int(raw * (1 + margin)), compute, 0.0, bound.split(" (")[0],
                       {**terms, "raw_peak_bytes": float(raw), "rest_s": t_rest, "forward_s": pre + state.phi,
-                       "backward_s": psi, "earlier_micro_batches_s": earlier})
+                       "backward_s": psi, "earlier_micro_batches_s": earlier, "earlier_spill_s": spill})
 
 
 def predict_options(opts: Sequence[OptionCost], profile: "StepProfile", links: Links, rest_optimizer: str,
@@ -388,7 +403,7 @@ def predict(plan: Plan, profile: "StepProfile", links: Links, margin: float = 0.
     """
     opts = _plan_options(plan, profile, links)
     pred = predict_options(opts, profile, links, plan.rest_optimizer, plan.prefetch_depth, margin)
-    h_rest, acc_rest, _ = rest_terms(profile, host_budget(profile, links), plan.rest_optimizer == "host")
+    h_rest, acc_rest, _, _ = rest_terms(profile, host_budget(profile, links), plan.rest_optimizer == "host")
     pred.host_optimizer_s = sum(o.h + o.h_acc for o in opts) + h_rest + acc_rest
     pred.parts["host_earlier_s"] = sum(o.h_acc for o in opts) + acc_rest  # within host_optimizer_s
     return pred

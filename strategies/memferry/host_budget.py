@@ -49,7 +49,7 @@ model: updates at their measured in-step rate, no host-memory term.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from .config import UnitPlan
 
@@ -57,8 +57,8 @@ if TYPE_CHECKING:
     from .links import Links
     from .profiler import StepProfile
 
-__all__ = ["UpdateBytes", "update_bytes", "HostBudget", "host_budget", "link_bytes", "unit_terms", "rest_terms",
-           "MIN_SHARE"]
+__all__ = ["UpdateBytes", "update_bytes", "HostBudget", "host_budget", "link_bytes", "HostTerms", "unit_terms",
+           "rest_terms", "MIN_SHARE"]
 
 #: fp32 master, exp_avg and exp_avg_sq, each read and written by the update.
 STATE_BYTES = 24
@@ -85,6 +85,9 @@ class UpdateBytes:
         norm: clipping's read of the gradient for its norm.
         deferred: a split update's second pass, done during the next step's earlier
             micro-batches (kernel bytes).
+        accumulate_tail: among ``accumulate_earlier``, the sum that starts in the step's last
+            earlier micro-batch (it lands there): it has that micro-batch's compute, not two, to
+            finish in before the updates want the host (``cost.finish`` counts what it overruns).
     """
 
     kernel: int
@@ -93,6 +96,7 @@ class UpdateBytes:
     backup: int = 0
     norm: int = 0
     deferred: int = 0
+    accumulate_tail: int = 0
 
     @property
     def final(self) -> int:
@@ -124,24 +128,28 @@ def update_bytes(dtype_bytes: int, accumulation_steps: int = 1, clip_mode: str =
     kernel = STATE_BYTES + grad_read + (g if g != ACC_BYTES else 0)  # an fp32 master is the working copy
     add = 2 * ACC_BYTES + g
     host_sum = n > 1 and not device_sum
+    tail = 0  # the sum landing in the last earlier micro-batch: an odd count's last pair, or the one before the last
     if host_sum and paired and not clip_mode and n > 2 and n % 2 and g != ACC_BYTES:  # the update adds the last one
         final, earlier, kernel = 0, (ACC_BYTES + 2 * g) + (n // 2 - 1) * (add + g), kernel + g  # the pairs before it
+        tail = ACC_BYTES + 2 * g if n == 3 else add + g
     elif host_sum and paired:
         pairs, lone = divmod(n, 2)
         total = (ACC_BYTES + 2 * g) + (pairs - 1) * (add + g) + lone * add
         final = add if lone else (ACC_BYTES + 2 * g if pairs == 1 else add + g)
         earlier = total - final
+        tail = (ACC_BYTES + 2 * g if pairs == 1 else add + g) if lone and pairs else 0
         if not lone and not clip_mode:  # the update adds the last pair (and the sum before it) as it reads
             kernel += 2 * g - (0 if pairs > 1 else ACC_BYTES)  # no fp32 sum to read when the pair is all
             final = 0
     else:
         final, earlier = (add, (ACC_BYTES + g) + (n - 2) * add) if host_sum else (0, 0)
+        tail = (ACC_BYTES + g if n == 2 else add) if host_sum else 0
     deferred = 0
     if split and n > 1 and g != ACC_BYTES:  # the master and moments written later
         kernel, deferred = kernel - STATE_BYTES // 2 + ACC_BYTES, ACC_BYTES + STATE_BYTES
     return UpdateBytes(kernel, final, earlier,
                        BACKUP_BYTES if clip_mode == "speculative" and g == ACC_BYTES else 0,
-                       grad_read if clip_mode and host_norm else 0, deferred)
+                       grad_read if clip_mode and host_norm else 0, deferred, tail)
 
 
 @dataclass(frozen=True)
@@ -228,11 +236,27 @@ def link_bytes(unit: UnitPlan, param_bytes: int, grad_bytes: int, act_bytes: int
     return fwd, bwd, w if unit.forward == "resident" and host else 0
 
 
+class HostTerms(NamedTuple):
+    """One unit's host work per step, in seconds (:func:`unit_terms`).
+
+    Attributes:
+        update: its update, in the worker's chain once its last gradient has landed.
+        earlier: summing its earlier micro-batches, while they run.
+        memory: its host-memory seconds of the step, copies included.
+        tail: among ``earlier``, the sum that starts in the last earlier micro-batch
+            (``UpdateBytes.accumulate_tail``).
+    """
+
+    update: float
+    earlier: float
+    memory: float
+    tail: float = 0.0
+
+
 def unit_terms(profile: "StepProfile", budget: HostBudget | None, numel: int, host: bool, links: tuple[int, int, int],
                backward_s: float, device_sum: bool = False, paired: bool = False,
-               host_norm: bool = True) -> tuple[float, float, float]:
-    """(host update in the worker's chain, host work of earlier micro-batches, host-memory
-    seconds of the step) of one block, all seconds; ``links`` from :func:`link_bytes`,
+               host_norm: bool = True) -> HostTerms:
+    """The :class:`HostTerms` of one block; ``links`` from :func:`link_bytes`,
     ``backward_s`` its backward slot. Its update runs beside its own backward's copies
     (:meth:`HostBudget.beside`), a stand-in for those of the blocks whose backward it overlaps;
     each earlier micro-batch's accumulation beside that micro-batch's. ``device_sum``: the
@@ -240,29 +264,31 @@ def unit_terms(profile: "StepProfile", budget: HostBudget | None, numel: int, ho
     the last micro-batch's copies; ``paired``: the host sums them two at a time; ``host_norm``:
     with clipping, the host reads its gradient for the norm (:func:`update_bytes`)."""
     if budget is None:
-        return (numel * profile.host_adamw_s_per_param * profile.host_update_scale if host else 0.0), 0.0, 0.0
+        return HostTerms(numel * profile.host_adamw_s_per_param * profile.host_update_scale if host else 0.0, 0.0, 0.0)
     fwd, bwd, once = links
     n = max(1, profile.accumulation_steps)
     summed = ACC_BYTES * numel if host and device_sum else 0
     link = n * (fwd + bwd) + once + summed
-    final = earlier = 0.0
+    final = earlier = tail = 0.0
     if host:
         clip = profile.clip_mode if getattr(profile, "clipping", False) else ""
-        final, earlier = budget.work(numel, update_bytes(profile.dtype_bytes, n, clip, device_sum, paired, host_norm,
-                                                         getattr(profile, "split_update", False)))
+        ub = update_bytes(profile.dtype_bytes, n, clip, device_sum, paired, host_norm,
+                          getattr(profile, "split_update", False))
+        final, earlier = budget.work(numel, ub)
+        tail = numel * ub.accumulate_tail * budget.earlier_scale
     acc = (n - 1) * budget.beside(earlier / (n - 1), bwd, backward_s) if n > 1 else 0.0
-    return (budget.beside(final, bwd + summed, backward_s), acc,
-            budget.seconds(final + earlier + budget.copy_weight * link))
+    return HostTerms(budget.beside(final, bwd + summed, backward_s), acc,
+                     budget.seconds(final + earlier + budget.copy_weight * link), budget.beside(tail, bwd, backward_s))
 
 
-def rest_terms(profile: "StepProfile", budget: HostBudget | None, rest_host: bool) -> tuple[float, float, float]:
+def rest_terms(profile: "StepProfile", budget: HostBudget | None, rest_host: bool) -> HostTerms:
     """:func:`unit_terms` of ``rest`` (embeddings, head): when host-homed, reloaded once per step
     and its gradients sent home every micro-batch; its update runs after backward, beside no
     copies of its own."""
     if not rest_host:
-        return 0.0, 0.0, 0.0
+        return HostTerms(0.0, 0.0, 0.0)
     if budget is None:
-        return profile.rest_numel * profile.host_adamw_s_per_param * profile.host_update_scale, 0.0, 0.0
+        return HostTerms(profile.rest_numel * profile.host_adamw_s_per_param * profile.host_update_scale, 0.0, 0.0)
     links = (0, profile.rest_numel * profile.dtype_bytes, profile.rest_param_bytes)
     one = profile.accumulation_steps <= 1  # the rest unit sums on the host: its norm is the device's only then
     return unit_terms(profile, budget, profile.rest_numel, True, links, 0.0,

@@ -151,7 +151,7 @@ def _run_dp(profile: "StepProfile", links: Links, budget: float, choices: Sequen
     t_rest = profile.rest_fwd_s + profile.rest_bwd_s
     pre_min = profile.rest_param_bytes / (links.h2d_GBps * 1e9) if rest_host else 0.0
     u_rest = 0.0 if rest_host else profile.rest_numel * profile.device_adamw_s_per_param
-    h_rest, _, hm_rest = rest_terms(profile, host_budget(profile, links), rest_host)
+    h_rest, _, hm_rest, _ = rest_terms(profile, host_budget(profile, links), rest_host)
 
     def lower_bound(st: np.ndarray, s: int) -> np.ndarray:
         """Step times no completion of these partial plans (state rows; blocks s..N-1 chosen) can beat."""
