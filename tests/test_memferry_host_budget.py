@@ -72,7 +72,8 @@ def test_update_bytes_count_what_the_host_optimizer_moves():
     # the sum that starts in the last earlier micro-batch (one micro-batch's compute to finish in):
     # an odd count's last pair (the first pair of 3: 4 + 2g; later ones 8 + 2g), with or without
     # clipping; none where the last earlier micro-batch waits for the last (an even count's pair)
-    tail = {(n, clip): update_bytes(2, n, clip, paired=True).accumulate_tail for n in (2, 3, 4, 5, 8) for clip in ("", "wait")}
+    tail = {(n, clip): update_bytes(2, n, clip, paired=True).accumulate_tail
+            for n in (2, 3, 4, 5, 8) for clip in ("", "wait")}
     assert tail == {(2, ""): 0, (3, ""): 8, (4, ""): 0, (5, ""): 12, (8, ""): 0,
                     (2, "wait"): 0, (3, "wait"): 8, (4, "wait"): 0, (5, "wait"): 12, (8, "wait"): 0}
     # one by one, the one before the last (copied 4 + g where it is the first, else added 8 + g)

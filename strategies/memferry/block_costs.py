@@ -208,9 +208,9 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
     y = (w / h2d if unit.backward == "prefetch" and not kept else 0.0) + off_in
     d = (device_sum_bytes(blk.numel) if summed else grad_bytes) / d2h if host else 0.0
     h, h_acc, hm, h_tail = unit_terms(profile, host_budget(profile, links), blk.numel, host,
-                              link_bytes(unit, w, grad_bytes, blk.act_bytes, kept, host), max(b, y, d), summed,
-                              sums_in_pairs(unit, profile.data_parallel),
-                              not norm_on_device(unit, profile.accumulation_steps, profile.data_parallel))
+                                      link_bytes(unit, w, grad_bytes, blk.act_bytes, kept, host), max(b, y, d), summed,
+                                      sums_in_pairs(unit, profile.data_parallel),
+                                      not norm_on_device(unit, profile.accumulation_steps, profile.data_parallel))
     accumulated = profile.accumulation_steps > 1
     return OptionCost(
         a=max(a, off_out),

@@ -333,9 +333,9 @@ def finish(state: State, first: OptionCost, profile: "StepProfile", links: Links
     budget = host_budget(profile, links)
     h_rest, _, hm_rest, tail_rest = rest_terms(profile, budget, rest_host)
     # The sums that start in the last earlier micro-batch have its compute to finish in; what
-    # they overrun holds the host when the updates want it (session 41's 18 B form moved one
-    # there and lost, where the model had counted it hidden).
-    # (Not in a step whose clip fires: its updates wait for the coefficient, after backward.)
+    # they overrun holds the host when the updates want it (session 40's 18 B form moved one
+    # there and lost in session 41's rehearsals, where the model had counted it hidden). Not in
+    # a step whose clip fires: its updates wait for the coefficient, after backward.
     spill = max(0.0, state.tail + tail_rest - one) if profile.accumulation_steps > 1 and fired_at is None else 0.0
     if rest_host:  # lands last (behind block 0's gradient on the d2h stream) and is due first
         land = max(psi + first.d + profile.rest_numel * profile.dtype_bytes / d2h, fired_at or 0.0)
