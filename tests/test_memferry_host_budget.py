@@ -234,3 +234,7 @@ def test_sums_that_overrun_the_last_earlier_micro_batch_delay_the_updates():
     prof = profile(2.0, accumulation_steps=3)
     pred = predict(plan, prof, links(2.0))
     assert pred.step_s >= pred.parts["host optimizer"] > slow
+    # the plan's notes say it, where the search's plan has such sums (a budget that keeps blocks home)
+    searched = schedule(prof, links(2.0), 0.31e9)
+    said = next(n for n in searched.notes if n.startswith("predicted:"))
+    assert "the sums starting in the last earlier micro-batch overrun it by" in said

@@ -400,8 +400,11 @@ def _host_line(pred: Prediction, profile: "StepProfile", links: Links) -> str:
     hb = host_budget(profile, links)
     if hb is None:
         return f"; host AdamW {profile.host_adamw_s_per_param * 1e9:.3f} ns/param as profiled (no host-memory model)"
+    spill = pred.parts.get("earlier_spill_s", 0.0)
     return (f"; host memory {hb.bandwidth_GBps:.1f} GB/s, AdamW bytes weigh {hb.kernel_weight:.2f}, a link byte "
-            f"{hb.copy_weight:.2f} ({hb.source}): {pred.parts.get('host memory', 0.0) * 1e3:.1f} ms of it per step")
+            f"{hb.copy_weight:.2f} ({hb.source}): {pred.parts.get('host memory', 0.0) * 1e3:.1f} ms of it per step"
+            + (f"; the sums starting in the last earlier micro-batch overrun it by {spill * 1e3:.1f} ms, which the "
+               "updates wait for" if spill > 0 else ""))
 
 
 def _loss_hint(profile: "StepProfile", need: int, margin: float) -> str:
