@@ -40,6 +40,7 @@ from .compute_dtype import cast_parameters, check_compute_dtype, restore_paramet
 from .config import AdamW, Plan, UnitPlan
 from .data_parallel import DataParallel
 from .device_optimizer import DeviceOptimizer
+from .engine_readings import EngineReadings
 from .executor import Executor
 from .plan_check import check_budget, check_plan
 from .hf_models import model_loss, no_kv_cache
@@ -56,12 +57,11 @@ __all__ = ["MemFerry"]
 _log = logging.getLogger("xpu.memferry")
 
 #: After this many steps the engine compares its host AdamW rate with the plan's (the first
-#: steps' updates are done by then), and warns when they differ by more than this factor.
+#: steps' updates are done by then: ``EngineReadings._check_host_rate``).
 _RATE_CHECK_STEP = 4
-_RATE_TOLERANCE = 1.25
 
 
-class MemFerry:
+class MemFerry(EngineReadings):
     """Train ``model`` with its parameters homed in host memory.
 
     Args:
@@ -367,50 +367,6 @@ class MemFerry:
         """The host's part of the squared global norm (its gradients' squares; every rank's)."""
         sq = self.optimizer.grad_sqnorm()  # this rank's shards only, under data parallelism
         return self.dp.all_sum(sq) if self.dp is not None else sq
-
-    @property
-    def last_grad_norm(self) -> float | None:
-        """The last step's global gradient norm before clipping (None: no step yet, or no
-        clipping, which measures no norm); may wait for the step's backward to end."""
-        return self.clip.last_norm if self.clip is not None else None
-
-    @property
-    def clipped_steps(self) -> int:
-        """Steps whose clip coefficient was below 1 (clipping fired)."""
-        return self.clip.clipped_steps if self.clip is not None else 0
-
-    def clip_stats(self) -> dict[str, int]:
-        """Clipping so far: ``clipped_steps`` (coefficient below 1), and from the host optimizer
-        (see ``AdamW.clip_mode``) ``steps``, ``rollback_steps`` (steps whose speculative updates
-        were restored and re-applied: the clipped ones, plus any whose learning rate changed
-        between backward and :meth:`step`), ``speculated_units``, ``rolled_back_units`` and
-        ``held_units`` (no backup room: they waited). Waits for queued host work."""
-        return {"clipped_steps": self.clipped_steps, **self.optimizer.clip_counts()}
-
-    @property
-    def grad_norm_history(self) -> list[tuple[float, float]]:
-        """``(global norm before clipping, clip coefficient)`` of each step so far, oldest first
-        (empty without clipping; the rehearsal's are forgotten). Waits for the last step's."""
-        return self.clip.history if self.clip is not None else []
-
-    def host_rate(self) -> tuple[float | None, float | None]:
-        """``(measured, planned)`` host AdamW seconds per parameter: what this engine's updates
-        took so far, and what the scheduler's profile assumed (None without ``plan="auto"``)."""
-        return self.optimizer.measured_s_per_param(), self.plan.host_s_per_param
-
-    def _check_host_rate(self) -> None:
-        """Say once, after a few steps, when the host optimizer runs far from the rate the plan
-        assumed: the predicted step time is then off by about that much of the host's share."""
-        measured, planned = self.host_rate()
-        if measured is None or not planned:
-            return
-        ratio = measured / planned
-        if not 1 / _RATE_TOLERANCE <= ratio <= _RATE_TOLERANCE:
-            _log.warning("MemFerry: the host optimizer ran at %.3f ns per parameter over the first steps, %.2fx the "
-                         "%.3f ns the scheduler's profile measured; the plan's predicted step (%s) is %s for the "
-                         "host-updated units", measured * 1e9, ratio, planned * 1e9,
-                         f"{self.plan.predicted_step_s * 1e3:.1f} ms" if self.plan.predicted_step_s else "none",
-                         "optimistic" if ratio > 1 else "pessimistic")
 
     def train_step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
         """Forward, backward and step; returns the loss (detached, still on the device)."""
