@@ -1,5 +1,5 @@
-"""Two of the code rules in the developers' guide, checked: no Python file over 500 lines, and
-none with a pyflakes error (an undefined or unused name, an import shadowed: ``ruff --select F``)."""
+"""Two of the code rules in the developers' guide, checked: no source file (Python, C) over 500
+lines, and no Python file with a pyflakes error (an undefined or unused name, an import shadowed: ``ruff --select F``)."""
 from __future__ import annotations
 
 import shutil
@@ -13,17 +13,18 @@ ROOT = Path(__file__).resolve().parent.parent
 MAX_LINES = 500
 
 
-def _sources() -> list[Path]:
-    """The project's Python files: git's tracked ones (not a virtual environment inside the tree)."""
+def _sources(patterns: tuple[str, ...] = ("*.py", "*.c", "*.h")) -> list[Path]:
+    """The project's source files: git's tracked ones (not a virtual environment inside the tree)."""
     try:
-        out = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True)
+        out = subprocess.run(["git", "ls-files", *patterns], cwd=ROOT, capture_output=True, text=True, check=True)
         files = [ROOT / line for line in out.stdout.splitlines()]
     except (OSError, subprocess.CalledProcessError):  # not a git checkout: every file but hidden folders'
-        files = [p for p in ROOT.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)]
+        files = [p for pattern in patterns for p in ROOT.rglob(pattern)
+                 if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)]
     return sorted(p for p in files if "results" not in p.relative_to(ROOT).parts and p.exists())
 
 
-def test_no_python_file_is_over_500_lines():
+def test_no_source_file_is_over_500_lines():
     long = {str(p.relative_to(ROOT)): n for p in _sources() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"split these by job (at most {MAX_LINES} lines a file): {long}"
 

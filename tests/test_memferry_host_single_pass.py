@@ -350,3 +350,24 @@ def test_a_forked_child_runs_the_loop_with_a_team_of_its_own():
 
 def _child_update(queue, inputs) -> None:
     queue.put(_team_update(6, inputs)[0][:1000].tolist())
+
+
+def test_a_build_is_cached_by_its_source_and_the_local_headers_it_includes(tmp_path, monkeypatch):
+    """Editing a header a C source includes builds again: the cache key covers it (host_loops.c
+    includes host_team.h)."""
+    import ctypes
+
+    monkeypatch.setenv("XPU_CACHE_DIR", str(tmp_path / "cache"))
+    src, header = tmp_path / "lib.c", tmp_path / "value.h"
+    src.write_text('#include "value.h"\nint xpu_value(void) { return VALUE; }\n')
+    header.write_text("#define VALUE 1\n")
+    try:
+        first = c_library.build(src, ["-O1", "-fPIC", "-shared"], [[]])
+    except c_library.UnavailableError as exc:
+        pytest.skip(f"no C compiler: {exc}")
+    assert c_library.build(src, ["-O1", "-fPIC", "-shared"], [[]]) == first  # cached
+    header.write_text("#define VALUE 2\n")
+    second = c_library.build(src, ["-O1", "-fPIC", "-shared"], [[]])
+    assert second != first
+    assert (ctypes.CDLL(str(first)).xpu_value(), ctypes.CDLL(str(second)).xpu_value()) == (1, 2)
+    assert host_loops._SOURCE.with_name("host_team.h").read_text() in c_library.source_text(host_loops._SOURCE)

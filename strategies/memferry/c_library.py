@@ -4,7 +4,7 @@ For loops that must not hold the GIL (the host optimizer's, ``host_loops.py``) o
 as thousands of small-array calls (the plan search's dominance scan, ``pareto.py``). Built with
 the machine's C compiler (``$CC``, else ``cc``/``gcc``/``clang``) under the first of a list of
 flag sets that compiles, cached under ``$XPU_CACHE_DIR`` (default ``~/.cache/xpu``) keyed by the
-source, compiler, flags and CPU (``-march=native`` code runs only on the CPU it was built for),
+source (with the local headers it includes), compiler, flags and CPU (``-march=native`` code runs only on the CPU it was built for),
 and loaded once per process. Where no compiler works, :class:`UnavailableError` says why, and is
 remembered: callers fall back to torch or numpy.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -20,7 +21,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Generic, Sequence, TypeVar
 
-__all__ = ["CLibrary", "UnavailableError", "compiler"]
+__all__ = ["CLibrary", "UnavailableError", "compiler", "source_text", "build"]
 
 T = TypeVar("T")
 
@@ -53,11 +54,30 @@ def _cache_dir() -> Path:
     return Path(root) / "c-library"
 
 
+def source_text(source: Path) -> str:
+    """``source`` and every local header it includes (``#include "name"``, beside it, recursively):
+    what a build's cache key must cover, so that editing a header builds again."""
+    seen: set[Path] = set()
+
+    def read(path: Path) -> str:
+        seen.add(path)
+        text = path.read_text()
+        parts = [text]
+        for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', text, flags=re.MULTILINE):
+            header = path.parent / name
+            if header not in seen and header.exists():
+                parts.append(read(header))
+        return "\0".join(parts)
+
+    return read(source)
+
+
 def build(source: Path, flags: Sequence[str], attempts: Sequence[Sequence[str]], libs: Sequence[str] = ()) -> Path:
     """The shared library of ``source`` built with ``flags`` plus the first of ``attempts`` that
-    compiles (cached: a build already there is reused). Raises :class:`UnavailableError`."""
+    compiles (cached by :func:`source_text`, the compiler, the flags and the CPU: a build already
+    there is reused). Raises :class:`UnavailableError`."""
     cc = compiler()
-    text = source.read_text()
+    text = source_text(source)
     errors = []
     for extra in attempts:
         all_flags = [*flags, *extra]
