@@ -2,8 +2,9 @@
 gradients land in two zones in turn and one pass adds both to the fp32 sum, in the order two
 passes would. Bit-equal to summing them one by one, for even and odd micro-batch counts and for
 a step cut short; the pass, the eligibility and the host bytes checked on their own. Without
-clipping a step's last micro-batch is added by the update as it reads the sum
-(``UnitShadow.last_alone``; of two, the pair: ``last_pair``), bit-equal to summing it first."""
+clipping a step's last pair is added by the update as it reads it (``UnitShadow.last_pair``),
+and an odd count's last micro-batch as it reads the sum (``last_alone``), bit-equal to summing
+them first."""
 from __future__ import annotations
 
 import copy

@@ -73,8 +73,8 @@ class AdamW:
             False.
         split_update: under gradient accumulation, update each host-summed unit of 16-bit
             compute in two passes (``split_update.py``): the working copy first, which the next
-            forward waits for (24 B a parameter after the last micro-batch instead of 32), then
-            the fp32 master and moments while the next step's earlier micro-batches run. It keeps the
+            forward waits for (26 B a parameter after a last pair instead of 34), then the fp32
+            master and moments while the next step's earlier micro-batches run. It keeps the
             step's fp32 gradient between them: 4 B a parameter more of pinned host memory. With
             speculative clipping the first pass is what speculates: it changes no state, so a
             step whose clip fires makes it again with the coefficient (22 B) instead of

@@ -9,9 +9,10 @@ passes (``HostKernel.split``):
 
 1. **First pass**, as soon as the last gradient has landed, in the next forward's order: the
    update computed in full, but only the working copy written, and the step's whole gradient in
-   fp32 (``UnitShadow.grad_pending``). With the last micro-batch added to the sum as it is read
-   that is 24 B a parameter instead of the update's 32. The unit is then published: the next
-   forward may read it and its landing zones take the next micro-batches.
+   fp32 (``UnitShadow.grad_pending``). After a last pair summed as it is read that is 26 B a
+   parameter instead of the update's 34 (after an odd count's last micro-batch, 24 instead of
+   32). The unit is then published: the next forward may read it and its landing zones take the
+   next micro-batches.
 2. **Second pass**, while nothing more urgent has landed (the next step's earlier micro-batches
    leave the host room): the same update again, in place from the fp32 gradient, writing the
    master and moments and no working copy (28 B). It uses the step and learning rate of the
