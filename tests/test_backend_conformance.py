@@ -1,6 +1,7 @@
 """The Backend contract, written once and run for every backend available here."""
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -191,27 +192,34 @@ def test_device_to_device_and_peer(backend):
 
 # ---------------------------------------------------------------- memory
 def test_memory_stats_follow_allocations(backend):
+    gc.collect()  # earlier tests' garbage freed now, not in the middle of the counts below
+    backend.synchronize(0)
     backend.reset_peak_memory(0)
     before = backend.memory_stats(0)
     assert isinstance(before, MemoryStats)
     t = backend.empty(1 << 20, torch.float32, 0)
     during = backend.memory_stats(0)
-    assert during.allocated >= before.allocated + (4 << 20)
     del t
     after = backend.memory_stats(0)
-    assert during.allocated - after.allocated == 4 << 20
+    # 4 MiB each way; a few KiB of slack for what an allocator counts beside a block (an 8 KiB
+    # leftover of an earlier CUDA test came and went between these counts on torch 2.11).
+    slack = 64 << 10
+    assert 4 << 20 <= during.allocated - before.allocated <= (4 << 20) + slack
+    assert 4 << 20 <= during.allocated - after.allocated <= (4 << 20) + slack
     assert after.peak_allocated >= before.allocated + (4 << 20)
 
 
 def test_release_cache_leaves_reserved_at_what_is_in_use_and_live_tensors_intact(backend):
     keep = backend.to_device(torch.arange(1 << 16, dtype=torch.float32), 0)
-    freed = backend.empty(8 << 20, torch.uint8, 0)
+    freed = backend.empty(64 << 20, torch.uint8, 0)
     del freed  # cached by a caching allocator, gone on a virtual device
     backend.release_cache(0)
     backend.reset_peak_memory(0)
     stats = backend.memory_stats(0)
     assert stats.peak_reserved == stats.reserved  # the peak starts afresh from here
-    assert stats.reserved < stats.allocated + (8 << 20)  # the freed 8 MiB is no longer held
+    # The freed 64 MiB is no longer held. Expandable segments map 20 MiB pages, so what stays
+    # reserved is what is in use rounded up to pages (22 MiB for 4.4 on an H100, 2026-12-06).
+    assert stats.reserved < stats.allocated + (64 << 20)
     assert torch.equal(keep.cpu(), torch.arange(1 << 16, dtype=torch.float32))
 
 
