@@ -3,11 +3,14 @@ are kept apart from the work once the last gradient has landed, so that the rehe
 calibrate each part of the cost model on its own (``host_calibration.py``)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from strategies.memferry import AdamW, MemFerry, Plan, UnitPlan
 from strategies.memferry.host_clock import HostClock, HostReading
+from strategies.memferry.host_kernel import PHASES
 from strategies.memferry.landing_zones import LandingZones
 from tests.test_memferry_numerics import TinyGPT, batches, lm_loss
 
@@ -55,4 +58,25 @@ def test_an_accumulated_step_s_host_work_splits_into_its_sums_and_its_updates(cp
     assert numel == 2 * sum(s.master.numel() for s in opt.shadows)
     assert earlier == pytest.approx(4 * units / numel)
     assert update == pytest.approx(opt.measured_s_per_param() - earlier) and update > 20 * units / numel
+    engine.close()
+
+
+def test_the_worker_s_idle_wait_is_read_apart_from_its_work(cpu_backend):
+    """While nothing is queued the worker blocks for the next task; that time is ``idle`` (the
+    bubbles of a host-bound step), never host work (the cost model's calibration reads work)."""
+    torch.manual_seed(0)
+    engine = MemFerry(TinyGPT(), optim=AdamW(lr=1e-2, host_kernel="single-pass"),
+                      plan=Plan.uniform(4, UnitPlan("prefetch", "prefetch")), backend=cpu_backend, loss_fn=lm_loss)
+    (x, y), (x2, y2) = batches(2)
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    opt = engine.optimizer
+    opt.wait_all()  # every update done: the worker waits for the next step's first gradient
+    idle = opt.time_s["idle"]
+    time.sleep(0.5)
+    engine.backward(lm_loss(engine(x2), y2))
+    engine.step()
+    opt.wait_all()
+    assert opt.time_s["idle"] - idle >= 0.25  # the half second it was blocked (less what it took to get there)
+    assert "idle" not in PHASES and opt.clock.work_s() == pytest.approx(sum(opt.time_s[p] for p in PHASES))
     engine.close()

@@ -42,7 +42,10 @@ class HostClock:
             a three-pass kernel's upcast), ``adamw``, ``writeback``, ``consumer_wait`` (callers
             of ``HostOptimizer.wait``: the next forward blocked), ``zone_wait`` (callers of
             ``HostOptimizer.wait_consumed``: a backward blocked until the host had summed what
-            the unit's landing zone held) and ``backup`` (speculative clipping's copies and restores).
+            the unit's landing zone held), ``backup`` (speculative clipping's copies and restores)
+            and ``idle`` (the worker with nothing queued and no piece due, blocked for the next
+            task: the bubbles of a host-bound step, e.g. between the last update the next forward
+            needs and the first gradient of its backward).
         updated_numel: parameters updated so far (this rank's shards).
         earlier_s: seconds of work for micro-batches before a step's last: summing them (within
             ``upcast``) and split updates' second passes (within ``adamw``: ``split_update.py``).
@@ -50,7 +53,7 @@ class HostClock:
 
     def __init__(self) -> None:
         self.time_s = {"wait": 0.0, "upcast": 0.0, "adamw": 0.0, "writeback": 0.0, "consumer_wait": 0.0,
-                       "zone_wait": 0.0, "backup": 0.0}
+                       "zone_wait": 0.0, "backup": 0.0, "idle": 0.0}
         self.updated_numel = 0
         self.earlier_s = 0.0
         # Seconds of pieces run for updates not yet complete, by unit, and their total.

@@ -289,7 +289,11 @@ class HostOptimizer(ClockReadings, ClipSpeculation):
         while no task can be worked on at once (none has landed, or the clip is on its way)."""
         while True:
             due = self._running is not None or bool(self._to_speculate) or self._split.waiting()
-            self._board.fill(block=not (due or self._paused))
+            idle = not (due or self._paused)
+            t0 = time.perf_counter()
+            self._board.fill(block=idle)
+            if idle:
+                self.time_s["idle"] += time.perf_counter() - t0
             pick = self._board.next(self._paused)
             if isinstance(pick, int):
                 self._resume(pick)
