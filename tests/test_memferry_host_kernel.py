@@ -44,7 +44,7 @@ def test_single_pass_equals_torch_adamw(low):
         k.set_lr(lr)
         s.grad_stage.copy_(g)
         phases = k.apply(s, c)
-        assert set(phases) == {"upcast", "adamw", "writeback", "backup"}
+        assert set(phases) == {"upcast", "adamw", "call", "writeback", "backup"}
     p, m, v = _reference(start, grads, coefs, cfg, lrs)
     assert s.step == 4
     torch.testing.assert_close(s.master, p, rtol=1e-6, atol=1e-6)

@@ -9,6 +9,7 @@ so masters agree to rtol 1e-6 (a few fp32 ulps after several steps), moments to 
 """
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -164,7 +165,7 @@ def test_without_a_compiler_auto_falls_back_to_torch(no_compiler, caplog):
 
 
 def test_auto_refuses_a_kernel_that_computes_wrong(monkeypatch, caplog):
-    monkeypatch.setattr(host_loops.HostLoops, "adamw", lambda self, *a, **k: None)
+    monkeypatch.setattr(host_loops.HostLoops, "adamw", lambda self, *a, **k: 0.0)  # runs nothing, in no time
     with caplog.at_level("WARNING", logger="xpu.memferry"):
         k = make_host_kernel("auto", AdamW(), [_shadow(10, torch.bfloat16, 10)])
     assert k.name == "torch" and "disagrees with torch.optim.AdamW" in caplog.text
@@ -183,6 +184,27 @@ def test_the_loop_runs_on_the_host_optimizer_thread_count(monkeypatch):
     k = SinglePassKernel(AdamW(host_threads=3), [s])
     k.apply(s, 1.0)
     assert k.threads == 3 and seen == [3]
+
+
+def test_the_loop_is_clocked_inside_its_call_and_the_rest_of_the_call_reads_as_call(monkeypatch):
+    """``adamw`` is the loop's own seconds (clocked in C); what the call takes beyond them (its
+    Python side, taking the GIL back) is ``call``, and the two add up to the whole call."""
+    loops = host_loops.host_loops()
+    s = _shadow(1 << 16, torch.bfloat16, 1 << 16)
+    t0 = time.perf_counter()
+    inside = loops.adamw(s.master, s.grad_stage, s.exp_avg, s.exp_avg_sq, s.work, grad_scale=1.0, decay=1.0,
+                         beta1=0.9, beta2=0.999, bias_correction2_sqrt=1.0, eps=1e-8, step_size=1e-3, threads=1)
+    assert 0.0 < inside <= time.perf_counter() - t0
+    real = host_loops.HostLoops.adamw
+
+    def adamw(self, *a, **kw):  # the real loop, then 50 ms outside it, reporting 1 ms inside
+        real(self, *a, **kw)
+        time.sleep(0.05)
+        return 0.001
+
+    monkeypatch.setattr(host_loops.HostLoops, "adamw", adamw)
+    times = SinglePassKernel(AdamW(), [s]).apply(s, 1.0)
+    assert times["adamw"] == 0.001 and times["call"] >= 0.05 - 0.001  # the sleep, less the 1 ms reported inside
 
 
 def test_bad_tensors_are_one_line_errors():

@@ -52,10 +52,10 @@ def main() -> None:
         links = probed_links(json.load(open(os.path.join(run, "xpu-probe.json"))))
         name = os.path.basename(log)[:-4]
         row = next(r for r in json.load(open(os.path.join(run, "results.json")))["rows"] if r["system"] == name)
-        ms = {k: float(v) for k, v in re.findall(r"(upcast|adamw) ([0-9.]+)", row["notes"])}
+        ms = {k: float(v) for k, v in re.findall(r"(upcast|adamw|call) ([0-9.]+)", row["notes"])}
         before = price(plan, prof, links, row.get("options", {}).get("memory_margin", 0.05)).step_s
         numel = host_numel(plan, prof)
-        update, earlier = ratios(plan, (ms["adamw"] * 1e-3 / numel, ms["upcast"] * 1e-3 / numel))
+        update, earlier = ratios(plan, ((ms["adamw"] + ms.get("call", 0.0)) * 1e-3 / numel, ms["upcast"] * 1e-3 / numel))
         cal = calibrated(prof, update, earlier)
         after = predict(plan, cal, links, 0.05).step_s
         m = row["step_s"]

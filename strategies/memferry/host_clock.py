@@ -39,7 +39,8 @@ class HostClock:
 
     Attributes:
         time_s: seconds per phase: ``wait`` for gradients to land, ``upcast`` (summing them, and
-            a three-pass kernel's upcast), ``adamw``, ``writeback``, ``consumer_wait`` (callers
+            a three-pass kernel's upcast), ``adamw``, ``call`` (the single-pass loops' calls
+            beyond the loop: their Python side, and taking the GIL back), ``writeback``, ``consumer_wait`` (callers
             of ``HostOptimizer.wait``: the next forward blocked), ``zone_wait`` (callers of
             ``HostOptimizer.wait_consumed``: a backward blocked until the host had summed what
             the unit's landing zone held), ``backup`` (speculative clipping's copies and restores)
@@ -52,8 +53,8 @@ class HostClock:
     """
 
     def __init__(self) -> None:
-        self.time_s = {"wait": 0.0, "upcast": 0.0, "adamw": 0.0, "writeback": 0.0, "consumer_wait": 0.0,
-                       "zone_wait": 0.0, "backup": 0.0, "idle": 0.0}
+        self.time_s = {"wait": 0.0, "upcast": 0.0, "adamw": 0.0, "call": 0.0, "writeback": 0.0,
+                       "consumer_wait": 0.0, "zone_wait": 0.0, "backup": 0.0, "idle": 0.0}
         self.updated_numel = 0
         self.earlier_s = 0.0
         # Seconds of pieces run for updates not yet complete, by unit, and their total.

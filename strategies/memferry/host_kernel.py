@@ -45,7 +45,9 @@ KERNELS = ("auto", "torch", "single-pass")
 
 
 #: What the host optimizer's time is spent on, per update (``HostOptimizer.time_s`` adds the waits).
-PHASES = ("upcast", "adamw", "writeback", "backup")
+#: ``call``: the single-pass loops' calls beyond the loop itself, clocked inside the call: their
+#: Python side and taking the GIL back when the loop returns (the training thread may hold it).
+PHASES = ("upcast", "adamw", "call", "writeback", "backup")
 
 #: A unit's master, exp_avg and exp_avg_sq in a backup (speculative clipping's arena).
 Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -311,13 +313,15 @@ class SinglePassKernel(HostKernel):
             t0 = time.perf_counter()
             wd = self.cfg.weight_decay if decays else 0.0
             cut = {key: _cut(v, a, b) for key, v in form.items() if v is not None}
-            self._loops.adamw(s.master[a:b], tuple(t[a:b] for t in terms), s.exp_avg[a:b], s.exp_avg_sq[a:b],
-                              None if work is None else work[a:b], grad_scale=coef, decay=1.0 - lr * wd,
-                              beta1=b1, beta2=b2, bias_correction2_sqrt=math.sqrt(bc2), eps=float(self.cfg.eps),
-                              step_size=lr / bc1, threads=self.threads, **cut)
+            loop_s = self._loops.adamw(s.master[a:b], tuple(t[a:b] for t in terms), s.exp_avg[a:b],
+                                       s.exp_avg_sq[a:b], None if work is None else work[a:b], grad_scale=coef,
+                                       decay=1.0 - lr * wd, beta1=b1, beta2=b2,
+                                       bias_correction2_sqrt=math.sqrt(bc2), eps=float(self.cfg.eps),
+                                       step_size=lr / bc1, threads=self.threads, **cut)
             if k == len(ranges) - 1:
                 setattr(s, mark, step)
-            yield {"adamw": time.perf_counter() - t0}
+            spent = time.perf_counter() - t0
+            yield {"adamw": loop_s, "call": max(0.0, spent - loop_s)}
 
     def sqnorm(self, t: torch.Tensor) -> float:
         return self._loops.sqnorm(t.reshape(-1), self.threads) if t.dtype in self._loops.dtypes else super().sqnorm(t)

@@ -26,6 +26,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 static inline float ld_f32(float x) { return x; }
 static inline float st_f32(float x) { return x; }
@@ -231,13 +232,23 @@ static range_fn adamw_fn(int gkind, int wkind, int form) {
  * 3 the gradient is (acc + g) + g1, 4 it is g + g1 (acc and g1 unused in forms 0-2), 5-7 are
  * 0, 3 and 4 writing the working copy and the fp32 gradient to bp (if not NULL), not p, m, v.
  * Returns 0, or -1 for an unbuilt dtype pair or form. */
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* seconds (unless NULL): how long the loop ran, from inside the call, so that the caller can
+ * tell it from what the call took around it (taking the GIL back on return). */
 int xpu_adamw(int gkind, int wkind, float *p, const void *g, float *m, float *v, void *w, int64_t n,
               const float *hp, int threads, int form, float *bp, float *bm, float *bv, const float *acc,
-              const void *g1) {
+              const void *g1, double *seconds) {
     range_fn fn = adamw_fn(gkind, wkind, form);
     if (!fn) return -1;
     adamw_args x = {p, m, v, g, w, hp[0], hp[1], hp[2], hp[3], hp[4], hp[5], hp[6], hp[7], bp, bm, bv, acc, g1};
+    const double t0 = now_s();
     parallel(fn, &x, n, threads);
+    if (seconds) *seconds = now_s() - t0;
     return 0;
 }
 

@@ -42,7 +42,7 @@ class HostLoops:
         lib = ctypes.CDLL(str(path))
         p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.xpu_adamw.argtypes = [c_int, c_int, p, p, p, p, p, i64, ctypes.POINTER(ctypes.c_float), c_int,
-                                  c_int, p, p, p, p, p]
+                                  c_int, p, p, p, p, p, ctypes.POINTER(ctypes.c_double)]
         lib.xpu_adamw.restype = c_int
         lib.xpu_sqnorm.argtypes = [c_int, p, i64, c_int, p, ctypes.POINTER(ctypes.c_double)]
         lib.xpu_sqnorm.restype = c_int
@@ -73,7 +73,7 @@ class HostLoops:
               beta2: float, bias_correction2_sqrt: float, eps: float, step_size: float, threads: int,
               save: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
               source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-              copy_first: bool = False, grad_out: torch.Tensor | None = None) -> None:
+              copy_first: bool = False, grad_out: torch.Tensor | None = None) -> float:
         """One AdamW step in place over fp32 ``master``/moments, ``grad`` of any built dtype, and
         (unless None) the ``work`` copy written from the updated master.
 
@@ -89,6 +89,9 @@ class HostLoops:
         ``copy_first``: write only ``work`` and (unless None) the whole fp32 gradient to
         ``grad_out``, not the master and moments: the first pass of a split update, whose second
         is this update in place from ``grad_out`` with no ``work`` (bit-equal to one pass).
+
+        Returns the seconds the loop ran, clocked inside the call: what the call takes beyond
+        them is its Python side and taking the GIL back (the ``call`` phase of ``host_kernel.SinglePassKernel``).
         """
         n = master.numel()
         if save is not None and source is not None:
@@ -124,12 +127,14 @@ class HostLoops:
         bp, bm, bv = (t.data_ptr() for t in backup) if backup is not None else (0, 0, 0)
         if copy_first:  # forms 5-7 and 9: 0, 3, 4 and 8 copying first; the gradient goes where a backup's master would
             form, bp = {0: 5, 3: 6, 4: 7, 8: 9}[form], 0 if grad_out is None else grad_out.data_ptr()
+        seconds = ctypes.c_double()
         rc = self._lib.xpu_adamw(self._kind(g0, "grad"), wkind, master.data_ptr(), g0.data_ptr(),
                                  exp_avg.data_ptr(), exp_avg_sq.data_ptr(), 0 if work is None else work.data_ptr(),
                                  n, hp, int(threads), form, bp, bm, bv, 0 if acc is None else acc.data_ptr(),
-                                 0 if g1 is None else g1.data_ptr())
+                                 0 if g1 is None else g1.data_ptr(), ctypes.byref(seconds))
         if rc != 0:
             raise ValueError(f"no AdamW loop for grad {g0.dtype} / work {None if work is None else work.dtype}")
+        return seconds.value
 
     def accumulate(self, acc: torch.Tensor, grad: torch.Tensor, threads: int) -> None:
         """``acc += grad`` in place: fp32 ``acc``, a 16-bit ``grad`` read once (no fp32 temporary)."""
