@@ -247,3 +247,28 @@ def test_memferry_allocator_cap_option(cpu_backend):
     bad = run_spec({"scenario": _scenario([{"name": "memferry", "options": {"allocator_cap": "all"}}]).to_dict(),
                     "label": "memferry", "timeline_path": None}, in_process=True)
     assert bad["status"] != "ok" and "allocator_cap must be 'plan' or 'budget', got 'all'" in bad["reason"]
+
+
+def test_memferry_gil_switch_option_holds_for_the_row_and_is_put_back(cpu_backend, monkeypatch):
+    """``gil_switch_s`` sets the interpreter's switch interval while the row's engine lives and puts
+    the one before back when it closes; a value that is not seconds in (0, 1] is refused first."""
+    import sys
+
+    from bench.systems.memferry import MemFerrySystem
+
+    seen = []
+    real_close = MemFerrySystem.close
+
+    def close(self):
+        seen.append(sys.getswitchinterval())
+        real_close(self)
+
+    monkeypatch.setattr(MemFerrySystem, "close", close)
+    before = sys.getswitchinterval()
+    row = _run(_scenario([{"name": "memferry", "device_mem_gb": 1,
+                           "options": {"plan": "prefetch", "gil_switch_s": 0.0005}}]), "memferry")
+    assert row["status"] == "ok" and seen == [pytest.approx(0.0005)] and sys.getswitchinterval() == before
+    bad = run_spec({"scenario": _scenario([{"name": "memferry", "options": {"gil_switch_s": 5}}]).to_dict(),
+                    "label": "memferry", "timeline_path": None}, in_process=True)
+    assert bad["status"] != "ok" and "gil_switch_s must be seconds in (0, 1]" in bad["reason"]
+    assert sys.getswitchinterval() == before

@@ -20,6 +20,10 @@ Options:
     split_update: unset (default: on where ``max_grad_norm`` is), ``false`` or ``true``
         (``AdamW.split_update``): under accumulation, the working copy first and the fp32 state
         while the next step's earlier micro-batches run.
+    gil_switch_s: the interpreter's thread switch interval for the row (``sys.setswitchinterval``,
+        seconds; unset: CPython's 5 ms), put back when the row closes. A thread waiting for the
+        GIL waits up to that long for a holder running Python; for an A/B of what the host
+        optimizer's loop calls lose that way (its ``call`` phase).
     memory_margin: the scheduler's fragmentation margin on predicted peak memory (plan auto).
     allocator_cap: ``plan`` (the engine's own: the caching allocator held to the rehearsed
         plan's predicted peak) or ``budget`` (re-capped at the scenario's device cap after setup:
@@ -56,6 +60,7 @@ scheduler's ``predicted_step_s`` beside the measured ``step_s``.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 from typing import Any
 
@@ -84,6 +89,9 @@ class MemFerrySystem(BenchSystem):
         hold = ctx.options.get("allocator_cap", "plan")
         if hold not in ("plan", "budget"):
             raise ValueError(f"memferry: allocator_cap must be 'plan' or 'budget', got {hold!r}")
+        switch = ctx.options.get("gil_switch_s")
+        if switch is not None and not (isinstance(switch, (int, float)) and 0 < switch <= 1):
+            raise ValueError(f"memferry: gil_switch_s must be seconds in (0, 1] (e.g. 0.0005) or unset, got {switch!r}")
         lora, self._export = ctx.options.get("lora"), bool(ctx.options.get("export_hf", False))
         if (lora is not None or self._export) and ctx.family != "hf":
             raise ValueError(f"memferry: options lora and export_hf need a model of family hf, not {ctx.family!r}")
@@ -116,11 +124,18 @@ class MemFerrySystem(BenchSystem):
             sample = (tokens[:, :-1], tokens[:, 1:])
         plan = spec if spec == "auto" else Plan.from_spec(spec, len(model.blocks))
         cap = ctx.backend.memory_cap(ctx.device_index)
-        self.engine = MemFerry(model, optim=cfg, plan=plan, backend=ctx.backend, device=ctx.device_index,
-                               sample=sample, device_budget=cap, memory_margin=float(ctx.options["memory_margin"]),
-                               compute_dtype=ctx.dtype, blocks=model.blocks,  # named: a 1-block model has no list to find
-                               accumulation_steps=ctx.accumulation_steps,
-                               sum_placement=ctx.options.get("sum_placement", "race"))
+        self._switch_before = sys.getswitchinterval()
+        if switch is not None:  # from the profile and rehearsal on, as the steps run
+            sys.setswitchinterval(float(switch))
+        try:
+            self.engine = MemFerry(model, optim=cfg, plan=plan, backend=ctx.backend, device=ctx.device_index,
+                                   sample=sample, device_budget=cap, memory_margin=float(ctx.options["memory_margin"]),
+                                   compute_dtype=ctx.dtype, blocks=model.blocks,  # named: a 1-block model has no list
+                                   accumulation_steps=ctx.accumulation_steps,
+                                   sum_placement=ctx.options.get("sum_placement", "race"))
+        except BaseException:
+            sys.setswitchinterval(self._switch_before)
+            raise
         if hold == "budget":
             ctx.backend.set_memory_cap(ctx.device_index, cap)
         self._accumulation = ctx.accumulation_steps
@@ -295,6 +310,7 @@ class MemFerrySystem(BenchSystem):
 
     def close(self) -> None:
         self.engine.close()
+        sys.setswitchinterval(self._switch_before)
 
 
 def _vocab(ctx: SystemContext) -> int:
