@@ -40,10 +40,10 @@ class HostClock:
     Attributes:
         time_s: seconds per phase: ``wait`` for gradients to land, ``upcast`` (summing them, and
             a three-pass kernel's upcast), ``adamw``, ``call`` (the single-pass loops' calls
-            beyond the loop: their Python side, and taking the GIL back), ``writeback``, ``consumer_wait`` (callers
-            of ``HostOptimizer.wait``: the next forward blocked), ``zone_wait`` (callers of
-            ``HostOptimizer.wait_consumed``: a backward blocked until the host had summed what
-            the unit's landing zone held), ``backup`` (speculative clipping's copies and restores)
+            beyond the loop: their Python side, and taking the GIL back), ``writeback``,
+            ``consumer_wait`` (callers of ``HostOptimizer.wait``: the next forward blocked),
+            ``zone_wait`` (callers of ``HostOptimizer.wait_consumed``: a backward blocked until
+            the host had summed what the unit's landing zone held), ``backup`` (speculative clipping's copies and restores)
             and ``idle`` (the worker with nothing queued and no piece due, blocked for the next
             task: the bubbles of a host-bound step, e.g. between the last update the next forward
             needs and the first gradient of its backward).

@@ -226,20 +226,21 @@ static range_fn adamw_fn(int gkind, int wkind, int form) {
     }
 }
 
-/* One AdamW step over n elements. hp: gradient scale, 1 - lr*wd, 1 - beta1, beta2, 1 - beta2,
- * sqrt(bias_correction2), eps, -lr/bias_correction1. form: 0 in place, 1 also save the old
- * master and moments to bp/bm/bv, 2 read them from bp/bm/bv (the backup; unused otherwise),
- * 3 the gradient is (acc + g) + g1, 4 it is g + g1 (acc and g1 unused in forms 0-2), 5-7 are
- * 0, 3 and 4 writing the working copy and the fp32 gradient to bp (if not NULL), not p, m, v.
- * Returns 0, or -1 for an unbuilt dtype pair or form. */
+/* Seconds on a monotonic clock. */
 static double now_s(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-/* seconds (unless NULL): how long the loop ran, from inside the call, so that the caller can
- * tell it from what the call took around it (taking the GIL back on return). */
+/* One AdamW step over n elements. hp: gradient scale, 1 - lr*wd, 1 - beta1, beta2, 1 - beta2,
+ * sqrt(bias_correction2), eps, -lr/bias_correction1. form: 0 in place, 1 also save the old
+ * master and moments to bp/bm/bv, 2 read them from bp/bm/bv (the backup; unused otherwise),
+ * 3 the gradient is (acc + g) + g1, 4 it is g + g1 (acc and g1 unused in forms 0-2), 5-7 are
+ * 0, 3 and 4 writing the working copy and the fp32 gradient to bp (if not NULL), not p, m, v.
+ * seconds (unless NULL): how long the loop ran, clocked inside the call, so that the caller can
+ * tell it from what the call took around it (taking the GIL back on return).
+ * Returns 0, or -1 for an unbuilt dtype pair or form. */
 int xpu_adamw(int gkind, int wkind, float *p, const void *g, float *m, float *v, void *w, int64_t n,
               const float *hp, int threads, int form, float *bp, float *bm, float *bv, const float *acc,
               const void *g1, double *seconds) {

@@ -91,7 +91,7 @@ class HostLoops:
         is this update in place from ``grad_out`` with no ``work`` (bit-equal to one pass).
 
         Returns the seconds the loop ran, clocked inside the call: what the call takes beyond
-        them is its Python side and taking the GIL back (the ``call`` phase of ``host_kernel.SinglePassKernel``).
+        them is its Python side and taking the GIL back (``SinglePassKernel``'s ``call`` phase).
         """
         n = master.numel()
         if save is not None and source is not None:
