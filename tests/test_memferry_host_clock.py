@@ -80,3 +80,44 @@ def test_the_worker_s_idle_wait_is_read_apart_from_its_work(cpu_backend):
     assert opt.time_s["idle"] - idle >= 0.25  # the half second it was blocked (less what it took to get there)
     assert "idle" not in PHASES and opt.clock.work_s() == pytest.approx(sum(opt.time_s[p] for p in PHASES))
     engine.close()
+
+
+def test_the_sums_calls_beyond_their_loops_read_as_call_not_upcast(cpu_backend, monkeypatch):
+    """A sum's loop is clocked inside its C call; what the call takes beyond it moves from
+    ``upcast`` to ``call``, the work and the earlier micro-batches' seconds unchanged."""
+    from strategies.memferry import host_loops
+
+    calls = []
+    real = {name: getattr(host_loops.HostLoops, name) for name in ("accumulate", "accumulate_pair")}
+
+    def slowed(name):
+        def run(self, *a, **kw):  # the real loop, then 20 ms outside it, reporting no time inside
+            real[name](self, *a, **kw)
+            time.sleep(0.02)
+            calls.append(name)
+            return 0.0
+        return run
+
+    for name in real:
+        monkeypatch.setattr(host_loops.HostLoops, name, slowed(name))
+    engine = MemFerry(TinyGPT(), optim=AdamW(lr=1e-2, host_kernel="single-pass"),
+                      plan=Plan.uniform(4, UnitPlan("prefetch", "prefetch")), backend=cpu_backend, loss_fn=lm_loss,
+                      accumulation_steps=4, compute_dtype=torch.bfloat16)  # 16-bit gradients: the loops sum them
+    for x, y in batches(4):
+        engine.backward(lm_loss(engine(x), y) / 4)
+    engine.step()
+    opt = engine.optimizer
+    opt.wait_all()
+    assert calls  # the step's sums ran through the loops
+    assert opt.time_s["call"] >= 0.02 * len(calls) - 1e-9
+    assert opt.clock.earlier_s >= 0.02 * 5 - 1e-9  # 5 units' first pair, summed early: kept whole
+    assert opt.clock.work_s() == pytest.approx(sum(opt.time_s[p] for p in PHASES))
+    engine.close()
+
+
+def test_moving_sums_calls_keeps_the_work_and_earlier_seconds():
+    clock = HostClock()
+    clock.add_sum(0.5, earlier=True)
+    clock.sums_called(0.125)
+    assert clock.time_s["upcast"] == 0.375 and clock.time_s["call"] == 0.125
+    assert clock.work_s() == 0.5 and clock.earlier_s == 0.5

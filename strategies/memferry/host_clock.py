@@ -73,6 +73,12 @@ class HostClock:
         if earlier:
             self.earlier_s += seconds
 
+    def sums_called(self, seconds: float) -> None:
+        """Of the seconds :meth:`add_sum` counted, these were the sums' calls beyond their loops:
+        moved from ``upcast`` to ``call`` (the work and ``earlier_s`` stay as they were)."""
+        self.time_s["upcast"] -= seconds
+        self.time_s["call"] += seconds
+
     def add_second(self, seconds: float) -> None:
         """Seconds of split updates' second passes (AdamW work, run during earlier micro-batches)."""
         self.time_s["adamw"] += seconds

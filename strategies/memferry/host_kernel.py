@@ -71,6 +71,10 @@ class HostKernel:
     binds_state = False
     #: Whether :meth:`split` is built (the copy-first pass of ``split_update.py``).
     splits = False
+    #: Seconds so far that :meth:`accumulate` and :meth:`accumulate_pair` took beyond their loops
+    #: (the single-pass loops' Python side and taking the GIL back; 0 for torch's ops): the
+    #: host optimizer moves them from ``upcast`` to ``call``.
+    sum_call_s = 0.0
 
     def pieces(self, s: UnitShadow, coef: float, save: Triple | None = None, source: Triple | None = None,
                whole: bool = False) -> Iterator[dict[str, float]]:
@@ -330,11 +334,15 @@ class SinglePassKernel(HostKernel):
         if grad.dtype == torch.float32:
             acc.add_(grad)
         else:
-            self._loops.accumulate(acc, grad, self.threads)
+            t0 = time.perf_counter()
+            loop_s = self._loops.accumulate(acc, grad, self.threads)
+            self.sum_call_s += max(0.0, time.perf_counter() - t0 - loop_s)
 
     def accumulate_pair(self, acc: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor, init: bool) -> None:
         if g0.dtype == g1.dtype != torch.float32:  # one pass: 12 B per parameter against 20 for two
-            self._loops.accumulate_pair(acc, g0, g1, self.threads, init)
+            t0 = time.perf_counter()
+            loop_s = self._loops.accumulate_pair(acc, g0, g1, self.threads, init)
+            self.sum_call_s += max(0.0, time.perf_counter() - t0 - loop_s)
         else:
             super().accumulate_pair(acc, g0, g1, init)
 

@@ -334,14 +334,16 @@ static void acc_f16(void *ctx, int64_t a, int64_t b) {
 #endif
 
 /* acc += g over n elements, g 16-bit (kind 1 bf16, 2 fp16). Returns 0, or -1 for an unbuilt kind. */
-int xpu_accumulate(int gkind, float *acc, const void *g, int64_t n, int threads) {
+int xpu_accumulate(int gkind, float *acc, const void *g, int64_t n, int threads, double *seconds) {
     acc_args x = {acc, g};
     range_fn fn = gkind == 1 ? acc_bf16 : NULL;
 #ifndef XPU_NO_F16
     if (gkind == 2) fn = acc_f16;
 #endif
     if (!fn) return -1;
+    const double t0 = now_s();
     parallel(fn, &x, n, threads);
+    if (seconds) *seconds = now_s() - t0; /* as xpu_adamw's */
     return 0;
 }
 
@@ -372,14 +374,17 @@ ACC2(acc2_f16, _Float16, ld_f16)
 #endif
 
 /* acc (+)= g0 + g1 over n elements (see ACC2), g0 and g1 16-bit of one kind. Returns 0, or -1 for an unbuilt kind. */
-int xpu_accumulate2(int gkind, float *acc, const void *g0, const void *g1, int64_t n, int threads, int init) {
+int xpu_accumulate2(int gkind, float *acc, const void *g0, const void *g1, int64_t n, int threads, int init,
+                    double *seconds) {
     acc2_args x = {acc, g0, g1, init};
     range_fn fn = gkind == 1 ? acc2_bf16 : NULL;
 #ifndef XPU_NO_F16
     if (gkind == 2) fn = acc2_f16;
 #endif
     if (!fn) return -1;
+    const double t0 = now_s();
     parallel(fn, &x, n, threads);
+    if (seconds) *seconds = now_s() - t0; /* as xpu_adamw's */
     return 0;
 }
 

@@ -46,9 +46,10 @@ class HostLoops:
         lib.xpu_adamw.restype = c_int
         lib.xpu_sqnorm.argtypes = [c_int, p, i64, c_int, p, ctypes.POINTER(ctypes.c_double)]
         lib.xpu_sqnorm.restype = c_int
-        lib.xpu_accumulate.argtypes = [c_int, p, p, i64, c_int]
+        seconds = ctypes.POINTER(ctypes.c_double)
+        lib.xpu_accumulate.argtypes = [c_int, p, p, i64, c_int, seconds]
         lib.xpu_accumulate.restype = c_int
-        lib.xpu_accumulate2.argtypes = [c_int, p, p, p, i64, c_int, c_int]
+        lib.xpu_accumulate2.argtypes = [c_int, p, p, p, i64, c_int, c_int, seconds]
         lib.xpu_accumulate2.restype = c_int
         lib.xpu_has_f16.restype = c_int
         self._lib, self.path = lib, path
@@ -136,27 +137,33 @@ class HostLoops:
             raise ValueError(f"no AdamW loop for grad {g0.dtype} / work {None if work is None else work.dtype}")
         return seconds.value
 
-    def accumulate(self, acc: torch.Tensor, grad: torch.Tensor, threads: int) -> None:
-        """``acc += grad`` in place: fp32 ``acc``, a 16-bit ``grad`` read once (no fp32 temporary)."""
+    def accumulate(self, acc: torch.Tensor, grad: torch.Tensor, threads: int) -> float:
+        """``acc += grad`` in place: fp32 ``acc``, a 16-bit ``grad`` read once (no fp32 temporary).
+        Returns the loop's seconds, clocked inside the call (as :meth:`adamw`)."""
         self._check({"acc": acc, "grad": grad}, acc.numel())
         if acc.dtype != torch.float32 or grad.dtype == torch.float32:
             raise ValueError(f"accumulate sums a 16-bit gradient into fp32, got {grad.dtype} into {acc.dtype}")
+        seconds = ctypes.c_double()
         if self._lib.xpu_accumulate(self._kind(grad, "grad"), acc.data_ptr(), grad.data_ptr(), acc.numel(),
-                                    int(threads)) != 0:
+                                    int(threads), ctypes.byref(seconds)) != 0:
             raise ValueError(f"no accumulation loop for {grad.dtype}")
+        return seconds.value
 
 
     def accumulate_pair(self, acc: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor, threads: int,
-                        init: bool) -> None:
+                        init: bool) -> float:
         """``acc = g0 + g1`` (``init``) or ``acc = (acc + g0) + g1`` in one pass: fp32 ``acc``, two
-        16-bit gradients of one dtype, added in the order two :meth:`accumulate` calls would."""
+        16-bit gradients of one dtype, added in the order two :meth:`accumulate` calls would.
+        Returns the loop's seconds, clocked inside the call (as :meth:`adamw`)."""
         self._check({"acc": acc, "g0": g0, "g1": g1}, acc.numel())
         if acc.dtype != torch.float32 or g0.dtype != g1.dtype or g0.dtype == torch.float32:
             raise ValueError(f"accumulate_pair sums two 16-bit gradients of one dtype into fp32, got {g0.dtype} and "
                              f"{g1.dtype} into {acc.dtype}")
+        seconds = ctypes.c_double()
         if self._lib.xpu_accumulate2(self._kind(g0, "grad"), acc.data_ptr(), g0.data_ptr(), g1.data_ptr(), acc.numel(),
-                                     int(threads), int(init)) != 0:
+                                     int(threads), int(init), ctypes.byref(seconds)) != 0:
             raise ValueError(f"no accumulation loop for {g0.dtype}")
+        return seconds.value
 
     def sqnorm(self, grad: torch.Tensor, threads: int) -> float:
         """The sum of ``grad``'s squares in fp64: in fixed 65536-element blocks added in order, so

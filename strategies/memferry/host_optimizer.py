@@ -256,8 +256,10 @@ class HostOptimizer(ClockReadings, ClipSpeculation):
                     self.time_s["wait"] += time.perf_counter() - t0
                     self._receive(arg, final, summed, zone)
                 elif kind == "flush":
+                    called = self.kernel.sum_call_s
                     due, seconds = self._zones.flush()
                     self.clock.add_sum(seconds, earlier=False)
+                    self.clock.sums_called(self.kernel.sum_call_s - called)
                     for i in due:
                         self._finalize(i)
                 elif kind == "norm":
@@ -314,7 +316,9 @@ class HostOptimizer(ClockReadings, ClipSpeculation):
 
     def _receive(self, index: int, final: bool, summed: bool = False, zone: int = 0) -> None:
         """A landed gradient: summed where it must be (``landing_zones.py``); update if final."""
+        called = self.kernel.sum_call_s
         self.clock.add_sum(self._zones.receive(index, final, summed, zone), earlier=not final)
+        self.clock.sums_called(self.kernel.sum_call_s - called)
         if final:
             self._finalize(index)
 
