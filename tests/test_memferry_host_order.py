@@ -63,6 +63,32 @@ def test_a_barrier_waits_for_updates_under_way_and_nothing_passes_it():
     assert board(grad(3), lr, grad(0)).next(())[1] == 3
 
 
+def test_a_landed_gradient_s_event_is_asked_once_and_one_not_landed_until_it_is():
+    """Each ask is a call into the device runtime; a pick used to ask every landed backlog
+    task's event again. The picks are the same either way."""
+    asks = {}
+    state = {2: False}
+
+    def counted(index):
+        def landed():
+            asks[index] = asks.get(index, 0) + 1
+            return state.get(index, True)
+        return ("grad", index, (lambda: None, True, landed, False, 0))
+
+    tasks = [counted(3), counted(1), counted(2), counted(0)]
+    b = board(*tasks)
+    for _ in range(5):
+        assert b.next(())[1] == 1  # 2 has not landed: 0 behind it waits too
+    assert asks == {3: 1, 1: 1, 2: 5}
+    state[2] = True
+    order = []
+    while b.backlog:
+        task = b.next(())
+        b.remove(task)
+        order.append(task[1])
+    assert order == [0, 1, 2, 3] and asks == {3: 1, 1: 1, 2: 6, 0: 1}
+
+
 def test_host_order_is_checked():
     with pytest.raises(ValueError, match="host_order must be 'deadline' or 'landing'"):
         AdamW(host_order="lifo")

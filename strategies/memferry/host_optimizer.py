@@ -306,7 +306,7 @@ class HostOptimizer(ClockReadings, ClipSpeculation):
                     continue
                 pick = self._board.backlog[0]  # nothing has landed: wait for the first to land
             kind, arg, callback = pick
-            waits = (kind == "grad" and callback[2] is not None and not callback[2]()
+            waits = (kind == "grad" and not self._board.landed(pick)
                      or kind == "finish" and isinstance(arg, PendingClip) and not arg.ready())
             if due and waits:
                 self._background_piece()

@@ -55,6 +55,11 @@ class TaskBoard:
         self.deadline = deadline
         #: tasks taken off the queue and not yet worked on, in arrival order
         self.backlog: list[Task] = []
+        # Backlog tasks seen landed, by id: a landing is for good, so its event is not asked
+        # again. Each ask is a call into the device runtime (an event query), and every pick
+        # used to ask the whole landed backlog: some 50 tasks, several picks a unit (one a
+        # piece), in a host-bound 128-layer step.
+        self._landed: set[int] = set()
 
     def fill(self, block: bool) -> None:
         """Move every queued task to the backlog; ``block``: wait for one if the backlog is empty."""
@@ -81,8 +86,8 @@ class TaskBoard:
         for task in self.backlog:
             if task[0] != "grad":
                 break
-            index, (_, final, landed, _, _) = task[1], task[2]
-            if landed is not None and not landed():
+            index, final = task[1], task[2][1]
+            if not self.landed(task):
                 break  # the ones behind it land after it (one device stream)
             if index in seen:
                 continue  # the unit's earlier task goes first
@@ -95,10 +100,22 @@ class TaskBoard:
             return resume
         return best
 
+    def landed(self, task: Task) -> bool:
+        """Whether backlog task ``task`` can be worked on without waiting: a gradient whose
+        copy home is done (asked of its event until it is), or any other task."""
+        if task[0] != "grad" or id(task) in self._landed:
+            return True
+        check = task[2][2]
+        if check is not None and not check():
+            return False
+        self._landed.add(id(task))
+        return True
+
     def remove(self, task: Task) -> None:
         """Take ``task`` off the backlog (it is being worked on)."""
         for k, other in enumerate(self.backlog):
             if other is task:
                 del self.backlog[k]
+                self._landed.discard(id(task))
                 return
         raise ValueError("the task is not in the backlog")
