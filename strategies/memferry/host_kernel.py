@@ -249,6 +249,12 @@ class TorchKernel(HostKernel):
             opt.state[p]["step"] = torch.tensor(float(s.step))
 
 
+def _beyond(t0: float, loop_s: float) -> float:
+    """Seconds since ``t0`` (a loop call's start) beyond the ``loop_s`` the loop clocked inside it:
+    the call's Python side and taking the GIL back."""
+    return max(0.0, time.perf_counter() - t0 - loop_s)
+
+
 class SinglePassKernel(HostKernel):
     """Upcast + AdamW + write-back as one C loop with the GIL released (:mod:`.host_loops`).
 
@@ -324,8 +330,7 @@ class SinglePassKernel(HostKernel):
                                        step_size=lr / bc1, threads=self.threads, **cut)
             if k == len(ranges) - 1:
                 setattr(s, mark, step)
-            spent = time.perf_counter() - t0
-            yield {"adamw": loop_s, "call": max(0.0, spent - loop_s)}
+            yield {"adamw": loop_s, "call": _beyond(t0, loop_s)}
 
     def sqnorm(self, t: torch.Tensor) -> float:
         return self._loops.sqnorm(t.reshape(-1), self.threads) if t.dtype in self._loops.dtypes else super().sqnorm(t)
@@ -335,14 +340,12 @@ class SinglePassKernel(HostKernel):
             acc.add_(grad)
         else:
             t0 = time.perf_counter()
-            loop_s = self._loops.accumulate(acc, grad, self.threads)
-            self.sum_call_s += max(0.0, time.perf_counter() - t0 - loop_s)
+            self.sum_call_s += _beyond(t0, self._loops.accumulate(acc, grad, self.threads))
 
     def accumulate_pair(self, acc: torch.Tensor, g0: torch.Tensor, g1: torch.Tensor, init: bool) -> None:
         if g0.dtype == g1.dtype != torch.float32:  # one pass: 12 B per parameter against 20 for two
             t0 = time.perf_counter()
-            loop_s = self._loops.accumulate_pair(acc, g0, g1, self.threads, init)
-            self.sum_call_s += max(0.0, time.perf_counter() - t0 - loop_s)
+            self.sum_call_s += _beyond(t0, self._loops.accumulate_pair(acc, g0, g1, self.threads, init))
         else:
             super().accumulate_pair(acc, g0, g1, init)
 

@@ -196,6 +196,20 @@ static void parallel(range_fn fn, void *ctx, int64_t n, int threads) {
     parallel_over(fn, ctx, n, threads, MIN_PER_THREAD, 64);
 }
 
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* parallel(), and (unless seconds is NULL) how long it ran, clocked inside the call, so that the
+ * caller can tell the loop from what the call took around it (taking the GIL back on return). */
+static void timed_parallel(range_fn fn, void *ctx, int64_t n, int threads, double *seconds) {
+    const double t0 = now_s();
+    parallel(fn, ctx, n, threads);
+    if (seconds) *seconds = now_s() - t0;
+}
+
 #define FORM(NAME)                                                                            \
     (form == 0 ? NAME##_0 : form == 1 ? NAME##_1 : form == 2 ? NAME##_2 : form == 3 ? NAME##_3   \
      : form == 4 ? NAME##_4 : form == 5 ? NAME##_5 : form == 6 ? NAME##_6 : form == 7 ? NAME##_7   \
@@ -226,30 +240,19 @@ static range_fn adamw_fn(int gkind, int wkind, int form) {
     }
 }
 
-/* Seconds on a monotonic clock. */
-static double now_s(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 /* One AdamW step over n elements. hp: gradient scale, 1 - lr*wd, 1 - beta1, beta2, 1 - beta2,
  * sqrt(bias_correction2), eps, -lr/bias_correction1. form: 0 in place, 1 also save the old
  * master and moments to bp/bm/bv, 2 read them from bp/bm/bv (the backup; unused otherwise),
  * 3 the gradient is (acc + g) + g1, 4 it is g + g1 (acc and g1 unused in forms 0-2), 5-7 are
  * 0, 3 and 4 writing the working copy and the fp32 gradient to bp (if not NULL), not p, m, v.
- * seconds (unless NULL): how long the loop ran, clocked inside the call, so that the caller can
- * tell it from what the call took around it (taking the GIL back on return).
- * Returns 0, or -1 for an unbuilt dtype pair or form. */
+ * seconds: as timed_parallel's. Returns 0, or -1 for an unbuilt dtype pair or form. */
 int xpu_adamw(int gkind, int wkind, float *p, const void *g, float *m, float *v, void *w, int64_t n,
               const float *hp, int threads, int form, float *bp, float *bm, float *bv, const float *acc,
               const void *g1, double *seconds) {
     range_fn fn = adamw_fn(gkind, wkind, form);
     if (!fn) return -1;
     adamw_args x = {p, m, v, g, w, hp[0], hp[1], hp[2], hp[3], hp[4], hp[5], hp[6], hp[7], bp, bm, bv, acc, g1};
-    const double t0 = now_s();
-    parallel(fn, &x, n, threads);
-    if (seconds) *seconds = now_s() - t0;
+    timed_parallel(fn, &x, n, threads, seconds);
     return 0;
 }
 
@@ -341,9 +344,7 @@ int xpu_accumulate(int gkind, float *acc, const void *g, int64_t n, int threads,
     if (gkind == 2) fn = acc_f16;
 #endif
     if (!fn) return -1;
-    const double t0 = now_s();
-    parallel(fn, &x, n, threads);
-    if (seconds) *seconds = now_s() - t0; /* as xpu_adamw's */
+    timed_parallel(fn, &x, n, threads, seconds);
     return 0;
 }
 
@@ -382,9 +383,7 @@ int xpu_accumulate2(int gkind, float *acc, const void *g0, const void *g1, int64
     if (gkind == 2) fn = acc2_f16;
 #endif
     if (!fn) return -1;
-    const double t0 = now_s();
-    parallel(fn, &x, n, threads);
-    if (seconds) *seconds = now_s() - t0; /* as xpu_adamw's */
+    timed_parallel(fn, &x, n, threads, seconds);
     return 0;
 }
 

@@ -305,8 +305,8 @@ class HostOptimizer(ClockReadings, ClipSpeculation):
                     self._background_piece()
                     continue
                 pick = self._board.backlog[0]  # nothing has landed: wait for the first to land
-            kind, arg, callback = pick
-            waits = (kind == "grad" and not self._board.landed(pick)
+            kind, arg, _ = pick
+            waits = (not self._board.landed(pick)  # a gradient still on its way home
                      or kind == "finish" and isinstance(arg, PendingClip) and not arg.ready())
             if due and waits:
                 self._background_piece()
