@@ -35,6 +35,7 @@ def _measuring(monkeypatch, update: float, earlier: float = 0.0) -> None:
     monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
     monkeypatch.setattr(sum_placement, "WINDOW", -1.0)
     monkeypatch.setattr(rehearsal, "send_seconds", lambda post, since: None)  # this machine's sends: not priced
+    monkeypatch.setattr(rehearsal, "step_gap", lambda clock: None)  # nor its steps' gaps
     monkeypatch.setattr(HostOptimizer, "split_since",
                         lambda self, start: (update, earlier) if self.updated_numel else None)
 

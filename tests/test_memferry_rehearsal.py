@@ -109,6 +109,7 @@ def test_rehearsing_leaves_training_exactly_as_without_it(cpu_backend, monkeypat
         monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
         monkeypatch.setattr(sum_placement, "WINDOW", -1.0)  # one plan timed: no device-summing rival rehearsed
         monkeypatch.setattr(rehearsal, "send_seconds", lambda post, since: None)  # this machine's sends: not priced
+        monkeypatch.setattr(rehearsal, "step_gap", lambda clock: None)  # nor its steps' gaps
         steps = []
         real_step = MemFerry.step
         monkeypatch.setattr(MemFerry, "step", lambda self: (steps.append(1), real_step(self))[1])
@@ -148,6 +149,7 @@ def test_the_host_rate_is_timed_over_the_last_of_three_whole_steps(cpu_backend, 
     monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
     monkeypatch.setattr(sum_placement, "WINDOW", -1.0)  # one plan timed: no device-summing rival rehearsed
     monkeypatch.setattr(rehearsal, "send_seconds", lambda post, since: None)  # this machine's sends: not priced
+    monkeypatch.setattr(rehearsal, "step_gap", lambda clock: None)  # nor its steps' gaps
     events: list[str] = []
     times: list[float] = []  # when each event's call returned
 

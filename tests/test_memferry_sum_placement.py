@@ -28,6 +28,7 @@ def _clocked(monkeypatch, host_summing_s: float, device_summing_s: float) -> lis
     monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
     monkeypatch.setattr(rehearsal, "send_seconds", lambda post, since: None)  # this machine's sends: not priced
     monkeypatch.setattr(HostOptimizer, "split_since", lambda self, start: None)  # nothing to calibrate
+    monkeypatch.setattr(rehearsal, "step_gap", lambda clock: None)  # nor the clocked steps' gaps
     real = rehearsal._rehearse
     calls: list[tuple[int, bool]] = []
 

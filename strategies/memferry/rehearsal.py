@@ -29,8 +29,9 @@ the profile calibrated to the measured rates of both (its prediction is the meas
 after a rebuild for memory, the least disturbed of the timed rehearsals': ``least_disturbed``;
 while the kernel timed alone around the steps ran slower than profiled, they run again, and
 still disturbed they count at most at the plan's price times the slowdown the kernel alone
-showed on both sides of them: ``host_calibration.undisturbed``);
-where the updates, or the sums of the earlier micro-batches, ran more than 10 % off what the
+showed on both sides of them: ``host_calibration.undisturbed``), and where the host bounds
+it, on what its clocked steps ran beyond their host work, where that rehearsal's host was not
+disturbed (``host_calibration.with_gap``); where the updates, or the sums of the earlier micro-batches, ran more than 10 % off what the
 plan assumed for them, the scheduler also searches again where the host bounds the plan
 (``host_calibration.py``), and a faster plan is built and rehearsed in its turn (real devices
 only).
@@ -65,7 +66,7 @@ from xpu.units import format_bytes, parse_bytes
 
 from .compute_dtype import cast_parameters, restore_parameters
 from .host_calibration import (SETTLE_TRIES, alone_slowdown, applies, checked_plan, priced_on_own_rate,
-                               ratios, same_layout, settled, undisturbed)
+                               ratios, same_layout, settled, step_gap, undisturbed)
 from .plan_check import PlanOverBudgetError
 from .planning import SETUP_NOTE, replan
 from .sum_placement import SumPlacement
@@ -139,7 +140,9 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                 rate_checked = True
                 if step_s is not None and engine.plan.predicted_step_s:
                     calibration.append(_step_note(step_s, engine.plan.predicted_step_s))
-                again = checked_plan(engine, budget, margin, calibration, host, send_s, rates)
+                # what a step ran beyond its host work, where nothing else had the host
+                gap = step_gap(clock) if not alone or settled(alone[-1]) else None
+                again = checked_plan(engine, budget, margin, calibration, host, send_s, rates, gap)
                 if again is not None and not same_layout(again, engine.plan):
                     if placement.may_race(engine):
                         placement.replaced(engine.plan, step_s)
