@@ -4,14 +4,17 @@ term). The cpu backend's virtual devices skip the rehearsal's host check; these 
 and set what it measures, so nothing depends on this machine's timing."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+import strategies.memferry.cost as cost
 import strategies.memferry.host_calibration as host_calibration
 import strategies.memferry.rehearsal as rehearsal
 from strategies.memferry import AdamW, MemFerry
 from strategies.memferry.cost import links_from_probe, predict
 from strategies.memferry.host_calibration import SETTLE_TRIES, calibrated, step_gap, with_gap
-from strategies.memferry.planning import plan_for
+from strategies.memferry.config import UnitPlan
 from tests.test_memferry_host_calibration import _measuring, host_plan  # noqa: F401  (a fixture)
 from tests.test_memferry_rehearsal import true_min_budget  # noqa: F401  (a fixture)
 from tests.test_memferry_scheduler_accum import batch, qwen2_tied
@@ -48,13 +51,27 @@ def test_a_host_bound_step_is_priced_the_gap_its_rehearsal_measured(host_plan, c
     assert with_gap(plan, gapped, links, 0.0, priced + 0.01).host_gap_s == pytest.approx(0.01)
 
 
+def test_a_step_bound_by_the_host_s_memory_is_priced_the_gap_too(host_plan, cpu_backend, monkeypatch):  # noqa: F811
+    # The 128-layer GPT's plan was bound by host memory, 7 ms over its host work's chain, and its
+    # steps ran 88 ms beyond their host work (H100, session 43): the gap adds to both host terms.
+    plan, profile, links, pred = _host_bound(host_plan, cpu_backend)
+    assert "host memory" in pred.parts
+    parts = predict(plan, dataclasses.replace(profile, host_gap_s=0.02), links, 0.0).parts
+    for term in ("host optimizer", "host memory"):
+        assert parts[term] == pytest.approx(pred.parts[term] + 0.02)
+    memory_bound = dataclasses.replace(pred, bound="host memory", step_s=1.0, host_optimizer_s=0.99)
+    monkeypatch.setattr(cost, "predict", lambda *args: memory_bound)
+    assert with_gap(plan, profile, links, 0.0, 0.05).host_gap_s == pytest.approx(0.04)
+
+
 def test_a_gap_the_model_already_prices_or_a_step_the_host_does_not_bound_changes_nothing(
         host_plan, cpu_backend):  # noqa: F811
     plan, profile, links, pred = _host_bound(host_plan, cpu_backend)
     assert with_gap(plan, profile, links, 0.0, 0.5 * (pred.step_s - pred.host_optimizer_s)) is profile
-    on_device = plan_for(qwen2_tied(), batch(), None, backend=cpu_backend, memory_margin=0.0)  # nothing on the host
-    assert predict(on_device, on_device.profile, links, 0.0).bound == "compute"
-    assert with_gap(on_device, on_device.profile, links, 0.0, 10.0) is on_device.profile
+    on_device = dataclasses.replace(plan, units=[UnitPlan("resident", "resident", optimizer="device")] * len(plan.units),
+                                    rest_optimizer="device")  # nothing updated on the host, nothing copied
+    assert predict(on_device, profile, links, 0.0).bound == "compute"
+    assert with_gap(on_device, profile, links, 0.0, 10.0) is profile
 
 
 def test_the_rehearsal_s_gap_calibrates_the_plan(cpu_backend, monkeypatch, host_plan):  # noqa: F811

@@ -49,11 +49,12 @@ gradient (from backward's start), ``R_k`` the forward that follows its release p
 released at the forward's block ``p`` delays only what follows ``p``) and ``H_k`` the host's
 finish time of unit ``k``, the steady-state period is the max-plus fixed point
 
-    step = max(C, t_rest + max_k (H_k + R_k) + G, M)
+    step = max(C, t_rest + max_k (H_k + R_k) + G, M + G)
 
-with ``G`` (``StepProfile.host_gap_s``) what a rehearsal measured a host-bound step to run
-beyond its host work over the wait priced here (``host_calibration.with_gap``; 0 uncalibrated):
-the host worker's own time between its timed pieces and its waits for the GIL are not modelled.
+with ``G`` (``StepProfile.host_gap_s``) what a rehearsal measured a step bound by either host
+term to run beyond its host work, over what these terms price (``host_calibration.with_gap``; 0
+uncalibrated): the host worker's own time between its timed pieces and its waits for the GIL
+are not modelled.
 In landing order ``H_k = max(H_prev, l_k) + h_k`` (the dynamic program carries the chain's end
 ``m`` from the last block down). In deadline order (preemptive earliest-deadline-first) the
 largest ``H_j + R_j`` is ``max_j (l_j + R_j + P_j)`` with ``P_j`` the host work of every unit due
@@ -349,14 +350,14 @@ def finish(state: State, first: OptionCost, profile: "StepProfile", links: Links
     if late > _NEG:  # with what the rehearsal measured beyond the modelled wait (host_calibration.with_gap)
         terms["host optimizer"] = earlier + t_rest + late + spill + profile.host_gap_s
     if budget is not None:  # every host byte of the step, copies included, through one bandwidth
-        terms["host memory"] = state.hm + hm_rest
+        terms["host memory"] = state.hm + hm_rest + profile.host_gap_s
     bound, step = max(terms.items(), key=lambda kv: kv[1])
     raw = int(peak_bytes(profile, rest_optimizer, prefetch_depth, state.mem, state.excess, state.slot, state.r,
                          state.nslot))
     return Prediction(step, int(raw * (1 + margin)), compute, 0.0, bound.split(" (")[0],
                       {**terms, "raw_peak_bytes": float(raw), "rest_s": t_rest, "forward_s": pre + state.phi,
                        "backward_s": psi, "earlier_micro_batches_s": earlier, "earlier_spill_s": spill,
-                       "host_gap_s": profile.host_gap_s if late > _NEG else 0.0})
+                       "host_gap_s": profile.host_gap_s if late > _NEG or budget is not None else 0.0})
 
 
 def predict_options(opts: Sequence[OptionCost], profile: "StepProfile", links: Links, rest_optimizer: str,

@@ -188,9 +188,10 @@ def step_gap(clock: Sequence[Any]) -> float | None:
 def with_gap(plan: Plan, profile: "StepProfile", links: "Links", margin: float,
              gap_s: float) -> "StepProfile":
     """``profile`` with ``host_gap_s`` set so that ``plan``, priced on it, runs ``gap_s`` (a
-    rehearsal's :func:`step_gap`) beyond its host work, where the host optimizer bounds it; as it
-    was elsewhere (the step is not the host's work and a wait there). Never below the modelled
-    wait (``host_gap_s`` at least 0).
+    rehearsal's :func:`step_gap`) beyond its host work, where the host bounds it (its work and
+    waits, or its memory's bandwidth: the cost model adds ``host_gap_s`` to both terms); as it
+    was elsewhere (the step is not the host's work and a wait there). Never below what the model
+    prices (``host_gap_s`` at least 0).
 
     Why: the cost model prices a host-bound step as its host work and one wait (from the last
     update the next forward needs to the first gradient of its backward: 15-26 ms at 64-128
@@ -206,7 +207,7 @@ def with_gap(plan: Plan, profile: "StepProfile", links: "Links", margin: float,
     from .cost import predict
 
     pred = predict(plan, profile, links, margin)
-    if pred.bound != "host optimizer":
+    if pred.bound not in ("host optimizer", "host memory"):
         return profile
     priced = pred.step_s - pred.host_optimizer_s
     extra = max(0.0, profile.host_gap_s + gap_s - priced)
