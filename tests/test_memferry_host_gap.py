@@ -12,9 +12,9 @@ import strategies.memferry.cost as cost
 import strategies.memferry.host_calibration as host_calibration
 import strategies.memferry.rehearsal as rehearsal
 from strategies.memferry import AdamW, MemFerry
+from strategies.memferry.config import UnitPlan
 from strategies.memferry.cost import links_from_probe, predict
 from strategies.memferry.host_calibration import SETTLE_TRIES, calibrated, step_gap, with_gap
-from strategies.memferry.config import UnitPlan
 from tests.test_memferry_host_calibration import _measuring, host_plan  # noqa: F401  (a fixture)
 from tests.test_memferry_rehearsal import true_min_budget  # noqa: F401  (a fixture)
 from tests.test_memferry_scheduler_accum import batch, qwen2_tied
@@ -68,8 +68,8 @@ def test_a_gap_the_model_already_prices_or_a_step_the_host_does_not_bound_change
         host_plan, cpu_backend):  # noqa: F811
     plan, profile, links, pred = _host_bound(host_plan, cpu_backend)
     assert with_gap(plan, profile, links, 0.0, 0.5 * (pred.step_s - pred.host_optimizer_s)) is profile
-    on_device = dataclasses.replace(plan, units=[UnitPlan("resident", "resident", optimizer="device")] * len(plan.units),
-                                    rest_optimizer="device")  # nothing updated on the host, nothing copied
+    resident = UnitPlan("resident", "resident", optimizer="device")  # nothing updated on the host, nothing copied
+    on_device = dataclasses.replace(plan, units=[resident] * len(plan.units), rest_optimizer="device")
     assert predict(on_device, profile, links, 0.0).bound == "compute"
     assert with_gap(on_device, profile, links, 0.0, 10.0) is profile
 

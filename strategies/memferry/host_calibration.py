@@ -57,8 +57,8 @@ if TYPE_CHECKING:
     from .profiler import StepProfile
 
 __all__ = ["TOLERANCE", "SEARCH_AGAIN", "DISTURBED", "SETTLE_TRIES", "applies", "ratios", "least_disturbed",
-           "alone_slowdown", "settled", "undisturbed", "calibrated", "with_sends", "step_gap", "with_gap", "repriced", "same_layout",
-           "checked_plan", "priced_on_own_rate"]
+           "alone_slowdown", "settled", "undisturbed", "calibrated", "with_sends", "step_gap", "with_gap",
+           "repriced", "same_layout", "checked_plan", "priced_on_own_rate"]
 
 _log = logging.getLogger("xpu.memferry")
 
@@ -274,8 +274,8 @@ def checked_plan(engine: "MemFerry", budget: int, margin: float, found: list[str
         said += f"; {profile.notes[-1]}"
     kept = repriced(plan, profile, links, margin)
     before, now = plan.predicted_step_s or 0.0, kept.predicted_step_s or 0.0
-    again, how = kept, (f"its step moved under {SEARCH_AGAIN:.0%}" if gap_priced else "the host does not bound it") + \
-        ": same plan, not searched again"
+    unmoved = f"its step moved under {SEARCH_AGAIN:.0%}" if gap_priced else "the host does not bound it"
+    again, how = kept, f"{unmoved}: same plan, not searched again"
     if not rates_off and not send_s and not gap_priced:
         how = "within the tolerance: same plan, not searched again"
     elif abs(now - before) > SEARCH_AGAIN * before:

@@ -169,9 +169,9 @@ class StepProfile:
             the host: on the H200 host-summing plans ran over their predictions by 7/8 of the
             thread's send time, the sends of those micro-batches (bench/results/2026-12-04-h200-session24/).
         host_gap_s: the rehearsal's calibration too (``host_calibration.with_gap``): seconds a
-            step bound by the host optimizer ran beyond its host work in the rehearsal, over
-            what the cost model priced for that (0: not measured, or priced in full). The
-            cost model adds it to the host's term of the step.
+            step bound by the host (its work and waits, or its memory's bandwidth) ran beyond
+            its host work in the rehearsal, over what the cost model priced for that (0: not
+            measured, or priced in full). The cost model adds it to both host terms of the step.
         clip_fire_rate: a setting (``plan_for`` sets it): ``AdamW.clip_fire_rate``, the share of
             steps expected to clip, which the scheduler weighs plans by (``clip_plan.py``).
         flat_sends: a setting (``plan_for`` sets it): ``AdamW.flat_sends``, a host-homed unit's

@@ -31,10 +31,10 @@ while the kernel timed alone around the steps ran slower than profiled, they run
 still disturbed they count at most at the plan's price times the slowdown the kernel alone
 showed on both sides of them: ``host_calibration.undisturbed``), and where the host bounds
 it, on what its clocked steps ran beyond their host work, where that rehearsal's host was not
-disturbed (``host_calibration.with_gap``); where the updates, or the sums of the earlier micro-batches, ran more than 10 % off what the
-plan assumed for them, the scheduler also searches again where the host bounds the plan
-(``host_calibration.py``), and a faster plan is built and rehearsed in its turn (real devices
-only).
+disturbed (``host_calibration.with_gap``); where the updates, or the sums of the earlier
+micro-batches, ran more than 10 % off what the plan assumed for them, the scheduler also
+searches again where the host bounds the plan (``host_calibration.py``), and a faster plan is
+built and rehearsed in its turn (real devices only).
 
 Under gradient accumulation a plan is then raced against the scheduler's best plan summing its
 micro-batches on the other side (host or device), where the model predicts the two close: both
