@@ -5,6 +5,7 @@ and set what it measures, so nothing depends on this machine's timing."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,7 +15,8 @@ import strategies.memferry.rehearsal as rehearsal
 from strategies.memferry import AdamW, MemFerry
 from strategies.memferry.config import UnitPlan
 from strategies.memferry.cost import links_from_probe, predict
-from strategies.memferry.host_calibration import SETTLE_TRIES, calibrated, step_gap, with_gap
+from strategies.memferry.host_calibration import (SETTLE_TRIES, calibrated, priced_on_own_rate, repriced, step_gap,
+                                                 with_gap)
 from tests.test_memferry_host_calibration import _measuring, host_plan  # noqa: F401  (a fixture)
 from tests.test_memferry_rehearsal import true_min_budget  # noqa: F401  (a fixture)
 from tests.test_memferry_scheduler_accum import batch, qwen2_tied
@@ -102,3 +104,21 @@ def test_a_rehearsal_whose_host_stayed_disturbed_prices_no_gap(cpu_backend, monk
     assert any(n.startswith("host rate:") for n in engine.plan.notes)  # calibrated on its rate...
     assert asked == [] and engine.plan.profile.host_gap_s == 0.0  # ...not on its gap
     engine.close()
+
+
+def test_a_plan_kept_after_its_own_rehearsal_is_priced_on_its_own_gap(host_plan, cpu_backend):  # noqa: F811
+    """A race's winner inherits the first plan's calibrated profile, gap included; its own timed
+    rehearsal's gap replaces it (here, less than inherited)."""
+    plan, profile, links, pred = _host_bound(host_plan, cpu_backend)
+    priced = pred.step_s - pred.host_optimizer_s
+    inherited = repriced(plan, dataclasses.replace(profile, host_gap_s=0.1), links, 0.0)
+    engine = SimpleNamespace(plan=inherited, backend=cpu_backend, device=0)
+    own = (inherited.host_update_s_per_param, inherited.host_earlier_s_per_param)  # its rates as priced
+    found: list[str] = []
+    priced_on_own_rate(engine, own, 0.0, found, gap_s=priced + 0.04)
+    assert engine.plan.profile.host_gap_s == pytest.approx(0.04)
+    assert engine.plan.predicted_step_s == pytest.approx(pred.step_s + 0.04)
+    assert len(found) == 1 and "40.0 ms added to the host's term" in found[0], found
+    engine.plan = inherited
+    priced_on_own_rate(engine, own, 0.0, found)  # no gap measured: the inherited one stays
+    assert engine.plan.profile.host_gap_s == pytest.approx(0.1) and "added" not in found[-1]

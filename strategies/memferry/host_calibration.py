@@ -289,20 +289,26 @@ def checked_plan(engine: "MemFerry", budget: int, margin: float, found: list[str
 
 
 def priced_on_own_rate(engine: "MemFerry", measured: tuple[float, float] | None, margin: float,
-                       found: list[str]) -> None:
+                       found: list[str], gap_s: float | None = None) -> None:
     """A plan kept after its own timed rehearsal (a race's winner, or a re-searched plan of
-    another layout) priced on the host work ``measured`` there: its layout was priced on the
-    rates the first plan's rehearsal measured, and a device-summing plan's updates read one fp32
-    sum where a host-summing one's add the step's last micro-batches (the HF model's
-    device-summing winner ran 10.5 % under its prediction; H200, session 26). Same layout, no
-    search; what it found is appended to ``found``."""
+    another layout) priced on the host work ``measured`` there, and on the gap ``gap_s`` its
+    steps ran beyond it (:func:`with_gap`, None: not measured): its layout was priced on what the
+    first plan's rehearsal measured, and a device-summing plan's updates read one fp32 sum where a
+    host-summing one's add the step's last micro-batches (the HF model's device-summing winner ran
+    10.5 % under its prediction; H200, session 26). Same layout, no search; what it found is
+    appended to ``found``."""
     plan = engine.plan
     if not measured or not plan.host_s_per_param or plan.profile is None:
         return
     update, earlier = ratios(plan, measured)
-    kept = repriced(plan, calibrated(plan.profile, update, earlier), links_from_probe(engine.backend, engine.device),
-                    margin)
+    links = links_from_probe(engine.backend, engine.device)
+    profile = calibrated(plan.profile, update, earlier)
+    if gap_s is not None:
+        profile = with_gap(plan, profile, links, margin, gap_s)
+    kept = repriced(plan, profile, links, margin)
     found.append(f"sum placement: the kept plan's host work in its own rehearsal ran {update:.2f}x its updates' price "
-                 f"and {earlier:.2f}x its sums': predicted step {(plan.predicted_step_s or 0.0) * 1e3:.1f} -> "
+                 f"and {earlier:.2f}x its sums'"
+                 + (f"; {profile.notes[-1]}" if profile.host_gap_s != plan.profile.host_gap_s else "")
+                 + f": predicted step {(plan.predicted_step_s or 0.0) * 1e3:.1f} -> "
                  f"{(kept.predicted_step_s or 0.0) * 1e3:.1f} ms")
     engine.plan = kept

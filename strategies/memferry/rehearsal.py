@@ -132,6 +132,8 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
         if clock:
             clocks.append(clock_note(len(clocks) + 1, clock, alone))
         host = undisturbed(host, alone[-1] if alone else None, engine.plan)
+        # what a step ran beyond its host work, where nothing else had the host (with_gap)
+        gap = step_gap(clock) if not alone or settled(alone[-1]) else None
         if host and not rate_checked and engine.plan.host_s_per_param:
             rates.append(ratios(engine.plan, host))
         predicted = engine.plan.predicted_peak_bytes or 0
@@ -140,8 +142,6 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                 rate_checked = True
                 if step_s is not None and engine.plan.predicted_step_s:
                     calibration.append(_step_note(step_s, engine.plan.predicted_step_s))
-                # what a step ran beyond its host work, where nothing else had the host
-                gap = step_gap(clock) if not alone or settled(alone[-1]) else None
                 again = checked_plan(engine, budget, margin, calibration, host, send_s, rates, gap)
                 if again is not None and not same_layout(again, engine.plan):
                     if placement.may_race(engine):
@@ -165,7 +165,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                     if not placement.timing:
                         rehearsed_s = placement.original_s
                     continue
-                priced_on_own_rate(engine, host, margin, placement.notes)
+                priced_on_own_rate(engine, host, margin, placement.notes, gap)
             elif placement.timing:
                 back = placement.settle(step_s)
                 rehearsed_s = step_s
@@ -173,7 +173,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                     _rebuild(engine, back)  # its memory is rehearsed again, untimed
                     rehearsed_s = placement.original_s
                     continue
-                priced_on_own_rate(engine, host, margin, placement.notes)
+                priced_on_own_rate(engine, host, margin, placement.notes, gap)
             held = hold_to_plan(engine, budget, predicted, allocated)
             n = engine.micro.steps
             what = f"{RATE_STEPS} steps of {n} micro-batch{'es' if n > 1 else ''}" if timed else "one step"
