@@ -272,3 +272,27 @@ def test_memferry_gil_switch_option_holds_for_the_row_and_is_put_back(cpu_backen
                     "label": "memferry", "timeline_path": None}, in_process=True)
     assert bad["status"] != "ok" and "gil_switch_s must be seconds in (0, 1]" in bad["reason"]
     assert sys.getswitchinterval() == before
+
+
+def test_memferry_host_piece_option_reaches_the_host_kernel(cpu_backend, monkeypatch):
+    """``host_piece`` is the single-pass loop's parameters per call for the row (``AdamW.host_piece``);
+    a value under 2**16 is refused with the one-line reason."""
+    from bench.systems.memferry import MemFerrySystem
+
+    seen = []
+    real_close = MemFerrySystem.close
+
+    def close(self):
+        kernel = self.engine.optimizer.kernel
+        seen.append((kernel.name, getattr(kernel, "piece", None)))
+        real_close(self)
+
+    monkeypatch.setattr(MemFerrySystem, "close", close)
+    row = _run(_scenario([{"name": "memferry", "device_mem_gb": 1,
+                           "options": {"plan": "prefetch", "host_piece": 1 << 18}}]), "memferry")
+    assert row["status"] == "ok" and len(seen) == 1
+    if seen[0][0] == "single-pass":  # the torch fallback (no compiler) has chunks of its own
+        assert seen[0][1] == 1 << 18
+    bad = run_spec({"scenario": _scenario([{"name": "memferry", "options": {"host_piece": 4096}}]).to_dict(),
+                    "label": "memferry", "timeline_path": None}, in_process=True)
+    assert bad["status"] != "ok" and "host_piece must be a whole number of parameters, at least 65536" in bad["reason"]

@@ -9,6 +9,7 @@ so masters agree to rtol 1e-6 (a few fp32 ulps after several steps), moments to 
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from types import SimpleNamespace
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from strategies.memferry import c_library, host_loops
-from strategies.memferry.config import AdamW
+from strategies.memferry.config import MIN_HOST_PIECE, AdamW
 from strategies.memferry.host_kernel import SinglePassKernel, TorchKernel, make_host_kernel
 from strategies.memferry.shadow import UnitShadow
 
@@ -393,3 +394,27 @@ def test_a_build_is_cached_by_its_source_and_the_local_headers_it_includes(tmp_p
     assert second != first
     assert (ctypes.CDLL(str(first)).xpu_value(), ctypes.CDLL(str(second)).xpu_value()) == (1, 2)
     assert host_loops._SOURCE.with_name("host_team.h").read_text() in c_library.source_text(host_loops._SOURCE)
+
+
+def test_host_piece_sets_the_calls_of_an_update_and_leaves_its_bits():
+    """``AdamW.host_piece`` cuts each weight-decay group into calls of that many parameters (the
+    worker answers between them): the same bits as one call per group."""
+    n = 3 * MIN_HOST_PIECE + 14  # each weight-decay group 1.5 pieces and 7 parameters: two calls each
+    cut, whole = (_shadow(n, torch.bfloat16, n // 2, seed=1) for _ in range(2))
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    for s in (cut, whole):
+        s.grad_stage.copy_(grad)
+    small = SinglePassKernel(dataclasses.replace(CFG, host_piece=MIN_HOST_PIECE), [cut], threads=2)
+    assert small.piece == MIN_HOST_PIECE and SinglePassKernel(CFG, [whole], threads=2).piece == 1 << 24
+    assert len(list(small.pieces(cut, 0.5))) == 4
+    SinglePassKernel(CFG, [whole], threads=2).apply(whole, 0.5)
+    for a, b in ((cut.master, whole.master), (cut.exp_avg, whole.exp_avg), (cut.exp_avg_sq, whole.exp_avg_sq),
+                 (cut.work, whole.work)):
+        assert torch.equal(a, b)
+    assert cut.step == whole.step == 1
+
+
+@pytest.mark.parametrize("bad", [1000, MIN_HOST_PIECE - 1, 2.5e6, True, "16M"])
+def test_a_host_piece_too_small_or_not_a_count_is_refused(bad):
+    with pytest.raises(ValueError, match=r"host_piece must be a whole number of parameters, at least 65536"):
+        AdamW(host_piece=bad)

@@ -20,6 +20,8 @@ Options:
     split_update: unset (default: on where ``max_grad_norm`` is), ``false`` or ``true``
         (``AdamW.split_update``): under accumulation, the working copy first and the fp32 state
         while the next step's earlier micro-batches run.
+    host_piece: parameters per call of the single-pass loop (``AdamW.host_piece``; unset: 2**24).
+        For an A/B of what a call's return costs against how long a sooner unit may wait.
     gil_switch_s: the interpreter's thread switch interval for the row (``sys.setswitchinterval``,
         seconds; unset: CPython's 5 ms), put back when the row closes. A thread waiting for the
         GIL waits up to that long for a holder running Python; for an A/B of what the host
@@ -116,7 +118,8 @@ class MemFerrySystem(BenchSystem):
                     landing_wait=ctx.options.get("landing_wait", "spin"),
                     clip_fire_rate=ctx.options.get("clip_fire_rate", 0.0),
                     flat_sends=ctx.options.get("flat_sends", False),
-                    split_update=ctx.options.get("split_update"))
+                    split_update=ctx.options.get("split_update"),
+                    host_piece=ctx.options.get("host_piece"))
         sample = None
         if spec == "auto":  # the scheduler profiles one batch of the scenario's shape under the device cap
             vocab = _vocab(ctx)

@@ -5,7 +5,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-__all__ = ["AdamW", "UnitPlan", "Plan", "MODES", "OFFLOAD_MIN_BYTES", "CLIP_MODES"]
+__all__ = ["AdamW", "UnitPlan", "Plan", "MODES", "OFFLOAD_MIN_BYTES", "MIN_HOST_PIECE", "CLIP_MODES"]
 
 #: How host updates meet global-norm clipping (``AdamW.clip_mode``).
 CLIP_MODES = ("speculative", "wait")
@@ -18,6 +18,8 @@ MODES = ("resident", "prefetch", "dha")
 #: Saved tensors below this size stay on the device under activation offload (moving them costs
 #: more than it frees); the executor's swapper and the profiler's count of what stays share it.
 OFFLOAD_MIN_BYTES = 1 << 16
+#: The least ``AdamW.host_piece``: below it a call's fixed cost outweighs its loop.
+MIN_HOST_PIECE = 1 << 16
 Mode = Literal["resident", "prefetch", "dha"]
 
 
@@ -83,6 +85,11 @@ class AdamW:
             (``split_update.updates_split``), off otherwise; on the HF model with accumulation 8
             and clipping it was 2-3 % faster on two H100 hosts, without clipping on the §3 GPT 1 %
             slower (bench/results/2026-12-06-h100-session40/). Read it as :attr:`splits`.
+        host_piece: parameters per call of the single-pass loop (None: its 2**24, about 5 ms
+            on an H200's host): the worker picks its next task between calls, so a unit the next
+            forward needs sooner waits at most one piece; each call also takes the GIL back on
+            its return, about 0.15 ms a call inside the 128-layer GPT's steps (H100, session 43:
+            its ``call`` phase, 92 ms a step over some 640 calls). At least 2**16.
     """
 
     lr: float = 1e-3
@@ -99,6 +106,7 @@ class AdamW:
     clip_fire_rate: float = 0.0
     flat_sends: bool = False
     split_update: bool | None = None
+    host_piece: int | None = None
 
     @property
     def splits(self) -> bool:
@@ -129,6 +137,10 @@ class AdamW:
         if self.split_update is not None and not isinstance(self.split_update, bool):
             raise ValueError(f"split_update must be True, False or None (on where clipping is), "
                              f"got {self.split_update!r}")
+        if self.host_piece is not None and (not isinstance(self.host_piece, int) or isinstance(self.host_piece, bool)
+                                            or self.host_piece < MIN_HOST_PIECE):
+            raise ValueError(f"host_piece must be a whole number of parameters, at least {MIN_HOST_PIECE} "
+                             f"(2**16), or None (the loop's 2**24); got {self.host_piece!r}")
         if not isinstance(self.flat_sends, bool):
             raise ValueError(f"flat_sends must be True or False, got {self.flat_sends!r}")
         if self.landing_wait not in ("spin", "sleep"):

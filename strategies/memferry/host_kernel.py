@@ -278,6 +278,7 @@ class SinglePassKernel(HostKernel):
     def __init__(self, cfg: AdamW, shadows: list[UnitShadow] = (), threads: int | None = None) -> None:
         self.cfg = cfg
         self.lr = cfg.lr
+        self.piece = cfg.host_piece or type(self).piece  # AdamW.host_piece, for an A/B of the calls' cost
         self.threads = threads or cfg.host_threads or torch.get_num_threads()
         self._loops = host_loops()  # built (or loaded from the cache) now, not inside a training step
         for s in shadows:
