@@ -88,8 +88,8 @@ class AdamW:
         host_piece: parameters per call of the single-pass loop (None: its 2**24, about 5 ms
             on an H200's host): the worker picks its next task between calls, so a unit the next
             forward needs sooner waits at most one piece; each call also takes the GIL back on
-            its return, about 0.15 ms a call inside the 128-layer GPT's steps (H100, session 43:
-            its ``call`` phase, 92 ms a step over some 640 calls). At least 2**16.
+            its return, about 0.18 ms a call inside the 128-layer GPT's steps (H100, session 43:
+            its ``call`` phase, 92 ms a step over 512 calls). At least 2**16.
     """
 
     lr: float = 1e-3
