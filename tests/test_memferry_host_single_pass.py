@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from strategies.memferry import c_library, host_loops
+from strategies.memferry.adamw import decay_ranges
 from strategies.memferry.config import MIN_HOST_PIECE, AdamW
 from strategies.memferry.host_kernel import SinglePassKernel, TorchKernel, make_host_kernel
 from strategies.memferry.shadow import UnitShadow
@@ -418,3 +419,21 @@ def test_host_piece_sets_the_calls_of_an_update_and_leaves_its_bits():
 def test_a_host_piece_too_small_or_not_a_count_is_refused(bad):
     with pytest.raises(ValueError, match=r"host_piece must be a whole number of parameters, at least 65536"):
         AdamW(host_piece=bad)
+
+
+def test_a_last_sliver_joins_the_piece_before_it():
+    """A group's last piece under an eighth of ``host_piece`` joins the one before it (one call's
+    return fewer: a 50 M unit cut at 2**24 made a fourth call for its last 27 k parameters); the
+    bits are those of one call per group."""
+    p, n = MIN_HOST_PIECE, 2 * MIN_HOST_PIECE + 100
+    assert decay_ranges(n, n, p, tail=p // 8) == [(0, p, True), (p, n, True)]
+    assert len(decay_ranges(2 * p + 9000, 0, p, tail=p // 8)) == 3  # an eighth or more stays
+    cut, whole = (_shadow(n, torch.bfloat16, n, seed=3) for _ in range(2))
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    for s in (cut, whole):
+        s.grad_stage.copy_(grad)
+    small = SinglePassKernel(dataclasses.replace(CFG, host_piece=MIN_HOST_PIECE), [cut], threads=2)
+    assert len(list(small.pieces(cut, 1.0))) == 2
+    SinglePassKernel(CFG, [whole], threads=2).apply(whole, 1.0)
+    assert all(torch.equal(a, b) for a, b in ((cut.master, whole.master), (cut.exp_avg, whole.exp_avg),
+                                              (cut.exp_avg_sq, whole.exp_avg_sq), (cut.work, whole.work)))

@@ -26,13 +26,17 @@ def flat_adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Te
     return opt
 
 
-def decay_ranges(size: int, decay_end: int, chunk: int | None = None) -> list[tuple[int, int, bool]]:
+def decay_ranges(size: int, decay_end: int, chunk: int | None = None, tail: int = 0) -> list[tuple[int, int, bool]]:
     """``(start, stop, decays)`` covering ``[0, size)``: the decay prefix ``[0, decay_end)`` and the
-    no-decay rest, each cut into pieces of at most ``chunk`` elements (None: whole)."""
+    no-decay rest, each cut into pieces of at most ``chunk`` elements (None: whole); a group's
+    last piece shorter than ``tail`` joins the one before it (then up to ``chunk + tail``)."""
     out = []
     for a0, b0, decays in ((0, decay_end, True), (decay_end, size, False)):
         step = chunk or max(1, b0 - a0)
-        out.extend((a, min(a + step, b0), decays) for a in range(a0, b0, step))
+        cut = [(a, min(a + step, b0), decays) for a in range(a0, b0, step)]
+        if len(cut) > 1 and cut[-1][1] - cut[-1][0] < tail:
+            cut[-2:] = [(cut[-2][0], b0, decays)]
+        out.extend(cut)
     return out
 
 
