@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import torch
 
 from strategies.models import CausalLM, build_model
+from xpu.spans import span
 
 __all__ = ["SystemContext", "BenchSystem", "phase", "forward_backward", "module_step", "engine_step", "DTYPES",
            "init_single_process_group", "micro_batches", "set_recompute"]
@@ -153,7 +154,7 @@ def set_recompute(model: CausalLM, on: bool) -> str:
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
     """Label a part of a step (``bench:<name>``) in the profiler timeline."""
-    with torch.profiler.record_function(f"bench:{name}"):
+    with span(lambda: f"bench:{name}"):
         yield
 
 

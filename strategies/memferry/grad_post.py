@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from xpu import Backend
+from xpu.spans import span
 
 from .clip_norms import GlobalNormClip
 from .flat_sends import gather, host_span
@@ -71,7 +72,7 @@ class GradientPost:
         :meth:`HostOptimizer.submit` takes them)."""
         # Named for a profiled step: bench/scripts/trace_sends.py splits these spans by the calls
         # inside them (which runtime call costs the thread its time).
-        with torch.profiler.record_function("grad_post:send"):
+        with span("grad_post:send"):
             self._send(index, sources, targets, final, summed, zone)
 
     def _send(self, index: int, sources: list[torch.Tensor], targets: list[torch.Tensor], final: bool,

@@ -32,6 +32,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from xpu.spans import span
+
 from .clip_norms import GlobalNormClip, PendingClip
 from .config import AdamW
 from .data_parallel import DataParallel
@@ -349,7 +351,7 @@ class HostOptimizer(ClockReadings, ClipSpeculation):
         """One piece of unit ``index``'s paused update; publish it after the last."""
         pieces, done_step, counter = self._paused[index]
         s = self.shadows[index]
-        with torch.profiler.record_function(f"optimizer:host {s.unit.name}"):
+        with span(lambda: f"optimizer:host {s.unit.name}"):
             times = next(pieces, {})
         done = getattr(s, counter) == done_step  # the kernel counts the step with its last piece
         self._count(index, times, done)
@@ -375,7 +377,7 @@ class HostOptimizer(ClockReadings, ClipSpeculation):
         s = self.shadows[index]
         # A named span, so a profiler trace (the benchmark's timelines) shows host updates
         # on the CPU optimizer lane beside the device's backward.
-        with torch.profiler.record_function(f"optimizer:host {s.unit.name}"):
+        with span(lambda: f"optimizer:host {s.unit.name}"):
             self._count(index, self.kernel.apply(s, coef, source=source), done=True)
             self._publish(index)
 

@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
+from xpu.spans import span
+
 from .clip_norms import GlobalNormClip, PendingClip, clips
 from .host_kernel import HostKernel, Triple
 from .shadow import UnitShadow
@@ -217,7 +219,7 @@ class ClipSpeculation:
             self.clip_stats["speculated_units"] += 1
         held = self._running
         s = self.shadows[held.index]
-        with torch.profiler.record_function(f"optimizer:host speculative {s.unit.name}"):
+        with span(lambda: f"optimizer:host speculative {s.unit.name}"):
             times = next(held.pieces, None)
         if times is None:
             held.pieces, self._running = None, None
@@ -270,7 +272,7 @@ class ClipSpeculation:
         redo = held.lr is not None and not (coef == 1.0 and held.lr == self._lr)
         if held.lr is None or redo:
             self.clip_stats["direct_units"] += int(held.lr is None and self._backups is not None)
-            with torch.profiler.record_function(f"optimizer:host {self.shadows[index].unit.name}"):
+            with span(lambda: f"optimizer:host {self.shadows[index].unit.name}"):
                 self._count(index, self._split.copy_now(index, coef), done=True)
         self._publish(index)
         self._split.queue(index)
