@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 
-import strategies.memferry.cost as cost
 import strategies.memferry.host_calibration as host_calibration
 import strategies.memferry.rehearsal as rehearsal
 from strategies.memferry import AdamW, MemFerry
@@ -62,7 +61,7 @@ def test_a_step_bound_by_the_host_s_memory_is_priced_the_gap_too(host_plan, cpu_
     for term in ("host optimizer", "host memory"):
         assert parts[term] == pytest.approx(pred.parts[term] + 0.02)
     memory_bound = dataclasses.replace(pred, bound="host memory", step_s=1.0, host_optimizer_s=0.99)
-    monkeypatch.setattr(cost, "predict", lambda *args: memory_bound)
+    monkeypatch.setattr(host_calibration, "predict", lambda *args: memory_bound)
     assert with_gap(plan, profile, links, 0.0, 0.05).host_gap_s == pytest.approx(0.04)
 
 

@@ -5,8 +5,8 @@ as thousands of small-array calls (the plan search's dominance scan, ``pareto.py
 the machine's C compiler (``$CC``, else ``cc``/``gcc``/``clang``) under the first of a list of
 flag sets that compiles, cached under ``$XPU_CACHE_DIR`` (default ``~/.cache/xpu``) keyed by the
 source (with the local headers it includes), compiler, flags and CPU (``-march=native`` code runs
-only on the CPU it was built for), and loaded once per process. Where no compiler works, :class:`UnavailableError` says why, and is
-remembered: callers fall back to torch or numpy.
+only on the CPU it was built for), and loaded once per process. Where no compiler works,
+:class:`UnavailableError` says why, and is remembered: callers fall back to torch or numpy.
 """
 from __future__ import annotations
 

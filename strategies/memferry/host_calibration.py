@@ -42,10 +42,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from .adamw_rates import host_adamw_rate
 from .config import Plan
+from .cost import predict
 from .links import links_from_probe
 from .planning import replan
 
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from .engine import MemFerry
     from .links import Links
     from .profiler import StepProfile
+    from .rehearsal import Clocked
 
 __all__ = ["TOLERANCE", "SEARCH_AGAIN", "DISTURBED", "SETTLE_TRIES", "applies", "ratios", "least_disturbed",
            "alone_slowdown", "settled", "undisturbed", "calibrated", "with_sends", "step_gap", "with_gap",
@@ -178,10 +180,10 @@ def with_sends(profile: "StepProfile", send_s: float) -> "StepProfile":
     return dataclasses.replace(profile, earlier_send_s=send_s, notes=[*profile.notes, note])
 
 
-def step_gap(clock: Sequence[Any]) -> float | None:
-    """The least, over a rehearsal's clocked steps (``rehearsal.Clocked``: ``step_s``, ``host_s``),
-    of a step's wall time beyond the host optimizer's work in it; None without clocked steps.
-    The least, as a disturbance only adds to it."""
+def step_gap(clock: Sequence["Clocked"]) -> float | None:
+    """The least, over a rehearsal's clocked steps (``step_s``, ``host_s``), of a step's wall time
+    beyond the host optimizer's work in it; None without clocked steps. The least, as a
+    disturbance only adds to it."""
     return min((c.step_s - c.host_s for c in clock), default=None)
 
 
@@ -204,8 +206,6 @@ def with_gap(plan: Plan, profile: "StepProfile", links: "Links", margin: float,
     shootdowns (sessions 35-38, 85-115 ms more). Priced so, those rows' predictions would have
     been within 10 % in 27 of 35 (26 as logged), mean |error| 7.2 % (8.0): host rates that drift
     between rehearsal and steps are the rest (bench/results/2026-12-06-h100-session43/)."""
-    from .cost import predict
-
     pred = predict(plan, profile, links, margin)
     if pred.bound not in ("host optimizer", "host memory"):
         return profile

@@ -43,10 +43,10 @@ class HostClock:
             beyond the loop: their Python side, and taking the GIL back), ``writeback``,
             ``consumer_wait`` (callers of ``HostOptimizer.wait``: the next forward blocked),
             ``zone_wait`` (callers of ``HostOptimizer.wait_consumed``: a backward blocked until
-            the host had summed what the unit's landing zone held), ``backup`` (speculative clipping's copies and restores)
-            and ``idle`` (the worker with nothing queued and no piece due, blocked for the next
-            task: the bubbles of a host-bound step, e.g. between the last update the next forward
-            needs and the first gradient of its backward).
+            the host had summed what the unit's landing zone held), ``backup`` (speculative
+            clipping's copies and restores) and ``idle`` (the worker with nothing queued and no
+            piece due, blocked for the next task: the bubbles of a host-bound step, e.g. between
+            the last update the next forward needs and the first gradient of its backward).
         updated_numel: parameters updated so far (this rank's shards).
         earlier_s: seconds of work for micro-batches before a step's last: summing them (within
             ``upcast``) and split updates' second passes (within ``adamw``: ``split_update.py``).
