@@ -320,14 +320,13 @@ def test_a_clipped_memferry_row_says_which_steps_clipped(cpu_backend):
 def test_a_memferry_row_carries_its_rehearsal_s_last_step(cpu_backend, monkeypatch):
     """Where the rehearsal is timed (real devices; turned on here), the row says what its last
     step took beside the prediction, before any training step."""
-    import strategies.memferry.rehearsal as rehearsal
     from bench.scenario import load_scenario
     from bench.worker import run_spec
 
     from strategies.memferry.host_optimizer import HostOptimizer
+    from tests.rehearsal_here import rehearse_here
 
-    monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
-    monkeypatch.setattr(rehearsal, "send_seconds", lambda post, since: None)  # this machine's sends: not priced
+    rehearse_here(monkeypatch)
     # The host's rate as this machine measured it could make another plan (untimed): none measured.
     monkeypatch.setattr(HostOptimizer, "split_since", lambda self, start: None)
     system = {"name": "memferry", "label": "mf", "device_mem_gb": 1, "options": {"plan": "auto"}}  # a budget: rehearsed

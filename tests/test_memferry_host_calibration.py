@@ -24,6 +24,7 @@ from strategies.memferry.host_calibration import (DISTURBED, SETTLE_TRIES, TOLER
 from strategies.memferry.host_optimizer import HostOptimizer
 from strategies.memferry.planning import plan_for
 from strategies.memferry.scheduler import min_budget
+from tests.rehearsal_here import rehearse_here
 from tests.test_memferry_rehearsal import true_min_budget  # noqa: F401  (a fixture)
 from tests.test_memferry_scheduler_accum import batch, qwen2_tied
 
@@ -32,10 +33,8 @@ def _measuring(monkeypatch, update: float, earlier: float = 0.0) -> None:
     """Host updates report ``update`` seconds per parameter, and the earlier micro-batches' sums
     ``earlier``; the check runs on the cpu backend (and no device-summing rival is rehearsed:
     ``sum_placement.py`` would compare this machine's step times)."""
-    monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
+    rehearse_here(monkeypatch)
     monkeypatch.setattr(sum_placement, "WINDOW", -1.0)
-    monkeypatch.setattr(rehearsal, "send_seconds", lambda post, since: None)  # this machine's sends: not priced
-    monkeypatch.setattr(rehearsal, "step_gap", lambda clock: None)  # nor its steps' gaps
     monkeypatch.setattr(HostOptimizer, "split_since",
                         lambda self, start: (update, earlier) if self.updated_numel else None)
 

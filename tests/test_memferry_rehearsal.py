@@ -25,6 +25,7 @@ from strategies.memferry.host_optimizer import HostOptimizer
 from strategies.memferry.planning import plan_for
 from strategies.memferry.scheduler import NoPlanFitsError, min_budget
 from strategies.memferry.shadow import ShadowModel
+from tests.rehearsal_here import rehearse_here
 from tests.test_memferry_scheduler_accum import batch, qwen2_tied
 
 
@@ -106,10 +107,8 @@ def test_rehearsing_leaves_training_exactly_as_without_it(cpu_backend, monkeypat
     plan = plan_for(qwen2_tied(), (x, y), None, backend=cpu_backend, memory_margin=0.0, accumulation_steps=2)
     timed = []
     if rate_checked:
-        monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
+        rehearse_here(monkeypatch)
         monkeypatch.setattr(sum_placement, "WINDOW", -1.0)  # one plan timed: no device-summing rival rehearsed
-        monkeypatch.setattr(rehearsal, "send_seconds", lambda post, since: None)  # this machine's sends: not priced
-        monkeypatch.setattr(rehearsal, "step_gap", lambda clock: None)  # nor its steps' gaps
         steps = []
         real_step = MemFerry.step
         monkeypatch.setattr(MemFerry, "step", lambda self: (steps.append(1), real_step(self))[1])
@@ -146,10 +145,8 @@ def test_the_host_rate_is_timed_over_the_last_of_three_whole_steps(cpu_backend, 
     comparing with the plan's rate for 3; without the check, one step of 2 shows the peak."""
     x, y = batch()
     plan = plan_for(qwen2_tied(), (x, y), None, backend=cpu_backend, memory_margin=0.0, accumulation_steps=3)
-    monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
+    rehearse_here(monkeypatch)
     monkeypatch.setattr(sum_placement, "WINDOW", -1.0)  # one plan timed: no device-summing rival rehearsed
-    monkeypatch.setattr(rehearsal, "send_seconds", lambda post, since: None)  # this machine's sends: not priced
-    monkeypatch.setattr(rehearsal, "step_gap", lambda clock: None)  # nor its steps' gaps
     events: list[str] = []
     times: list[float] = []  # when each event's call returned
 

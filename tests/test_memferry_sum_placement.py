@@ -16,6 +16,7 @@ from strategies.memferry.host_calibration import same_layout
 from strategies.memferry.host_optimizer import HostOptimizer
 from strategies.memferry.scheduler import schedule, sums_on_host_by_choice
 from strategies.memferry.sum_placement import device_summed_blocks, host_summed_blocks
+from tests.rehearsal_here import rehearse_here
 from tests.test_memferry_host_calibration import accumulating_plan, host_plan  # noqa: F401  (fixtures)
 from tests.test_memferry_rehearsal import true_min_budget  # noqa: F401  (a fixture)
 from tests.test_memferry_scheduler_accum import batch, qwen2_tied
@@ -25,10 +26,8 @@ def _clocked(monkeypatch, host_summing_s: float, device_summing_s: float) -> lis
     """Timed rehearsals report ``host_summing_s`` per step for a plan summing any block on the
     host, else ``device_summing_s``; the host runs at each plan's own rate. Returns the
     rehearsals as (host-summed blocks, timed)."""
-    monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
-    monkeypatch.setattr(rehearsal, "send_seconds", lambda post, since: None)  # this machine's sends: not priced
+    rehearse_here(monkeypatch)
     monkeypatch.setattr(HostOptimizer, "split_since", lambda self, start: None)  # nothing to calibrate
-    monkeypatch.setattr(rehearsal, "step_gap", lambda clock: None)  # nor the clocked steps' gaps
     real = rehearsal._rehearse
     calls: list[tuple[int, bool]] = []
 
