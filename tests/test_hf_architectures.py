@@ -5,7 +5,7 @@ two micro-batches per step and clipping, against torch AdamW on the model as it 
 Each stands for a way a model differs: blocks returning tuples (Falcon, Bloom), Conv1D linears
 and learned positions (GPT-2), logits soft-capped or scaled after the head (Gemma 2, Cohere),
 mixture-of-experts blocks (Mixtral), fused projections (Phi-3, GPT-NeoX), a decoder with its own
-projection sizes (OPT)."""
+projection sizes (OPT), norms over each head's queries and keys (Qwen3)."""
 from __future__ import annotations
 
 import copy
@@ -31,6 +31,7 @@ ARCHS = {
     "phi3": {},
     "gpt_neox": {},
     "opt": {"ffn_dim": 64, "word_embed_proj_dim": 32},
+    "qwen3": {},
 }
 _DROPOUTS = ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
              "activation_dropout", "attn_dropout")
