@@ -19,8 +19,8 @@ import strategies.memferry.sum_placement as sum_placement
 from strategies.memferry import AdamW, MemFerry
 from strategies.memferry.config import Plan
 from strategies.memferry.cost import links_from_probe, predict
-from strategies.memferry.host_calibration import (DISTURBED, SETTLE_TRIES, TOLERANCE, calibrated, ratios, repriced,
-                                                 same_layout, undisturbed, with_sends)
+from strategies.memferry.host_calibration import (CEILING, DISTURBED, SETTLE_TRIES, TOLERANCE, calibrated,
+                                                 ceiling_note, ratios, repriced, same_layout, undisturbed, with_sends)
 from strategies.memferry.host_optimizer import HostOptimizer
 from strategies.memferry.planning import plan_for
 from strategies.memferry.scheduler import min_budget
@@ -343,16 +343,29 @@ def test_a_rehearsal_still_disturbed_is_taken_where_it_ran_under_the_price(cpu_b
 def test_a_disturbed_rehearsal_runs_again_until_the_host_settles_and_is_calibrated_as_measured(
         cpu_backend, monkeypatch, host_plan):
     """Disturbed around the first run of the steps (1.3x alone after them), settled around the
-    second (within ``DISTURBED``): the second run's 1.3x is the steps' own, and the plan is
+    second (within ``DISTURBED``): the second run's 1.2x is the steps' own, and the plan is
     priced on it."""
     timings = iter([1.0, 1.3, 1.0, DISTURBED])  # DISTURBED itself counts as settled
-    engine, _ = _rehearsed(cpu_backend, monkeypatch, host_plan, 1.3, timings)
+    engine, _ = _rehearsed(cpu_backend, monkeypatch, host_plan, 1.2, timings)
     said = [n for n in engine.plan.notes if n.startswith("host rate:")]
-    assert len(said) == 1 and "updates 1.30x" in said[0], said
-    assert engine.plan.profile.host_update_scale == pytest.approx(1.3)
+    assert len(said) == 1 and "updates 1.20x" in said[0], said
+    assert engine.plan.profile.host_update_scale == pytest.approx(1.2)
     clock = [n for n in engine.plan.notes if n.startswith("rehearsal clock 1:")]
     assert len(clock) == 1 and "the steps ran 2 times" in clock[0] and "still disturbed" not in clock[0], clock
     assert next(timings, None) is None
+    engine.close()
+
+
+def test_a_settled_rehearsal_reading_its_updates_over_the_ceiling_is_priced_at_it(cpu_backend, monkeypatch,
+                                                                                   host_plan):
+    """The kernel alone at its profiled rate around the steps, the updates 1.5x their price: the
+    plan is priced at CEILING and the notes say what was read."""
+    engine, _ = _rehearsed(cpu_backend, monkeypatch, host_plan, 1.5, iter([1.0, 1.0]))
+    assert engine.plan.profile.host_update_scale == pytest.approx(CEILING)
+    held = [n for n in engine.plan.notes if n.startswith("host ceiling:")]
+    assert len(held) == 1 and "updates read 1.50x their price" in held[0], engine.plan.notes
+    said = [n for n in engine.plan.notes if n.startswith("host rate:")]
+    assert len(said) == 1 and f"updates {CEILING:.2f}x" in said[0], said
     engine.close()
 
 
@@ -387,6 +400,27 @@ def test_a_disturbed_rehearsal_counts_up_to_its_price_times_the_hosts_slowdown_a
     assert undisturbed((1.0e-9, 0.5e-9), disturbed, alone) == pytest.approx((1.5e-9, 0.0), rel=1e-12)
     assert undisturbed((1.5e-9, 1.0e-9), disturbed, alone) is None
     assert undisturbed((1.5e-9, 1.0e-9), slow, alone) == pytest.approx((2e-9 * level, 0.0), rel=1e-12)
+
+
+def test_a_settled_rehearsal_s_host_work_counts_at_most_at_the_ceiling_without_accumulation():
+    """Where the kernel alone ran at its profiled rate around the steps and the plan prices no
+    sums of earlier micro-batches, the host work counts at most at CEILING times its price, and
+    the note says what was read; as measured under the ceiling, where the host was not timed
+    alone or was disturbed (the price times its slowdown alone bounds it there), and where the
+    plan prices sums (accumulation)."""
+    plan = Plan([], host_s_per_param=2e-9, host_earlier_s_per_param=0.0)
+    settled_pair = (1.0, DISTURBED)
+    assert undisturbed((3.0e-9, 0.0), settled_pair, plan) == pytest.approx((CEILING * 2e-9, 0.0), rel=1e-12)
+    assert undisturbed((2.0e-9, 1.0e-9), settled_pair, plan) == pytest.approx((CEILING * 2e-9, 0.0), rel=1e-12)
+    assert undisturbed((2.4e-9, 0.0), settled_pair, plan) == (2.4e-9, 0.0)  # under it: as measured
+    note = ceiling_note(plan, (3.0e-9, 0.0), undisturbed((3.0e-9, 0.0), settled_pair, plan), settled_pair)
+    assert note == (f"host ceiling: the rehearsal's updates read 1.50x their price with the kernel alone settled "
+                    f"around them; taken at {CEILING:.2f}x, the most timed steps have run over it")
+    assert ceiling_note(plan, (2.2e-9, 0.0), (2.2e-9, 0.0), settled_pair) is None
+    assert undisturbed((3.0e-9, 0.0), None, plan) == (3.0e-9, 0.0)  # not timed alone
+    assert ceiling_note(plan, (3.0e-9, 0.0), (2e-9, 0.0), (1.0, DISTURBED * 1.5)) is None  # disturbed
+    summing = Plan([], host_s_per_param=3e-9, host_earlier_s_per_param=2e-9)  # updates priced 1e-9
+    assert undisturbed((1.5e-9, 2.5e-9), settled_pair, summing) == (1.5e-9, 2.5e-9)
 
 
 def test_the_kernel_alone_is_timed_on_the_profiled_length_and_never_on_virtual_devices(cpu_backend, monkeypatch,

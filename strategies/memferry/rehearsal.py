@@ -29,7 +29,8 @@ the profile calibrated to the measured rates of both (its prediction is the meas
 after a rebuild for memory, the least disturbed of the timed rehearsals': ``least_disturbed``;
 while the kernel timed alone around the steps ran slower than profiled, they run again, and
 still disturbed they count at most at the plan's price times the slowdown the kernel alone
-showed on both sides of them: ``host_calibration.undisturbed``), and where the host bounds
+showed on both sides of them, and settled at most at ``host_calibration.CEILING`` times the
+price: ``host_calibration.undisturbed``), and where the host bounds
 it, on what its clocked steps ran beyond their host work, where that rehearsal's host was not
 disturbed (``host_calibration.with_gap``); where the updates, or the sums of the earlier
 micro-batches, ran more than 10 % off what the plan assumed for them, the scheduler also
@@ -65,8 +66,8 @@ import torch
 from xpu.units import format_bytes, parse_bytes
 
 from .compute_dtype import cast_parameters, restore_parameters
-from .host_calibration import (SETTLE_TRIES, alone_slowdown, applies, checked_plan, priced_on_own_rate,
-                               ratios, same_layout, settled, step_gap, undisturbed)
+from .host_calibration import (SETTLE_TRIES, alone_slowdown, applies, ceiling_note, checked_plan,
+                               priced_on_own_rate, ratios, same_layout, settled, step_gap, undisturbed)
 from .plan_check import PlanOverBudgetError
 from .planning import SETUP_NOTE, replan
 from .sum_placement import SumPlacement
@@ -131,7 +132,11 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
         step_s = rehearsed.step_s
         if clock:
             clocks.append(clock_note(len(clocks) + 1, clock, alone))
-        host = undisturbed(host, alone[-1] if alone else None, engine.plan)
+        taken = undisturbed(host, alone[-1] if alone else None, engine.plan)
+        held_down = ceiling_note(engine.plan, host, taken, alone[-1] if alone else None)
+        if held_down and not rate_checked:
+            calibration.append(held_down)
+        host = taken
         # what a step ran beyond its host work, where nothing else had the host (with_gap)
         gap = step_gap(clock) if not alone or settled(alone[-1]) else None
         if host and not rate_checked and engine.plan.host_s_per_param:
