@@ -30,9 +30,9 @@ after a rebuild for memory, the least disturbed of the timed rehearsals': ``leas
 while the kernel timed alone around the steps ran slower than profiled, they run again, and
 still disturbed they count at most at the plan's price times the slowdown the kernel alone
 showed on both sides of them, and settled at most at ``host_calibration.CEILING`` times the
-price: ``host_calibration.undisturbed``), and where the host bounds
-it, on what its clocked steps ran beyond their host work, where that rehearsal's host was not
-disturbed (``host_calibration.with_gap``); where the updates, or the sums of the earlier
+price: ``host_calibration.undisturbed``), and where the host bounds it, on what its clocked
+steps ran beyond their host work, where that rehearsal's host was not disturbed
+(``host_calibration.with_gap``); where the updates, or the sums of the earlier
 micro-batches, ran more than 10 % off what the plan assumed for them, the scheduler also
 searches again where the host bounds the plan (``host_calibration.py``), and a faster plan is
 built and rehearsed in its turn (real devices only).
