@@ -337,12 +337,11 @@ def priced_on_own_rate(engine: "MemFerry", measured: tuple[float, float] | None,
     update, earlier = ratios(plan, measured)
     links = links_from_probe(engine.backend, engine.device)
     profile = calibrated(plan.profile, update, earlier)
-    if gap_s is not None:
-        profile = with_gap(plan, profile, links, margin, gap_s)
-    kept = repriced(plan, profile, links, margin)
+    gapped = with_gap(plan, profile, links, margin, gap_s) if gap_s is not None else profile
+    kept = repriced(plan, gapped, links, margin)
     found.append(f"sum placement: the kept plan's host work in its own rehearsal ran {update:.2f}x its updates' price "
                  f"and {earlier:.2f}x its sums'"
-                 + (f"; {profile.notes[-1]}" if profile.host_gap_s != plan.profile.host_gap_s else "")
+                 + (f"; {gapped.notes[-1]}" if gapped is not profile else "")
                  + f": predicted step {(plan.predicted_step_s or 0.0) * 1e3:.1f} -> "
                  f"{(kept.predicted_step_s or 0.0) * 1e3:.1f} ms")
     engine.plan = kept

@@ -132,13 +132,14 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
         step_s = rehearsed.step_s
         if clock:
             clocks.append(clock_note(len(clocks) + 1, clock, alone))
-        taken = undisturbed(host, alone[-1] if alone else None, engine.plan)
-        held_down = ceiling_note(engine.plan, host, taken, alone[-1] if alone else None)
+        pair = alone[-1] if alone else None  # the kernel alone around the last run of the steps
+        taken = undisturbed(host, pair, engine.plan)
+        held_down = ceiling_note(engine.plan, host, taken, pair)
         if held_down and not rate_checked:
             calibration.append(held_down)
         host = taken
         # what a step ran beyond its host work, where nothing else had the host (with_gap)
-        gap = step_gap(clock) if not alone or settled(alone[-1]) else None
+        gap = step_gap(clock) if pair is None or settled(pair) else None
         if host and not rate_checked and engine.plan.host_s_per_param:
             rates.append(ratios(engine.plan, host))
         predicted = engine.plan.predicted_peak_bytes or 0
