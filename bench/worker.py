@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from .gc_clock import FullCollections
 from .host_memory import HostMemoryMonitor
 
 __all__ = ["run_spec", "describe", "main"]
@@ -283,18 +284,21 @@ def run_spec(spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | 
                 retries = stats.alloc_retries
                 backend.reset_peak_memory(dev)
             times, losses = [], []
-            for i in range(eff["total_steps"]):
-                backend.synchronize(dev)
-                t0 = time.perf_counter()
-                loss = system.step(inputs, targets)
-                backend.synchronize(dev)
-                times.append(time.perf_counter() - t0)
-                losses.append(None if loss is None else float(loss))
-                if progress:
-                    progress({"label": entry.label, "step": i + 1, "total": eff["total_steps"]})
+            with FullCollections() as collections:  # Python's full GC pauses, step by step (gc_clock.py)
+                for i in range(eff["total_steps"]):
+                    backend.synchronize(dev)
+                    t0 = time.perf_counter()
+                    loss = system.step(inputs, targets)
+                    backend.synchronize(dev)
+                    times.append(time.perf_counter() - t0)
+                    collections.step_done()
+                    losses.append(None if loss is None else float(loss))
+                    if progress:
+                        progress({"label": entry.label, "step": i + 1, "total": eff["total_steps"]})
             getattr(system, "wrap_up", lambda: None)()  # untimed: e.g. an export and its reload check (said in the notes)
             timed = times[eff["warmup"]:eff["warmup"] + eff["steps"]]
             row["step_times_s"] = [round(t, 5) for t in times]
+            row["gc_full_ms_steps"] = [round(t * 1e3, 1) for t in collections.steps]
             row["step_s"] = statistics.median(timed)
             row["step_mean_s"] = statistics.fmean(timed)
             row["step_min_s"], row["step_max_s"] = min(timed), max(timed)

@@ -65,6 +65,7 @@ import torch
 
 from xpu.units import format_bytes, parse_bytes
 
+from . import gc_pauses
 from .compute_dtype import cast_parameters, restore_parameters
 from .host_calibration import (SETTLE_TRIES, alone_slowdown, applies, ceiling_note, checked_plan,
                                priced_on_own_rate, ratios, same_layout, settled, step_gap, undisturbed)
@@ -450,6 +451,7 @@ def give_back(engine: "MemFerry", keep_optimizer: bool = False) -> dict[str, Any
     are freed (``ShadowModel.release``): the host holds one unit's copy beside the shadow, not
     the whole model's. ``keep_optimizer``: the optimizer state is taken out that way too and
     returned (``optimizer_state_dict``'s form); else None."""
+    gc_pauses.release(engine)  # the parts' cycles collectable again: the collection below frees them
     engine.optimizer.close()  # the worker first: nothing may write the masters while they are read
     engine.executor.close()
     if engine.copier is not None:
