@@ -20,6 +20,16 @@ if not torch.accelerator.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _collector_thawed():
+    """An engine a test leaves open would keep what every later test set up frozen out of
+    Python's garbage collection (``gc_pauses.py``): thawed after each test."""
+    yield
+    from strategies.memferry import gc_pauses
+
+    gc_pauses.release_all()
+
+
 def _backend_params():
     return ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

@@ -334,3 +334,20 @@ def test_a_memferry_row_carries_its_rehearsal_s_last_step(cpu_backend, monkeypat
     row = run_spec({"scenario": scenario.to_dict(), "label": "mf", "timeline_path": None}, in_process=True)
     assert row["status"] == "ok", row
     assert row["rehearsal_step_s"] > 0 and f"rehearsed {row['rehearsal_step_s']:.3f} s)" in row["notes"], row["notes"]
+    assert len(row["gc_full_ms_steps"]) == len(row["step_times_s"])  # full GC pauses, step by step
+
+
+def test_full_collections_are_timed_in_the_step_they_fall_in():
+    """A full collection counts in the step it ran in, a younger one in none; the clock stops
+    listening when left."""
+    import gc
+
+    from bench.gc_clock import FullCollections
+
+    with FullCollections() as clock:
+        gc.collect()  # generation 2
+        clock.step_done()
+        gc.collect(0)
+        clock.step_done()
+    assert clock.steps[0] > 0 and clock.steps[1] == 0
+    assert clock._observe not in gc.callbacks

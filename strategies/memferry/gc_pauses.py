@@ -23,7 +23,7 @@ from __future__ import annotations
 import atexit
 import gc
 
-__all__ = ["hold", "release", "holders"]
+__all__ = ["hold", "release", "release_all", "holders"]
 
 # The engines (by id) whose setup is frozen; the collector thaws when the last is released.
 _holders: set[int] = set()
@@ -53,6 +53,13 @@ def _thaw() -> None:
     """Every frozen object back to the oldest generation; the exit hook unregistered."""
     atexit.unregister(_thaw)
     gc.unfreeze()
+
+
+def release_all() -> None:
+    """Every hold dropped and the collector thawed: for a process (a notebook, a test session)
+    that let engines go without closing them."""
+    _holders.clear()
+    _thaw()
 
 
 def holders() -> int:
