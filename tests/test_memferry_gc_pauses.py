@@ -20,12 +20,14 @@ class _Cycle:
         self.me = self
 
 
-def _engine(cpu_backend, **kwargs) -> tuple[MemFerry, tuple[torch.Tensor, torch.Tensor]]:
+def _engine(cpu_backend, freeze_setup: bool | None = True) -> tuple[MemFerry, tuple[torch.Tensor, torch.Tensor]]:
+    """A 2-block engine, frozen unless said (the cpu backend's default is not to)."""
     torch.manual_seed(0)
     model = build_model("gpt", layers=2, hidden=32, heads=2, vocab=64, seq=16)
     g = torch.Generator().manual_seed(1)
     batch = torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)
-    return MemFerry(model, optim=AdamW(lr=1e-3), plan="prefetch", backend=cpu_backend, **kwargs), batch
+    return MemFerry(model, optim=AdamW(lr=1e-3), plan="prefetch", backend=cpu_backend,
+                    freeze_setup=freeze_setup), batch
 
 
 def _walked(obj: object) -> bool:
@@ -49,10 +51,27 @@ def test_the_setup_is_frozen_while_open_and_thawed_at_close(cpu_backend):
     assert gc_pauses.holders() == 0 and gc.get_freeze_count() == 0
 
 
-def test_freeze_setup_false_leaves_the_collector_as_it_was(cpu_backend):
-    engine, _ = _engine(cpu_backend, freeze_setup=False)
+@pytest.mark.parametrize("freeze_setup", [False, None])
+def test_off_or_on_virtual_devices_the_collector_is_left_as_it_was(cpu_backend, freeze_setup):
+    """False, and the default on the cpu backend's virtual devices (real devices freeze)."""
+    engine, _ = _engine(cpu_backend, freeze_setup=freeze_setup)
     assert gc_pauses.holders() == 0 and gc.get_freeze_count() == 0 and _walked(engine.shadow)
     engine.close()
+
+
+def test_a_plan_built_again_frees_the_old_parts_and_freezes_the_new(cpu_backend):
+    """The old shadow is collected when a plan is built again (its engine's hold released first);
+    the new parts are frozen under the same single hold."""
+    from strategies.memferry.rehearsal import _rebuild
+
+    engine, (x, y) = _engine(cpu_backend)
+    old = weakref.ref(engine.shadow)
+    _rebuild(engine, engine.plan)
+    assert old() is None
+    assert gc_pauses.holders() == 1 and not _walked(engine.shadow)
+    engine.train_step(x, y)
+    engine.close()
+    assert gc.get_freeze_count() == 0
 
 
 def test_the_last_of_two_engines_to_close_thaws(cpu_backend):
@@ -75,5 +94,5 @@ def test_a_refused_plan_leaves_nothing_frozen(cpu_backend):
     x = torch.randint(0, 64, (2, 16))
     with pytest.raises(PlanOverBudgetError, match="the given plan peaks at"):
         MemFerry(model, optim=AdamW(lr=1e-3), plan="device2", backend=cpu_backend, sample=(x, x),
-                 device_budget="400KB")
+                 device_budget="400KB", freeze_setup=True)
     assert gc_pauses.holders() == 0 and gc.get_freeze_count() == 0

@@ -27,9 +27,9 @@ Options:
         GIL waits up to that long for a holder running Python; for an A/B of what the host
         optimizer's loop calls lose that way (its ``call`` phase).
     memory_margin: the scheduler's fragmentation margin on predicted peak memory (plan auto).
-    freeze_setup: ``true`` (default) or ``false`` (``MemFerry(freeze_setup=...)``): what the
-        set-up made alive frozen out of Python's full garbage collections. For an A/B of what
-        their pauses cost a step (the row's ``gc_full_ms_steps``).
+    freeze_setup: unset (default: on real devices), ``true`` or ``false``
+        (``MemFerry(freeze_setup=...)``): what the set-up made alive frozen out of Python's full
+        garbage collections. For an A/B of what their pauses cost a step (the row's ``gc_full_ms_steps``).
     allocator_cap: ``plan`` (the engine's own: the caching allocator held to the rehearsed
         plan's predicted peak) or ``budget`` (re-capped at the scenario's device cap after setup:
         fewer cache flushes, a reserved peak that may pass the prediction). For an A/B of what
@@ -139,7 +139,7 @@ class MemFerrySystem(BenchSystem):
                                    compute_dtype=ctx.dtype, blocks=model.blocks,  # named: a 1-block model has no list
                                    accumulation_steps=ctx.accumulation_steps,
                                    sum_placement=ctx.options.get("sum_placement", "race"),
-                                   freeze_setup=bool(ctx.options.get("freeze_setup", True)))
+                                   freeze_setup=ctx.options.get("freeze_setup"))
         except BaseException:
             sys.setswitchinterval(self._switch_before)
             raise

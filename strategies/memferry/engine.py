@@ -134,7 +134,9 @@ class MemFerry(EngineReadings):
         freeze_setup: freeze what the set-up made alive (``gc.freeze``, after one collection),
             so Python's full garbage collections walk only what steps make: unfrozen, one
             walked 380 thousand objects for 130-140 ms, GIL held, every 5-7 steps of a
-            128-block model (``gc_pauses.py``). :meth:`close` thaws them (the last engine to close).
+            128-block model (``gc_pauses.py``). :meth:`close` thaws them (the last engine to
+            close). None: on real devices, not the cpu backend's virtual ones (whose steps are
+            not timed, and whose tests build engines by the thousand, a collection each).
 
     Frozen parameters (``requires_grad=False``, e.g. a LoRA model's base weights) are homed and
     moved with their units like the others but have no optimizer state (no master, moments or
@@ -160,7 +162,7 @@ class MemFerry(EngineReadings):
         no_decay: Iterable[str] | None = None,
         rehearse: bool = True,
         sum_placement: str = "race",
-        freeze_setup: bool = True,
+        freeze_setup: bool | None = None,
     ) -> None:
         check_accumulation_steps(accumulation_steps)
         if any(p.numel() and not p.untyped_storage().nbytes() for p in model.parameters()):
@@ -192,7 +194,7 @@ class MemFerry(EngineReadings):
         self._setup = {"blocks": blocks, "no_decay": no_decay, "device_budget": device_budget,
                        "compute_dtype": compute_dtype, "accumulation_steps": accumulation_steps,
                        "multipath": multipath, "memory_margin": memory_margin, "sum_placement": sum_placement,
-                       "freeze_setup": freeze_setup}
+                       "freeze_setup": not self.backend.caps.virtual_devices if freeze_setup is None else freeze_setup}
         try:
             if process_group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
                 self.dp = DataParallel.create(self.backend.device(self.device), process_group)

@@ -9,8 +9,12 @@ pass on one core here; Python starts one whenever the objects that outlived youn
 since the last reach a quarter of the long-lived ones, which the tensors and autograd nodes a
 step keeps across a young collection do every 5-7 steps at 128 blocks
 (``bench/results/2026-12-06-cpu-session45/gc_pauses.txt``). On the H100, steps 3 and 8 of
-128-layer runs (and a rehearsal's third step, whose host work calibrates the plan) ran up to
-30 % over the others (``bench/results/2026-12-06-h100-session45/``).
+128-layer runs ran up to 23 % over the median of the others, 37 % at 64 layers, and so did a
+rehearsal's third step, whose host work calibrates the plan (``bench/results/2026-12-06-h100-session45/``).
+
+Not by default on the cpu backend's virtual devices (``MemFerry(freeze_setup=None)``): their
+steps are not timed, and each freeze costs a full collection (170 ms each in the test suite's
+process, which builds engines by the thousand).
 
 Frozen objects stay alive until every engine that froze them is closed (:func:`release`), or
 the process exits: the process's cyclic garbage made before then is freed only after (the setup
