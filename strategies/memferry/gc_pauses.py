@@ -45,7 +45,8 @@ def hold(owner: object) -> None:
 
 def release(owner: object) -> None:
     """``owner`` no longer holds the freeze; with no other holder, every frozen object goes back
-    to the oldest generation (collected as usual from then on). A no-op for a non-holder."""
+    to the oldest generation (collected as usual from then on), those a process froze itself
+    before the engine too (what the engine froze is not told apart). A no-op for a non-holder."""
     if id(owner) not in _holders:
         return
     _holders.discard(id(owner))
