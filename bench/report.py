@@ -186,6 +186,15 @@ def _cap_note(row: dict[str, Any], scenario: dict[str, Any]) -> str:
     return "uncapped; " if cap is None else f"cap {cap:g} GB; "
 
 
+def _gc_note(row: dict[str, Any]) -> str:
+    """``"full GC 271 ms in 2 of 10 timed steps; "`` where Python's full garbage collections
+    paused the row's timed steps (``bench/gc_clock.py``); "" where none did."""
+    w = row.get("warmup") or 0
+    timed = (row.get("gc_full_ms_steps") or [])[w:w + (row.get("steps") or 0)]
+    paused = [ms for ms in timed if ms >= 10.0]  # not a walk of only what steps made (~1 ms)
+    return f"full GC {sum(paused):.0f} ms in {len(paused)} of {len(timed)} timed steps; " if paused else ""
+
+
 def _merged_note(result: dict[str, Any]) -> str:
     """After the command of a merged report: that it is the first file's, and which files merged."""
     files = result.get("merged_from")
@@ -256,7 +265,7 @@ def markdown_table(result: dict[str, Any]) -> str:
         notes = r.get("notes") or ""
         if r["status"] != "ok":
             notes = _short(r.get("reason"))
-        notes = (_cap_note(r, sc) + notes).rstrip("; ")
+        notes = (_cap_note(r, sc) + _gc_note(r) + notes).rstrip("; ")
         if r.get("approximate"):
             notes = ("approximate (stale updates); " + notes).rstrip("; ")
         if r.get("loss_flag"):

@@ -351,3 +351,13 @@ def test_full_collections_are_timed_in_the_step_they_fall_in():
         clock.step_done()
     assert clock.steps[0] > 0 and clock.steps[1] == 0
     assert clock._observe not in gc.callbacks
+
+
+def test_a_row_whose_timed_steps_a_full_gc_paused_says_so():
+    """The markdown notes count the timed steps (warm-up left out) a full collection paused."""
+    from bench.report import _gc_note
+
+    row = {"warmup": 1, "steps": 3, "gc_full_ms_steps": [150.0, 0.0, 130.0, 2.0, 140.0]}
+    assert _gc_note(row) == "full GC 130 ms in 1 of 3 timed steps; "
+    assert _gc_note({**row, "gc_full_ms_steps": [150.0, 0.0, 2.0, 0.0]}) == ""
+    assert _gc_note({"warmup": 1, "steps": 3}) == ""  # rows from before the clock
