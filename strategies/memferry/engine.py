@@ -133,7 +133,7 @@ class MemFerry(EngineReadings):
             (``sum_placement.py``); ``"plan"`` keeps the scheduler's pick unraced.
         freeze_setup: freeze what the set-up made alive (``gc.freeze``, after one collection),
             so Python's full garbage collections walk only what steps make: unfrozen, one
-            walked 380 thousand objects for 130-140 ms, GIL held, every 5-7 steps of a
+            walked 380 thousand objects for 133-141 ms, GIL held, every 5-7 steps of a
             128-block model (``gc_pauses.py``). :meth:`close` thaws them (the last engine to
             close). None: on real devices, not the cpu backend's virtual ones (whose steps are
             not timed, and whose tests build engines by the thousand, a collection each).

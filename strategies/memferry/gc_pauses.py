@@ -4,7 +4,7 @@ alive is frozen (``gc.freeze``), so a full collection walks only what the steps 
 A full (generation 2) collection walks every object the collector tracks and holds the GIL
 throughout: the training thread launches nothing, and the host optimizer's worker cannot take
 its next piece, so the step it lands in runs that much longer. With torch and transformers
-imported and a 128-block engine built there are about 380 thousand such objects, 130-140 ms a
+imported and a 128-block engine built there are about 380 thousand such objects, 133-141 ms a
 pass on one core here; Python starts one whenever the objects that outlived younger collections
 since the last reach a quarter of the long-lived ones, which the tensors and autograd nodes a
 step keeps across a young collection do every 5-7 steps at 128 blocks
