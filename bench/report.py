@@ -188,7 +188,7 @@ def _cap_note(row: dict[str, Any], scenario: dict[str, Any]) -> str:
 
 def _gc_note(row: dict[str, Any]) -> str:
     """``"full GC 271 ms in 2 of 10 timed steps; "`` where Python's full garbage collections
-    paused the row's timed steps (``bench/gc_clock.py``); "" where none did."""
+    paused the row's timed steps (``xpu/gc_clock.py``); "" where none did."""
     w = row.get("warmup") or 0
     timed = (row.get("gc_full_ms_steps") or [])[w:w + (row.get("steps") or 0)]
     paused = [ms for ms in timed if ms >= 10.0]  # not a walk of only what steps made (~1 ms)

@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .gc_clock import FullCollections
 from .host_memory import HostMemoryMonitor
 
 __all__ = ["run_spec", "describe", "main"]
@@ -244,6 +243,7 @@ def run_spec(spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | 
 
         import xpu
         from strategies.models import flops_per_token, param_count
+        from xpu.gc_clock import FullCollections
         from .systems import load_factory
         from .systems.base import DTYPES, SystemContext
 
@@ -284,7 +284,7 @@ def run_spec(spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | 
                 retries = stats.alloc_retries
                 backend.reset_peak_memory(dev)
             times, losses = [], []
-            with FullCollections() as collections:  # Python's full GC pauses, step by step (gc_clock.py)
+            with FullCollections() as collections:  # Python's full GC pauses, step by step (xpu/gc_clock.py)
                 for i in range(eff["total_steps"]):
                     backend.synchronize(dev)
                     t0 = time.perf_counter()

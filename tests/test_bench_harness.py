@@ -342,7 +342,7 @@ def test_full_collections_are_timed_in_the_step_they_fall_in():
     listening when left."""
     import gc
 
-    from bench.gc_clock import FullCollections
+    from xpu.gc_clock import FullCollections
 
     with FullCollections() as clock:
         gc.collect()  # generation 2

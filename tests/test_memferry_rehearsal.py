@@ -388,3 +388,37 @@ def test_what_the_uncapped_rehearsal_left_cached_is_given_back_once_the_cap_is_h
     assert any(n.startswith("rehearsal:") for n in engine.plan.notes)
     assert calls[-2:] == [("cap", plan.predicted_peak_bytes), ("release", None)]  # held to the prediction, then given back
     engine.close()
+
+
+def test_a_clocked_step_that_a_full_collection_paused_says_so(cpu_backend, monkeypatch):
+    """A full garbage collection in the rehearsal's third step (the one whose host work is read)
+    counts in that step's clock and its note; none in the second, and no word where none ran.
+    Python's own collections are off meanwhile: only the one made here runs."""
+    import gc
+
+    x, y = batch()
+    plan = plan_for(qwen2_tied(), (x, y), None, backend=cpu_backend, memory_margin=0.0)
+    engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=(x, y),
+                      device_budget=plan.predicted_peak_bytes * 2, backend=cpu_backend, rehearse=False)
+    cpu_backend.set_memory_cap(0, None)
+    steps = []
+    real_step = MemFerry.step
+
+    def step(self):
+        real_step(self)
+        steps.append(1)
+        if len(steps) == rehearsal.RATE_STEPS:
+            gc.collect()
+
+    monkeypatch.setattr(MemFerry, "step", step)
+    monkeypatch.setattr(rehearsal, "GC_PAUSE_S", 1e-9)  # any full collection is worth the word here
+    gc.disable()
+    try:
+        clock = rehearsal._rehearse(engine, (x, y), timed=True).clock
+    finally:
+        gc.enable()
+    assert len(clock) == 2 and clock[0].gc_s == 0.0 and clock[1].gc_s > 0.0, clock
+    note = rehearsal.clock_note(1, clock)
+    assert note.endswith(f"; Python's full garbage collections took 0.0, {clock[1].gc_s * 1e3:.1f} ms of them"), note
+    assert "garbage" not in rehearsal.clock_note(1, tuple(c._replace(gc_s=0.0) for c in clock))
+    engine.close()

@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import torch
 
+from xpu.gc_clock import FullCollections
 from xpu.units import format_bytes, parse_bytes
 
 from . import gc_pauses
@@ -78,7 +79,7 @@ if TYPE_CHECKING:
     from .engine import MemFerry
 
 __all__ = ["fit_by_rehearsal", "give_back", "hold_to_plan", "covering_margin", "PlanOverBudgetError", "ATTEMPTS",
-           "MARGIN_STEP", "RATE_STEPS", "CLOCKED_STEPS", "start_peak", "measured_peak", "Clocked", "clock_note"]
+           "MARGIN_STEP", "RATE_STEPS", "CLOCKED_STEPS", "GC_PAUSE_S", "start_peak", "measured_peak", "Clocked", "clock_note"]
 
 
 _log = logging.getLogger("xpu.memferry")
@@ -92,6 +93,9 @@ RATE_STEPS = 3
 #: Of those, the last steps timed on the wall clock, one by one (their mean is the rehearsed
 #: step): one alone varied by 1-2 % on the H200, the size of the gaps ``sum_placement.py`` judges.
 CLOCKED_STEPS = 2
+#: Full garbage collections in a clocked step worth a word in its note (a walk of only what
+#: steps made, with the set-up frozen, takes about 1 ms: ``gc_pauses.py``).
+GC_PAUSE_S = 0.010
 
 
 def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
@@ -296,13 +300,15 @@ class Rehearsed(NamedTuple):
 
 class Clocked(NamedTuple):
     """One clocked rehearsal step, in seconds: its wall time, the training thread's waits for the
-    host optimizer in it (an update to be published, a landing zone to be read), and the host
-    optimizer's work done in it. A step slower than predicted whose waits grew was held by the
+    host optimizer in it (an update to be published, a landing zone to be read), the host
+    optimizer's work done in it, and Python's full garbage collections in it (every thread
+    stalled: ``xpu/gc_clock.py``). A step slower than predicted whose waits grew was held by the
     host; one whose waits did not was slowed on the training thread or the device."""
 
     step_s: float
     waited_s: float
     host_s: float
+    gc_s: float = 0.0
 
 
 def clock_note(k: int, clock: tuple[Clocked, ...], alone: Sequence[tuple[float, float]] = ()) -> str:
@@ -313,6 +319,8 @@ def clock_note(k: int, clock: tuple[Clocked, ...], alone: Sequence[tuple[float, 
 
     said = (f"rehearsal clock {k}: steps of {ms('step_s')} ms; the training thread waited {ms('waited_s')} ms "
             f"of them for the host optimizer, whose work took {ms('host_s')} ms")
+    if any(c.gc_s >= GC_PAUSE_S for c in clock):
+        said += f"; Python's full garbage collections took {ms('gc_s')} ms of them"
     if alone:
         runs = "; ".join(f"{a:.2f}x/{b:.2f}x" for a, b in alone)
         said += f"; the host kernel alone ran {runs} its profiled rate before/after them"
@@ -380,6 +388,7 @@ def _steps(engine: "MemFerry", inputs: Any, targets: Any, n: int, steps: int,
     post = engine.executor.post
     sends = (0, 0.0)
     start = host = None
+    collections = FullCollections()
     for k in range(steps):
         clock = timed and k >= steps - CLOCKED_STEPS
         if clock:
@@ -388,18 +397,21 @@ def _steps(engine: "MemFerry", inputs: Any, targets: Any, n: int, steps: int,
                 sends = (post.earlier_sends, post.earlier_seconds)
             w0, h0 = _host_clock(engine)
             t0 = time.perf_counter()
-        for _ in range(n):
-            loss = engine._loss(inputs, targets)  # held through backward, as a loop that logs it holds it
-            engine.backward(loss / n)
-            del loss
-        engine.step()
-        if timed and k == steps - 2:
-            start = engine.optimizer.counters()  # not waiting: this step's updates go on beside the next
+        with collections:
+            for _ in range(n):
+                loss = engine._loss(inputs, targets)  # held through backward, as a loop that logs it holds it
+                engine.backward(loss / n)
+                del loss
+            engine.step()
+            if timed and k == steps - 2:
+                start = engine.optimizer.counters()  # not waiting: this step's updates go on beside the next
+            if clock:
+                backend.synchronize(device)
+        collections.step_done()
         if clock:
-            backend.synchronize(device)
             t1 = time.perf_counter()
             w1, h1 = _host_clock(engine)
-            clocked.append(Clocked(t1 - t0, w1 - w0, h1 - h0))
+            clocked.append(Clocked(t1 - t0, w1 - w0, h1 - h0, collections.steps[-1]))
         if timed and k == steps - 1:
             host = engine.optimizer.split_since(start)  # updates still under way are left out
     return host, (send_seconds(post, sends) if clocked else None), clocked

@@ -1,10 +1,10 @@
-"""Python's full garbage collections during a benchmark's steps, timed step by step.
+"""Python's full garbage collections during timed steps, step by step.
 
 A full (generation 2) collection holds the GIL while it walks every tracked object: 133-141 ms
 on one core here with a 128-block engine built and nothing frozen
 (``bench/results/2026-12-06-cpu-session45/gc_pauses.txt``), a stall of every Python thread
-that lands in whichever step Python starts it. Rows report it beside the step times so a slow
-step can be told from a slow system (any system: the harness times them all the same way).
+that lands in whichever step Python starts it. The benchmark's rows and MemFerry's rehearsal
+report it beside their step times, so a slow step can be told from a slow system.
 """
 from __future__ import annotations
 
