@@ -9,7 +9,6 @@ The 128-block GPT of ``gc_pauses.py`` (hidden 32, every block homed on the host)
 per step the full collections' ms and the ``call`` phase's ms. A collection holds the GIL, so
 a loop that ends during one returns only after it.
 """
-import gc
 import os
 import statistics
 import sys
