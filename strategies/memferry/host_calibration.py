@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from .adamw_rates import host_adamw_rate
 from .config import Plan
@@ -58,8 +58,8 @@ if TYPE_CHECKING:
     from .profiler import StepProfile
     from .rehearsal import Clocked
 
-__all__ = ["TOLERANCE", "SEARCH_AGAIN", "DISTURBED", "SETTLE_TRIES", "CEILING", "applies", "ratios",
-           "least_disturbed", "alone_slowdown", "settled", "undisturbed", "ceiling_note", "calibrated", "with_sends",
+__all__ = ["TOLERANCE", "SEARCH_AGAIN", "DISTURBED", "SETTLE_TRIES", "CEILING", "Reading", "applies", "ratios",
+           "reading", "least_disturbed", "alone_slowdown", "settled", "undisturbed", "ceiling_note", "calibrated", "with_sends",
            "step_gap", "with_gap", "repriced", "same_layout", "checked_plan", "priced_on_own_rate"]
 
 _log = logging.getLogger("xpu.memferry")
@@ -106,14 +106,45 @@ def ratios(plan: Plan, measured: tuple[float, float]) -> tuple[float, float]:
             earlier / planned_earlier if planned_earlier > 0 and earlier > 0 else 1.0)
 
 
-def least_disturbed(found: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """The least of each part's :func:`ratios` over the timed rehearsals of one fit, each measured
-    against the plan it rehearsed. A disturbance only slows the host, and rebuilding the engine for
-    a plan that peaked over the budget disturbs it: it frees the old shadow's pinned buffers and
-    pins the new one's. The 128-layer GPT's host updates ran 1.00x their price in its first
-    rehearsal, 1.22x in the one after such a rebuild, and 1.04x in its steps (H100,
-    bench/results/2026-12-05-h100-session35/call2/s128)."""
-    return min(r[0] for r in found), min(r[1] for r in found)
+class Reading(NamedTuple):
+    """One timed rehearsal's host work over the price of the plan it ran (:func:`ratios`: updates,
+    earlier sums): ``taken`` as :func:`undisturbed` took it, ``measured`` as its steps ran it, and
+    ``settled``: whether the host kernel alone ran at its profiled rate around them (or was not
+    timed alone)."""
+
+    taken: tuple[float, float]
+    measured: tuple[float, float]
+    settled: bool
+
+
+def reading(plan: Plan, measured: tuple[float, float] | None, taken: tuple[float, float] | None,
+            pair: tuple[float, float] | None) -> Reading | None:
+    """The :class:`Reading` of a rehearsal of ``plan`` whose host work was ``measured``, taken as
+    ``taken`` (:func:`undisturbed`), the kernel alone ``pair`` around its steps; None where
+    nothing was taken or the plan updates nothing on the host."""
+    if not measured or not taken or not plan.host_s_per_param:
+        return None
+    return Reading(ratios(plan, taken), ratios(plan, measured), pair is None or settled(pair))
+
+
+def least_disturbed(found: Sequence[Reading]) -> tuple[float, float]:
+    """The host's ratios to its price over the timed rehearsals of one fit (:class:`Reading`, each
+    against the plan it rehearsed): the least of each part over the settled ones, where any settled,
+    and at most what a disturbed one measured; else the least each took.
+
+    The least, as a disturbance only slows the host, and rebuilding the engine for a plan that
+    peaked over the budget disturbs it: it frees the old shadow's pinned buffers and pins the new
+    one's. The 128-layer GPT's host updates ran 1.00x their price in its first rehearsal, 1.22x in
+    the one after such a rebuild, and 1.04x in its steps (H100,
+    bench/results/2026-12-05-h100-session35/call2/s128). But a disturbed rehearsal's taken figure is
+    a bound (the price times the kernel's slowdown alone), not a reading, and may be under a settled
+    reading: the same model's first rehearsal ran its updates about 1.17x their price with the host
+    settled, the one after the rebuild stayed disturbed (the kernel alone 1.00x before, 1.15x after)
+    and was taken at 1.00x, the least, and the steps ran 1.24x: predicted 21 % short (H200,
+    bench/results/2026-12-06-h200-session46/call4/s128)."""
+    exact = [r.taken for r in found if r.settled]
+    bounds = exact + [r.measured for r in found if not r.settled] if exact else [r.taken for r in found]
+    return min(b[0] for b in bounds), min(b[1] for b in bounds)
 
 
 def alone_slowdown(engine: "MemFerry") -> float | None:
@@ -270,10 +301,10 @@ def same_layout(a: Plan, b: Plan) -> bool:
 
 def checked_plan(engine: "MemFerry", budget: int, margin: float, found: list[str],
                  measured: tuple[float, float] | None, send_s: float | None = None,
-                 rates: Sequence[tuple[float, float]] = (), gap_s: float | None = None) -> Plan | None:
+                 rates: Sequence[Reading] = (), gap_s: float | None = None) -> Plan | None:
     """The plan priced again on a profile calibrated to the rehearsal's host work ``measured``
-    (seconds per parameter: the updates, the earlier micro-batches' sums), or to the least ratios
-    of ``rates`` (every timed rehearsal's, this one's last: :func:`least_disturbed`), to the issuing
+    (seconds per parameter: the updates, the earlier micro-batches' sums; None: not taken), or to
+    :func:`least_disturbed` of ``rates`` (every timed rehearsal's, this one's last), to the issuing
     thread's ``send_s`` (seconds per send before a step's last micro-batch:
     ``StepProfile.earlier_send_s``) where it was measured, and to ``gap_s`` (a host-bound step's
     time beyond its host work, :func:`with_gap`) where it was; searched again where the host bounds
@@ -282,16 +313,21 @@ def checked_plan(engine: "MemFerry", budget: int, margin: float, found: list[str
     plan = engine.plan
     links = links_from_probe(engine.backend, engine.device)
     planned = plan.host_s_per_param  # the rehearsal's steps are whole ones: the plan's own rate
-    if not measured or not planned:
+    if not planned or not (measured or rates):
         return None
-    update, earlier = ratios(plan, measured)
-    total = sum(measured) / planned
-    said = (f"host rate: the rehearsal's host work ran at {sum(measured) * 1e9:.3f} ns/param, {total:.2f}x the "
-            f"{planned * 1e9:.3f} the plan assumed (updates {update:.2f}x, earlier micro-batches' sums {earlier:.2f}x)")
-    if len(rates) > 1 and least_disturbed(rates) != (update, earlier):
-        update, earlier = least_disturbed(rates)
-        said += (f"; the least of {len(rates)} timed rehearsals' (a rebuild's freeing and pinning slows the host "
-                 f"for a while): updates {update:.2f}x, sums {earlier:.2f}x")
+    if measured:
+        update, earlier = ratios(plan, measured)
+        said = (f"host rate: the rehearsal's host work ran at {sum(measured) * 1e9:.3f} ns/param, "
+                f"{sum(measured) / planned:.2f}x the {planned * 1e9:.3f} the plan assumed (updates {update:.2f}x, "
+                f"earlier micro-batches' sums {earlier:.2f}x)")
+    else:
+        said = f"host rate: the last rehearsal's host stayed disturbed, the plan's {planned * 1e9:.3f} ns/param kept for it"
+    least = least_disturbed(rates) if rates else None
+    if least is not None and (not measured or len(rates) > 1 and least != (update, earlier)):
+        update, earlier = least
+        said += (f"; over {len(rates)} timed rehearsals (a rebuild's freeing and pinning slows the host for a while; "
+                 f"one the host stayed disturbed through only bounds those it settled through): updates "
+                 f"{update:.2f}x, sums {earlier:.2f}x")
     rates_off = not all(1 / TOLERANCE <= r <= TOLERANCE for r in (update, earlier))
     # Within the tolerance the layout stays (no search), but its prediction is made on the
     # measured rates: a host-bound plan 8 % slower than priced had been predicted 13-16 % short

@@ -30,9 +30,9 @@ after a rebuild for memory, the least disturbed of the timed rehearsals': ``leas
 while the kernel timed alone around the steps ran slower than profiled, they run again, and
 still disturbed they count at most at the plan's price times the slowdown the kernel alone
 showed on both sides of them, and settled at most at ``host_calibration.CEILING`` times the
-price: ``host_calibration.undisturbed``), and where the host bounds it, on what its clocked
-steps ran beyond their host work, where that rehearsal's host was not disturbed
-(``host_calibration.with_gap``); where the updates, or the sums of the earlier
+price: ``host_calibration.undisturbed``; one still disturbed only bounds an earlier settled one),
+and where the host bounds it, on what the clocked steps of the last rehearsal the host settled
+through ran beyond their host work (``host_calibration.with_gap``); where the updates, or the sums of the earlier
 micro-batches, ran more than 10 % off what the plan assumed for them, the scheduler also
 searches again where the host bounds the plan (``host_calibration.py``), and a faster plan is
 built and rehearsed in its turn (real devices only).
@@ -69,7 +69,7 @@ from xpu.units import format_bytes, parse_bytes
 from . import gc_pauses
 from .compute_dtype import cast_parameters, restore_parameters
 from .host_calibration import (SETTLE_TRIES, alone_slowdown, applies, ceiling_note, checked_plan,
-                               priced_on_own_rate, ratios, same_layout, settled, step_gap, undisturbed)
+                               priced_on_own_rate, reading, same_layout, settled, step_gap, undisturbed)
 from .plan_check import PlanOverBudgetError
 from .planning import SETUP_NOTE, replan
 from .sum_placement import SumPlacement
@@ -125,7 +125,8 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
     placement = SumPlacement(setup.get("sum_placement", "race") == "race")  # where sums go, raced on the wall clock
     race_next = False  # a calibrated plan of another layout: its rehearsal is timed, and raced
     clocks: list[str] = []  # each timed rehearsal's steps, one by one (clock_note)
-    rates: list[tuple[float, float]] = []  # each timed rehearsal's host ratios to its plan, until the check
+    rates: list = []  # each timed rehearsal's host ratios to its plan (host_calibration.Reading), until the check
+    gap = None  # what a step ran beyond its host work (with_gap), in the last rehearsal the host settled through
     while True:
         backend.set_memory_cap(device, None)  # measure the overshoot rather than run into it
         try:
@@ -142,11 +143,12 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
         held_down = ceiling_note(engine.plan, host, taken, pair)
         if held_down and not rate_checked:
             calibration.append(held_down)
+        found = reading(engine.plan, host, taken, pair)
+        if found and not rate_checked:
+            rates.append(found)
         host = taken
-        # what a step ran beyond its host work, where nothing else had the host (with_gap)
-        gap = step_gap(clock) if pair is None or settled(pair) else None
-        if host and not rate_checked and engine.plan.host_s_per_param:
-            rates.append(ratios(engine.plan, host))
+        if pair is None or settled(pair):  # nothing else had the host
+            gap = step_gap(clock)
         predicted = engine.plan.predicted_peak_bytes or 0
         if peak <= budget:
             if not rate_checked:
