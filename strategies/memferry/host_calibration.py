@@ -59,8 +59,8 @@ if TYPE_CHECKING:
     from .rehearsal import Clocked
 
 __all__ = ["TOLERANCE", "SEARCH_AGAIN", "DISTURBED", "SETTLE_TRIES", "CEILING", "Reading", "applies", "ratios",
-           "reading", "least_disturbed", "alone_slowdown", "settled", "undisturbed", "ceiling_note", "calibrated", "with_sends",
-           "step_gap", "with_gap", "repriced", "same_layout", "checked_plan", "priced_on_own_rate"]
+           "reading", "least_disturbed", "alone_slowdown", "settled", "undisturbed", "ceiling_note", "calibrated",
+           "with_sends", "step_gap", "with_gap", "repriced", "same_layout", "checked_plan", "priced_on_own_rate"]
 
 _log = logging.getLogger("xpu.memferry")
 
@@ -321,7 +321,8 @@ def checked_plan(engine: "MemFerry", budget: int, margin: float, found: list[str
                 f"{sum(measured) / planned:.2f}x the {planned * 1e9:.3f} the plan assumed (updates {update:.2f}x, "
                 f"earlier micro-batches' sums {earlier:.2f}x)")
     else:
-        said = f"host rate: the last rehearsal's host stayed disturbed, the plan's {planned * 1e9:.3f} ns/param kept for it"
+        said = (f"host rate: the last rehearsal's host stayed disturbed, the plan's {planned * 1e9:.3f} ns/param "
+                f"kept for it")
     least = least_disturbed(rates) if rates else None
     if least is not None and (not measured or len(rates) > 1 and least != (update, earlier)):
         update, earlier = least

@@ -68,7 +68,7 @@ from xpu.units import format_bytes, parse_bytes
 
 from . import gc_pauses
 from .compute_dtype import cast_parameters, restore_parameters
-from .host_calibration import (SETTLE_TRIES, alone_slowdown, applies, ceiling_note, checked_plan,
+from .host_calibration import (SETTLE_TRIES, Reading, alone_slowdown, applies, ceiling_note, checked_plan,
                                priced_on_own_rate, reading, same_layout, settled, step_gap, undisturbed)
 from .plan_check import PlanOverBudgetError
 from .planning import SETUP_NOTE, replan
@@ -125,7 +125,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
     placement = SumPlacement(setup.get("sum_placement", "race") == "race")  # where sums go, raced on the wall clock
     race_next = False  # a calibrated plan of another layout: its rehearsal is timed, and raced
     clocks: list[str] = []  # each timed rehearsal's steps, one by one (clock_note)
-    rates: list = []  # each timed rehearsal's host ratios to its plan (host_calibration.Reading), until the check
+    rates: list[Reading] = []  # each timed rehearsal's host ratios to its plan, until the check
     gap = None  # what a step ran beyond its host work (with_gap), in the last rehearsal the host settled through
     while True:
         backend.set_memory_cap(device, None)  # measure the overshoot rather than run into it
