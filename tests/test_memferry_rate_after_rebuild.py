@@ -56,7 +56,8 @@ def test_a_rehearsal_disturbed_after_a_rebuild_does_not_undercut_the_settled_one
     _measuring(monkeypatch, 0.0)
     monkeypatch.setattr(HostOptimizer, "split_since",
                         lambda self, start: (rate["s"], 0.0) if self.updated_numel else None)
-    monkeypatch.setattr(host_calibration, "ratios", lambda plan, measured: (measured[0] / 1e-9, 1.0))
+    for module in (host_calibration, rehearsal):
+        monkeypatch.setattr(module, "ratios", lambda plan, measured: (measured[0] / 1e-9, 1.0))
     monkeypatch.setattr(rehearsal, "replan", _slowing_after(rehearsal.replan, rate))
     alone = {"n": 0}
 
@@ -74,6 +75,9 @@ def test_a_rehearsal_disturbed_after_a_rebuild_does_not_undercut_the_settled_one
     notes = engine.plan.notes
     assert any("(after margin 0% peaked at" in n for n in notes), notes
     assert any(n.startswith("rehearsal clock 2:") and "still disturbed" in n for n in notes), notes
+    for k, read in ((1, "1.20x"), (2, "1.50x")):  # each as measured against its own plan's price
+        assert any(n.startswith(f"rehearsal clock {k}:") and f"its host work read {read} the plan's price of the "
+                   f"updates, 1.00x of the sums" in n for n in notes), notes
     said = [n for n in notes if n.startswith("host rate:")]
     assert len(said) == 1 and "the last rehearsal's host stayed disturbed" in said[0], said
     assert "over 1 timed rehearsals" in said[0] and "updates 1.20x" in said[0], said

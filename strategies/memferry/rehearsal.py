@@ -69,7 +69,7 @@ from xpu.units import format_bytes, parse_bytes
 from . import gc_pauses
 from .compute_dtype import cast_parameters, restore_parameters
 from .host_calibration import (SETTLE_TRIES, Reading, alone_slowdown, applies, ceiling_note, checked_plan,
-                               priced_on_own_rate, reading, same_layout, settled, step_gap, undisturbed)
+                               priced_on_own_rate, ratios, reading, same_layout, settled, step_gap, undisturbed)
 from .plan_check import PlanOverBudgetError
 from .planning import SETUP_NOTE, replan
 from .sum_placement import SumPlacement
@@ -137,7 +137,8 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
         peak, allocated, host, send_s, clock, alone = rehearsed
         step_s = rehearsed.step_s
         if clock:
-            clocks.append(clock_note(len(clocks) + 1, clock, alone))
+            read = ratios(engine.plan, host) if host and engine.plan.host_s_per_param else None
+            clocks.append(clock_note(len(clocks) + 1, clock, alone, read))
         pair = alone[-1] if alone else None  # the kernel alone around the last run of the steps
         taken = undisturbed(host, pair, engine.plan)
         held_down = ceiling_note(engine.plan, host, taken, pair)
@@ -313,9 +314,11 @@ class Clocked(NamedTuple):
     gc_s: float = 0.0
 
 
-def clock_note(k: int, clock: tuple[Clocked, ...], alone: Sequence[tuple[float, float]] = ()) -> str:
-    """The ``k``-th timed rehearsal's clocked steps, one by one, for the plan's notes, and how
-    the host kernel ran alone around them (``alone``: :attr:`Rehearsed.alone`)."""
+def clock_note(k: int, clock: tuple[Clocked, ...], alone: Sequence[tuple[float, float]] = (),
+               read: tuple[float, float] | None = None) -> str:
+    """The ``k``-th timed rehearsal's clocked steps, one by one, for the plan's notes, how the host
+    kernel ran alone around them (``alone``: :attr:`Rehearsed.alone`), and what its host work read
+    against the price of the plan it ran (``read``: ``host_calibration.ratios``, as measured)."""
     def ms(field: str) -> str:
         return ", ".join(f"{getattr(c, field) * 1e3:.1f}" for c in clock)
 
@@ -323,6 +326,8 @@ def clock_note(k: int, clock: tuple[Clocked, ...], alone: Sequence[tuple[float, 
             f"of them for the host optimizer, whose work took {ms('host_s')} ms")
     if any(c.gc_s >= GC_PAUSE_S for c in clock):
         said += f"; Python's full garbage collections took {ms('gc_s')} ms of them"
+    if read:
+        said += f"; its host work read {read[0]:.2f}x the plan's price of the updates, {read[1]:.2f}x of the sums"
     if alone:
         runs = "; ".join(f"{a:.2f}x/{b:.2f}x" for a, b in alone)
         said += f"; the host kernel alone ran {runs} its profiled rate before/after them"
