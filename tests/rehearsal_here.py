@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from strategies.memferry import rehearsal
+from strategies.memferry import rehearsal, rehearsal_steps
 
 
 def rehearse_here(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rehearse on this machine's cpu backend with no send time and no step gap priced."""
     monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
-    monkeypatch.setattr(rehearsal, "send_seconds", lambda post, since: None)
+    monkeypatch.setattr(rehearsal_steps, "send_seconds", lambda post, since: None)
     monkeypatch.setattr(rehearsal, "step_gap", lambda clock: None)

@@ -14,7 +14,7 @@ import pytest
 
 import strategies.memferry.host_calibration as host_calibration
 import strategies.memferry.profiler as profiler
-import strategies.memferry.rehearsal as rehearsal
+import strategies.memferry.rehearsal_steps as rehearsal_steps
 import strategies.memferry.sum_placement as sum_placement
 from strategies.memferry import AdamW, MemFerry
 from strategies.memferry.config import Plan
@@ -240,7 +240,7 @@ def test_the_rehearsal_s_sends_calibrate_the_plan_though_its_host_rate_is_within
         cpu_backend, monkeypatch, accumulating_plan):
     plan, budget = accumulating_plan
     _measuring(monkeypatch, plan.host_s_per_param - plan.host_earlier_s_per_param, plan.host_earlier_s_per_param)
-    monkeypatch.setattr(rehearsal, "send_seconds", lambda post, since: 2e-3)
+    monkeypatch.setattr(rehearsal_steps, "send_seconds", lambda post, since: 2e-3)
     monkeypatch.setattr(host_calibration, "SEARCH_AGAIN", 10.0)  # keep the layout: the pricing is what is checked
     engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=batch(), device_budget=budget,
                       backend=cpu_backend, memory_margin=0.0, accumulation_steps=4)
@@ -256,7 +256,7 @@ def _rehearsed(cpu_backend, monkeypatch, host_plan, scale: float, timings):
     plan's price, the host kernel alone timed ``timings`` around each run of its steps."""
     plan, budget = host_plan
     _measuring(monkeypatch, scale * plan.host_update_s_per_param)
-    monkeypatch.setattr(rehearsal, "alone_slowdown", lambda engine: next(timings))
+    monkeypatch.setattr(rehearsal_steps, "alone_slowdown", lambda engine: next(timings))
     return MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=batch(), device_budget=budget,
                     backend=cpu_backend, memory_margin=0.0), plan
 

@@ -11,6 +11,7 @@ import pytest
 
 import strategies.memferry.host_calibration as host_calibration
 import strategies.memferry.rehearsal as rehearsal
+import strategies.memferry.rehearsal_steps as rehearsal_steps
 from strategies.memferry import AdamW, MemFerry
 from strategies.memferry.config import UnitPlan
 from strategies.memferry.cost import links_from_probe, predict
@@ -95,7 +96,7 @@ def test_a_rehearsal_whose_host_stayed_disturbed_prices_no_gap(cpu_backend, monk
     plan, budget = host_plan
     _measuring(monkeypatch, 1.5 * plan.host_update_s_per_param)
     timings = iter([1.2, 1.4] * (1 + SETTLE_TRIES))  # the kernel alone: disturbed around every run
-    monkeypatch.setattr(rehearsal, "alone_slowdown", lambda engine: next(timings))
+    monkeypatch.setattr(rehearsal_steps, "alone_slowdown", lambda engine: next(timings))
     asked = []
     monkeypatch.setattr(rehearsal, "step_gap", lambda clock: asked.append(clock) or 1.0)
     engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=batch(), device_budget=budget,

@@ -11,6 +11,7 @@ import pytest
 
 import strategies.memferry.host_calibration as host_calibration
 import strategies.memferry.rehearsal as rehearsal
+import strategies.memferry.rehearsal_steps as rehearsal_steps
 from strategies.memferry import AdamW, MemFerry
 from strategies.memferry.config import Plan
 from strategies.memferry.host_calibration import DISTURBED, Reading, least_disturbed, reading
@@ -65,7 +66,7 @@ def test_a_rehearsal_disturbed_after_a_rebuild_does_not_undercut_the_settled_one
         alone["n"] += 1
         return 1.0 if rate["s"] < 1.5e-9 or alone["n"] % 2 else 1.4
 
-    monkeypatch.setattr(rehearsal, "alone_slowdown", timings)
+    monkeypatch.setattr(rehearsal_steps, "alone_slowdown", timings)
     monkeypatch.setattr(host_calibration, "CEILING", 10.0)  # the ratios are made up: no ceiling on them
     asked, given, real = [], [], host_calibration.with_gap
     monkeypatch.setattr(rehearsal, "step_gap", lambda clock: asked.append(clock) or 0.05)

@@ -17,6 +17,7 @@ import torch
 
 import strategies.memferry.profiler as profiler
 import strategies.memferry.rehearsal as rehearsal
+import strategies.memferry.rehearsal_steps as rehearsal_steps
 import strategies.memferry.sum_placement as sum_placement
 from strategies.memferry import AdamW, MemFerry, Plan, UnitPlan
 from strategies.memferry.cost import links_from_probe
@@ -411,7 +412,7 @@ def test_a_clocked_step_that_a_full_collection_paused_says_so(cpu_backend, monke
             gc.collect()
 
     monkeypatch.setattr(MemFerry, "step", step)
-    monkeypatch.setattr(rehearsal, "GC_PAUSE_S", 1e-9)  # any full collection is worth the word here
+    monkeypatch.setattr(rehearsal_steps, "GC_PAUSE_S", 1e-9)  # any full collection is worth the word here
     gc.disable()
     try:
         clock = rehearsal._rehearse(engine, (x, y), timed=True).clock
