@@ -21,6 +21,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from xpu.gc_clock import PAUSE_S
+
 __all__ = ["timeline_lanes", "markdown_table", "max_model_markdown", "min_cap_markdown", "write_plot", "write_outputs", "lane_busy_ms",
            "merge_results"]
 
@@ -191,7 +193,7 @@ def _gc_note(row: dict[str, Any]) -> str:
     paused the row's timed steps (``xpu/gc_clock.py``); "" where none did."""
     w = row.get("warmup") or 0
     timed = (row.get("gc_full_ms_steps") or [])[w:w + (row.get("steps") or 0)]
-    paused = [ms for ms in timed if ms >= 10.0]  # not a walk of only what steps made (~1 ms)
+    paused = [ms for ms in timed if ms >= PAUSE_S * 1e3]
     return f"full GC {sum(paused):.0f} ms in {len(paused)} of {len(timed)} timed steps; " if paused else ""
 
 

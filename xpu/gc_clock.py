@@ -12,7 +12,11 @@ import gc
 import time
 from typing import Any
 
-__all__ = ["FullCollections"]
+__all__ = ["PAUSE_S", "FullCollections"]
+
+#: A full collection worth a word beside a step: a walk of only what steps made takes about 1 ms
+#: (MemFerry freezes its set-up out of them: ``strategies/memferry/gc_pauses.py``).
+PAUSE_S = 0.010
 
 
 class FullCollections:

@@ -124,7 +124,7 @@ def reading(plan: Plan, measured: tuple[float, float] | None, taken: tuple[float
     nothing was taken or the plan updates nothing on the host."""
     if not measured or not taken or not plan.host_s_per_param:
         return None
-    return Reading(ratios(plan, taken), ratios(plan, measured), pair is None or settled(pair))
+    return Reading(ratios(plan, taken), ratios(plan, measured), settled(pair))
 
 
 def least_disturbed(found: Sequence[Reading]) -> tuple[float, float]:
@@ -164,10 +164,12 @@ def alone_slowdown(engine: "MemFerry") -> float | None:
     return now / profile.host_adamw_s_per_param
 
 
-def settled(pair: tuple[float, float]) -> bool:
+def settled(pair: tuple[float, float] | None) -> bool:
     """Whether the host kernel ran within :data:`DISTURBED` of its profiled rate both before and
-    after a rehearsal's steps (``pair``): nothing else had the host meanwhile."""
-    return max(pair) <= DISTURBED
+    after a rehearsal's steps (``pair``): nothing else had the host meanwhile. None (not timed
+    alone: a virtual device, or a profile without the kernel's figures) counts as settled: nothing
+    says otherwise, and the rehearsal's figures are taken as measured."""
+    return pair is None or max(pair) <= DISTURBED
 
 
 def undisturbed(measured: tuple[float, float] | None, pair: tuple[float, float] | None,

@@ -143,7 +143,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
         if found and not rate_checked:
             rates.append(found)
         host = taken
-        if pair is None or settled(pair):  # nothing else had the host
+        if settled(pair):  # nothing else had the host
             gap = step_gap(clock)
         predicted = engine.plan.predicted_peak_bytes or 0
         if peak <= budget:

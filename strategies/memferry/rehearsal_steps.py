@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import torch
 
-from xpu.gc_clock import FullCollections
+from xpu.gc_clock import PAUSE_S, FullCollections
 
 from .host_calibration import SETTLE_TRIES, alone_slowdown, settled
 
@@ -34,9 +34,9 @@ RATE_STEPS = 3
 #: Of those, the last steps timed on the wall clock, one by one (their mean is the rehearsed
 #: step): one alone varied by 1-2 % on the H200, the size of the gaps ``sum_placement.py`` judges.
 CLOCKED_STEPS = 2
-#: Full garbage collections in a clocked step worth a word in its note (a walk of only what
-#: steps made, with the set-up frozen, takes about 1 ms: ``gc_pauses.py``).
-GC_PAUSE_S = 0.010
+#: Full garbage collections in a clocked step worth a word in its note (``xpu.gc_clock.PAUSE_S``,
+#: as the benchmark's rows say them).
+GC_PAUSE_S = PAUSE_S
 
 
 class Rehearsed(NamedTuple):
