@@ -113,7 +113,8 @@ def test_auto_plan_under_a_cap_set_beforehand_profiles_within_it(cpu_backend):
 def test_the_plan_keeps_the_host_rate_it_assumed_and_the_engine_warns_when_steps_run_far_from_it(cpu_backend, caplog):
     """The scheduler records the profiled host AdamW rate in the plan; after a few steps the
     engine compares it with the rate its updates measured and says so when they differ by
-    more than 25 % (the prediction is then off by about that much of the host's share)."""
+    more than 25 % and that difference, over a step's host parameters, is at least 5 % of the
+    predicted step (the prediction is then off by up to that much host work)."""
     import logging
 
     from strategies.models import build_model
@@ -162,6 +163,21 @@ def test_the_plan_keeps_the_host_rate_it_assumed_and_the_engine_warns_when_steps
     assert "host optimizer ran" not in train(1.0, check_at(1.0))
     assert "host optimizer ran" not in train(1.0, check_at(1 / 1.2))
     assert "optimistic" in train(1.0, check_at(1 / 1.3))
+
+    def against_step(share):  # 10x slower than planned: warned where it moves the predicted step
+        def then(engine, measured):
+            engine.plan.host_s_per_param = measured / 10
+            per_step = sum(p.numel() for p in engine.model.parameters())
+            engine.plan.predicted_step_s = 0.9 * measured * per_step / share  # the difference's share
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="xpu.memferry"):
+                engine._check_host_rate()
+            return caplog.text
+        return then
+
+    assert "host optimizer ran" not in train(1.0, against_step(0.04))
+    text = train(1.0, against_step(0.06))
+    assert "optimistic" in text and "ms a step more" in text
 
 
 def test_the_host_optimizer_thread_binds_the_engine_s_device_first(cpu_backend, monkeypatch):
