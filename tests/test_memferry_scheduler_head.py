@@ -119,12 +119,27 @@ def test_the_loss_peak_follows_loss_chunks_and_the_estimate_bounds_it(cpu_backen
 
 def test_a_budget_only_slicing_fits_is_planned_and_trains_and_the_whole_loss_is_refused(cpu_backend):
     """5 MB: whole logits (6.3 MB with log-softmax and gradient) fit no plan and the message
-    says to raise loss_chunks; in 8 slices plan='auto' fits and three steps run under the cap."""
+    names the fewest slices that fit and what the smallest plan then needs, at least what a
+    profile made with that many slices needs and within 25 % of it; in 8 slices plan='auto' fits and three steps run
+    under the cap. Where no slicing fits, the message does not offer it."""
     x, y = batch()
     budget = 5_000_000
-    with pytest.raises(NoPlanFitsError, match=r"raise loss_chunks above 1 \(.*slice_hf_loss\(model, chunks\)"):
+    with pytest.raises(NoPlanFitsError, match=r"at loss_chunks (\d+) the smallest plan needs about ([\d.]+ MB) "
+                                              r"\(.*slice_hf_loss\(model, chunks\)") as refused:
         MemFerry(hf_model("qwen2", True, 1), optim=AdamW(lr=1e-3), plan="auto", sample=(x, y), device_budget=budget,
                  backend=cpu_backend)
+    import re
+    chunks, named = re.search(r"loss_chunks (\d+) the smallest plan needs about ([\d.]+ MB)", str(refused.value)).groups()
+    assert 1 < int(chunks) <= 8
+    with pytest.raises(NoPlanFitsError) as sliced:  # what a profile made with that many slices needs
+        MemFerry(hf_model("qwen2", True, int(chunks)), optim=AdamW(lr=1e-3), plan="auto", sample=(x, y),
+                 device_budget=1_000_000, backend=cpu_backend)
+    need = int(re.search(r"\((\d+) bytes", str(sliced.value)).group(1))
+    assert need <= float(named.split()[0]) * 1e6 + 50_000 <= 1.25 * need + 50_000  # named to 0.1 MB, never short
+    with pytest.raises(NoPlanFitsError) as too_small:  # a block alone is over it: no slicing helps
+        MemFerry(hf_model("qwen2", True, 1), optim=AdamW(lr=1e-3), plan="auto", sample=(x, y), device_budget=1_000_000,
+                 backend=cpu_backend)
+    assert "loss_chunks" not in str(too_small.value)
     model = hf_model("qwen2", True, 8)
     engine = MemFerry(model, optim=AdamW(lr=1e-2), plan="auto", sample=(x, y), device_budget=budget,
                       backend=cpu_backend)

@@ -16,19 +16,22 @@ model while its fronts stay under :data:`FRONT_CAP` rows, and the plan it return
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 
 from .config import Plan, UnitPlan
 from .cost import Links, OptionCost, memory_rows, option_cost, slot_count
-from .memory_terms import peak_bytes
+from xpu.units import format_bytes
+
+from .memory_terms import loss_peak_estimate, peak_bytes
 from .pareto import pareto_front
 
 if TYPE_CHECKING:
     from .profiler import StepProfile
 
-__all__ = ["least_memory", "peak_rows", "block_options"]
+__all__ = ["least_memory", "peak_rows", "block_options", "with_loss_chunks", "loss_slicing_hint"]
 
 
 def peak_rows(profile: "StepProfile", rest_optimizer: str, depth: int, mem: np.ndarray, excess: np.ndarray,
@@ -82,6 +85,44 @@ def least_memory(profile: "StepProfile", links: Links, choices: Sequence[UnitPla
         picks.append(choices[int(chosen[j])])
         j = int(parent[j])
     return int(math.ceil(best)), Plan(picks, depth, rest_optimizer)
+
+
+def with_loss_chunks(profile: "StepProfile", chunks: int) -> "StepProfile":
+    """``profile`` with its loss in ``chunks`` token slices: the measured loss peak scaled by what
+    the shape-based :func:`~.memory_terms.loss_peak_estimate` gives for ``chunks`` against its
+    own ``loss_chunks`` (the estimate is an upper bound of the measured by 5-50 %, the same for
+    every count, so its ratio carries over where its difference would not)."""
+    def estimate(n: int) -> int:
+        return loss_peak_estimate(profile.tokens, profile.vocab, profile.hidden, n, profile.dtype_bytes)
+
+    peak = profile.loss_peak_bytes * estimate(chunks) / estimate(profile.loss_chunks)
+    return replace(profile, loss_peak_bytes=int(math.ceil(peak)), loss_chunks=chunks)
+
+
+def loss_slicing_hint(profile: "StepProfile", links: Links, choices: Sequence[UnitPlan], rest_optimizers: Iterable[str],
+                      depths: Iterable[int], margin: float, budget: float) -> str:
+    """A clause for the no-fit message where slicing the loss (``loss_chunks``) lets the smallest
+    plan fit ``budget``: the fewest slices, doubling, that do (:func:`with_loss_chunks`, then
+    :func:`least_memory`); nothing where no count does (the peak then lies elsewhere: a block's
+    backward, the step's end) or the profile does not know the head's shapes."""
+    now, tokens = profile.loss_chunks, profile.tokens
+    if not (profile.vocab and profile.hidden) or now >= tokens:
+        return ""
+    rest_optimizers, depths = list(rest_optimizers), list(depths)
+
+    def need(chunks: int) -> int:
+        return least_memory(with_loss_chunks(profile, chunks), links, choices, rest_optimizers, depths, margin)[0]
+
+    if need(tokens) > budget:
+        return ""
+    chunks = now
+    while chunks < tokens:
+        chunks = min(2 * chunks, tokens)
+        if (fits := need(chunks)) <= budget:
+            break
+    return (f", or slice the loss: at loss_chunks {chunks} the smallest plan needs about {format_bytes(fits)} "
+            f"(strategy.options.loss_chunks; in Python the model's loss_chunks, or slice_hf_loss(model, chunks) "
+            f"for a transformers model)")
 
 
 def _peaks_fn(profile: "StepProfile", rest_optimizers: list[str], depth: int, slot: float,

@@ -52,7 +52,7 @@ from .cost import (SCALARS, Links, Prediction, State, advance_rows, describe_uni
                    predict)
 from .host_budget import host_budget, rest_terms
 from .host_room import with_host_room
-from .least_memory import block_options, least_memory, peak_rows
+from .least_memory import block_options, least_memory, loss_slicing_hint, peak_rows
 from .named_plans import named_predictions
 from .pareto import pareto_front
 
@@ -327,7 +327,7 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
             raise NoPlanFitsError(f"no plan fits a device budget of {format_bytes(budget_bytes)}: the smallest plan "
                                   f"needs {format_bytes(need)} ({need} bytes, {margin:.0%} fragmentation margin "
                                   f"included); raise device_budget to at least that"
-                                  f"{_loss_hint(profile, need, margin)}", minimum=need)
+                                  f"{loss_slicing_hint(profile, links, every, rest_optimizers, depths, margin, budget_bytes)}", minimum=need)
         if len(choices) < len(every):  # only what was left out for time fits
             return schedule(profile, links, budget_bytes, n_blocks, allow_dha=allow_dha,
                             allow_device_optimizer=allow_device_optimizer, depths=depths,
@@ -405,18 +405,6 @@ def _host_line(pred: Prediction, profile: "StepProfile", links: Links) -> str:
             f"{hb.copy_weight:.2f} ({hb.source}): {pred.parts.get('host memory', 0.0) * 1e3:.1f} ms of it per step"
             + (f"; the sums starting in the last earlier micro-batch overrun it by {spill * 1e3:.1f} ms, which the "
                "updates wait for" if spill > 0 else ""))
-
-
-def _loss_hint(profile: "StepProfile", need: int, margin: float) -> str:
-    """A clause for the no-fit message when the loss's logits are a large share of the need:
-    slicing them (``loss_chunks``) shrinks that share where a larger budget is not at hand."""
-    loss = profile.loss_peak_bytes * (1 + margin)
-    if loss < need / 4:
-        return ""
-    now = profile.loss_chunks
-    return (f", or slice the loss: its logits and their gradient take {format_bytes(loss)} of that at loss_chunks {now}; "
-            f"raise loss_chunks above {now} (strategy.options.loss_chunks; in Python the model's loss_chunks, or "
-            f"slice_hf_loss(model, chunks) for a transformers model)")
 
 
 def _explain(plan: Plan, pred: Prediction, profile: "StepProfile", links: Links, budget: float,
