@@ -11,7 +11,8 @@ peak of the last front is the least of the plans with that slot, and the least o
 the answer. Partial plans that cannot beat the best uniform plan even with the leanest
 completion are dropped, which loses no optimum. So :func:`least_memory` is exact for the cost
 model while its fronts stay under :data:`FRONT_CAP` rows, and the plan it returns is predicted
-(:func:`~.cost.predict`) to peak at exactly the budget it names.
+(:func:`~.cost.predict`) to peak at exactly the budget it names. :func:`loss_slicing_hint` asks
+the same with the loss in more slices, for the message of a budget no plan fits.
 """
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 
-from .config import Plan, UnitPlan
-from .cost import Links, OptionCost, memory_rows, option_cost, slot_count
 from xpu.units import format_bytes
 
+from .config import Plan, UnitPlan
+from .cost import Links, OptionCost, memory_rows, option_cost, slot_count
 from .memory_terms import loss_peak_estimate, peak_bytes
 from .pareto import pareto_front
 
@@ -90,8 +91,8 @@ def least_memory(profile: "StepProfile", links: Links, choices: Sequence[UnitPla
 def with_loss_chunks(profile: "StepProfile", chunks: int) -> "StepProfile":
     """``profile`` with its loss in ``chunks`` token slices: the measured loss peak scaled by what
     the shape-based :func:`~.memory_terms.loss_peak_estimate` gives for ``chunks`` against its
-    own ``loss_chunks`` (the estimate is an upper bound of the measured by 5-50 %, the same for
-    every count, so its ratio carries over where its difference would not)."""
+    own ``loss_chunks`` (the estimate is an upper bound of the measured by 5-50 %, by a similar
+    share at every count, so its ratio carries over where its difference would undershoot)."""
     def estimate(n: int) -> int:
         return loss_peak_estimate(profile.tokens, profile.vocab, profile.hidden, n, profile.dtype_bytes)
 

@@ -327,7 +327,8 @@ def schedule(profile: "StepProfile", links: Links, budget_bytes: int | float, n_
             raise NoPlanFitsError(f"no plan fits a device budget of {format_bytes(budget_bytes)}: the smallest plan "
                                   f"needs {format_bytes(need)} ({need} bytes, {margin:.0%} fragmentation margin "
                                   f"included); raise device_budget to at least that"
-                                  f"{loss_slicing_hint(profile, links, every, rest_optimizers, depths, margin, budget_bytes)}", minimum=need)
+                                  + loss_slicing_hint(profile, links, every, rest_optimizers, depths, margin,
+                                                      budget_bytes), minimum=need)
         if len(choices) < len(every):  # only what was left out for time fits
             return schedule(profile, links, budget_bytes, n_blocks, allow_dha=allow_dha,
                             allow_device_optimizer=allow_device_optimizer, depths=depths,
