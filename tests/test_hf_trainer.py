@@ -176,6 +176,12 @@ def test_trainer_checkpoints_resume_a_memferry_run_exactly(cpu_backend, tmp_path
         torch.testing.assert_close(p.detach(), saved[3][name], atol=0, rtol=0, msg=name)
 
 
+# Its name in the installed transformers (activation_checkpointing since 5.x; the old one an alias, gone in v6).
+_CHECKPOINTING = ("activation_checkpointing"
+                  if "activation_checkpointing" in transformers.TrainingArguments.__dataclass_fields__
+                  else "gradient_checkpointing")
+
+
 def _engine(cpu_backend, ga=2):
     return MemFerry(tiny_llama(), optim=AdamW(lr=LR, max_grad_norm=1.0), plan=PLANS["prefetch"], backend=cpu_backend,
                     accumulation_steps=ga)
@@ -184,7 +190,7 @@ def _engine(cpu_backend, ga=2):
 @pytest.mark.parametrize("change, match", [
     ({"clip": 1.0}, r"max_grad_norm=1.0 would clip nothing .*AdamW\(max_grad_norm=...\)"),
     ({"ga": 4}, "gradient_accumulation_steps=4 differs from the engine's accumulation_steps=2"),
-    ({"gradient_checkpointing": True}, r"gradient_checkpointing=True: MemFerry's plan recomputes blocks itself"),
+    ({_CHECKPOINTING: True}, rf"{_CHECKPOINTING}=True: MemFerry's plan recomputes blocks itself"),
     ({"optim": "adafactor"}, r"optim='adafactor' would not be used: MemFerry runs its own AdamW"),
     ({"learning_rate": 2e-5}, r"learning_rate=2e-05 differs from the engine's AdamW lr=0.003, which is the one used"),
     ({"weight_decay": 0.05}, r"weight_decay=0.05 differs from the engine's AdamW weight_decay=0.01"),

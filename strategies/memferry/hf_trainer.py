@@ -157,8 +157,10 @@ def check_trainer_args(args: Any, engine: Any) -> None:
     if args.world_size > 1 or args.n_gpu > 1:
         raise ValueError(f"Trainer would spread this MemFerry model over {max(args.world_size, args.n_gpu)} devices; "
                          f"run one process on one visible device (MemFerry's data parallelism is its own)")
-    if args.gradient_checkpointing:
-        raise ValueError("TrainingArguments.gradient_checkpointing=True: MemFerry's plan recomputes blocks itself "
+    # transformers 5.x renamed it activation_checkpointing (the old name a deprecated alias, gone in v6)
+    named = next((n for n in ("activation_checkpointing", "gradient_checkpointing") if getattr(args, n, None)), None)
+    if named:
+        raise ValueError(f"TrainingArguments.{named}=True: MemFerry's plan recomputes blocks itself "
                          "(plan='auto' where the budget needs it, or a plan with +recompute); leave it False")
     optim = str(getattr(args.optim, "value", args.optim))  # an OptimizerNames member
     if not optim.startswith("adamw"):
