@@ -360,7 +360,7 @@ def test_finetune_with_memferry_accumulation_and_clipping_exports_plain_adamw_we
             logits = ref(input_ids=x, use_cache=False).logits
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
             (loss / 4).backward()
-            total += float(loss) / 4
+            total += float(loss.detach()) / 4
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         opt.step()
         opt.zero_grad(set_to_none=True)
