@@ -60,14 +60,23 @@ def true_min_budget():
     return budget
 
 
-def test_a_plan_over_its_budget_is_made_again_and_trains_under_the_cap(cpu_backend, monkeypatch, true_min_budget):
+def test_a_plan_over_its_budget_is_made_again_and_trains_under_the_cap(cpu_backend, monkeypatch, true_min_budget,
+                                                                        caplog):
+    """The warning names what overshot: its peak allocated, its prediction and its layout."""
+    import logging
+
     _undercounting(monkeypatch, 0.8)
     budget = int(true_min_budget * 1.1)
     x, y = batch()
-    engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan="auto", sample=(x, y), device_budget=budget,
-                      backend=cpu_backend, memory_margin=0.0)
+    with caplog.at_level(logging.WARNING, logger="xpu.memferry"):
+        engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan="auto", sample=(x, y), device_budget=budget,
+                          backend=cpu_backend, memory_margin=0.0)
     note = [n for n in engine.plan.notes if n.startswith("rehearsal:")]
     assert len(note) == 1 and "(after margin 0% peaked at" in note[0], engine.plan.notes
+    said = [r.getMessage() for r in caplog.records if "in its rehearsal step" in r.getMessage()]
+    assert len(said) == 1 and " allocated; predicted " in said[0] and "planning again with memory margin" in said[0]
+    layout = said[0].split("(its blocks: ")[1].split("; prefetch depth")[0]
+    assert sum(int(part.split("x ")[0]) for part in layout.split(", ")) == len(engine.plan.units), said[0]
     cpu_backend.reset_peak_memory(0)
     for _ in range(2):
         engine.train_step(x, y)

@@ -120,6 +120,7 @@ clip's bytes are counted); data parallelism's sharded host updates.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -416,7 +417,17 @@ def predict(plan: Plan, profile: "StepProfile", links: Links, margin: float = 0.
 
 def describe_units(units: Sequence[UnitPlan]) -> str:
     """A short name for a list of unit plans (for notes)."""
+    return ", ".join(_unit_name(u) for u in units)
+
+
+def count_units(units: Sequence[UnitPlan]) -> str:
+    """How many units take each plan, most first (``"96x prefetch/prefetch+r, 32x dha/dha+r"``):
+    a long model's layout in a line."""
+    counts = collections.Counter(_unit_name(u) for u in units)
+    return ", ".join(f"{n}x {name}" for name, n in counts.most_common())
+
+
+def _unit_name(u: UnitPlan) -> str:
     acts = {"keep": "", "recompute": "+r", "selective": "+s", "offload": "+o"}
-    return ", ".join(f"{u.forward}/{u.backward}{acts[u.activations]}"
-                     f"{'@dev' if u.optimizer == 'device' else ''}{'+devacc' if u.accumulate == 'device' else ''}"
-                     for u in units)
+    return (f"{u.forward}/{u.backward}{acts[u.activations]}"
+            f"{'@dev' if u.optimizer == 'device' else ''}{'+devacc' if u.accumulate == 'device' else ''}")

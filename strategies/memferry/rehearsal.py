@@ -67,6 +67,7 @@ from xpu.units import format_bytes, parse_bytes
 
 from . import gc_pauses
 from .compute_dtype import cast_parameters, restore_parameters
+from .cost import count_units
 from .host_calibration import (Reading, applies, ceiling_note, checked_plan, priced_on_own_rate, ratios, reading,
                                same_layout, settled, step_gap, undisturbed)
 from .plan_check import PlanOverBudgetError
@@ -219,8 +220,12 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                 f"MemFerry: every plan the scheduler made peaked over device_budget {format_bytes(budget)} in its "
                 f"rehearsal step ({'; '.join(tried)}); give a larger device_budget or memory_margin, or a smaller batch")
         margin = covering_margin(peak, predicted, margin)
-        _log.warning("MemFerry: the plan peaked at %s in its rehearsal step, over the %s budget; planning again "
-                     "with memory margin %.0f%%", format_bytes(peak), format_bytes(budget), margin * 100)
+        # What overshot, so a later reading of the log can tell which term the memory model missed.
+        _log.warning("MemFerry: the plan peaked at %s in its rehearsal step (%s allocated; predicted %s), over the "
+                     "%s budget (its blocks: %s; prefetch depth %d, rest optimizer on the %s); planning again with "
+                     "memory margin %.0f%%", format_bytes(peak), format_bytes(allocated), format_bytes(predicted),
+                     format_bytes(budget), count_units(engine.plan.units), engine.plan.prefetch_depth,
+                     engine.plan.rest_optimizer, margin * 100)
         plan = replan(engine.plan, budget, backend, device, margin)
         _rebuild(engine, plan)
 
