@@ -203,7 +203,7 @@ class CudaBackend(Backend):
             return said
         # A 3.2 B plan under 16 GB failed a 3.9 GiB allocation with 2.7 GiB reserved but free
         # (H200, 2026-12-01): fixed-size cached blocks fragment as prefetch slots come and go.
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        _set_allocator_settings("expandable_segments:True")
         self._expandable = True
         return True
 
@@ -236,6 +236,16 @@ def _users_expandable_segments() -> bool | None:
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") or os.environ.get("PYTORCH_ALLOC_CONF", "")
     said = [item.split(":", 1) for item in conf.split(",") if item.strip().startswith("expandable_segments")]
     return said[-1][-1].strip().lower() == "true" if said else None
+
+
+def _set_allocator_settings(settings: str) -> None:
+    """Set the caching allocator's options (``PYTORCH_ALLOC_CONF`` syntax) at run time, through
+    the accelerator-wide entry where torch has it (in torch 2.11 and 2.13 ``torch.cuda.memory``'s
+    own is a deprecated alias of it, which warned in every GPU run's log)."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        setter = torch.cuda.memory._set_allocator_settings
+    setter(settings)
 
 
 def _torch_devices(n: int) -> tuple[DeviceSpec, ...]:
