@@ -74,16 +74,10 @@ def loss_peak_estimate(tokens: int, vocab: int, hidden: int, chunks: int = 1, dt
     tokens x hidden). The head's weights themselves are the ``rest`` unit's, always resident on the
     device (counted apart, with ``rest_param_bytes``).
     """
-    logits = slice_logit_bytes(tokens, vocab, chunks, dtype_bytes)
-    return int(logits + 3 * vocab * hidden * dtype_bytes + 2 * tokens * hidden * dtype_bytes)
-
-
-def slice_logit_bytes(tokens: int, vocab: int, chunks: int = 1, dtype_bytes: int = 4) -> int:
-    """The part of :func:`loss_peak_estimate` that ``loss_chunks`` slices: one slice's logits in
-    fp32, their log-softmax and gradient, and the compute-dtype logits and their gradient where
-    that is not fp32 (never more slices than tokens)."""
     chunks = max(1, min(int(chunks), int(tokens)))
-    return math.ceil(tokens / chunks) * vocab * (12 + (2 * dtype_bytes if dtype_bytes != 4 else 0))
+    per = math.ceil(tokens / chunks) * vocab
+    logits = per * (12 + (2 * dtype_bytes if dtype_bytes != 4 else 0))
+    return int(logits + 3 * vocab * hidden * dtype_bytes + 2 * tokens * hidden * dtype_bytes)
 
 
 #: Share of the device budget one slice's fp32 logits may take when ``loss_chunks`` is chosen
