@@ -16,6 +16,7 @@ the same with the loss in more slices, for the message of a budget no plan fits.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
@@ -111,6 +112,7 @@ def loss_slicing_hint(profile: "StepProfile", links: Links, choices: Sequence[Un
         return ""
     rest_optimizers, depths = list(rest_optimizers), list(depths)
 
+    @functools.cache  # the fewest-slices loop may end at ``tokens``, searched first
     def need(chunks: int) -> int:
         return least_memory(with_loss_chunks(profile, chunks), links, choices, rest_optimizers, depths, margin)[0]
 
