@@ -12,13 +12,14 @@ import os
 import sys
 import threading
 import weakref
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 from xpu.backend import Backend, MemoryStats
 from xpu.capabilities import Capabilities
 from xpu.hostmem import mapped_buffer
+from xpu.stream_pools import StreamPool, by_stream
 from xpu.topology import HOST, DeviceSpec, Link, Topology
 
 __all__ = ["CudaBackend", "pcie_GBps", "nvlink_GBps_per_link"]
@@ -192,6 +193,12 @@ class CudaBackend(Backend):
         return MemoryStats(torch.cuda.memory_allocated(i), torch.cuda.memory_reserved(i),
                            torch.cuda.max_memory_allocated(i), torch.cuda.max_memory_reserved(i),
                            int(torch.cuda.memory_stats(i).get("num_alloc_retries", 0)))
+
+    def reserved_by_stream(self, device: Any = None,
+                           streams: Mapping[str, Any] | None = None) -> dict[str, StreamPool]:
+        # The snapshot's "stream" is the cudaStream_t handle, which a torch.cuda.Stream gives as cuda_stream.
+        names = {s.cuda_stream: name for name, s in (streams or {}).items()}
+        return by_stream(torch.cuda.memory_snapshot(), self.index_of(device), names)
 
     def reset_peak_memory(self, device: Any = None) -> None:
         torch.cuda.init()

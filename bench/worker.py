@@ -243,6 +243,7 @@ def run_spec(spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | 
 
         import xpu
         from strategies.models import flops_per_token, param_count
+        from xpu.stream_pools import describe
         from xpu.gc_clock import FullCollections
         from .systems import load_factory
         from .systems.base import DTYPES, SystemContext
@@ -317,6 +318,8 @@ def run_spec(spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | 
             row["peak_device_reserved_gb"] = stats.peak_reserved / _GB if tracked else None
             if tracked:  # the steps' allocations made only after the allocator freed its cache (stalls)
                 row["alloc_retries"] = stats.alloc_retries - retries
+                # Which stream's pool holds what the steps reserved beyond what they allocated.
+                row["reserved_by_stream"] = describe(backend.reserved_by_stream(dev))
             row["notes"] = getattr(system, "notes", "")
             row.update(getattr(system, "metrics", None) or {})
             _time_clipped_apart(row, eff["warmup"], eff["steps"])

@@ -223,6 +223,19 @@ def test_release_cache_leaves_reserved_at_what_is_in_use_and_live_tensors_intact
     assert torch.equal(keep.cpu(), torch.arange(1 << 16, dtype=torch.float32))
 
 
+def test_reserved_by_stream_names_the_pool_a_side_stream_allocated_from(backend):
+    side = backend.stream(0)
+    with backend.device_scope(0), backend.use_stream(side):
+        t = backend.empty(32 << 20, torch.uint8, 0)
+    pools = backend.reserved_by_stream(0, {"side": side})
+    if backend.caps.virtual_devices:
+        assert pools == {}  # a virtual device reserves what it allocates, in no stream's pool
+        return
+    assert pools["side"].reserved >= pools["side"].allocated >= 32 << 20, pools
+    assert sum(p.reserved for p in pools.values()) == backend.memory_stats(0).reserved
+    del t
+
+
 def test_memory_cap_makes_a_smaller_device(backend):
     free, total = backend.mem_info(0)
     assert 0 <= free <= total

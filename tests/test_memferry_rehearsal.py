@@ -62,10 +62,16 @@ def true_min_budget():
 
 def test_a_plan_over_its_budget_is_made_again_and_trains_under_the_cap(cpu_backend, monkeypatch, true_min_budget,
                                                                         caplog):
-    """The warning names what overshot: its peak allocated, its prediction and its layout."""
+    """The warning names what overshot: its peak allocated, its prediction, the reserved bytes by
+    stream (the engine's streams by name) and its layout."""
     import logging
 
+    from xpu.stream_pools import StreamPool
+
     _undercounting(monkeypatch, 0.8)
+    # A caching allocator's split; the virtual device keeps none.
+    monkeypatch.setattr(type(cpu_backend), "reserved_by_stream", lambda self, device=None, streams=None: {
+        name: StreamPool(i << 20, 0, 0) for i, name in enumerate(streams or {}, start=1)})
     budget = int(true_min_budget * 1.1)
     x, y = batch()
     with caplog.at_level(logging.WARNING, logger="xpu.memferry"):
@@ -73,8 +79,11 @@ def test_a_plan_over_its_budget_is_made_again_and_trains_under_the_cap(cpu_backe
                           backend=cpu_backend, memory_margin=0.0)
     note = [n for n in engine.plan.notes if n.startswith("rehearsal:")]
     assert len(note) == 1 and "(after margin 0% peaked at" in note[0], engine.plan.notes
+    by_stream = "by stream: compute 1.0 MB, h2d 2.1 MB, d2h 3.1 MB"
+    assert " allocated; " + by_stream + ")" in note[0] and "; reserved " + by_stream + "; " in note[0], note[0]
     said = [r.getMessage() for r in caplog.records if "in its rehearsal step" in r.getMessage()]
     assert len(said) == 1 and " allocated; predicted " in said[0] and "planning again with memory margin" in said[0]
+    assert "; reserved " + by_stream + ")" in said[0], said[0]
     layout = said[0].split("(its blocks: ")[1].split("; prefetch depth")[0]
     assert sum(int(part.split("x ")[0]) for part in layout.split(", ")) == len(engine.plan.units), said[0]
     cpu_backend.reset_peak_memory(0)
@@ -241,8 +250,9 @@ def test_the_rehearsal_step_holds_what_a_training_step_holds(cpu_backend):
                       device_budget=plan.predicted_peak_bytes * 2, backend=cpu_backend, rehearse=False)
     cpu_backend.set_memory_cap(0, None)
     rehearsed = rehearsal._rehearse(engine, (x, y))
-    peak, allocated, rate, send_s, clock, alone = rehearsed
+    peak, allocated, rate, send_s, clock, alone, by_stream = rehearsed
     assert rate is None and rehearsed.step_s is None and send_s is None and clock == () and alone == () and peak >= allocated > 0
+    assert by_stream == ""  # virtual devices keep no per-stream pools
     engine.synchronize()
     cpu_backend.reset_peak_memory(0)
     engine.train_step(x, y)

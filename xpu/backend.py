@@ -13,7 +13,7 @@ About twenty verbs in five groups (DESIGN.md §4):
   ``to_device``, ``export_buffer``/``import_buffer``/``unlink_buffer`` (memory other
   processes write), ``can_access_peer``, ``enable_peer_access``;
 * memory and topology: ``mem_info``, ``memory_stats``, ``reset_peak_memory``,
-  ``set_memory_cap``, ``memory_cap``, ``topology``.
+  ``reserved_by_stream``, ``set_memory_cap``, ``memory_cap``, ``topology``.
 
 Where torch already abstracts a verb (``torch.accelerator``, ``torch.Stream``,
 ``torch.Event``) this base class implements it once for every accelerator backend; a backend
@@ -25,12 +25,13 @@ import abc
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 
 from .capabilities import Capabilities
 from .errors import CapabilityError
+from .stream_pools import StreamPool
 from .topology import Topology
 from .units import env_bytes, parse_bytes
 
@@ -395,6 +396,14 @@ class Backend(abc.ABC):
     def reset_peak_memory(self, device: Any = None) -> None:
         """Start the peaks of :meth:`memory_stats` afresh."""
         torch.accelerator.memory.reset_peak_memory_stats(self.index_of(device))
+
+    def reserved_by_stream(self, device: Any = None,
+                           streams: Mapping[str, Any] | None = None) -> dict[str, StreamPool]:
+        """``device``'s reserved bytes split by the stream whose allocator pool holds them, largest
+        first (:mod:`xpu.stream_pools`), streams in ``streams`` named by their keys. Empty where
+        the allocator does not say (the base)."""
+        self.index_of(device)
+        return {}
 
     def release_cache(self, device: Any = None) -> None:
         """Give the allocator's cached, unused blocks on ``device`` back to the device: reserved

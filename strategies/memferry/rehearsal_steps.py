@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 import torch
 
 from xpu.gc_clock import PAUSE_S, FullCollections
+from xpu.stream_pools import describe
 
 from .host_calibration import SETTLE_TRIES, alone_slowdown, settled
 
@@ -56,6 +57,9 @@ class Rehearsed(NamedTuple):
         alone: timed, where the host rate is checked: the host kernel alone just before and
             after the steps over its profiled rate (``host_calibration.alone_slowdown``), one
             pair per time the steps ran (again while not ``settled``); empty where not measured.
+        by_stream: the reserved bytes by stream as the steps left them, before the cache is
+            given back (``xpu.stream_pools.describe``; a pool stays at its own high point), on
+            one line; empty where the backend does not say.
     """
 
     peak: int
@@ -64,6 +68,7 @@ class Rehearsed(NamedTuple):
     send_s: float | None = None
     clock: tuple["Clocked", ...] = ()
     alone: tuple[tuple[float, float], ...] = ()
+    by_stream: str = ""
 
     @property
     def step_s(self) -> float | None:
@@ -153,8 +158,10 @@ def rehearse(engine: "MemFerry", sample: tuple[Any, Any], timed: bool = False) -
             if settled(alone[-1]) or len(alone) > SETTLE_TRIES:
                 break
     engine.set_lr(engine.cfg.lr)
+    executor = engine.executor
+    streams = {"compute": backend.current_stream(device), "h2d": executor.h2d, "d2h": executor.d2h}
     return Rehearsed(measured_peak(backend, device), backend.memory_stats(device).peak_allocated, host, send_s,
-                     tuple(clocked), tuple(alone))
+                     tuple(clocked), tuple(alone), describe(backend.reserved_by_stream(device, streams)))
 
 
 def _steps(engine: "MemFerry", inputs: Any, targets: Any, n: int, steps: int,
