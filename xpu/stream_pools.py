@@ -1,6 +1,6 @@
 """Where a caching allocator's reserved bytes sit, stream by stream.
 
-PyTorch's caching allocators (CUDA's, and torch_npu's built on it) give a freed block back
+PyTorch's caching allocators (CUDA's, and the Ascend one built like it) give a freed block back
 only to the pool of the stream it was allocated on, and a block freed while another stream
 still uses it (``record_stream``) waits for that stream's work before any reuse. So reserved
 memory can pass what is in use by what one stream's pool held at its own high point while
@@ -8,8 +8,8 @@ another's was elsewhere. A plan whose rehearsal reserved 16.7 GB in one run and 
 another (one layout, 15.1 GB allocated; H100, sessions 36-47) is the case this module is for:
 the split says which stream's pool holds the difference.
 
-:func:`by_stream` reads the allocator's snapshot (``torch.cuda.memory_snapshot()``'s list of
-segments); :func:`describe` puts the result on one line for a log.
+:func:`by_stream` reads the allocator's snapshot (the list of segments a backend's
+``memory_snapshot()`` gives); :func:`describe` puts the result on one line for a log.
 """
 from __future__ import annotations
 
