@@ -4,9 +4,9 @@ PyTorch's caching allocators (CUDA's, and the Ascend one built like it) give a f
 only to the pool of the stream it was allocated on, and a block freed while another stream
 still uses it (``record_stream``) waits for that stream's work before any reuse. So reserved
 memory can pass what is in use by what one stream's pool held at its own high point while
-another's was elsewhere. A plan whose rehearsal reserved 16.7 GB in one run and 15.3 GB in
-another (one layout, 15.1 GB allocated; H100, sessions 36-47) is the case this module is for:
-the split says which stream's pool holds the difference.
+another's was elsewhere. One plan's rehearsal reserved 15.3 GB in some runs (15.1 allocated)
+and 16.7 GB in another (H100, sessions 36-47): the split says which stream's pool holds such a
+difference.
 
 :func:`by_stream` reads the allocator's snapshot (the list of segments a backend's
 ``memory_snapshot()`` gives); :func:`describe` puts the result on one line for a log.
