@@ -257,9 +257,9 @@ def confirm_under_cap(engine: "MemFerry", sample: tuple[Any, Any], budget: int, 
     one layout of the 128-layer model under 16 GB allocated 15.0-15.1 GB and reserved 15.3-15.6
     in nine runs, and 16.7 in another (H100 and H200, sessions 36-47), which was planned and
     rehearsed again like seven more first plans over 16 GB; each rebuild also disturbed the host
-    the next rehearsal priced. Held at a cap, the allocator gives its cache back before it fails (each
-    time a retry: it waits for every stream's pending frees), so the steps need what they
-    allocate, not what the uncapped cache kept."""
+    the next rehearsal priced. Held at a cap, the allocator gives its cache back before it
+    fails (each time a retry: it waits for every stream's pending frees), so the steps need
+    what they allocate, not what the uncapped cache kept."""
     backend, device = engine.backend, engine.device
     held = hold_to_plan(engine, budget, predicted, uncapped.allocated)
     retries = backend.memory_stats(device).alloc_retries
