@@ -243,8 +243,8 @@ def run_spec(spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | 
 
         import xpu
         from strategies.models import flops_per_token, param_count
-        from xpu.stream_pools import describe
         from xpu.gc_clock import FullCollections
+        from xpu.stream_pools import describe
         from .systems import load_factory
         from .systems.base import DTYPES, SystemContext
 

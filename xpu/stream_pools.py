@@ -4,9 +4,9 @@ PyTorch's caching allocators (CUDA's, and the Ascend one built like it) give a f
 only to the pool of the stream it was allocated on, and a block freed while another stream
 still uses it (``record_stream``) waits for that stream's work before any reuse. So reserved
 memory can pass what is in use by what one stream's pool held at its own high point while
-another's was elsewhere. One plan's rehearsal reserved 15.3 GB in some runs (15.1 allocated)
-and 16.7 GB in another (H100, sessions 36-47): the split says which stream's pool holds such a
-difference.
+another's was elsewhere. The split says which pool holds such a difference: a 128-layer plan
+whose rehearsal reserved 15.3 GB in some runs and 16.6-16.7 in others had it all in the compute
+stream's pool, 15.0 GB allocated at the peak (H100, session 48): that pool's cache.
 
 :func:`by_stream` reads the allocator's snapshot (the list of segments a backend's
 ``memory_snapshot()`` gives); :func:`describe` puts the result on one line for a log.
@@ -60,8 +60,8 @@ def by_stream(segments: Iterable[Mapping[str, Any]], device: int,
 
 def describe(pools: Mapping[str, StreamPool]) -> str:
     """One line: each stream's reserved bytes, with what is allocated and waiting to be freed
-    where not zero (``"default 15.9 GB (0.2 GB allocated), stream 0x5c 0.8 GB"``); empty where
-    ``pools`` is."""
+    where not zero (``"compute 16.6 GB (9.7 GB allocated, 906.4 MB pending free), d2h 20.0 MB"``);
+    empty where ``pools`` is."""
     parts = []
     for name, p in pools.items():
         extra = [f"{format_bytes(n)} {what}" for n, what in ((p.allocated, "allocated"),
