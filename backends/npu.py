@@ -45,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -55,6 +55,7 @@ from xpu.backend import Backend, MemoryStats, check_copy_pairs
 from xpu.capabilities import Capabilities
 from xpu.errors import CapabilityError, XpuError
 from xpu.hostmem import mapped_buffer
+from xpu.stream_pools import StreamPool, by_stream
 from xpu.topology import Topology
 
 __all__ = ["NpuBackend"]
@@ -412,6 +413,17 @@ class NpuBackend(Backend):
     def reset_peak_memory(self, device: Any = None) -> None:
         """Start the peaks of :meth:`memory_stats` afresh."""
         _npu().reset_peak_memory_stats(self.index_of(device))
+
+    def reserved_by_stream(self, device: Any = None,
+                           streams: Mapping[str, Any] | None = None) -> dict[str, StreamPool]:
+        """From ``torch.npu.memory_snapshot()``, whose segments name their stream by its
+        ``aclrtStream`` handle (a ``torch.npu.Stream``'s ``npu_stream``); empty where this
+        torch_npu has no snapshot."""
+        snapshot = getattr(_npu(), "memory_snapshot", None)
+        if snapshot is None:
+            return {}
+        names = {s.npu_stream: name for name, s in (streams or {}).items() if hasattr(s, "npu_stream")}
+        return by_stream(snapshot(), self.index_of(device), names)
 
     def release_cache(self, device: Any = None) -> None:
         """``torch.npu.empty_cache()`` on ``device`` (asked of ``torch.npu``, as :meth:`memory_stats` is)."""

@@ -50,6 +50,7 @@ class _FakeStreamBase:
         self._npu._record("Stream", device=device, priority=priority, **kwargs)
         self.device = device
         self.priority = priority
+        self.npu_stream = 0x1000 + 0x10 * len(self._npu.named("Stream"))  # the aclrtStream handle
 
     def wait_event(self, event: Any) -> None:
         self._npu._record("Stream.wait_event", event)
@@ -197,6 +198,11 @@ class FakeNpu:
 
     def reset_peak_memory_stats(self, device: Any = None) -> None:
         self._record("reset_peak_memory_stats", device)
+
+    def memory_snapshot(self) -> list[dict[str, Any]]:
+        """The allocator's segments: ``self.segments``, set by a test (none by default)."""
+        self._record("memory_snapshot")
+        return list(getattr(self, "segments", []))
 
     def get_device_properties(self, device: int) -> types.SimpleNamespace:
         self._record("get_device_properties", device)

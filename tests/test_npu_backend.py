@@ -235,6 +235,20 @@ def test_memory_stats_and_peak_reset_use_torch_npu(backend, fake):
     assert fake.named("reset_peak_memory_stats") == [("reset_peak_memory_stats", (3,), {})]
 
 
+def test_reserved_by_stream_reads_the_snapshot_and_names_the_callers_streams(backend, fake, monkeypatch):
+    side = backend.stream(3)
+    fake.segments = [
+        {"device": 3, "stream": 0, "total_size": 3 * GiB, "allocated_size": GiB, "blocks": []},
+        {"device": 3, "stream": side.npu_stream, "total_size": GiB, "allocated_size": 0,
+         "blocks": [{"size": GiB // 2, "state": "active_pending_free"}]},
+        {"device": 1, "stream": 0, "total_size": 9 * GiB, "allocated_size": 0, "blocks": []},
+    ]
+    pools = backend.reserved_by_stream(3, {"side": side})
+    assert pools == {"default": (3 * GiB, GiB, 0), "side": (GiB, 0, GiB // 2)}
+    monkeypatch.delattr(type(fake), "memory_snapshot")  # an older torch_npu without one: nothing to say
+    assert backend.reserved_by_stream(3) == {}
+
+
 # ---------------------------------------------------------------------------- host memory
 def test_register_host_aligns_address_and_pads_size(backend, fake):
     base = torch.empty(4 * PAGE, dtype=torch.uint8)
