@@ -79,6 +79,7 @@ def test_a_plan_over_its_budget_is_made_again_and_trains_under_the_cap(cpu_backe
                           backend=cpu_backend, memory_margin=0.0)
     note = [n for n in engine.plan.notes if n.startswith("rehearsal:")]
     assert len(note) == 1 and "(after margin 0% peaked at" in note[0], engine.plan.notes
+    assert "one step held to" not in note[0]  # allocated over the budget too: no step under the cap tried
     by_stream = "by stream: compute 1.0 MB, h2d 2.1 MB, d2h 3.1 MB"
     assert " allocated; " + by_stream + ")" in note[0] and "; reserved " + by_stream + "; " in note[0], note[0]
     said = [r.getMessage() for r in caplog.records if "in its rehearsal step" in r.getMessage()]
