@@ -135,7 +135,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
             rehearsed = _rehearse(engine, sample, timed)
         finally:
             backend.set_memory_cap(device, budget)
-        peak, allocated, host, send_s, clock, alone = rehearsed[:6]
+        peak, allocated, host, send_s, clock, alone, by_stream = rehearsed
         step_s = rehearsed.step_s
         if clock:
             read = ratios(engine.plan, host) if host and engine.plan.host_s_per_param else None
@@ -201,7 +201,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                     f"{format_bytes(peak)} reserved, {format_bytes(allocated)} allocated, budget "
                     f"{format_bytes(budget)}, predicted {format_bytes(predicted)}"
                     + (f" (after {'; '.join(tried)})" if tried else "")
-                    + (f"; reserved by stream: {rehearsed.by_stream}" if rehearsed.by_stream else "")
+                    + (f"; reserved by stream: {by_stream}" if by_stream else "")
                     + (f"; {capped}" if capped else "")
                     + f"; the allocator is held to {format_bytes(held)}"
                     + f"; rehearsing took {time.perf_counter() - started:.1f} s")
@@ -227,7 +227,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                 f"budget), a plan with +recompute or fewer resident blocks, or a device_budget of at least "
                 f"{format_bytes(peak)}", minimum=peak)
         tried.append(f"margin {margin:.0%} peaked at {format_bytes(peak)} ({format_bytes(allocated)} allocated"
-                     + (f"; by stream: {rehearsed.by_stream})" if rehearsed.by_stream else ")"))
+                     + (f"; by stream: {by_stream})" if by_stream else ")"))
         if len(tried) > ATTEMPTS or not predicted:
             raise torch.OutOfMemoryError(
                 f"MemFerry: every plan the scheduler made peaked over device_budget {format_bytes(budget)} in its "
@@ -237,7 +237,7 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
         _log.warning("MemFerry: the plan peaked at %s in its rehearsal step (%s allocated; predicted %s%s), over "
                      "the %s budget (its blocks: %s; prefetch depth %d, rest optimizer on the %s); planning again "
                      "with memory margin %.0f%%", format_bytes(peak), format_bytes(allocated), format_bytes(predicted),
-                     f"; reserved by stream: {rehearsed.by_stream}" if rehearsed.by_stream else "",
+                     f"; reserved by stream: {by_stream}" if by_stream else "",
                      format_bytes(budget), count_units(engine.plan.units), engine.plan.prefetch_depth,
                      engine.plan.rest_optimizer, margin * 100)
         plan = replan(engine.plan, budget, backend, device, margin)
