@@ -10,6 +10,7 @@ as its own forward maps them (:func:`~.hf_sliced_loss.logit_map`).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -60,7 +61,11 @@ class HFCausalLM(CausalLM):
         if lora is not None:
             from peft import get_peft_model
 
-            self.hf = get_peft_model(self.hf, _lora_config(lora))  # freezes every non-adapter weight
+            with warnings.catch_warnings():
+                # peft reads transformers' deprecated ``is_gradient_checkpointing`` (a FutureWarning
+                # in every LoRA run that the user can do nothing about); only that one is hidden.
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+                self.hf = get_peft_model(self.hf, _lora_config(lora))  # freezes every non-adapter weight
         layers = getattr(self.base.config, "num_hidden_layers", None)
         # The decoder layers are the first ModuleList as long as the layer count (llama, gpt2, mistral, qwen...).
         found = [m for m in self.hf.modules() if isinstance(m, nn.ModuleList) and len(m) == layers]
