@@ -395,3 +395,45 @@ def test_finetune_with_memferry_accumulation_and_clipping_exports_plain_adamw_we
         torch.testing.assert_close(v, theirs[k], rtol=1e-5, atol=1e-5, msg=k)
     if cfg == "gpt2":
         assert got.lm_head.weight.data_ptr() == got.transformer.wte.weight.data_ptr()  # still tied
+
+
+def test_export_writes_the_base_models_dtype_unless_told(tmp_path, cpu_backend, capsys):
+    """A bfloat16 base trained with fp32 masters comes back as bfloat16 (its LoRA merged in fp32,
+    then cast); ``--dtype float32`` keeps the masters; an adapter alone stays as trained; a bad name
+    is a one-line error (exit 2) before anything is written."""
+    import strategies.training.export_cli  # noqa: F401 - registers `xpu export`
+    from xpu.cli import main
+
+    torch.manual_seed(1)
+    base = transformers.AutoModelForCausalLM.from_config(_llama_cfg()).to(torch.bfloat16)
+    path = tmp_path / "bf16"
+    base.save_pretrained(path)
+    lora = {**LORA, "target_modules": ["q_proj", "v_proj"]}
+    train(load_config(_run_config(path, tmp_path, steps=2, lora=lora)))
+    state = _final_state(tmp_path)["engine"]["model"]
+    assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())  # fp32 masters
+
+    run = str(tmp_path / "run")
+    assert main(["export", run, "--hf", str(tmp_path / "auto")]) == 0
+    assert main(["export", run, "--hf", str(tmp_path / "fp32"), "--dtype", "float32"]) == 0
+    assert main(["export", run, "--hf", str(tmp_path / "adapter"), "--adapter"]) == 0
+    assert "(bfloat16)" in capsys.readouterr().out
+    expect = build_model("hf", path=str(path), seq=16, lora=lora)
+    expect.load_state_dict(state)
+    expect = expect.hf.merge_and_unload().state_dict()  # merged in fp32
+    auto = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "auto")
+    fp32 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp32")
+    assert auto.dtype == torch.bfloat16 and fp32.dtype == torch.float32
+    for k, v in expect.items():
+        assert torch.equal(auto.state_dict()[k], v.to(torch.bfloat16)), k
+        assert torch.equal(fp32.state_dict()[k], v), k
+    from safetensors.torch import load_file
+
+    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert adapter and all(v.dtype == torch.float32 for v in adapter.values())
+
+    capsys.readouterr()
+    assert main(["export", run, "--hf", str(tmp_path / "bad"), "--dtype", "fp8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "unknown dtype 'fp8'; valid: auto, float32, bfloat16, float16" in err and "\n" not in err
+    assert not (tmp_path / "bad").exists()

@@ -1,7 +1,10 @@
-"""``xpu export CHECKPOINT_OR_RUN_DIR --hf OUT_DIR [--adapter]``: an ``xpu train`` checkpoint as a Hugging Face folder.
+"""``xpu export CHECKPOINT_OR_RUN_DIR --hf OUT_DIR [--adapter] [--dtype D]``: an ``xpu train`` checkpoint as a Hugging Face folder.
 
     xpu export runs/llama-ft --hf out/llama-ft             # the run's latest step-*.pt, LoRA merged
     xpu export runs/llama-ft/step-200.pt --hf out/adapter --adapter   # the LoRA adapter alone
+    xpu export runs/llama-ft --hf out/llama-ft-fp32 --dtype float32   # the fp32 master weights
+
+Weights are written in the base model's saved dtype unless ``--dtype`` says otherwise.
 
 A bad checkpoint, a model that is not of family ``hf`` or ``--adapter`` without LoRA is a one-line
 error (exit status 2). Heavy imports happen in :func:`run`.
@@ -11,7 +14,6 @@ from __future__ import annotations
 import argparse
 
 from xpu.cli import register_command
-
 __all__ = ["add_arguments", "run"]
 
 
@@ -23,11 +25,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapter", action="store_true",
                         help="LoRA runs: write the adapter alone (adapter_config.json + adapter_model.safetensors), "
                              "not the merged weights")
+    # Checked by export_hf (its EXPORT_DTYPES; a one-line error names them): no torch import here.
+    parser.add_argument("--dtype", default="auto",
+                        help="dtype of the written weights: auto (default: the dtype the base model's folder was "
+                             "saved in; a LoRA adapter alone: as trained), float32, bfloat16 or float16")
 
 
 def _strip_resume(exc: Exception) -> str:
     msg = str(exc)
     return msg[len("resume: "):] if msg.startswith("resume: ") else msg  # the readers word their errors for resume
+
+
+def _written_dtype(out) -> str:
+    """`` (DTYPE)``, the dtype the written config.json records, for the closing line; empty for an adapter alone."""
+    import json
+
+    try:
+        record = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    name = record.get("dtype") or record.get("torch_dtype") if isinstance(record, dict) else None
+    return f" ({name})" if name else ""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,9 +66,9 @@ def run(args: argparse.Namespace) -> int:
     model = config.get("model") if isinstance(config, dict) else None
     if args.adapter and not (isinstance(model, dict) and model.get("lora") is not None):
         raise TrainConfigError(f"--adapter needs a LoRA run (model.lora); {path} trained all weights: drop --adapter")
-    out = export_hf(engine["model"], config, args.hf, merge_lora=not args.adapter)
+    out = export_hf(engine["model"], config, args.hf, merge_lora=not args.adapter, dtype=args.dtype)
     what = "LoRA adapter" if args.adapter else ("merged LoRA weights" if model and model.get("lora") else "weights")
-    print(f"xpu export: wrote {what} of {path} (step {ckpt.get('step')}) to {out}")
+    print(f"xpu export: wrote {what} of {path} (step {ckpt.get('step')}) to {out}{_written_dtype(out)}")
     return 0
 
 
