@@ -1,5 +1,6 @@
-"""`xpu mpress`: config checks before any process starts, the torchrun command, and a real 2-stage torchrun run
-whose losses equal the unpipelined run of the same config (cpu backend, gloo)."""
+"""`xpu mpress`: config checks before any process starts, the torchrun command, a real 2-stage torchrun run
+whose losses equal the unpipelined run of the same config (cpu backend, gloo), and checkpoints resumed under
+another pipeline."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import xpu
@@ -83,7 +85,7 @@ def _config(tmp_path: Path, **changes) -> Path:
     (["--set", "strategy.options.plan={1: {2: 'peer:1'}}"], "peer 1 must be another stage's device"),
     (["--set", "strategy.options.counts=[3, 2]"], "strategy.options.counts: block counts [3, 2] must be 2 positive"),
     (["--set", "model.family=hf", "--set", "model.config={model_type: gpt2}"], "model.family 'hf' cannot be split"),
-    (["--set", "checkpoint.dir=runs/x"], "'checkpoint' is not supported by xpu mpress yet"),
+    (["--resume", "no/such/run"], "resume: no checkpoint file or folder 'no/such/run'"),
     (["--set", "logging.csv=runs/x.csv"], "'logging' is not supported by xpu mpress yet"),
     (["--set", "accumulation_steps=2"], "'accumulation_steps' is not an xpu mpress key: the pipeline splits each batch "
                                         "into strategy.options.microbatches (--microbatches) micro-batches"),
@@ -161,3 +163,64 @@ def test_two_stages_through_torchrun_match_the_unpipelined_run(tmp_path, cpu_bac
     for step, (got, want) in enumerate(zip(summary["losses"], ref)):
         assert abs(got - want) < 1e-6, (step, got, want)
     assert ref[1] != ref[0]  # the second step saw an AdamW update: the optimizers agree, not just the forward
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+def _mpress(cfg: Path, *args: str) -> dict:
+    env = dict(os.environ, XPU_BACKEND="cpu", PYTHONPATH=str(ROOT), XPU_COLLECTIVE_TIMEOUT_S="60")
+    for key in ("LOCAL_RANK", "WORLD_SIZE", "RANK"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, "-m", "xpu", "mpress", str(cfg), "--json", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "log": proc.stderr}
+
+
+def test_a_checkpoint_resumes_under_another_pipeline_with_the_uninterrupted_losses(tmp_path):
+    """Two stages write step 2 and 4; three stages under GPipe resume step 2 and train steps 3-4 as the
+    uninterrupted run did, and write the same weights and AdamW state, named as the unpipelined model's."""
+    from strategies.models import build_model
+    from strategies.training import read_checkpoint
+
+    cfg = _config(tmp_path, steps=4, checkpoint={"dir": str(tmp_path / "run"), "every": 2})
+    full = _mpress(cfg)
+    assert [Path(p).name for p in full["checkpoints"]] == ["step-0000002.pt", "step-0000004.pt"]
+    want = read_checkpoint(tmp_path / "run" / "step-0000004.pt")
+    names = set(build_model("gpt", **{k: v for k, v in MICRO["model"].items() if k != "family"}).state_dict())
+    assert set(want["engine"]["model"]) == names and set(want["engine"]["optimizer"]) == names
+    assert want["config"]["strategy"]["name"] == "mpress"
+
+    resumed = _mpress(cfg, "--resume", str(tmp_path / "run" / "step-0000002.pt"), "--stages", "3",
+                      "--schedule", "gpipe", "--set", "strategy.options.plan=auto")
+    assert resumed["start_step"] == 2 and len(resumed["losses"]) == 2
+    assert "resume: changed since step-0000002.pt: strategy.options.stages: 2 -> 3; strategy.options.schedule: " \
+           "1f1b -> gpipe" in resumed["log"]
+    for got, ref in zip(resumed["losses"], full["losses"][2:]):
+        assert abs(got - ref) < 1e-6, (resumed["losses"], full["losses"])
+    got = read_checkpoint(tmp_path / "run" / "step-0000004.pt")  # the resumed run's, same run id: replaced
+    assert got["run_id"] == want["run_id"] and got["time"] > want["time"]
+    for name, t in want["engine"]["model"].items():
+        torch.testing.assert_close(got["engine"]["model"][name], t, rtol=1e-5, atol=1e-6)
+        for key, m in want["engine"]["optimizer"][name].items():
+            torch.testing.assert_close(got["engine"]["optimizer"][name][key], m, rtol=1e-5, atol=1e-7)
+
+
+def test_checkpoint_misuse_is_a_one_line_error_before_any_process_starts(tmp_path, capsys, no_launch):
+    from strategies.training import load_config as train_config, train
+
+    run = tmp_path / "run"
+    other = tmp_path / "other"
+    train(train_config({**{k: v for k, v in MICRO.items() if k not in ("strategy", "name")}, "strategy": "torch",
+                        "steps": 1, "checkpoint": {"dir": str(other)}}))
+    (run).mkdir()
+    (run / "step-0000001.pt").write_bytes((other / "step-0000001.pt").read_bytes())
+    cases = [
+        (["--resume", str(other)], "was written by xpu train (strategy 'torch'); xpu mpress resumes only its own"),
+        (["--set", f"checkpoint.dir={run}"], f"checkpoint.dir '{run}' already holds 1 checkpoints (step-0000001.pt, "
+                                             f"...); pass `--resume {run}` to continue it, `--overwrite`"),
+    ]
+    for args, message in cases:
+        rc = main(["mpress", str(_config(tmp_path)), *args])
+        out, err = capsys.readouterr()
+        lines = [l for l in err.strip().splitlines() if not l.startswith("xpu: no npu or cuda")]
+        assert rc == 2 and len(lines) == 1 and message in lines[0], err

@@ -45,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, metavar="N",
                         help="processes for torchrun to start: one per stage, so it sets --stages (default: the stages)")
     parser.add_argument("--steps", type=int, help="training steps")
+    parser.add_argument("--resume", metavar="PATH",
+                        help="continue from a checkpoint of xpu mpress (a step-N.pt, or a folder: its latest); "
+                             "the stages, split, micro-batches and schedule may differ from the run that wrote it")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start over in a checkpoint.dir that holds another run's step-*.pt files (deletes them)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value by dotted key, e.g. model.layers=8 or strategy.options.plan=keep "
                              "(YAML value syntax); repeatable")
@@ -73,9 +78,12 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
                                     f"per stage (no data parallelism yet); give one of them, or the same number")
         stages = args.nproc
     for key, value in (("strategy.options.stages", stages), ("strategy.options.microbatches", args.microbatches),
-                       ("strategy.options.schedule", args.schedule), ("steps", args.steps)):
+                       ("strategy.options.schedule", args.schedule), ("steps", args.steps),
+                       ("resume", args.resume)):
         if value is not None:
             out[key] = value
+    if args.overwrite:
+        out["checkpoint.overwrite"] = True
     if args.budget_gb is not None:
         if not args.budget_gb > 0:
             raise MPressConfigError(f"--budget-gb must be a positive number of GB, got {args.budget_gb}")
@@ -87,11 +95,14 @@ def _rank_args(args: argparse.Namespace) -> list[str]:
     """The flags every rank gets (``--stages`` is added by the launch command, --nproc/--dry-run dropped)."""
     out: list[str] = []
     for flag, value in (("--microbatches", args.microbatches), ("--schedule", args.schedule),
-                        ("--budget-gb", args.budget_gb), ("--steps", args.steps)):
+                        ("--budget-gb", args.budget_gb), ("--steps", args.steps),
+                        ("--resume", os.path.abspath(args.resume) if args.resume else None)):
         if value is not None:
             out += [flag, str(value)]
     for item in args.set:
         out += ["--set", item]
+    if args.overwrite:
+        out.append("--overwrite")
     if args.json:
         out.append("--json")
     if args.profile_json is not None:  # absolute: the ranks need not share the caller's idea of "here"
@@ -112,6 +123,25 @@ def _check_profile_json(path: str | None) -> None:
                                 + "; give a file path in an existing directory")
 
 
+def _check_checkpoints(config: Any, backend: Any) -> None:
+    """The resume checkpoint against the config and the checkpoint folder: refused before any process starts."""
+    from pathlib import Path
+
+    from strategies.mpress.checkpointing import check_resume
+    from strategies.training import TrainConfigError, resolve_dtype
+    from strategies.training.checkpoints import check_checkpoint_dir
+
+    t = config.train
+    resumed = check_resume(t, config.options(), resolve_dtype(t, backend)[0]) if t.resume else None
+    if t.checkpoint is None:
+        return
+    check_checkpoint_dir(t, resumed[1]["run_id"] if resumed else "", fresh=resumed is None)
+    try:  # an unwritable folder fails now, not after the first hour of training
+        Path(t.checkpoint.dir).expanduser().mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TrainConfigError(f"checkpoint.dir {t.checkpoint.dir!r}: {exc.strerror or exc}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Check the config; then start the ranks through torchrun, or (under torchrun) run this rank's stage."""
     import subprocess
@@ -125,7 +155,9 @@ def run(args: argparse.Namespace) -> int:
         return _run_rank(config, args)
     import xpu
 
-    env = check_devices(config, xpu.get_backend(), add_virtual=True)
+    backend = xpu.get_backend()
+    env = check_devices(config, backend, add_virtual=True)
+    _check_checkpoints(config, backend)
     # torchrun would set 1 thread per process (and warn); share the cores between the stages instead.
     env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.stages))))
     command = launch_command(args.config, config.stages, _rank_args(args))
@@ -156,6 +188,7 @@ def _run_rank(config: Any, args: argparse.Namespace) -> int:
 
     from strategies.mpress.launcher import run_rank
     from strategies.mpress.planner import InfeasibleBudgetError, PlanOverBudgetError
+    from strategies.training import TrainConfigError
     from xpu.dist import leave_rank
     from xpu.units import format_bytes
 
@@ -178,6 +211,9 @@ def _run_rank(config: Any, args: argparse.Namespace) -> int:
                 fh.write("2")
         # Started by hand under torchrun, the exit status says it; by the launcher, the file.
         leave_rank(2 if status is None else 0)
+    except TrainConfigError as exc:  # a checkpoint that cannot be written or read (rank 0, or every rank)
+        print(f"xpu mpress: error: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:
         oom = _out_of_memory(exc, torch.OutOfMemoryError)
         if oom is None:

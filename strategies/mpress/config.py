@@ -24,7 +24,9 @@ treats activations: ``auto`` | ``keep`` | ``host``, see
 :data:`~strategies.mpress.job.PROFILE_MODES`) and ``devices`` (the device index of each
 stage, e.g. ``[0, 0]``: both stages on device 0; null: stage ``i`` on device ``i``). Stages
 on one device share its ``device_budget``: the planner fits their peaks into it together
-(:mod:`strategies.mpress.planner`). ``checkpoint`` and ``resume`` are not supported yet.
+(:mod:`strategies.mpress.planner`). ``checkpoint`` and ``resume`` work as in ``xpu train``
+(one ``step-N.pt`` holding every stage, :mod:`strategies.mpress.checkpointing`); a run may resume
+under other pipeline options. ``logging`` is not supported yet.
 
 :func:`load_config` reads and checks a config (:class:`MPressConfig`); :func:`check_devices`
 checks it against a backend's devices. Every bad value is a :class:`MPressConfigError` naming
@@ -45,7 +47,7 @@ __all__ = ["MPressConfig", "MPressConfigError", "OPTIONS", "load_config", "check
 OPTIONS: dict[str, Any] = {"stages": 2, "microbatches": 4, "schedule": "1f1b", "plan": "auto", "counts": None,
                            "profile": "auto", "devices": None}
 #: Train-config keys ``xpu mpress`` does not support (yet).
-_UNSUPPORTED = ("checkpoint", "resume", "logging")
+_UNSUPPORTED = ("logging",)
 #: Train-config knobs the pipeline would ignore: (the value that changes nothing, why it is refused).
 _REFUSED = {"accumulation_steps": (1, "is not an xpu mpress key: the pipeline splits each batch into "
                                       "strategy.options.microbatches (--microbatches) micro-batches; set that instead"),
@@ -80,6 +82,10 @@ class MPressConfig:
     profile: str
     devices: tuple[int, ...] | None = None
     source: str | None = None
+
+    def options(self) -> dict[str, Any]:
+        """The pipeline options as ``strategy.options`` holds them (what a checkpoint records)."""
+        return {key: list(v) if isinstance(v := getattr(self, key), tuple) else v for key in OPTIONS}
 
     @property
     def budget(self) -> int | None:

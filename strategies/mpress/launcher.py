@@ -92,9 +92,11 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
 
     import xpu
     from strategies.training import lr_at, make_data, resolve_dtype  # the same dtype choice and batches as `xpu train`
+    from strategies.training.checkpoints import new_run_id, prepare_checkpoint_dir
     from xpu.units import format_bytes
 
     from .build import adamw_with_states, build_stage
+    from .checkpointing import check_resume, load_stage_state, save_merged, stage_state
     from .memory_profile import dump_profiles, format_profile
     from .planner import format_plan
     from .profiling import profile_stages
@@ -122,6 +124,11 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
     # Stages sharing a device meet over the host library (an accelerator's refuses two ranks on one device).
     library = p2p_library(backend.dist_backend, [job.device_of(s) for s in range(world)])
     dist.init_process_group(library, rank=rank, world_size=world, timeout=timeout)
+    ckpt = t.checkpoint
+    # Checkpoints gather host copies: over the host library, whatever the stages send each other.
+    objects = dist.new_group(backend="gloo") if ckpt is not None and library != "gloo" else None
+    resumed = check_resume(t, config.options(), dtype_name) if t.resume else None  # checked before launch too
+    run_id = resumed[1]["run_id"] if resumed else new_run_id()  # rank 0's is the one written
     try:
         box: list[torch.optim.Optimizer] = []
         if profile_json is not None:
@@ -160,12 +167,26 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
             say(f"plan (given; unlisted blocks kept):\n{plan_text}")
         elif config.plan in ("auto", "recompute"):
             say(f"plan (chosen by the planner):\n{plan_text}")
+        start = 0
+        if resumed is not None:  # after planning: the profiled steps ran on the initial weights, as planned
+            path, state, notices = resumed
+            with backend.device_scope(device):
+                load_stage_state(stage, optimizer, state["engine"], path)
+            data.load_state_dict(state["data"])
+            start = int(state["step"])
+            say(f"resumed from {path} (step {start})")
+            for notice in notices:
+                say(notice)
+            del state, resumed
+        if ckpt is not None and rank == 0:
+            prepare_checkpoint_dir(t, run_id)
         runtime.apply_cap()
+        saved: list[str] = []
         losses: list[float] = []
         times: list[float] = []
         peaks: list[int] = [0] * world
         t_begin = time.perf_counter()
-        for i in range(t.steps):
+        for i in range(start, t.steps):
             lr = lr_at(o, i, t.steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -188,15 +209,23 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
             peaks = [r[1] for r in reports]
             times.append(step_s)
             n = i + 1
-            if n % t.log_every == 0 or n == 1 or n == t.steps:
+            note = ""
+            if ckpt is not None and ((ckpt.every and n % ckpt.every == 0) or n == t.steps):
+                parts: list[Any] | None = [None] * world if rank == 0 else None
+                dist.gather_object(stage_state(stage, optimizer), parts, dst=0, group=objects)
+                if rank == 0:
+                    saved.append(str(save_merged(t, config.options(), n, parts, data, run_id, dtype_name)))
+                    note = f"  saved {saved[-1]}"
+            if n % t.log_every == 0 or n == start + 1 or n == t.steps or note:
                 say(f"step {n:>6d}/{t.steps}  loss {losses[-1]:.4f}  lr {lr:.2e}  {step_s * 1e3:7.1f} ms/step  "
-                    f"peak {' | '.join(format_bytes(p) for p in peaks)}")
+                    f"peak {' | '.join(format_bytes(p) for p in peaks)}{note}")
         wall = time.perf_counter() - t_begin
         summary = {"name": t.name, "stages": world, "schedule": config.schedule, "microbatches": config.microbatches,
                    "losses": losses, "step_times_s": times, "wall_s": wall, "peaks": peaks,
                    "devices": [job.device_of(s) for s in range(world)], "device_peaks": built.device_loads(peaks),
                    "budget": budget, "plan": plan_text, "profile_modes": [f[1] for f in facts],
-                   "decisions": {str(s): f[2] for s, f in enumerate(facts) if f[2]}}
+                   "decisions": {str(s): f[2] for s, f in enumerate(facts) if f[2]}, "start_step": start,
+                   "checkpoints": saved}
         k = max(1, min(10, len(losses) // 10))
         head, tail = losses[:k], losses[-k:]
         say(f"done: {len(losses)} steps in {wall:.1f} s; loss {sum(head) / k:.3f} -> {sum(tail) / k:.3f} "

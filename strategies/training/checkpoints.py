@@ -310,9 +310,11 @@ def _write(tmp: Path, header: bytes, blob: bytes) -> None:
         os.fsync(f.fileno())  # the bytes are on disk before the rename makes them the checkpoint
 
 
-def save_checkpoint(directory: Path, step: int, engine: TrainEngine, data: TokenWindows, config: TrainConfig,
-                    run_id: str, dtype_name: str, keep: int | None = None) -> Path:
+def save_checkpoint(directory: Path, step: int, engine: TrainEngine, data: TokenWindows,
+                    config: TrainConfig | dict[str, Any], run_id: str, dtype_name: str, keep: int | None = None) -> Path:
     """Write ``step-N.pt`` atomically and durably, then prune to this run's last ``keep`` checkpoints.
+
+    ``config`` is recorded as its ``to_dict()`` (a dict as given: ``xpu mpress`` records its pipeline).
 
     Raises:
         CheckpointWriteError: the folder cannot take the file (disk full, read-only, ...); the earlier
@@ -332,7 +334,8 @@ def save_checkpoint(directory: Path, step: int, engine: TrainEngine, data: Token
         directory.mkdir(parents=True, exist_ok=True)
         _remove_stale_tmps(directory)
         buf = io.BytesIO()
-        torch.save({"engine": state, "data": data.state_dict(), "config": config.to_dict(),
+        record = config if isinstance(config, dict) else config.to_dict()
+        torch.save({"engine": state, "data": data.state_dict(), "config": record,
                     "dtype": dtype_name}, buf)
         blob = buf.getvalue()
         del buf
