@@ -86,7 +86,7 @@ def _config(tmp_path: Path, **changes) -> Path:
     (["--set", "strategy.options.counts=[3, 2]"], "strategy.options.counts: block counts [3, 2] must be 2 positive"),
     (["--set", "model.family=hf", "--set", "model.config={model_type: gpt2}"], "model.family 'hf' cannot be split"),
     (["--resume", "no/such/run"], "resume: no checkpoint file or folder 'no/such/run'"),
-    (["--set", "logging.csv=runs/x.csv"], "'logging' is not supported by xpu mpress yet"),
+    (["--set", "logging.csv=."], "logging.csv '.' is a folder; give a file"),
     (["--set", "accumulation_steps=2"], "'accumulation_steps' is not an xpu mpress key: the pipeline splits each batch "
                                         "into strategy.options.microbatches (--microbatches) micro-batches"),
     (["--set", "eval_every=2", "--set", "data.eval_fraction=0.1"], "'eval_every' is not supported by xpu mpress"),
@@ -178,11 +178,13 @@ def _mpress(cfg: Path, *args: str) -> dict:
 
 def test_a_checkpoint_resumes_under_another_pipeline_with_the_uninterrupted_losses(tmp_path):
     """Two stages write step 2 and 4; three stages under GPipe resume step 2 and train steps 3-4 as the
-    uninterrupted run did, and write the same weights and AdamW state, named as the unpipelined model's."""
+    uninterrupted run did, and write the same weights and AdamW state, named as the unpipelined model's;
+    the ``logging.csv`` rows go on from the resumed step."""
     from strategies.models import build_model
     from strategies.training import read_checkpoint
 
-    cfg = _config(tmp_path, steps=4, checkpoint={"dir": str(tmp_path / "run"), "every": 2})
+    csv_log = tmp_path / "log.csv"
+    cfg = _config(tmp_path, steps=4, checkpoint={"dir": str(tmp_path / "run"), "every": 2}, logging={"csv": str(csv_log)})
     full = _mpress(cfg)
     assert [Path(p).name for p in full["checkpoints"]] == ["step-0000002.pt", "step-0000004.pt"]
     want = read_checkpoint(tmp_path / "run" / "step-0000004.pt")
@@ -193,6 +195,11 @@ def test_a_checkpoint_resumes_under_another_pipeline_with_the_uninterrupted_loss
     resumed = _mpress(cfg, "--resume", str(tmp_path / "run" / "step-0000002.pt"), "--stages", "3",
                       "--schedule", "gpipe", "--set", "strategy.options.plan=auto")
     assert resumed["start_step"] == 2 and len(resumed["losses"]) == 2
+    # The CSV log keeps steps 1-2 and takes 3-4 from the resumed run (the first run's 3-4 dropped).
+    rows = [line.split(",") for line in csv_log.read_text().splitlines()]
+    assert rows[0][:3] == ["step", "loss", "lr"] and [int(r[0]) for r in rows[1:]] == [1, 2, 3, 4]
+    assert [float(r[1]) for r in rows[3:]] == pytest.approx(resumed["losses"], abs=1e-6)
+    assert [float(r[1]) for r in rows[1:3]] == pytest.approx(full["losses"][:2], abs=1e-6)
     assert "resume: changed since step-0000002.pt: strategy.options.stages: 2 -> 3; strategy.options.schedule: " \
            "1f1b -> gpipe" in resumed["log"]
     for got, ref in zip(resumed["losses"], full["losses"][2:]):

@@ -26,7 +26,7 @@ stage, e.g. ``[0, 0]``: both stages on device 0; null: stage ``i`` on device ``i
 on one device share its ``device_budget``: the planner fits their peaks into it together
 (:mod:`strategies.mpress.planner`). ``checkpoint`` and ``resume`` work as in ``xpu train``
 (one ``step-N.pt`` holding every stage, :mod:`strategies.mpress.checkpointing`); a run may resume
-under other pipeline options. ``logging`` is not supported yet.
+under other pipeline options; ``logging`` writes rank 0's step rows as ``xpu train`` does.
 
 :func:`load_config` reads and checks a config (:class:`MPressConfig`); :func:`check_devices`
 checks it against a backend's devices. Every bad value is a :class:`MPressConfigError` naming
@@ -46,8 +46,6 @@ __all__ = ["MPressConfig", "MPressConfigError", "OPTIONS", "load_config", "check
 #: ``strategy.options`` of an mpress config and their defaults.
 OPTIONS: dict[str, Any] = {"stages": 2, "microbatches": 4, "schedule": "1f1b", "plan": "auto", "counts": None,
                            "profile": "auto", "devices": None}
-#: Train-config keys ``xpu mpress`` does not support (yet).
-_UNSUPPORTED = ("logging",)
 #: Train-config knobs the pipeline would ignore: (the value that changes nothing, why it is refused).
 _REFUSED = {"accumulation_steps": (1, "is not an xpu mpress key: the pipeline splits each batch into "
                                       "strategy.options.microbatches (--microbatches) micro-batches; set that instead"),
@@ -127,10 +125,6 @@ def load_config(source: str | Path | dict[str, Any], overrides: dict[str, Any] |
     data.setdefault("strategy", {"name": "mpress"})
     apply_overrides(data, overrides, MPressConfigError, promote={"strategy": "name"})
     options = _strategy_options(data.pop("strategy"))
-    for key in _UNSUPPORTED:
-        if data.get(key) is not None:
-            raise MPressConfigError(f"'{key}' is not supported by xpu mpress yet; remove it (xpu train supports it)")
-        data.pop(key, None)
     for key, (inert, why) in _REFUSED.items():
         if data.get(key, inert) != inert:
             raise MPressConfigError(f"'{key}' {why}")
@@ -145,7 +139,7 @@ def load_config(source: str | Path | dict[str, Any], overrides: dict[str, Any] |
     except TrainConfigError as exc:
         message = str(exc)
         if "valid keys:" in message:  # list what mpress accepts, not the train config's full set
-            valid = [k for k in message.split("valid keys: ", 1)[1].split(", ") if k not in _UNSUPPORTED and k not in _REFUSED]
+            valid = [k for k in message.split("valid keys: ", 1)[1].split(", ") if k not in _REFUSED]
             message = message.split("valid keys: ", 1)[0] + "valid keys: " + ", ".join(valid)
         raise MPressConfigError(message) from None
     config = MPressConfig(train=train, source=shown, **options)

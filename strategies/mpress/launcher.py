@@ -93,10 +93,12 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
     import xpu
     from strategies.training import lr_at, make_data, resolve_dtype  # the same dtype choice and batches as `xpu train`
     from strategies.training.checkpoints import new_run_id, prepare_checkpoint_dir
+    from strategies.training.reports import StepReport
     from xpu.units import format_bytes
 
     from .build import adamw_with_states, build_stage
     from .checkpointing import check_resume, load_stage_state, save_merged, stage_state
+    from .step_log import PipelineLog
     from .memory_profile import dump_profiles, format_profile
     from .planner import format_plan
     from .profiling import profile_stages
@@ -129,6 +131,8 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
     objects = dist.new_group(backend="gloo") if ckpt is not None and library != "gloo" else None
     resumed = check_resume(t, config.options(), dtype_name) if t.resume else None  # checked before launch too
     run_id = resumed[1]["run_id"] if resumed else new_run_id()  # rank 0's is the one written
+    log = PipelineLog(t)  # `logging:`'s writers, on rank 0
+    summary: dict[str, Any] | None = None
     try:
         box: list[torch.optim.Optimizer] = []
         if profile_json is not None:
@@ -167,13 +171,13 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
             say(f"plan (given; unlisted blocks kept):\n{plan_text}")
         elif config.plan in ("auto", "recompute"):
             say(f"plan (chosen by the planner):\n{plan_text}")
-        start = 0
+        start, resumed_from = 0, None
         if resumed is not None:  # after planning: the profiled steps ran on the initial weights, as planned
             path, state, notices = resumed
             with backend.device_scope(device):
                 load_stage_state(stage, optimizer, state["engine"], path)
             data.load_state_dict(state["data"])
-            start = int(state["step"])
+            start, resumed_from = int(state["step"]), str(path)
             say(f"resumed from {path} (step {start})")
             for notice in notices:
                 say(notice)
@@ -185,6 +189,10 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
         losses: list[float] = []
         times: list[float] = []
         peaks: list[int] = [0] * world
+        log.start(name=t.name, backend=backend.name, device=device, dtype=dtype_name, params=sum(f[0] for f in facts),
+                  strategy="mpress", options=config.options(), device_budget=budget, data=data_desc, start_step=start,
+                  steps=t.steps, tokens_per_step=t.batch * t.seq, resumed_from=resumed_from, plan=plan_text or None,
+                  run_id=run_id)
         t_begin = time.perf_counter()
         for i in range(start, t.steps):
             lr = lr_at(o, i, t.steps)
@@ -216,7 +224,9 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
                 if rank == 0:
                     saved.append(str(save_merged(t, config.options(), n, parts, data, run_id, dtype_name)))
                     note = f"  saved {saved[-1]}"
-            if n % t.log_every == 0 or n == start + 1 or n == t.steps or note:
+            shown = n % t.log_every == 0 or n == start + 1 or n == t.steps or bool(note)
+            log.step(StepReport(n, t.steps, losses[-1], lr, step_s, max(peaks), shown, saved[-1] if note else None))
+            if shown:
                 say(f"step {n:>6d}/{t.steps}  loss {losses[-1]:.4f}  lr {lr:.2e}  {step_s * 1e3:7.1f} ms/step  "
                     f"peak {' | '.join(format_bytes(p) for p in peaks)}{note}")
         wall = time.perf_counter() - t_begin
@@ -238,6 +248,7 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
             print(json.dumps(summary), flush=True)
         return summary if rank == 0 else None
     finally:
+        log.end(summary)  # None after a failure: the writers close what they wrote
         backend.set_memory_cap(device, None)
         if dist.is_initialized():
             dist.destroy_process_group()
