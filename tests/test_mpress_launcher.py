@@ -166,8 +166,8 @@ def test_two_stages_through_torchrun_match_the_unpipelined_run(tmp_path, cpu_bac
 
 
 # ---------------------------------------------------------------------------------- checkpoints
-def _mpress(cfg: Path, *args: str) -> dict:
-    env = dict(os.environ, XPU_BACKEND="cpu", PYTHONPATH=str(ROOT), XPU_COLLECTIVE_TIMEOUT_S="60")
+def _mpress(cfg: Path, *args: str, backend: str = "cpu") -> dict:
+    env = dict(os.environ, XPU_BACKEND=backend, PYTHONPATH=str(ROOT), XPU_COLLECTIVE_TIMEOUT_S="60")
     for key in ("LOCAL_RANK", "WORLD_SIZE", "RANK"):
         env.pop(key, None)
     proc = subprocess.run([sys.executable, "-m", "xpu", "mpress", str(cfg), "--json", *args], cwd=ROOT, env=env,
@@ -231,3 +231,14 @@ def test_checkpoint_misuse_is_a_one_line_error_before_any_process_starts(tmp_pat
         out, err = capsys.readouterr()
         lines = [l for l in err.strip().splitlines() if not l.startswith("xpu: no npu or cuda")]
         assert rc == 2 and len(lines) == 1 and message in lines[0], err
+
+
+@pytest.mark.gpu
+def test_a_checkpoint_of_two_stages_on_one_gpu_resumes_with_the_uninterrupted_losses(tmp_path, gpu_backend):
+    """On the device: both stages on device 0 (gloo between them), a checkpoint at step 2, resumed to step 4."""
+    cfg = _config(tmp_path, steps=4, checkpoint={"dir": str(tmp_path / "run"), "every": 2})
+    devices = ["--set", "strategy.options.devices=[0, 0]", "--set", "dtype=fp32"]
+    full = _mpress(cfg, *devices, backend=gpu_backend.name)
+    resumed = _mpress(cfg, *devices, "--resume", str(tmp_path / "run" / "step-0000002.pt"), backend=gpu_backend.name)
+    assert resumed["start_step"] == 2
+    assert resumed["losses"] == pytest.approx(full["losses"][2:], rel=1e-4)
