@@ -188,7 +188,7 @@ def _run_rank(config: Any, args: argparse.Namespace) -> int:
 
     from strategies.mpress.launcher import run_rank
     from strategies.mpress.planner import InfeasibleBudgetError, PlanOverBudgetError
-    from strategies.training import TrainConfigError
+    from strategies.training import CheckpointWriteError, TrainConfigError, TrainingDivergedError
     from xpu.dist import leave_rank
     from xpu.units import format_bytes
 
@@ -211,7 +211,7 @@ def _run_rank(config: Any, args: argparse.Namespace) -> int:
                 fh.write("2")
         # Started by hand under torchrun, the exit status says it; by the launcher, the file.
         leave_rank(2 if status is None else 0)
-    except TrainConfigError as exc:  # a checkpoint that cannot be written or read (rank 0, or every rank)
+    except (TrainConfigError, CheckpointWriteError, TrainingDivergedError) as exc:  # a checkpoint not written or read
         print(f"xpu mpress: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:

@@ -98,10 +98,10 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
 
     from .build import adamw_with_states, build_stage
     from .checkpointing import check_resume, load_stage_state, save_merged, stage_state
-    from .step_log import PipelineLog
     from .memory_profile import dump_profiles, format_profile
     from .planner import format_plan
     from .profiling import profile_stages
+    from .step_log import PipelineLog
     from .stage_setup import plan_and_run
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -126,14 +126,14 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
     # Stages sharing a device meet over the host library (an accelerator's refuses two ranks on one device).
     library = p2p_library(backend.dist_backend, [job.device_of(s) for s in range(world)])
     dist.init_process_group(library, rank=rank, world_size=world, timeout=timeout)
-    ckpt = t.checkpoint
-    # Checkpoints gather host copies: over the host library, whatever the stages send each other.
-    objects = dist.new_group(backend="gloo") if ckpt is not None and library != "gloo" else None
-    resumed = check_resume(t, config.options(), dtype_name) if t.resume else None  # checked before launch too
-    run_id = resumed[1]["run_id"] if resumed else new_run_id()  # rank 0's is the one written
     log = PipelineLog(t)  # `logging:`'s writers, on rank 0
     summary: dict[str, Any] | None = None
     try:
+        ckpt = t.checkpoint
+        # Checkpoints gather host copies: over the host library, whatever the stages send each other.
+        objects = dist.new_group(backend="gloo") if ckpt is not None and library != "gloo" else None
+        resumed = check_resume(t, config.options(), dtype_name) if t.resume else None  # checked before launch too
+        run_id = resumed[1]["run_id"] if resumed else new_run_id()  # rank 0's is the one written
         box: list[torch.optim.Optimizer] = []
         if profile_json is not None:
             job = replace(job, profile=True)
