@@ -21,7 +21,7 @@ import torch
 
 from .config import TrainConfig, TrainConfigError
 
-__all__ = ["export_hf", "EXPORT_DTYPES", "TOKENIZER_FILES"]
+__all__ = ["export_hf", "recorded_dtype", "EXPORT_DTYPES", "TOKENIZER_FILES"]
 
 #: ``dtype`` names :func:`export_hf` takes; ``auto`` is the dtype the base model's folder records.
 EXPORT_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -45,17 +45,17 @@ def _float_dtype(state: dict[str, torch.Tensor]) -> torch.dtype:
     return next((t.dtype for t in state.values() if torch.is_tensor(t) and t.is_floating_point()), torch.float32)
 
 
-def _saved_dtype(path: str | None) -> torch.dtype | None:
-    """The floating dtype a ``save_pretrained`` folder's config.json records (``dtype``, or the older
-    ``torch_dtype``); None where there is no folder, no record or no floating dtype."""
-    if path is None:
+def recorded_dtype(folder: str | Path | None) -> str | None:
+    """The dtype name a ``save_pretrained`` folder's config.json records (``dtype``, or the older
+    ``torch_dtype``); None where there is no folder, no config or no record."""
+    if folder is None:
         return None
     try:
-        record = json.loads((Path(str(path)).expanduser() / "config.json").read_text())
+        record = json.loads((Path(str(folder)).expanduser() / "config.json").read_text())
     except (OSError, ValueError):
         return None
     name = (record.get("dtype") or record.get("torch_dtype")) if isinstance(record, dict) else None
-    return EXPORT_DTYPES.get(name) if isinstance(name, str) and name != "auto" else None
+    return name if isinstance(name, str) else None
 
 
 def _target_dtype(dtype: str, model_section: dict[str, Any], whole_model: bool) -> torch.dtype | None:
@@ -65,7 +65,7 @@ def _target_dtype(dtype: str, model_section: dict[str, Any], whole_model: bool) 
         raise TrainConfigError(f"export: unknown dtype {dtype!r}; valid: {', '.join(EXPORT_DTYPES)}")
     if dtype != "auto":
         return EXPORT_DTYPES[dtype]
-    return _saved_dtype(model_section.get("path")) if whole_model else None
+    return EXPORT_DTYPES.get(recorded_dtype(model_section.get("path")) or "auto") if whole_model else None
 
 
 def _copy_tokenizer(source: str | None, out: Path) -> list[str]:

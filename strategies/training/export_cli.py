@@ -36,23 +36,11 @@ def _strip_resume(exc: Exception) -> str:
     return msg[len("resume: "):] if msg.startswith("resume: ") else msg  # the readers word their errors for resume
 
 
-def _written_dtype(out) -> str:
-    """`` (DTYPE)``, the dtype the written config.json records, for the closing line; empty for an adapter alone."""
-    import json
-
-    try:
-        record = json.loads((out / "config.json").read_text())
-    except (OSError, ValueError):
-        return ""
-    name = record.get("dtype") or record.get("torch_dtype") if isinstance(record, dict) else None
-    return f" ({name})" if name else ""
-
-
 def run(args: argparse.Namespace) -> int:
     """Read the checkpoint, write the Hugging Face folder, print where."""
     from strategies.training.checkpoints import find_checkpoint, read_checkpoint
     from strategies.training.config import TrainConfigError
-    from strategies.training.export import export_hf
+    from strategies.training.export import export_hf, recorded_dtype
 
     try:
         path = find_checkpoint(args.checkpoint)
@@ -68,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
         raise TrainConfigError(f"--adapter needs a LoRA run (model.lora); {path} trained all weights: drop --adapter")
     out = export_hf(engine["model"], config, args.hf, merge_lora=not args.adapter, dtype=args.dtype)
     what = "LoRA adapter" if args.adapter else ("merged LoRA weights" if model and model.get("lora") else "weights")
-    print(f"xpu export: wrote {what} of {path} (step {ckpt.get('step')}) to {out}{_written_dtype(out)}")
+    print(f"xpu export: wrote {what} of {path} (step {ckpt.get('step')}) to {out}"
+          + (f" ({written})" if (written := recorded_dtype(out)) else ""))
     return 0
 
 
