@@ -15,9 +15,21 @@ from torch.utils.checkpoint import checkpoint
 
 from .sliced_loss import sliced_loss_sum, summed_slices
 
-__all__ = ["CausalLM", "RMSNorm", "Linear", "Embedding", "INIT_STD"]
+__all__ = ["CausalLM", "RMSNorm", "Linear", "Embedding", "INIT_STD", "token_mean_loss"]
 
 INIT_STD = 0.02
+IGNORE = -100  # cross_entropy's ignore_index: a target the loss leaves out (a prompt token, padding)
+
+
+def token_mean_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy in fp32, the mean over the targets that count (not -100).
+
+    ``cross_entropy``'s own mean, except that a batch with no counted target gives 0 and zero
+    gradients rather than NaN (a window of prompt tokens only, under ``data.prompt_field``).
+    """
+    t = targets.reshape(-1)
+    total = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), t, ignore_index=IGNORE, reduction="sum")
+    return total / (t != IGNORE).sum().clamp(min=1)
 
 
 class Linear(nn.Linear):
@@ -94,15 +106,14 @@ class CausalLM(nn.Module):
             return self.logits(idx)
         if self.loss_chunks > 1:
             return self._chunked_loss(self.features(idx), targets)
-        logits = self.logits(idx)
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return token_mean_loss(self.logits(idx), targets)
 
     def _slice_loss_sum(self, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(self.head(h).float(), t, reduction="sum")
 
     def _chunked_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         h, t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
-        count = (t != -100).sum().clamp(min=1)  # mean over counted targets, as cross_entropy's default
+        count = (t != IGNORE).sum().clamp(min=1)  # mean over counted targets, as token_mean_loss
         if not (self.training and torch.is_grad_enabled()):
             return summed_slices(self._slice_loss_sum, h, t, self.loss_chunks) / count
         if self.loss_grad_in_forward:

@@ -8,8 +8,9 @@ keeps the original module objects, so its parameter names match the unpipelined 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from strategies.models.base import token_mean_loss
 
 from .executor import StageExecutor
 
@@ -39,8 +40,8 @@ def partition_blocks(num_blocks: int, num_stages: int, counts: list[int] | None 
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32, as :meth:`strategies.models.CausalLM.forward` computes it."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    """Mean next-token cross-entropy in fp32 over the counted targets, as :meth:`strategies.models.CausalLM.forward`."""
+    return token_mean_loss(logits, targets)
 
 
 class StageModule(nn.Module):

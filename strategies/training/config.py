@@ -20,6 +20,7 @@ YAML shape (every key but ``model`` optional)::
     seed: 0
     data: {kind: synthetic, branching: 4}   # or {kind: text, path: data/tiny.txt} (byte-level, vocab 256)
                                    # or {kind: jsonl, path: docs.jsonl, field: text, tokenizer: DIR_OR_tokenizer.json}
+                                   #   (prompt_field: prompt: loss on `field` alone, each record's prompt before it)
                                    # or {kind: tokens, path: tokens.npy} (or .bin with dtype: uint16 | uint32)
                                    # any kind: eval_fraction: 0.05 (the corpus's last 5 % is held out for eval)
     accumulation_steps: 1          # micro-batches of `batch` rows per optimizer step (loss: their mean)
@@ -109,6 +110,9 @@ class DataConfig:
             ``jsonl`` (``path``: one JSON object per line, its ``field`` tokenized with ``tokenizer``,
             documents joined by the EOS id) or ``tokens`` (``path``: a 1-D ``.npy``, or a raw ``.bin`` of ``dtype``).
         tokenizer: a local Hugging Face tokenizer folder or a ``tokenizer.json`` file (jsonl only).
+        prompt_field: jsonl only: each record's prompt (this field) comes before its ``field`` in the
+            stream, and no loss is taken on predicting prompt tokens (their targets are -100), as
+            completion-only fine-tuning does; None: every token is a target.
         eos_id: the id put between documents when the tokenizer names no EOS token (jsonl only).
         eval_fraction: the share of the corpus, at its end, held out for evaluation (training never reads it).
     """
@@ -118,6 +122,7 @@ class DataConfig:
     branching: int = 4
     field: str = "text"
     tokenizer: str | None = None
+    prompt_field: str | None = None
     eos_id: int | None = None
     dtype: str = "uint16"
     eval_fraction: float = 0.0
@@ -338,6 +343,10 @@ class TrainConfig:
         if self.eval_every and not frac:
             raise TrainConfigError("eval_every needs held-out data: set data.eval_fraction (e.g. 0.05), or eval_every: 0")
         vocab = self.vocab()
+        if d.prompt_field is not None and (d.kind != "jsonl" or not isinstance(d.prompt_field, str) or not d.prompt_field
+                                           or d.prompt_field == d.field):
+            raise TrainConfigError(f"data.prompt_field {d.prompt_field!r}: it names a jsonl record's prompt field, other "
+                                   f"than data.field {d.field!r} (data kind jsonl only)")
         if d.kind == "synthetic":
             if d.path is not None:
                 raise TrainConfigError("data.path is for kinds text, jsonl and tokens; synthetic data takes only 'branching'")

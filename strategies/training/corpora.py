@@ -3,7 +3,9 @@
 
 ``jsonl``: each line is a JSON object; its ``data.field`` is tokenized (no special tokens added)
 and the documents are packed into one stream with the EOS id after each, so a window may span a
-document boundary and sees the EOS there. ``tokens``: ``np.load(mmap_mode="r")`` for ``.npy``, a
+document boundary and sees the EOS there. With ``data.prompt_field`` each record's prompt is
+tokenized on its own and put before its text, and a mask marks the tokens trained on: the
+text and its EOS, not the prompt (:class:`~.data.TokenWindows` turns the rest's targets into -100). ``tokens``: ``np.load(mmap_mode="r")`` for ``.npy``, a
 ``np.memmap`` of ``data.dtype`` (uint16 or uint32) for anything else; the file is never read whole.
 """
 from __future__ import annotations
@@ -55,9 +57,10 @@ def check_corpus_file(config: TrainConfig, path: Path) -> None:
         record = json.loads(first)
     except json.JSONDecodeError as exc:
         raise TrainConfigError(f"data.path {d.path!r}: line 1 is not JSON ({exc.msg}); jsonl holds one object per line") from None
-    if not isinstance(record, dict) or d.field not in record:
-        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise TrainConfigError(f"data.path {d.path!r}: line 1 has no field {d.field!r} (it has {keys}); set data.field")
+    for key, name in ((d.field, "data.field"), (d.prompt_field, "data.prompt_field")):
+        if key is not None and (not isinstance(record, dict) or key not in record):
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise TrainConfigError(f"data.path {d.path!r}: line 1 has no field {key!r} (it has {keys}); set {name}")
     if d.eos_id is not None and (not isinstance(d.eos_id, int) or isinstance(d.eos_id, bool) or d.eos_id < 0):
         raise TrainConfigError(f"data.eos_id must be a non-negative token id, got {d.eos_id!r}")
     _tokenizer_path(config)
@@ -102,7 +105,7 @@ def load_tokenizer(path: Path) -> tuple[Any, int | None, int]:
     return (lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]), eos, tok.get_vocab_size()
 
 
-def _jsonl_tokens(config: TrainConfig, path: Path) -> tuple[np.ndarray, str]:
+def _jsonl_tokens(config: TrainConfig, path: Path) -> tuple[np.ndarray, str, np.ndarray | None]:
     d = config.data
     tok_path = _tokenizer_path(config)
     encode, eos, _ = load_tokenizer(tok_path)
@@ -110,7 +113,8 @@ def _jsonl_tokens(config: TrainConfig, path: Path) -> tuple[np.ndarray, str]:
     if eos is None:
         raise TrainConfigError(f"data.tokenizer {d.tokenizer!r} names no EOS token to put between documents; "
                                f"set data.eos_id")
-    texts = []
+    wanted = [k for k in (d.prompt_field, d.field) if k is not None]
+    texts, prompts = [], []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -118,25 +122,35 @@ def _jsonl_tokens(config: TrainConfig, path: Path) -> tuple[np.ndarray, str]:
             try:
                 record = json.loads(line)
                 texts.append(str(record[d.field]))
+                if d.prompt_field is not None:
+                    prompts.append(str(record[d.prompt_field]))
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise TrainConfigError(f"data.path {d.path!r}: line {n} is not a JSON object with field {d.field!r}") from None
-    pieces = []
-    for ids in encode(texts):
-        pieces.append(np.asarray(ids, dtype=np.int64))
-        pieces.append(np.asarray([eos], dtype=np.int64))
+                raise TrainConfigError(f"data.path {d.path!r}: line {n} is not a JSON object with "
+                                       f"{' and '.join(repr(k) for k in wanted)}") from None
+    heads = encode(prompts) if prompts else [[] for _ in texts]
+    pieces, trained = [], []
+    for head, ids in zip(heads, encode(texts)):
+        pieces += [np.asarray(head, dtype=np.int64), np.asarray(ids, dtype=np.int64), np.asarray([eos], dtype=np.int64)]
+        trained += [np.zeros(len(head), dtype=bool), np.ones(len(ids) + 1, dtype=bool)]
     stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-    return stream, f"jsonl {d.path} ({len(texts):,} documents, {stream.size:,} tokens, tokenizer {d.tokenizer})"
+    desc = f"jsonl {d.path} ({len(texts):,} documents, {stream.size:,} tokens, tokenizer {d.tokenizer})"
+    if d.prompt_field is None:
+        return stream, desc, None
+    mask = np.concatenate(trained) if trained else np.zeros(0, dtype=bool)
+    return stream, desc[:-1] + f"; loss on {int(mask.sum()):,} {d.field!r} tokens, not the {d.prompt_field!r} ones)", mask
 
 
-def load_corpus(config: TrainConfig) -> tuple[np.ndarray, str]:
-    """The 1-D token stream of a ``jsonl`` or ``tokens`` config (memory-mapped for ``tokens``), and its description.
+def load_corpus(config: TrainConfig) -> tuple[np.ndarray, str, np.ndarray | None]:
+    """The 1-D token stream of a ``jsonl`` or ``tokens`` config (memory-mapped for ``tokens``), its description,
+    and which tokens are trained on (a bool array, with ``data.prompt_field``; else None: all).
 
     Raises:
         TrainConfigError: token ids the model's vocab cannot hold, or too few tokens for one window.
     """
     d, path = config.data, config.data_path()
+    trained = None
     if d.kind == "jsonl":
-        corpus, desc = _jsonl_tokens(config, path)
+        corpus, desc, trained = _jsonl_tokens(config, path)
     else:
         _token_count(path, d.dtype)  # re-checked: the file may have changed since validation
         corpus = (np.load(path, mmap_mode="r") if path.suffix == ".npy"
@@ -152,4 +166,4 @@ def load_corpus(config: TrainConfig) -> tuple[np.ndarray, str]:
                                f"raise model.vocab to at least {top + 1} or use a matching tokenizer")
     if int(corpus.min()) < 0:
         raise TrainConfigError(f"data.path {d.path!r} holds negative token ids")
-    return corpus, desc
+    return corpus, desc, trained

@@ -56,12 +56,17 @@ class TokenWindows:
             or a 1-D numpy array (a memory-mapped token file: only the drawn windows are read).
         batch, seq: windows per batch and tokens per input row.
         seed: the generator's seed; :meth:`state_dict` / :meth:`load_state_dict` carry its position.
+        trained: which tokens are targets (a bool array as long as ``corpus``); a target whose
+            token is not becomes -100, which the loss ignores. None: every token.
     """
 
-    def __init__(self, corpus: torch.Tensor | np.ndarray, batch: int, seq: int, seed: int) -> None:
+    def __init__(self, corpus: torch.Tensor | np.ndarray, batch: int, seq: int, seed: int,
+                 trained: np.ndarray | None = None) -> None:
         if corpus.ndim != 1 or corpus.shape[0] < seq + 2:
             raise ValueError(f"the corpus needs at least seq + 2 = {seq + 2} tokens in one dimension, got shape {tuple(corpus.shape)}")
-        self.corpus, self.batch, self.seq = corpus, batch, seq
+        if trained is not None and trained.shape != corpus.shape:
+            raise ValueError(f"trained mask of shape {trained.shape} for a corpus of shape {tuple(corpus.shape)}")
+        self.corpus, self.batch, self.seq, self.trained = corpus, batch, seq, trained
         self.generator = torch.Generator().manual_seed(seed)
         self._offsets = torch.arange(seq + 1)
 
@@ -73,7 +78,11 @@ class TokenWindows:
             windows = torch.from_numpy(np.asarray(self.corpus[index.numpy()], dtype=np.int64))
         else:
             windows = self.corpus[index].long()
-        return windows[:, :-1], windows[:, 1:]
+        targets = windows[:, 1:]
+        if self.trained is not None:
+            keep = torch.from_numpy(np.asarray(self.trained[index[:, 1:].numpy()]))
+            targets = targets.masked_fill(~keep, -100)  # cross_entropy's (and HF's) ignore_index
+        return windows[:, :-1], targets
 
     def state_dict(self) -> dict[str, Any]:
         """The generator's position."""
@@ -128,8 +137,8 @@ class IterableBatches:
         """No-op (see the class docstring)."""
 
 
-def _corpus(config: TrainConfig) -> tuple[Any, str]:
-    """The whole 1-D token stream and its description."""
+def _corpus(config: TrainConfig) -> tuple[Any, str, np.ndarray | None]:
+    """The whole 1-D token stream, its description, and which tokens are targets (None: all)."""
     if config.data.kind == "text":
         path = config.data_path()
         corpus = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
@@ -137,7 +146,7 @@ def _corpus(config: TrainConfig) -> tuple[Any, str]:
             shown = path.resolve().relative_to(Path.cwd())
         except ValueError:
             shown = path
-        return corpus, f"text {shown} ({corpus.numel():,} bytes)"
+        return corpus, f"text {shown} ({corpus.numel():,} bytes)", None
     if config.data.kind in ("jsonl", "tokens"):
         from .corpora import load_corpus
 
@@ -147,7 +156,7 @@ def _corpus(config: TrainConfig) -> tuple[Any, str]:
     corpus = markov_corpus(vocab, config.data.branching, _SYNTHETIC_TOKENS, config.seed)
     floor = math.log(config.data.branching)
     return corpus, (f"synthetic Markov chain, vocab {vocab}, {config.data.branching} successors per token "
-                    f"(loss floor ~{floor:.2f})")
+                    f"(loss floor ~{floor:.2f})"), None
 
 
 def make_datasets(config: TrainConfig) -> tuple[TokenWindows, list[tuple[torch.Tensor, torch.Tensor]], str]:
@@ -158,22 +167,23 @@ def make_datasets(config: TrainConfig) -> tuple[TokenWindows, list[tuple[torch.T
     """
     from .config import TrainConfigError
 
-    corpus, desc = _corpus(config)
+    corpus, desc, trained = _corpus(config)
     n = int(corpus.shape[0])
     held = int(n * config.data.eval_fraction)
     # synthetic keeps its historical window seed (seed + 1): the same config draws the same batches as before
     seed = config.seed + 1 if config.data.kind == "synthetic" else config.seed
     if not held:
-        return TokenWindows(corpus, config.batch, config.seq, seed), [], desc
+        return TokenWindows(corpus, config.batch, config.seq, seed, trained), [], desc
     if held < config.seq + 2 or n - held < config.seq + 2:
         raise TrainConfigError(f"data.eval_fraction {config.data.eval_fraction} splits {n:,} tokens into {n - held:,} "
                                f"for training and {held:,} held out; each needs one window of seq + 2 = "
                                f"{config.seq + 2}: change eval_fraction or seq")
     train_part, eval_part = corpus[: n - held], corpus[n - held:]
-    evals = TokenWindows(eval_part, config.batch, config.seq, config.seed + 2)
+    mask_train, mask_eval = (None, None) if trained is None else (trained[: n - held], trained[n - held:])
+    evals = TokenWindows(eval_part, config.batch, config.seq, config.seed + 2, mask_eval)
     eval_batches = [evals.next() for _ in range(config.eval_batches)]  # drawn once: the same windows every time
     desc += f"; last {held:,} tokens held out for eval"
-    return TokenWindows(train_part, config.batch, config.seq, seed), eval_batches, desc
+    return TokenWindows(train_part, config.batch, config.seq, seed, mask_train), eval_batches, desc
 
 
 def make_data(config: TrainConfig) -> tuple[TokenWindows, str]:
