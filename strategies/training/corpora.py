@@ -5,8 +5,9 @@
 and the documents are packed into one stream with the EOS id after each, so a window may span a
 document boundary and sees the EOS there. With ``data.prompt_field`` each record's prompt is
 tokenized on its own and put before its text, and a mask marks the tokens trained on: the
-text and its EOS, not the prompt (:class:`~.data.TokenWindows` turns the rest's targets into -100). ``tokens``: ``np.load(mmap_mode="r")`` for ``.npy``, a
-``np.memmap`` of ``data.dtype`` (uint16 or uint32) for anything else; the file is never read whole.
+text and its EOS, not the prompt (:class:`~.data.TokenWindows` turns the rest's targets into -100).
+``tokens``: ``np.load(mmap_mode="r")`` for ``.npy``, a ``np.memmap`` of ``data.dtype`` (uint16 or
+uint32) for anything else; the file is never read whole.
 """
 from __future__ import annotations
 
