@@ -341,15 +341,39 @@ def _jsonl_and_tokenizer(tmp_path, vocab):
     return data, tmp_path / "tokenizer.json"
 
 
+def plain_adamw_losses(ref, config, max_grad_norm):
+    """Plain PyTorch on ``config``'s batches: per step its micro-batches' mean losses over counted
+    targets (-100 left out), summed gradients clipped at ``max_grad_norm``, one torch AdamW step."""
+    import torch.nn.functional as F
+
+    from strategies.training.data import make_datasets
+    from strategies.weight_decay import param_groups
+
+    windows, _, _ = make_datasets(config)
+    o, accum = config.optimizer, config.accumulation_steps
+    opt = torch.optim.AdamW(param_groups(ref, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
+    losses = []
+    for _ in range(config.steps):
+        total = 0.0
+        for _ in range(accum):
+            x, y = windows.next()
+            logits = ref(input_ids=x, use_cache=False).logits
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum")
+            loss = loss / (y != -100).sum().clamp(min=1)
+            (loss / accum).backward()
+            total += float(loss.detach()) / accum
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+    return losses
+
+
 @pytest.mark.parametrize("cfg", ["llama", "gpt2"])
 def test_finetune_with_memferry_accumulation_and_clipping_exports_plain_adamw_weights(tmp_path, cpu_backend, cfg):
     """Load a saved model, train 20 steps of 4 accumulated micro-batches with clipping on jsonl text,
     export, and ``from_pretrained`` gives the weights plain PyTorch AdamW reaches (the GPT-2 one tied)."""
-    import torch.nn.functional as F
-
-    from strategies.training.data import make_datasets
     from strategies.training.export import export_hf
-    from strategies.weight_decay import param_groups
 
     hf_cfg = _llama_cfg() if cfg == "llama" else _gpt2_cfg()
     hf_cfg.vocab_size = 300  # the byte-level alphabet (256) and some merges
@@ -371,22 +395,7 @@ def test_finetune_with_memferry_accumulation_and_clipping_exports_plain_adamw_we
 
     # plain PyTorch: the same model from disk, batches, groups, clipping and AdamW
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    windows, _, _ = make_datasets(config)
-    o = config.optimizer
-    opt = torch.optim.AdamW(param_groups(ref, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
-    losses = []
-    for _ in range(config.steps):
-        total = 0.0
-        for _ in range(4):
-            x, y = windows.next()
-            logits = ref(input_ids=x, use_cache=False).logits
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-            (loss / 4).backward()
-            total += float(loss.detach()) / 4
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(total)
+    losses = plain_adamw_losses(ref, config, max_grad_norm=0.5)
     assert result.losses == pytest.approx(losses, abs=1e-5)
     assert losses[-1] < losses[0]
     theirs = ref.state_dict()

@@ -13,7 +13,7 @@ from strategies.models.base import token_mean_loss  # noqa: E402
 from strategies.training import TrainConfigError, load_config, train  # noqa: E402
 from strategies.training.corpora import load_tokenizer  # noqa: E402
 from strategies.training.data import make_datasets  # noqa: E402
-from tests.test_hf_finetune import _jsonl_and_tokenizer, _llama_cfg, _save  # noqa: E402
+from tests.test_hf_finetune import _jsonl_and_tokenizer, _llama_cfg, _save, plain_adamw_losses  # noqa: E402
 
 
 def _records(tmp_path):
@@ -76,32 +76,11 @@ def test_a_batch_of_prompt_tokens_only_has_loss_zero_and_zero_gradients():
 
 def test_memferry_trains_completions_only_as_plain_pytorch_does(tmp_path, cpu_backend):
     """MemFerry with accumulation and clipping on masked targets: plain AdamW's losses on the same batches."""
-    import torch.nn.functional as F
-
-    from strategies.weight_decay import param_groups
-
     data, tokenizer = _records(tmp_path)
     config = load_config(_config(tmp_path, data, tokenizer))
     result = train(config)
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "llama", dtype=torch.float32)
-    windows, _, _ = make_datasets(config)
-    o = config.optimizer
-    opt = torch.optim.AdamW(param_groups(ref, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
-    losses = []
-    for _ in range(config.steps):
-        total = 0.0
-        for _ in range(2):
-            x, y = windows.next()
-            logits = ref(input_ids=x, use_cache=False).logits
-            counted = (y != -100).sum()
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum")
-            loss = loss / counted.clamp(min=1)
-            (loss / 2).backward()
-            total += float(loss.detach()) / 2
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(total)
+    losses = plain_adamw_losses(ref, config, max_grad_norm=1.0)
     assert result.losses == pytest.approx(losses, abs=1e-5)
 
 
