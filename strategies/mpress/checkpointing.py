@@ -89,7 +89,7 @@ def check_resume(train: TrainConfig, options: dict[str, Any], dtype_name: str) -
         TrainConfigError: unreadable, written by another strategy, or of another model, shapes, data or
             dtype (the messages of ``xpu train``'s resume); or already at ``steps``.
     """
-    from strategies.training.checkpoints import compare_configs, find_checkpoint, read_checkpoint
+    from strategies.training.checkpoints import check_steps_left, compare_configs, find_checkpoint, read_checkpoint
 
     path = find_checkpoint(str(train.resume))
     state = read_checkpoint(path)
@@ -98,16 +98,10 @@ def check_resume(train: TrainConfig, options: dict[str, Any], dtype_name: str) -
     if strategy != STRATEGY:
         raise TrainConfigError(f"resume: {path} was written by xpu train (strategy {strategy!r}); xpu mpress resumes "
                                f"only its own checkpoints")
-    # xpu train's checks on the rest; the pipeline options are compared here (all may change).
-    as_train = {**saved, "strategy": train.to_dict()["strategy"]}
-    notices = compare_configs(as_train, state.get("dtype"), train, dtype_name, path)
-    changed = [f"strategy.options.{k}: {v} -> {options.get(k)}" for k, v in saved["strategy"].get("options", {}).items()
-               if options.get(k) != v]
-    if changed:
-        notices.append(f"resume: changed since {path.name}: " + "; ".join(changed))
-    if state["step"] >= train.steps:
-        raise TrainConfigError(f"resume: {path} is at step {state['step']}, which already reaches steps={train.steps}; "
-                               f"raise steps to train further")
+    # xpu train's checks and notices, the pipeline options (all may change) compared with the config's.
+    as_train = {**saved, "strategy": {**saved["strategy"], "name": train.strategy.name}}
+    notices = compare_configs(as_train, state.get("dtype"), train, dtype_name, path, options=options)
+    check_steps_left(path, state["step"], train.steps)
     return path, state, notices
 
 

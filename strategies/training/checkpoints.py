@@ -52,7 +52,7 @@ from .data import TokenWindows
 from .registry import TrainEngine
 
 __all__ = ["find_checkpoint", "load_checkpoint", "save_checkpoint", "read_checkpoint", "read_header", "new_run_id",
-           "check_checkpoint_dir", "prepare_checkpoint_dir", "compare_configs", "CHECKPOINT_FORMAT"]
+           "check_checkpoint_dir", "prepare_checkpoint_dir", "compare_configs", "check_steps_left", "CHECKPOINT_FORMAT"]
 
 #: Version of the checkpoint layout.
 CHECKPOINT_FORMAT = 2
@@ -173,8 +173,10 @@ _SAVED_DEFAULTS = {"accumulation_steps": 1}
 
 
 def compare_configs(saved: dict[str, Any], saved_dtype: str | None, config: TrainConfig, dtype_name: str,
-                    path: Path) -> list[str]:
+                    path: Path, options: dict[str, Any] | None = None) -> list[str]:
     """Refuse a resume that changes what the run computes; return notices for settings that only steer it.
+
+    ``options`` are the strategy options now, where the config does not hold them (``xpu mpress``'s pipeline).
 
     Raises:
         TrainConfigError: model, strategy, seq, batch, dtype, data or (synthetic) seed differ.
@@ -200,8 +202,9 @@ def compare_configs(saved: dict[str, Any], saved_dtype: str | None, config: Trai
                                f"seed={config.seed}; the seed picks the synthetic corpus: set it back, or start a fresh run")
     changes = [f"optimizer.{k}: {v} -> {now['optimizer'][k]}" for k, v in saved["optimizer"].items()
                if now["optimizer"].get(k) != v]
-    changes += [f"strategy.options.{k}: {v} -> {now['strategy']['options'].get(k)}"
-                for k, v in saved["strategy"]["options"].items() if now["strategy"]["options"].get(k) != v]
+    options = now["strategy"]["options"] if options is None else options
+    changes += [f"strategy.options.{k}: {v} -> {options.get(k)}"
+                for k, v in saved["strategy"]["options"].items() if options.get(k) != v]
     return [f"resume: changed since {path.name}: " + "; ".join(changes)] if changes else []
 
 
@@ -213,10 +216,15 @@ def load_checkpoint(config: TrainConfig, dtype_name: str) -> tuple[Path, dict[st
     path = find_checkpoint(str(config.resume))
     state = read_checkpoint(path)
     notices = compare_configs(state["config"], state.get("dtype"), config, dtype_name, path)
-    if state["step"] >= config.steps:
-        raise TrainConfigError(f"resume: {path} is at step {state['step']}, which already reaches steps={config.steps}; "
-                               f"raise steps to train further")
+    check_steps_left(path, state["step"], config.steps)
     return path, state, notices
+
+
+def check_steps_left(path: Path, step: int, steps: int) -> None:
+    """Refuse to resume a checkpoint at ``step`` into a run of ``steps`` that has none left."""
+    if step >= steps:
+        raise TrainConfigError(f"resume: {path} is at step {step}, which already reaches steps={steps}; "
+                               f"raise steps to train further")
 
 
 # ---------------------------------------------------------------------------------- the folder

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 
 from xpu.cli import register_command
+
 __all__ = ["add_arguments", "run"]
 
 
