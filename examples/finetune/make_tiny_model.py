@@ -7,8 +7,12 @@ README.md runs anywhere without downloading anything::
     xpu train examples/finetune/lora-jsonl.yaml                  # reads runs/tiny-hf/...
 
 It writes ``OUT/model`` (a Qwen2-style config with tied embeddings, random weights, and a
-byte-level BPE tokenizer trained on this repository's tiny text) and ``OUT/train.jsonl`` (one
-paragraph per line under ``"text"``).
+byte-level BPE tokenizer trained on this repository's tiny text, with a ChatML chat template),
+``OUT/train.jsonl`` (one paragraph per line under ``"text"``) and ``OUT/chat.jsonl`` (one
+conversation per line under ``"messages"``: asked for a paragraph's next sentences, the assistant
+gives them; ``chat-lora.yaml`` trains on them)::
+
+    xpu train examples/finetune/chat-lora.yaml
 """
 from __future__ import annotations
 
@@ -17,6 +21,9 @@ import json
 from pathlib import Path
 
 TEXT = Path(__file__).resolve().parents[1] / "train" / "data" / "tiny.txt"
+#: ChatML, as Qwen2's instruct models write conversations (their turn markers are special tokens here too).
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def make_tokenizer(text: str, vocab: int):
@@ -30,7 +37,18 @@ def make_tokenizer(text: str, vocab: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([text], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    wrapped.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def conversation(paragraph: str) -> list[dict[str, str]]:
+    """A paragraph of several sentences as one exchange: its first in the question, the rest in the answer."""
+    head, _, rest = paragraph.partition(". ")
+    return [{"role": "system", "content": "You continue texts."},
+            {"role": "user", "content": f"How does this go on? {head}."},
+            {"role": "assistant", "content": rest}]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,8 +77,12 @@ def main(argv: list[str] | None = None) -> None:
     with open(args.out / "train.jsonl", "w") as fh:
         for p in paragraphs:
             fh.write(json.dumps({"text": p}) + "\n")
-    print(f"wrote {out} ({sum(p.numel() for p in model.parameters()):,} parameters) and "
-          f"{args.out / 'train.jsonl'} ({len(paragraphs)} documents)")
+    with open(args.out / "chat.jsonl", "w") as fh:
+        for p in paragraphs:
+            if ". " in p:  # a paragraph of more than one sentence
+                fh.write(json.dumps({"messages": conversation(p)}) + "\n")
+    print(f"wrote {out} ({sum(p.numel() for p in model.parameters()):,} parameters), "
+          f"{args.out / 'train.jsonl'} ({len(paragraphs)} documents) and {args.out / 'chat.jsonl'} (as conversations)")
 
 
 if __name__ == "__main__":

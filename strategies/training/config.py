@@ -20,7 +20,8 @@ YAML shape (every key but ``model`` optional)::
     seed: 0
     data: {kind: synthetic, branching: 4}   # or {kind: text, path: data/tiny.txt} (byte-level, vocab 256)
                                    # or {kind: jsonl, path: docs.jsonl, field: text, tokenizer: DIR_OR_tokenizer.json}
-                                   #   (prompt_field: prompt: loss on `field` alone, each record's prompt before it)
+                                   #   (prompt_field: prompt: loss on `field` alone, each record's prompt before it;
+                                   #    messages_field: messages: chat-templated, loss on the assistant turns alone)
                                    # or {kind: tokens, path: tokens.npy} (or .bin with dtype: uint16 | uint32)
                                    # any kind: eval_fraction: 0.05 (the corpus's last 5 % is held out for eval)
     accumulation_steps: 1          # micro-batches of `batch` rows per optimizer step (loss: their mean)
@@ -113,6 +114,9 @@ class DataConfig:
         prompt_field: jsonl only: each record's prompt (this field) comes before its ``field`` in the
             stream, and no loss is taken on predicting prompt tokens (their targets are -100), as
             completion-only fine-tuning does; None: every token is a target.
+        messages_field: jsonl only: each record's conversation (this field: a list of ``{"role",
+            "content"}`` messages) rendered with the tokenizer folder's chat template, and loss taken
+            on the assistant turns alone (:mod:`.chat`); ``field`` and ``prompt_field`` are then unused.
         eos_id: the id put between documents when the tokenizer names no EOS token (jsonl only).
         eval_fraction: the share of the corpus, at its end, held out for evaluation (training never reads it).
     """
@@ -123,6 +127,7 @@ class DataConfig:
     field: str = "text"
     tokenizer: str | None = None
     prompt_field: str | None = None
+    messages_field: str | None = None
     eos_id: int | None = None
     dtype: str = "uint16"
     eval_fraction: float = 0.0
@@ -347,6 +352,10 @@ class TrainConfig:
                                            or d.prompt_field == d.field):
             raise TrainConfigError(f"data.prompt_field {d.prompt_field!r}: it names a jsonl record's prompt field, other "
                                    f"than data.field {d.field!r} (data kind jsonl only)")
+        if d.messages_field is not None and (d.kind != "jsonl" or not isinstance(d.messages_field, str)
+                                             or not d.messages_field or d.prompt_field is not None):
+            raise TrainConfigError(f"data.messages_field {d.messages_field!r}: it names a jsonl record's list of chat "
+                                   f"messages (data kind jsonl only), and takes the place of data.prompt_field")
         if d.kind == "synthetic":
             if d.path is not None:
                 raise TrainConfigError("data.path is for kinds text, jsonl and tokens; synthetic data takes only 'branching'")

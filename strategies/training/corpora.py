@@ -6,6 +6,8 @@ and the documents are packed into one stream with the EOS id after each, so a wi
 document boundary and sees the EOS there. With ``data.prompt_field`` each record's prompt is
 tokenized on its own and put before its text, and a mask marks the tokens trained on: the
 text and its EOS, not the prompt (:class:`~.data.TokenWindows` turns the rest's targets into -100).
+With ``data.messages_field`` each record is a conversation, rendered with the tokenizer folder's
+chat template and trained on its assistant turns alone (:mod:`.chat`).
 ``tokens``: ``np.load(mmap_mode="r")`` for ``.npy``, a ``np.memmap`` of ``data.dtype`` (uint16 or
 uint32) for anything else; the file is never read whole.
 """
@@ -58,13 +60,20 @@ def check_corpus_file(config: TrainConfig, path: Path) -> None:
         record = json.loads(first)
     except json.JSONDecodeError as exc:
         raise TrainConfigError(f"data.path {d.path!r}: line 1 is not JSON ({exc.msg}); jsonl holds one object per line") from None
-    for key, name in ((d.field, "data.field"), (d.prompt_field, "data.prompt_field")):
+    fields = (((d.messages_field, "data.messages_field"),) if d.messages_field is not None
+              else ((d.field, "data.field"), (d.prompt_field, "data.prompt_field")))
+    for key, name in fields:
         if key is not None and (not isinstance(record, dict) or key not in record):
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__
             raise TrainConfigError(f"data.path {d.path!r}: line 1 has no field {key!r} (it has {keys}); set {name}")
     if d.eos_id is not None and (not isinstance(d.eos_id, int) or isinstance(d.eos_id, bool) or d.eos_id < 0):
         raise TrainConfigError(f"data.eos_id must be a non-negative token id, got {d.eos_id!r}")
-    _tokenizer_path(config)
+    tokenizer = _tokenizer_path(config)
+    if d.messages_field is not None:
+        from .chat import check_conversation, load_chat_tokenizer
+
+        check_conversation(record[d.messages_field], f"data.path {d.path!r}: line 1")
+        load_chat_tokenizer(tokenizer, d.tokenizer)
 
 
 def _token_count(path: Path, dtype: str) -> int:
@@ -106,8 +115,39 @@ def load_tokenizer(path: Path) -> tuple[Any, int | None, int]:
     return (lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]), eos, tok.get_vocab_size()
 
 
+def _chat_tokens(config: TrainConfig, path: Path) -> tuple[np.ndarray, str, np.ndarray]:
+    from .chat import check_conversation, conversation_tokens, load_chat_tokenizer
+
+    d = config.data
+    tok = load_chat_tokenizer(_tokenizer_path(config), d.tokenizer)
+    eos = d.eos_id if d.eos_id is not None else tok.eos_token_id
+    if eos is None:
+        raise TrainConfigError(f"data.tokenizer {d.tokenizer!r} names no EOS token to put between conversations; "
+                               f"set data.eos_id")
+    conversations, wheres = [], []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"data.path {d.path!r}: line {n}"
+            try:
+                record = json.loads(line)
+                messages = record[d.messages_field]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise TrainConfigError(f"{where} is not a JSON object with {d.messages_field!r}") from None
+            conversations.append(check_conversation(messages, where))
+            wheres.append(where)
+    ids, trained = conversation_tokens(tok, conversations, eos, wheres)
+    stream = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+    mask = np.concatenate(trained) if trained else np.zeros(0, dtype=bool)
+    return stream, (f"jsonl {d.path} ({len(ids):,} conversations, {stream.size:,} tokens, tokenizer {d.tokenizer}'s "
+                    f"chat template; loss on the {int(mask.sum()):,} assistant tokens)"), mask
+
+
 def _jsonl_tokens(config: TrainConfig, path: Path) -> tuple[np.ndarray, str, np.ndarray | None]:
     d = config.data
+    if d.messages_field is not None:
+        return _chat_tokens(config, path)
     tok_path = _tokenizer_path(config)
     encode, eos, _ = load_tokenizer(tok_path)
     eos = d.eos_id if d.eos_id is not None else eos
@@ -143,7 +183,7 @@ def _jsonl_tokens(config: TrainConfig, path: Path) -> tuple[np.ndarray, str, np.
 
 def load_corpus(config: TrainConfig) -> tuple[np.ndarray, str, np.ndarray | None]:
     """The 1-D token stream of a ``jsonl`` or ``tokens`` config (memory-mapped for ``tokens``), its description,
-    and which tokens are trained on (a bool array, with ``data.prompt_field``; else None: all).
+    and which tokens are trained on (a bool array, with ``data.prompt_field`` or ``data.messages_field``; else None: all).
 
     Raises:
         TrainConfigError: token ids the model's vocab cannot hold, or too few tokens for one window.
