@@ -21,7 +21,8 @@ YAML shape (every key but ``model`` optional)::
     data: {kind: synthetic, branching: 4}   # or {kind: text, path: data/tiny.txt} (byte-level, vocab 256)
                                    # or {kind: jsonl, path: docs.jsonl, field: text, tokenizer: DIR_OR_tokenizer.json}
                                    #   (prompt_field: prompt: loss on `field` alone, each record's prompt before it;
-                                   #    messages_field: messages: chat-templated, loss on the assistant turns alone)
+                                   #    messages_field: messages: chat-templated, loss on the assistant turns alone;
+                                   #    packing: false: one whole record per row, padded, instead of packed windows)
                                    # or {kind: tokens, path: tokens.npy} (or .bin with dtype: uint16 | uint32)
                                    # any kind: eval_fraction: 0.05 (the corpus's last 5 % is held out for eval)
     accumulation_steps: 1          # micro-batches of `batch` rows per optimizer step (loss: their mean)
@@ -117,6 +118,10 @@ class DataConfig:
         messages_field: jsonl only: each record's conversation (this field: a list of ``{"role",
             "content"}`` messages) rendered with the tokenizer folder's chat template, and loss taken
             on the assistant turns alone (:mod:`.chat`); ``field`` and ``prompt_field`` are then unused.
+        packing: jsonl only. True: records joined into one stream and drawn as windows of ``seq + 1``
+            tokens (a window may span records and start inside one). False: one whole record per
+            row, cut at ``seq + 1`` tokens and right-padded, never trained on its padding
+            (:class:`~.data.RecordRows`): each completion or assistant turn sees its whole record.
         eos_id: the id put between documents when the tokenizer names no EOS token (jsonl only).
         eval_fraction: the share of the corpus, at its end, held out for evaluation (training never reads it).
     """
@@ -128,6 +133,7 @@ class DataConfig:
     tokenizer: str | None = None
     prompt_field: str | None = None
     messages_field: str | None = None
+    packing: bool = True
     eos_id: int | None = None
     dtype: str = "uint16"
     eval_fraction: float = 0.0
@@ -356,6 +362,9 @@ class TrainConfig:
                                              or not d.messages_field or d.prompt_field is not None):
             raise TrainConfigError(f"data.messages_field {d.messages_field!r}: it names a jsonl record's list of chat "
                                    f"messages (data kind jsonl only), and takes the place of data.prompt_field")
+        if not isinstance(d.packing, bool) or (not d.packing and d.kind != "jsonl"):
+            raise TrainConfigError(f"data.packing {d.packing!r}: true or false, and false only for data kind jsonl "
+                                   f"(whose records it keeps one per row)")
         if d.kind == "synthetic":
             if d.path is not None:
                 raise TrainConfigError("data.path is for kinds text, jsonl and tokens; synthetic data takes only 'branching'")

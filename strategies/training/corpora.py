@@ -15,13 +15,26 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .config import TrainConfig, TrainConfigError
 
-__all__ = ["check_corpus_file", "load_corpus", "load_tokenizer"]
+__all__ = ["Corpus", "check_corpus_file", "load_corpus", "load_tokenizer"]
+
+
+class Corpus(NamedTuple):
+    """A token corpus as :func:`load_corpus` gives it."""
+
+    tokens: Any
+    """The 1-D token stream (an int64 array, or a memory-mapped one for ``tokens`` files)."""
+    desc: str
+    """One line saying what it is."""
+    trained: np.ndarray | None
+    """Which tokens are targets (with ``data.prompt_field`` or ``data.messages_field``); None: all."""
+    starts: np.ndarray | None
+    """Where each jsonl record starts in ``tokens``, and ``len(tokens)`` last; None for ``tokens`` files."""
 
 _TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 #: EOS spellings looked for in a bare ``tokenizer.json`` (which has no notion of an EOS token).
@@ -115,7 +128,7 @@ def load_tokenizer(path: Path) -> tuple[Any, int | None, int]:
     return (lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]), eos, tok.get_vocab_size()
 
 
-def _chat_tokens(config: TrainConfig, path: Path) -> tuple[np.ndarray, str, np.ndarray]:
+def _chat_tokens(config: TrainConfig, path: Path) -> tuple[np.ndarray, str, np.ndarray, list[int]]:
     from .chat import check_conversation, conversation_tokens, load_chat_tokenizer
 
     d = config.data
@@ -141,10 +154,11 @@ def _chat_tokens(config: TrainConfig, path: Path) -> tuple[np.ndarray, str, np.n
     stream = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
     mask = np.concatenate(trained) if trained else np.zeros(0, dtype=bool)
     return stream, (f"jsonl {d.path} ({len(ids):,} conversations, {stream.size:,} tokens, tokenizer {d.tokenizer}'s "
-                    f"chat template; loss on the {int(mask.sum()):,} assistant tokens)"), mask
+                    f"chat template; loss on the {int(mask.sum()):,} assistant tokens)"), mask, [x.size for x in ids]
 
 
-def _jsonl_tokens(config: TrainConfig, path: Path) -> tuple[np.ndarray, str, np.ndarray | None]:
+def _jsonl_tokens(config: TrainConfig, path: Path) -> tuple[np.ndarray, str, np.ndarray | None, list[int]]:
+    """The stream, its description, which tokens are targets (None: all), each record's length."""
     d = config.data
     if d.messages_field is not None:
         return _chat_tokens(config, path)
@@ -169,29 +183,33 @@ def _jsonl_tokens(config: TrainConfig, path: Path) -> tuple[np.ndarray, str, np.
                 raise TrainConfigError(f"data.path {d.path!r}: line {n} is not a JSON object with "
                                        f"{' and '.join(repr(k) for k in wanted)}") from None
     heads = encode(prompts) if prompts else [[] for _ in texts]
-    pieces, trained = [], []
+    pieces, trained, lengths = [], [], []
     for head, ids in zip(heads, encode(texts)):
         pieces += [np.asarray(head, dtype=np.int64), np.asarray(ids, dtype=np.int64), np.asarray([eos], dtype=np.int64)]
         trained += [np.zeros(len(head), dtype=bool), np.ones(len(ids) + 1, dtype=bool)]
+        lengths.append(len(head) + len(ids) + 1)
     stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
     desc = f"jsonl {d.path} ({len(texts):,} documents, {stream.size:,} tokens, tokenizer {d.tokenizer})"
     if d.prompt_field is None:
-        return stream, desc, None
+        return stream, desc, None, lengths
     mask = np.concatenate(trained) if trained else np.zeros(0, dtype=bool)
-    return stream, desc[:-1] + f"; loss on {int(mask.sum()):,} {d.field!r} tokens, not the {d.prompt_field!r} ones)", mask
+    return (stream, desc[:-1] + f"; loss on {int(mask.sum()):,} {d.field!r} tokens, not the {d.prompt_field!r} ones)",
+            mask, lengths)
 
 
-def load_corpus(config: TrainConfig) -> tuple[np.ndarray, str, np.ndarray | None]:
+def load_corpus(config: TrainConfig) -> Corpus:
     """The 1-D token stream of a ``jsonl`` or ``tokens`` config (memory-mapped for ``tokens``), its description,
-    and which tokens are trained on (a bool array, with ``data.prompt_field`` or ``data.messages_field``; else None: all).
+    which tokens are trained on (with ``data.prompt_field`` or ``data.messages_field``; else None: all) and
+    where each jsonl record starts (:class:`Corpus`).
 
     Raises:
         TrainConfigError: token ids the model's vocab cannot hold, or too few tokens for one window.
     """
     d, path = config.data, config.data_path()
-    trained = None
+    trained = starts = None
     if d.kind == "jsonl":
-        corpus, desc, trained = _jsonl_tokens(config, path)
+        corpus, desc, trained, lengths = _jsonl_tokens(config, path)
+        starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
     else:
         _token_count(path, d.dtype)  # re-checked: the file may have changed since validation
         corpus = (np.load(path, mmap_mode="r") if path.suffix == ".npy"
@@ -207,4 +225,4 @@ def load_corpus(config: TrainConfig) -> tuple[np.ndarray, str, np.ndarray | None
                                f"raise model.vocab to at least {top + 1} or use a matching tokenizer")
     if int(corpus.min()) < 0:
         raise TrainConfigError(f"data.path {d.path!r} holds negative token ids")
-    return corpus, desc, trained
+    return Corpus(corpus, desc, trained, starts)

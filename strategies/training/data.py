@@ -9,6 +9,10 @@ windows of ``seq + 1`` tokens (inputs, then targets shifted by one) from one see
 whose state is saved in checkpoints: a resumed run sees the batches the uninterrupted run
 would have seen. ``jsonl`` and ``tokens`` corpora come from :mod:`.corpora`.
 
+With ``data.packing: false`` (jsonl) a row is one whole record instead (:class:`RecordRows`):
+no row mixes records, so a completion or an assistant turn is always trained with all of what
+came before it in its own record.
+
 ``data.eval_fraction`` holds out the corpus's last share: training windows lie wholly before it,
 and :func:`make_datasets` draws ``eval_batches`` fixed windows (seeded) inside it. ``train(data=...)``
 takes any iterable of batches instead (:class:`IterableBatches`).
@@ -24,7 +28,7 @@ import torch
 
 from .config import TrainConfig
 
-__all__ = ["TokenWindows", "IterableBatches", "markov_corpus", "make_data", "make_datasets"]
+__all__ = ["TokenWindows", "RecordRows", "IterableBatches", "markov_corpus", "make_data", "make_datasets"]
 
 #: Tokens of the synthetic corpus: enough that a 32k vocabulary's table is visited ~30 times per token.
 _SYNTHETIC_TOKENS = 1 << 20
@@ -93,6 +97,56 @@ class TokenWindows:
         self.generator.set_state(state["generator"])
 
 
+class RecordRows:
+    """Batches of whole records drawn at random, one per row: a record's first ``seq + 1`` tokens,
+    right-padded with ``pad_id`` (a longer record is cut there). Padded positions are never
+    targets (-100), and under causal attention no real position sees them, so no attention mask
+    is needed and every batch keeps the planned shape.
+
+    Args:
+        corpus: the 1-D token stream the records lie in, one after another.
+        starts: where each record starts in ``corpus``, and its length last (``n + 1`` entries).
+        batch, seq, seed: as :class:`TokenWindows`.
+        trained: which tokens are targets, as :class:`TokenWindows`; None: every token of a record.
+        pad_id: the input id of padded positions (any id the model's vocab holds).
+    """
+
+    def __init__(self, corpus: np.ndarray, starts: np.ndarray, batch: int, seq: int, seed: int,
+                 trained: np.ndarray | None = None, pad_id: int = 0) -> None:
+        if len(starts) < 2:
+            raise ValueError("RecordRows needs at least one record")
+        self.corpus, self.starts, self.batch, self.seq, self.trained = corpus, starts, batch, seq, trained
+        self.pad_id = pad_id
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)``, each (batch, seq) int64 on the host; -100 where no token is trained on."""
+        picks = torch.randint(0, len(self.starts) - 1, (self.batch,), generator=self.generator).tolist()
+        inputs = torch.full((self.batch, self.seq), self.pad_id, dtype=torch.long)
+        targets = torch.full((self.batch, self.seq), -100, dtype=torch.long)
+        for row, i in enumerate(picks):
+            lo = int(self.starts[i])
+            hi = min(int(self.starts[i + 1]), lo + self.seq + 1)
+            ids = torch.from_numpy(np.asarray(self.corpus[lo:hi], dtype=np.int64))
+            n = ids.numel() - 1
+            if n < 1:
+                continue  # a one-token record predicts nothing
+            inputs[row, :n] = ids[:-1]
+            wanted = ids[1:]
+            if self.trained is not None:
+                wanted = wanted.masked_fill(~torch.from_numpy(np.asarray(self.trained[lo + 1:hi])), -100)
+            targets[row, :n] = wanted
+        return inputs, targets
+
+    def state_dict(self) -> dict[str, Any]:
+        """The generator's position."""
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a position :meth:`state_dict` gave."""
+        self.generator.set_state(state["generator"])
+
+
 class IterableBatches:
     """Batches from any iterable of ``(inputs, targets)`` or dicts with ``input_ids`` (and ``labels``).
 
@@ -137,8 +191,9 @@ class IterableBatches:
         """No-op (see the class docstring)."""
 
 
-def _corpus(config: TrainConfig) -> tuple[Any, str, np.ndarray | None]:
-    """The whole 1-D token stream, its description, and which tokens are targets (None: all)."""
+def _corpus(config: TrainConfig) -> tuple[Any, str, np.ndarray | None, np.ndarray | None]:
+    """The whole 1-D token stream, its description, which tokens are targets (None: all), and
+    where each jsonl record starts (None for other kinds)."""
     if config.data.kind == "text":
         path = config.data_path()
         corpus = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
@@ -146,28 +201,54 @@ def _corpus(config: TrainConfig) -> tuple[Any, str, np.ndarray | None]:
             shown = path.resolve().relative_to(Path.cwd())
         except ValueError:
             shown = path
-        return corpus, f"text {shown} ({corpus.numel():,} bytes)", None
+        return corpus, f"text {shown} ({corpus.numel():,} bytes)", None, None
     if config.data.kind in ("jsonl", "tokens"):
         from .corpora import load_corpus
 
-        return load_corpus(config)
+        return tuple(load_corpus(config))
     vocab = config.vocab()
     assert vocab is not None  # validate() checked
     corpus = markov_corpus(vocab, config.data.branching, _SYNTHETIC_TOKENS, config.seed)
     floor = math.log(config.data.branching)
     return corpus, (f"synthetic Markov chain, vocab {vocab}, {config.data.branching} successors per token "
-                    f"(loss floor ~{floor:.2f})"), None
+                    f"(loss floor ~{floor:.2f})"), None, None
 
 
-def make_datasets(config: TrainConfig) -> tuple[TokenWindows, list[tuple[torch.Tensor, torch.Tensor]], str]:
+def _record_rows(config: TrainConfig, corpus: np.ndarray, starts: np.ndarray, trained: np.ndarray | None,
+                 desc: str) -> tuple[RecordRows, list[tuple[torch.Tensor, torch.Tensor]], str]:
+    """:func:`make_datasets` with ``data.packing: false``: whole records, the last share held out."""
+    from .config import TrainConfigError
+
+    records = len(starts) - 1
+    cut = int(np.count_nonzero(np.diff(starts) > config.seq + 1))
+    pad = int(corpus[starts[1] - 1])  # every jsonl record ends with the EOS: a padding id the vocab holds
+    desc += (f"; one record per row, {cut:,} of {records:,} longer than seq + 1 = {config.seq + 1} tokens and cut"
+             if cut else "; one record per row (packing off)")
+    seed, frac = config.seed, config.data.eval_fraction
+    if not frac:
+        return RecordRows(corpus, starts, config.batch, config.seq, seed, trained, pad), [], desc
+    first_held = int(np.searchsorted(starts[:-1], int(starts[-1]) - int(starts[-1] * frac)))
+    if first_held < 1 or first_held >= records:
+        raise TrainConfigError(f"data.eval_fraction {frac} leaves {first_held:,} of {records:,} records for training "
+                               f"and {records - first_held:,} held out; each needs one: change eval_fraction")
+    evals = RecordRows(corpus, starts[first_held:], config.batch, config.seq, config.seed + 2, trained, pad)
+    eval_batches = [evals.next() for _ in range(config.eval_batches)]  # drawn once: the same rows every time
+    desc += f"; last {records - first_held:,} records held out for eval"
+    return RecordRows(corpus, starts[:first_held + 1], config.batch, config.seq, seed, trained, pad), eval_batches, desc
+
+
+def make_datasets(config: TrainConfig) -> tuple[TokenWindows | RecordRows, list[tuple[torch.Tensor, torch.Tensor]], str]:
     """The training batch source, the fixed held-out eval batches (empty without ``data.eval_fraction``), a description.
 
     Raises:
-        TrainConfigError: the training or held-out part is shorter than one window.
+        TrainConfigError: the training or held-out part is shorter than one window (or, with
+            ``data.packing: false``, holds no record).
     """
     from .config import TrainConfigError
 
-    corpus, desc, trained = _corpus(config)
+    corpus, desc, trained, starts = _corpus(config)
+    if not config.data.packing:
+        return _record_rows(config, corpus, starts, trained, desc)
     n = int(corpus.shape[0])
     held = int(n * config.data.eval_fraction)
     # synthetic keeps its historical window seed (seed + 1): the same config draws the same batches as before
@@ -186,7 +267,7 @@ def make_datasets(config: TrainConfig) -> tuple[TokenWindows, list[tuple[torch.T
     return TokenWindows(train_part, config.batch, config.seq, seed, mask_train), eval_batches, desc
 
 
-def make_data(config: TrainConfig) -> tuple[TokenWindows, str]:
+def make_data(config: TrainConfig) -> tuple[TokenWindows | RecordRows, str]:
     """The training batch source and a one-line description of it."""
     windows, _, desc = make_datasets(config)
     return windows, desc
