@@ -21,11 +21,13 @@ LAST_MARKED = ("{% for m in messages %}{% if loop.last %}[last]{% endif %}{{ m['
                "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
 
 
-def _tokenizer_folder(tmp_path, template=CHATML):
-    """A byte-level BPE trained here, with ChatML's turn tokens and ``template``, saved as a folder."""
+def _tokenizer_folder(tmp_path, template=CHATML, markers=("<|im_start|>", "<|im_end|>")):
+    """A byte-level BPE trained here, with ``markers`` as special tokens (ChatML's turn tokens) and
+    ``template``, saved as a folder."""
     _, tokenizer_json = _jsonl_and_tokenizer(tmp_path, 300)
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), eos_token="<|endoftext|>")
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), eos_token="<|endoftext|>",
+                                               bos_token="<s>")
+    tok.add_special_tokens({"additional_special_tokens": list(markers)})
     if template is not None:
         tok.chat_template = template
     folder = tmp_path / "tokenizer"
@@ -167,3 +169,64 @@ def test_the_chat_example_trains_and_exports_a_folder_that_chats(tmp_path, monke
     out = model.generate(**prompt, max_new_tokens=3, min_new_tokens=3, do_sample=False)
     assert tok.decode(out[0]).startswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n") and out.shape[1] == \
         prompt["input_ids"].shape[1] + 3
+
+
+def test_a_template_that_refuses_a_conversation_is_a_one_line_error(tmp_path):
+    """Templates raise on what they do not take (Gemma's on a system message): the line and its reason."""
+    refusing = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
+                "supported') }}{% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    folder, tok = _tokenizer_folder(tmp_path, template=refusing)
+    config = load_config(_config(tmp_path, _write(tmp_path, _conversations(3)[1:] + _conversations(1)), folder, len(tok)))
+    with pytest.raises(TrainConfigError, match=r"line 3: the tokenizer's chat template refused the conversation's "
+                                               r"first 3 messages \(System role not supported\)"):
+        make_datasets(config)
+
+
+def test_a_conversation_opening_with_the_assistant_trains_its_words_not_the_turns_header(tmp_path):
+    folder, tok = _tokenizer_folder(tmp_path)
+    opening = [[{"role": "assistant", "content": "Hello there."}, {"role": "user", "content": "Hi."}]] * 3
+    config = load_config(_config(tmp_path, _write(tmp_path, opening + _conversations(2)), folder, len(tok)))
+    windows, _, _ = make_datasets(config)
+    header = len(tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"])
+    first = tok("<|im_start|>assistant\nHello there.<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    assert windows.trained[:len(first)].tolist() == [False] * header + [True] * (len(first) - header)
+
+
+#: Templates written after those of common model families: each, the text its assistant turns end with.
+FAMILIES = {
+    "llama3": ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+               "{{ m['content'] | trim }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+               "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}", "<|eot_id|>",
+               ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]),
+    "mistral": ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+                "{% elif m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}",
+                "<|endoftext|>", ["[INST]", "[/INST]"]),
+    "gemma": ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}{% set role = 'model' %}"
+              "{% else %}{% set role = m['role'] %}{% endif %}<start_of_turn>{{ role }}\n{{ m['content'] | trim }}"
+              "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}",
+              "<end_of_turn>\n", ["<start_of_turn>", "<end_of_turn>"]),
+    "qwen2.5": ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
+                + CHATML, "<|im_end|>\n", ["<|im_start|>", "<|im_end|>"]),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_templates_of_common_families_train_their_assistant_turns(tmp_path, family):
+    """Decoded run by run, the trained tokens are each assistant turn and its end-of-turn text; a
+    template that ends a turn with the EOS (Mistral's) gets no second one."""
+    template, end, markers = FAMILIES[family]
+    folder, tok = _tokenizer_folder(tmp_path, template=template, markers=markers)
+    conversations = _conversations(6)
+    config = load_config(_config(tmp_path, _write(tmp_path, conversations), folder, len(tok)))
+    windows, _, _ = make_datasets(config)
+    stream, trained = torch.as_tensor(windows.corpus).tolist(), windows.trained.tolist()
+    got, run = [], []
+    for token, on in zip(stream + [None], trained + [False]):
+        if on:
+            run.append(token)
+        elif run:
+            got.append(tok.decode(run))
+            run = []
+    assert got == [m["content"] + end for c in conversations for m in c if m["role"] == "assistant"]
+    text = tok.decode(stream)
+    assert text.count("<|endoftext|>") >= len(conversations) and "<|endoftext|><|endoftext|>" not in text

@@ -67,24 +67,34 @@ def check_conversation(messages: Any, where: str) -> list[dict[str, str]]:
     return messages
 
 
-def _render(tok: Any, messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
-    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def _render(tok: Any, messages: list[dict[str, str]], where: str, generation_prompt: bool = False) -> str:
+    try:
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as exc:  # jinja's TemplateError (a template's raise_exception), or a template bug
+        raise TrainConfigError(f"{where}: the tokenizer's chat template refused the conversation's first "
+                               f"{len(messages)} messages ({' '.join(str(exc).split())[:150]})") from None
+
+
+def _opening(tok: Any, through: str, where: str) -> str:
+    """What comes before the assistant's words in ``through``, a conversation's rendering that opens
+    with them (transformers renders no empty conversation): up to the end of the generation prompt,
+    read off a one-message conversation with and without it; nothing where it is not found."""
+    probe = [{"role": "user", "content": "?"}]
+    plain, prompted = _render(tok, probe, where), _render(tok, probe, where, generation_prompt=True)
+    prompt = prompted[len(plain):] if prompted.startswith(plain) else ""
+    at = through.find(prompt) if prompt else -1
+    return through[: at + len(prompt)] if at >= 0 else ""
 
 
 def _assistant_spans(tok: Any, messages: list[dict[str, str]], where: str) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its assistant turns."""
-    text = _render(tok, messages)
+    text = _render(tok, messages, where)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        try:
-            before = _render(tok, messages[:i], generation_prompt=True)
-        except Exception:  # a template that cannot render a conversation opening with the assistant
-            if i:
-                raise
-            before = ""
-        through = _render(tok, messages[: i + 1])
+        through = _render(tok, messages[: i + 1], where)
+        before = _render(tok, messages[:i], where, generation_prompt=True) if i else _opening(tok, through, where)
         if not (through.startswith(before) and text.startswith(through)):
             raise TrainConfigError(f"{where}: the tokenizer's chat template renders the conversation up to message {i} "
                                    f"differently once later messages follow, so its assistant turns cannot be told "
