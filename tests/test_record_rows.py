@@ -1,5 +1,6 @@
-"""``data.packing: false``: one whole jsonl record per row (cut at ``seq + 1`` tokens, right-padded,
-its padding never a target) instead of windows drawn across records."""
+"""``data.packing: false``: one whole jsonl record per row (cut at ``seq + 1`` tokens, right-padded
+to the batch's longest row rounded up to 8, its padding never a target) instead of windows drawn
+across records."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,28 +16,44 @@ from tests.test_hf_finetune import plain_adamw_losses  # noqa: E402
 
 
 def _short_conversations(n=40):
-    """One exchange each, 26 to 59 tokens: some longer than a row of ``seq + 1`` = 41 tokens, some shorter."""
-    return [[{"role": "user", "content": f"{i}+{i}?"}, {"role": "assistant", "content": f"{2 * i}." + " Yes." * (i % 7)}]
-            for i in range(n)]
+    """One exchange each: a quarter longer than a row of ``seq + 1`` = 41 tokens, the rest shorter."""
+    return [[{"role": "user", "content": f"{i}+{i}?"},
+             {"role": "assistant", "content": f"{2 * i}." + " Yes." * (8 if i % 4 == 0 else 0)}] for i in range(n)]
 
 
-def _chat_config(tmp_path, **data):
+def _chat_config(tmp_path, run_keys=None, **data):
     tmp_path.mkdir(exist_ok=True)
     folder, tok = _tokenizer_folder(tmp_path)
     run = _config(tmp_path, _write(tmp_path, _short_conversations()), folder, len(tok), packing=False, **data)
-    return load_config({**run, "seq": 40})
+    return load_config({**run, "seq": 40, **(run_keys or {})})
 
 
-def _expected_rows(corpus, starts, trained, seq, pad):
-    """Every record as the row it must become: (inputs, targets) lists."""
+def _expected_rows(corpus, starts, trained, seq):
+    """Every record as the row it must become, unpadded: (inputs, targets) lists."""
     rows = []
     for lo, hi in zip(starts[:-1], starts[1:]):
         hi = min(hi, lo + seq + 1)
         ids = [int(t) for t in corpus[lo:hi]]
-        n = len(ids) - 1
-        targets = [t if trained[lo + 1 + k] else -100 for k, t in enumerate(ids[1:])]
-        rows.append((ids[:-1] + [pad] * (seq - n), targets + [-100] * (seq - n)))
+        rows.append((ids[:-1], [t if trained[lo + 1 + k] else -100 for k, t in enumerate(ids[1:])]))
     return rows
+
+
+def _rows_of(batch, pad):
+    """A batch's rows, unpadded, after checking each is padded with ``pad`` and -100 to the batch's width."""
+    out = []
+    for x, y in zip(*(t.tolist() for t in batch)):
+        n = len(x)
+        while n and x[n - 1] == pad and y[n - 1] == -100:
+            n -= 1
+        assert x[n:] == [pad] * (len(x) - n) and y[n:] == [-100] * (len(y) - n)
+        out.append((x[:n], y[:n]))
+    return out
+
+
+def _matches(row, expected):
+    """``row`` (unpadded, though a record may end in tokens equal to the padding) is one of ``expected``."""
+    return any(x[:len(row[0])] == row[0] and y[:len(row[1])] == row[1] and all(t == -100 for t in y[len(row[1]):])
+               for x, y in expected)
 
 
 def test_each_row_is_one_record_cut_and_padded(tmp_path):
@@ -48,37 +65,47 @@ def test_each_row_is_one_record_cut_and_padded(tmp_path):
     cut = int((lengths > config.seq + 1).sum())
     assert 0 < cut < len(lengths)  # the test covers both: records cut at seq + 1, and records padded
     assert f"one record per row, {cut:,} of {len(lengths):,} longer than seq + 1 = {config.seq + 1} tokens and cut" in desc
-    expected = _expected_rows(corpus, starts, trained, config.seq, rows.pad_id)
-    padded = 0
+    expected = _expected_rows(corpus, starts, trained, config.seq)
+    widths = set()
     for _ in range(10):
-        x, y = rows.next()
-        for row in zip(x.tolist(), y.tolist()):
-            assert row in expected
-            padded += row[0][-1] == rows.pad_id and row[1][-1] == -100
-    assert padded
+        batch = rows.next()
+        width = batch[0].shape[1]
+        got = _rows_of(batch, rows.pad_id)
+        assert all(_matches(row, expected) for row in got)
+        longest = max(len(e[0]) for e in expected if any(_matches(row, [e]) for row in got))
+        assert width == min(config.seq, -(-longest // 8) * 8)  # the longest row, rounded up to 8
+        widths.add(width)
+    assert len(widths) > 1 and config.seq in widths  # narrower batches, and full ones
+    fixed, _, _ = make_datasets(config, fixed_width=True)
+    assert all(fixed.next()[0].shape[1] == config.seq for _ in range(5))
 
 
 def test_memferry_on_whole_records_trains_as_plain_pytorch_does(tmp_path, cpu_backend):
-    config = _chat_config(tmp_path)
+    """Batches of changing width, with accumulation and clipping: plain AdamW's losses; the run's
+    tokens/s counts the tokens its batches held, not ``batch x seq``."""
+    config = _chat_config(tmp_path, {"logging": {"csv": str(tmp_path / "log.csv")}})
     result = train(config)
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "llama", dtype=torch.float32)
     assert result.losses == pytest.approx(plain_adamw_losses(ref, config, max_grad_norm=1.0), abs=1e-5)
+    rows, _, _ = make_datasets(config)
+    held = [sum(rows.next()[0].numel() for _ in range(config.accumulation_steps)) for _ in range(config.steps)]
+    assert sum(held) < config.steps * config.accumulation_steps * config.batch * config.seq
+    assert result.tokens_per_s * sum(result.step_times_s) == pytest.approx(sum(held), rel=1e-9)
+    logged = [line.split(",") for line in (tmp_path / "log.csv").read_text().splitlines()[1:]]
+    assert [float(r[4]) * float(r[3]) for r in logged] == pytest.approx(held, rel=1e-6)  # tokens_per_s x step_s
 
 
 def test_eval_holds_out_the_last_records_whole(tmp_path):
     config = _chat_config(tmp_path, eval_fraction=0.25)
     rows, evals, desc = make_datasets(config)
     full, _, _ = make_datasets(_chat_config(tmp_path / "all"))
-    everything = _expected_rows(full.corpus, full.starts, full.trained, config.seq, full.pad_id)
+    everything = _expected_rows(full.corpus, full.starts, full.trained, config.seq)
     kept = len(rows.starts) - 1
     assert 0 < kept < len(everything) and f"last {len(everything) - kept:,} records held out for eval" in desc
-    for x, y in evals:
-        for row in zip(x.tolist(), y.tolist()):
-            assert row in everything[kept:]
+    for batch in evals:
+        assert all(_matches(row, everything[kept:]) for row in _rows_of(batch, rows.pad_id))
     for _ in range(10):
-        x, y = rows.next()
-        for row in zip(x.tolist(), y.tolist()):
-            assert row in everything[:kept]
+        assert all(_matches(row, everything[:kept]) for row in _rows_of(rows.next(), rows.pad_id))
 
 
 def test_rows_resume_where_they_stopped(tmp_path):

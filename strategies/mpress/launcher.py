@@ -155,7 +155,9 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
             f"({config.schedule}, {config.microbatches} micro-batches of {t.batch // config.microbatches}), "
             f"{backend.name} backend, {dtype_name}, budget {format_bytes(budget) + ' per device' if budget else 'whole device'}"
             + (f", stages on devices {list(config.devices)}" if config.devices is not None else ""))
-        data, data_desc = make_data(t)  # every rank draws the same batches; stage 0 uses inputs, the last targets
+        # Every rank draws the same batches (stage 0 uses inputs, the last targets), all seq wide:
+        # the stages exchange activations of one shape.
+        data, data_desc = make_data(t, fixed_width=True)
         say(f"data: {data_desc}; {t.batch * t.seq:,} tokens per step")
         if profile is not None:
             say("profiled: " + ", ".join(f"stage {s} {f[1]}" for s, f in enumerate(facts)))

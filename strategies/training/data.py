@@ -99,9 +99,11 @@ class TokenWindows:
 
 class RecordRows:
     """Batches of whole records drawn at random, one per row: a record's first ``seq + 1`` tokens,
-    right-padded with ``pad_id`` (a longer record is cut there). Padded positions are never
-    targets (-100), and under causal attention no real position sees them, so no attention mask
-    is needed and every batch keeps the planned shape.
+    right-padded with ``pad_id`` (a longer record is cut there) to the batch's longest row,
+    rounded up to a multiple of 8 (at most ``seq``), as a padding collator does; with
+    ``fixed_width`` to ``seq`` always (a pipeline's stages exchange fixed shapes). Padded
+    positions are never targets (-100), and under causal attention no real position sees them,
+    so no attention mask is needed.
 
     Args:
         corpus: the 1-D token stream the records lie in, one after another.
@@ -109,24 +111,32 @@ class RecordRows:
         batch, seq, seed: as :class:`TokenWindows`.
         trained: which tokens are targets, as :class:`TokenWindows`; None: every token of a record.
         pad_id: the input id of padded positions (any id the model's vocab holds).
+        fixed_width: pad every batch to ``seq`` (else to its longest row).
     """
 
+    #: Padded widths are multiples of this (kernels' tiles), so few distinct shapes occur.
+    WIDTH_STEP = 8
+
     def __init__(self, corpus: np.ndarray, starts: np.ndarray, batch: int, seq: int, seed: int,
-                 trained: np.ndarray | None = None, pad_id: int = 0) -> None:
+                 trained: np.ndarray | None = None, pad_id: int = 0, fixed_width: bool = False) -> None:
         if len(starts) < 2:
             raise ValueError("RecordRows needs at least one record")
         self.corpus, self.starts, self.batch, self.seq, self.trained = corpus, starts, batch, seq, trained
-        self.pad_id = pad_id
+        self.pad_id, self.fixed_width = pad_id, fixed_width
         self.generator = torch.Generator().manual_seed(seed)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(inputs, targets)``, each (batch, seq) int64 on the host; -100 where no token is trained on."""
+        """``(inputs, targets)``, each (batch, width) int64 on the host (width: see the class);
+        -100 where no token is trained on."""
         picks = torch.randint(0, len(self.starts) - 1, (self.batch,), generator=self.generator).tolist()
-        inputs = torch.full((self.batch, self.seq), self.pad_id, dtype=torch.long)
-        targets = torch.full((self.batch, self.seq), -100, dtype=torch.long)
-        for row, i in enumerate(picks):
-            lo = int(self.starts[i])
-            hi = min(int(self.starts[i + 1]), lo + self.seq + 1)
+        spans = [(int(self.starts[i]), min(int(self.starts[i + 1]), int(self.starts[i]) + self.seq + 1)) for i in picks]
+        width = self.seq
+        if not self.fixed_width:
+            longest = max(max(hi - lo - 1 for lo, hi in spans), 1)
+            width = min(self.seq, -(-longest // self.WIDTH_STEP) * self.WIDTH_STEP)
+        inputs = torch.full((self.batch, width), self.pad_id, dtype=torch.long)
+        targets = torch.full((self.batch, width), -100, dtype=torch.long)
+        for row, (lo, hi) in enumerate(spans):
             ids = torch.from_numpy(np.asarray(self.corpus[lo:hi], dtype=np.int64))
             n = ids.numel() - 1
             if n < 1:
@@ -215,7 +225,7 @@ def _corpus(config: TrainConfig) -> tuple[Any, str, np.ndarray | None, np.ndarra
 
 
 def _record_rows(config: TrainConfig, corpus: np.ndarray, starts: np.ndarray, trained: np.ndarray | None,
-                 desc: str) -> tuple[RecordRows, list[tuple[torch.Tensor, torch.Tensor]], str]:
+                 desc: str, fixed_width: bool) -> tuple[RecordRows, list[tuple[torch.Tensor, torch.Tensor]], str]:
     """:func:`make_datasets` with ``data.packing: false``: whole records, the last share held out."""
     from .config import TrainConfigError
 
@@ -226,19 +236,24 @@ def _record_rows(config: TrainConfig, corpus: np.ndarray, starts: np.ndarray, tr
              if cut else "; one record per row (packing off)")
     seed, frac = config.seed, config.data.eval_fraction
     if not frac:
-        return RecordRows(corpus, starts, config.batch, config.seq, seed, trained, pad), [], desc
+        return RecordRows(corpus, starts, config.batch, config.seq, seed, trained, pad, fixed_width), [], desc
     first_held = int(np.searchsorted(starts[:-1], int(starts[-1]) - int(starts[-1] * frac)))
     if first_held < 1 or first_held >= records:
         raise TrainConfigError(f"data.eval_fraction {frac} leaves {first_held:,} of {records:,} records for training "
                                f"and {records - first_held:,} held out; each needs one: change eval_fraction")
-    evals = RecordRows(corpus, starts[first_held:], config.batch, config.seq, config.seed + 2, trained, pad)
+    evals = RecordRows(corpus, starts[first_held:], config.batch, config.seq, config.seed + 2, trained, pad,
+                       fixed_width)
     eval_batches = [evals.next() for _ in range(config.eval_batches)]  # drawn once: the same rows every time
     desc += f"; last {records - first_held:,} records held out for eval"
-    return RecordRows(corpus, starts[:first_held + 1], config.batch, config.seq, seed, trained, pad), eval_batches, desc
+    return (RecordRows(corpus, starts[:first_held + 1], config.batch, config.seq, seed, trained, pad, fixed_width),
+            eval_batches, desc)
 
 
-def make_datasets(config: TrainConfig) -> tuple[TokenWindows | RecordRows, list[tuple[torch.Tensor, torch.Tensor]], str]:
+def make_datasets(config: TrainConfig, fixed_width: bool = False
+                  ) -> tuple[TokenWindows | RecordRows, list[tuple[torch.Tensor, torch.Tensor]], str]:
     """The training batch source, the fixed held-out eval batches (empty without ``data.eval_fraction``), a description.
+    ``fixed_width``: every batch ``seq`` tokens wide, also with ``data.packing: false`` (whose
+    batches are otherwise as wide as their longest record: :class:`RecordRows`).
 
     Raises:
         TrainConfigError: the training or held-out part is shorter than one window (or, with
@@ -248,7 +263,7 @@ def make_datasets(config: TrainConfig) -> tuple[TokenWindows | RecordRows, list[
 
     corpus, desc, trained, starts = _corpus(config)
     if not config.data.packing:
-        return _record_rows(config, corpus, starts, trained, desc)
+        return _record_rows(config, corpus, starts, trained, desc, fixed_width)
     n = int(corpus.shape[0])
     held = int(n * config.data.eval_fraction)
     # synthetic keeps its historical window seed (seed + 1): the same config draws the same batches as before
@@ -267,7 +282,7 @@ def make_datasets(config: TrainConfig) -> tuple[TokenWindows | RecordRows, list[
     return TokenWindows(train_part, config.batch, config.seq, seed, mask_train), eval_batches, desc
 
 
-def make_data(config: TrainConfig) -> tuple[TokenWindows | RecordRows, str]:
-    """The training batch source and a one-line description of it."""
-    windows, _, desc = make_datasets(config)
+def make_data(config: TrainConfig, fixed_width: bool = False) -> tuple[TokenWindows | RecordRows, str]:
+    """The training batch source and a one-line description of it (``fixed_width``: as :func:`make_datasets`)."""
+    windows, _, desc = make_datasets(config, fixed_width)
     return windows, desc

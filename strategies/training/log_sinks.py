@@ -117,7 +117,7 @@ class LogSink(TrainCallback):
 
     def row(self, report: StepReport) -> dict[str, Any]:
         """The step's values by column name (``eval_loss`` None off evaluation steps)."""
-        tokens = self.info.tokens_per_step if self.info is not None else 0
+        tokens = report.tokens if report.tokens is not None else self.info.tokens_per_step if self.info is not None else 0
         return {"step": report.step, "loss": report.loss, "lr": report.lr, "step_s": report.step_s,
                 "tokens_per_s": tokens / report.step_s if report.step_s > 0 else 0.0,
                 "peak_device_bytes": report.peak_device_bytes, "eval_loss": report.eval_loss}

@@ -139,13 +139,14 @@ def _train(config: TrainConfig, callback: TrainCallback, backend: Any, data: Ite
                        engine.plan.describe() if config.strategy.options.get("plan") == "auto" else None, run_id,
                        world)
         callback.on_start(info)
-        steps, losses, lrs, times, checkpoints, eval_losses = [], [], [], [], [], []
+        steps, losses, lrs, times, checkpoints, eval_losses, tokens = [], [], [], [], [], [], []
         every = config.checkpoint.every if config.checkpoint else 0
         t_begin = time.perf_counter()
         for i in range(start, config.steps):
             lr = lr_at(config.optimizer, i, config.steps)
             engine.set_lr(lr)
             micro = [batches.next() for _ in range(accum)]
+            tokens.append(sum(x.numel() for x, _ in micro))  # every rank's: drawn whole, then sharded
             if launch is not None:
                 micro = [launch.shard(b) for b in micro]
             t0 = time.perf_counter()
@@ -181,14 +182,13 @@ def _train(config: TrainConfig, callback: TrainCallback, backend: Any, data: Ite
             peak = backend.memory_stats(device).peak_reserved
             callback.on_step(StepReport(n, config.steps, loss, lr, step_s, peak,
                                         log=n % config.log_every == 0 or n == config.steps or n == start + 1,
-                                        checkpoint=saved, eval_loss=eval_loss))
+                                        checkpoint=saved, eval_loss=eval_loss, tokens=tokens[-1]))
         engine.synchronize()
         wall = time.perf_counter() - t_begin
         stats = backend.memory_stats(device)
         step_total = sum(times)
         result = TrainResult(steps, losses, lrs, times, stats.peak_reserved, stats.peak_allocated, wall,
-                             config.batch * world * config.seq * accum * len(times) / step_total if step_total
-                             else 0.0, checkpoints, info, eval_losses)
+                             sum(tokens) / step_total if step_total else 0.0, checkpoints, info, eval_losses)
         return result
     finally:
         try:

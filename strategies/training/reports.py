@@ -42,6 +42,8 @@ class StepReport:
         log: True on every ``log_every``-th step and the last one.
         checkpoint: the file written after this step, if one was.
         eval_loss: the mean held-out loss after this step, on the steps ``eval_every`` names (else None).
+        tokens: the input tokens the step's batches held over every rank, padding included (None:
+            the run's ``tokens_per_step``; fewer where whole records are padded to their longest).
     """
 
     step: int
@@ -53,6 +55,7 @@ class StepReport:
     log: bool
     checkpoint: str | None = None
     eval_loss: float | None = None
+    tokens: int | None = None
 
 
 class TrainCallback:
@@ -120,7 +123,7 @@ class TrainResult:
         peak_device_bytes: device memory high-water mark (reserved) from engine set-up on.
         peak_allocated_bytes: the same for live tensors.
         wall_s: seconds from the first step to the end of the last, checkpoints included.
-        tokens_per_s: trained tokens per second of step time.
+        tokens_per_s: input tokens (padding included) per second of step time.
         checkpoints: files written.
         info: the run's :class:`RunInfo`.
         eval_losses: ``(step, mean held-out loss)`` for each evaluation (``eval_every``).
