@@ -130,3 +130,17 @@ def test_bad_packing_is_a_one_line_error(tmp_path, data, message):
     run["data"] = {**run["data"], **data}
     with pytest.raises(TrainConfigError, match=message):
         load_config(run)
+
+
+def test_each_epoch_gives_every_record_once(tmp_path):
+    config = _chat_config(tmp_path)
+    rows, _, desc = make_datasets(config)
+    expected = _expected_rows(rows.corpus, rows.starts, rows.trained, config.seq)
+    records = len(expected)
+    epochs = config.steps * config.accumulation_steps * config.batch / records
+    assert f"; {epochs:.3g} epochs in {config.steps:,} steps" in desc
+    assert records % config.batch == 0  # so an epoch ends with a batch
+    for _ in range(2):
+        seen = [next(j for j, e in enumerate(expected) if _matches(row, [e]))
+                for _ in range(records // config.batch) for row in _rows_of(rows.next(), rows.pad_id)]
+        assert sorted(seen) == list(range(records))

@@ -98,7 +98,8 @@ class TokenWindows:
 
 
 class RecordRows:
-    """Batches of whole records drawn at random, one per row: a record's first ``seq + 1`` tokens,
+    """Batches of whole records, one per row, in epochs: every record once in a seeded random
+    order, then a new order (as a shuffling sampler gives them). A row is a record's first ``seq + 1`` tokens,
     right-padded with ``pad_id`` (a longer record is cut there) to the batch's longest row,
     rounded up to a multiple of 8 (at most ``seq``), as a padding collator does; with
     ``fixed_width`` to ``seq`` always (a pipeline's stages exchange fixed shapes). Padded
@@ -124,12 +125,24 @@ class RecordRows:
         self.corpus, self.starts, self.batch, self.seq, self.trained = corpus, starts, batch, seq, trained
         self.pad_id, self.fixed_width = pad_id, fixed_width
         self.generator = torch.Generator().manual_seed(seed)
+        self.order = torch.zeros(0, dtype=torch.long)  # this epoch's record order; drawn when first needed
+        self.cursor = 0  # records of it already given
+
+    def _picks(self) -> list[int]:
+        out: list[int] = []
+        while len(out) < self.batch:
+            if self.cursor == len(self.order):
+                self.order, self.cursor = torch.randperm(len(self.starts) - 1, generator=self.generator), 0
+            take = self.order[self.cursor:self.cursor + self.batch - len(out)].tolist()
+            out += take
+            self.cursor += len(take)
+        return out
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, targets)``, each (batch, width) int64 on the host (width: see the class);
         -100 where no token is trained on."""
-        picks = torch.randint(0, len(self.starts) - 1, (self.batch,), generator=self.generator).tolist()
-        spans = [(int(self.starts[i]), min(int(self.starts[i + 1]), int(self.starts[i]) + self.seq + 1)) for i in picks]
+        spans = [(int(self.starts[i]), min(int(self.starts[i + 1]), int(self.starts[i]) + self.seq + 1))
+                 for i in self._picks()]
         width = self.seq
         if not self.fixed_width:
             longest = max(max(hi - lo - 1 for lo, hi in spans), 1)
@@ -149,12 +162,13 @@ class RecordRows:
         return inputs, targets
 
     def state_dict(self) -> dict[str, Any]:
-        """The generator's position."""
-        return {"generator": self.generator.get_state()}
+        """The generator's position, this epoch's order and how far into it the rows are."""
+        return {"generator": self.generator.get_state(), "order": self.order.clone(), "cursor": self.cursor}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a position :meth:`state_dict` gave."""
         self.generator.set_state(state["generator"])
+        self.order, self.cursor = state["order"].clone(), int(state["cursor"])
 
 
 class IterableBatches:
@@ -235,7 +249,9 @@ def _record_rows(config: TrainConfig, corpus: np.ndarray, starts: np.ndarray, tr
     desc += (f"; one record per row, {cut:,} of {records:,} longer than seq + 1 = {config.seq + 1} tokens and cut"
              if cut else "; one record per row (packing off)")
     seed, frac = config.seed, config.data.eval_fraction
+    rows = config.steps * config.accumulation_steps * config.batch
     if not frac:
+        desc += f"; {rows / records:.3g} epochs in {config.steps:,} steps"
         return RecordRows(corpus, starts, config.batch, config.seq, seed, trained, pad, fixed_width), [], desc
     first_held = int(np.searchsorted(starts[:-1], int(starts[-1]) - int(starts[-1] * frac)))
     if first_held < 1 or first_held >= records:
@@ -244,7 +260,8 @@ def _record_rows(config: TrainConfig, corpus: np.ndarray, starts: np.ndarray, tr
     evals = RecordRows(corpus, starts[first_held:], config.batch, config.seq, config.seed + 2, trained, pad,
                        fixed_width)
     eval_batches = [evals.next() for _ in range(config.eval_batches)]  # drawn once: the same rows every time
-    desc += f"; last {records - first_held:,} records held out for eval"
+    desc += (f"; last {records - first_held:,} records held out for eval; {rows / first_held:.3g} epochs over the "
+             f"other {first_held:,} in {config.steps:,} steps")
     return (RecordRows(corpus, starts[:first_held + 1], config.batch, config.seq, seed, trained, pad, fixed_width),
             eval_batches, desc)
 
