@@ -99,12 +99,13 @@ class TokenWindows:
 
 class RecordRows:
     """Batches of whole records, one per row, in epochs: every record once in a seeded random
-    order, then a new order (as a shuffling sampler gives them). A row is a record's first ``seq + 1`` tokens,
-    right-padded with ``pad_id`` (a longer record is cut there) to the batch's longest row,
-    rounded up to a multiple of 8 (at most ``seq``), as a padding collator does; with
-    ``fixed_width`` to ``seq`` always (a pipeline's stages exchange fixed shapes). Padded
-    positions are never targets (-100), and under causal attention no real position sees them,
-    so no attention mask is needed.
+    order, then a new order (as a shuffling sampler gives them).
+
+    A row is a record's first ``seq + 1`` tokens (a longer record is cut there), right-padded
+    with ``pad_id`` to the batch's longest row rounded up to a multiple of 8 (at most ``seq``),
+    as a padding collator does; with ``fixed_width``, to ``seq`` always (a pipeline's stages
+    exchange fixed shapes). Padded positions are never targets (-100), and under causal
+    attention no real position sees them, so no attention mask is needed.
 
     Args:
         corpus: the 1-D token stream the records lie in, one after another.
