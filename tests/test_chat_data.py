@@ -35,6 +35,18 @@ def _tokenizer_folder(tmp_path, template=CHATML, markers=("<|im_start|>", "<|im_
     return folder, tok
 
 
+def _trained_runs(tok, stream, trained):
+    """The trained tokens of ``stream``, decoded run by run."""
+    got, run = [], []
+    for token, on in zip(stream + [None], trained + [False]):
+        if on:
+            run.append(token)
+        elif run:
+            got.append(tok.decode(run))
+            run = []
+    return got
+
+
 def _conversations(n=40):
     """Conversations of one or two exchanges, some with a system message; answers of varied length."""
     out = []
@@ -80,14 +92,7 @@ def test_only_the_assistant_turns_are_trained(tmp_path):
         expected_stream.append(tok.eos_token_id)
         runs += [m["content"] + "<|im_end|>\n" for m in c if m["role"] == "assistant"]
     assert stream == expected_stream
-    got, run = [], []
-    for token, on in zip(stream + [None], trained + [False]):
-        if on:
-            run.append(token)
-        elif run:
-            got.append(tok.decode(run))
-            run = []
-    assert got == runs
+    assert _trained_runs(tok, stream, trained) == runs
     assert f"40 conversations, {len(stream):,} tokens" in desc and f"loss on the {sum(trained):,} assistant tokens" in desc
 
 
@@ -220,13 +225,6 @@ def test_templates_of_common_families_train_their_assistant_turns(tmp_path, fami
     config = load_config(_config(tmp_path, _write(tmp_path, conversations), folder, len(tok)))
     windows, _, _ = make_datasets(config)
     stream, trained = torch.as_tensor(windows.corpus).tolist(), windows.trained.tolist()
-    got, run = [], []
-    for token, on in zip(stream + [None], trained + [False]):
-        if on:
-            run.append(token)
-        elif run:
-            got.append(tok.decode(run))
-            run = []
-    assert got == [m["content"] + end for c in conversations for m in c if m["role"] == "assistant"]
+    assert _trained_runs(tok, stream, trained) == [m["content"] + end for c in conversations for m in c if m["role"] == "assistant"]
     text = tok.decode(stream)
     assert text.count("<|endoftext|>") >= len(conversations) and "<|endoftext|><|endoftext|>" not in text
