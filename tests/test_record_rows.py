@@ -123,6 +123,8 @@ def test_rows_resume_where_they_stopped(tmp_path):
 @pytest.mark.parametrize("data, message", [
     ({"kind": "text", "messages_field": None}, "data.packing False: true or false, and false only for data kind jsonl"),
     ({"packing": "no"}, "data.packing 'no': true or false"),
+    ({"packing": True, "group_by_length": True}, "data.group_by_length True: true or false, and true only with "
+                                                 "data.packing: false"),
 ])
 def test_bad_packing_is_a_one_line_error(tmp_path, data, message):
     folder, tok = _tokenizer_folder(tmp_path)
@@ -155,3 +157,20 @@ def test_a_resumed_run_sees_the_rows_the_straight_run_saw(tmp_path, cpu_backend)
     resumed = train(_chat_config(tmp_path / "b", {"resume": str(ck)}))
     assert resumed.steps == [3, 4, 5]
     assert first.losses + resumed.losses == pytest.approx(straight.losses, abs=1e-6)
+
+
+def test_grouped_by_length_an_epoch_holds_every_record_once_with_less_padding(tmp_path):
+    plain, grouped = _chat_config(tmp_path / "a"), _chat_config(tmp_path / "b", group_by_length=True)
+    widths, seen = {}, []
+    for name, config in (("plain", plain), ("grouped", grouped)):
+        rows, _, _ = make_datasets(config)
+        expected = _expected_rows(rows.corpus, rows.starts, rows.trained, config.seq)
+        batches = [rows.next() for _ in range(len(expected) // config.batch)]  # one epoch
+        widths[name] = sum(x.shape[1] for x, _ in batches)
+        seen = sorted(next(j for j, e in enumerate(expected) if _matches(row, [e]))
+                      for b in batches for row in _rows_of(b, rows.pad_id))
+        assert seen == list(range(len(expected)))
+        lengths = [len(_rows_of(b, rows.pad_id)[0][0]) for b in batches]
+        if name == "grouped":  # one group holds the whole epoch here: longest first
+            assert lengths == sorted(lengths, reverse=True)
+    assert widths["grouped"] < widths["plain"]

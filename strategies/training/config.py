@@ -22,7 +22,8 @@ YAML shape (every key but ``model`` optional)::
                                    # or {kind: jsonl, path: docs.jsonl, field: text, tokenizer: DIR_OR_tokenizer.json}
                                    #   (prompt_field: prompt: loss on `field` alone, each record's prompt before it;
                                    #    messages_field: messages: chat-templated, loss on the assistant turns alone;
-                                   #    packing: false: one whole record per row, padded, instead of packed windows)
+                                   #    packing: false: one whole record per row, padded, instead of packed windows;
+                                   #    with it, group_by_length: true: batches of records of like length)
                                    # or {kind: tokens, path: tokens.npy} (or .bin with dtype: uint16 | uint32)
                                    # any kind: eval_fraction: 0.05 (the corpus's last 5 % is held out for eval)
     accumulation_steps: 1          # micro-batches of `batch` rows per optimizer step (loss: their mean)
@@ -122,6 +123,9 @@ class DataConfig:
             tokens (a window may span records and start inside one). False: one whole record per
             row, cut at ``seq + 1`` tokens and right-padded, never trained on its padding
             (:class:`~.data.RecordRows`): each completion or assistant turn sees its whole record.
+        group_by_length: with ``packing: false``, batches of records of like length (each epoch's
+            order sorted by length within groups of 50 batches, as HF Trainer's ``group_by_length``),
+            so less of each batch is padding.
         eos_id: the id put between documents when the tokenizer names no EOS token (jsonl only).
         eval_fraction: the share of the corpus, at its end, held out for evaluation (training never reads it).
     """
@@ -134,6 +138,7 @@ class DataConfig:
     prompt_field: str | None = None
     messages_field: str | None = None
     packing: bool = True
+    group_by_length: bool = False
     eos_id: int | None = None
     dtype: str = "uint16"
     eval_fraction: float = 0.0
@@ -365,6 +370,9 @@ class TrainConfig:
         if not isinstance(d.packing, bool) or (not d.packing and d.kind != "jsonl"):
             raise TrainConfigError(f"data.packing {d.packing!r}: true or false, and false only for data kind jsonl "
                                    f"(whose records it keeps one per row)")
+        if not isinstance(d.group_by_length, bool) or (d.group_by_length and d.packing):
+            raise TrainConfigError(f"data.group_by_length {d.group_by_length!r}: true or false, and true only with "
+                                   f"data.packing: false (packed windows hold no padding to save)")
         if d.kind == "synthetic":
             if d.path is not None:
                 raise TrainConfigError("data.path is for kinds text, jsonl and tokens; synthetic data takes only 'branching'")

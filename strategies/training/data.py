@@ -114,17 +114,22 @@ class RecordRows:
         trained: which tokens are targets, as :class:`TokenWindows`; None: every token of a record.
         pad_id: the input id of padded positions (any id the model's vocab holds).
         fixed_width: pad every batch to ``seq`` (else to its longest row).
+        group_by_length: sort each epoch's order by record length (longest first) within groups of
+            ``GROUP_BATCHES`` batches, so a batch's rows are of like length and carry little padding.
     """
 
     #: Padded widths are multiples of this (kernels' tiles), so few distinct shapes occur.
     WIDTH_STEP = 8
+    #: Batches per group sorted by length under ``group_by_length`` (HF Trainer's mega-batches).
+    GROUP_BATCHES = 50
 
     def __init__(self, corpus: np.ndarray, starts: np.ndarray, batch: int, seq: int, seed: int,
-                 trained: np.ndarray | None = None, pad_id: int = 0, fixed_width: bool = False) -> None:
+                 trained: np.ndarray | None = None, pad_id: int = 0, fixed_width: bool = False,
+                 group_by_length: bool = False) -> None:
         if len(starts) < 2:
             raise ValueError("RecordRows needs at least one record")
         self.corpus, self.starts, self.batch, self.seq, self.trained = corpus, starts, batch, seq, trained
-        self.pad_id, self.fixed_width = pad_id, fixed_width
+        self.pad_id, self.fixed_width, self.group_by_length = pad_id, fixed_width, group_by_length
         self.generator = torch.Generator().manual_seed(seed)
         self.order = torch.zeros(0, dtype=torch.long)  # this epoch's record order; drawn when first needed
         self.cursor = 0  # records of it already given
@@ -133,11 +138,20 @@ class RecordRows:
         out: list[int] = []
         while len(out) < self.batch:
             if self.cursor == len(self.order):
-                self.order, self.cursor = torch.randperm(len(self.starts) - 1, generator=self.generator), 0
+                self.order, self.cursor = self._epoch_order(), 0
             take = self.order[self.cursor:self.cursor + self.batch - len(out)].tolist()
             out += take
             self.cursor += len(take)
         return out
+
+    def _epoch_order(self) -> torch.Tensor:
+        order = torch.randperm(len(self.starts) - 1, generator=self.generator)
+        if not self.group_by_length:
+            return order
+        lengths = torch.from_numpy(np.diff(np.asarray(self.starts, dtype=np.int64)))
+        group = self.batch * self.GROUP_BATCHES
+        parts = [chunk[torch.argsort(lengths[chunk], descending=True, stable=True)] for chunk in order.split(group)]
+        return torch.cat(parts)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, targets)``, each (batch, width) int64 on the host (width: see the class);
@@ -249,21 +263,22 @@ def _record_rows(config: TrainConfig, corpus: np.ndarray, starts: np.ndarray, tr
     pad = int(corpus[starts[1] - 1])  # every jsonl record ends with the EOS: a padding id the vocab holds
     desc += (f"; one record per row, {cut:,} of {records:,} longer than seq + 1 = {config.seq + 1} tokens and cut"
              if cut else "; one record per row (packing off)")
-    seed, frac = config.seed, config.data.eval_fraction
+    seed, frac, group = config.seed, config.data.eval_fraction, config.data.group_by_length
     rows = config.steps * config.accumulation_steps * config.batch
     if not frac:
         desc += f"; {rows / records:.3g} epochs in {config.steps:,} steps"
-        return RecordRows(corpus, starts, config.batch, config.seq, seed, trained, pad, fixed_width), [], desc
+        return RecordRows(corpus, starts, config.batch, config.seq, seed, trained, pad, fixed_width, group), [], desc
     first_held = int(np.searchsorted(starts[:-1], int(starts[-1]) - int(starts[-1] * frac)))
     if first_held < 1 or first_held >= records:
         raise TrainConfigError(f"data.eval_fraction {frac} leaves {first_held:,} of {records:,} records for training "
                                f"and {records - first_held:,} held out; each needs one: change eval_fraction")
     evals = RecordRows(corpus, starts[first_held:], config.batch, config.seq, config.seed + 2, trained, pad,
-                       fixed_width)
+                       fixed_width, group)
     eval_batches = [evals.next() for _ in range(config.eval_batches)]  # drawn once: the same rows every time
     desc += (f"; last {records - first_held:,} records held out for eval; {rows / first_held:.3g} epochs over the "
              f"other {first_held:,} in {config.steps:,} steps")
-    return (RecordRows(corpus, starts[:first_held + 1], config.batch, config.seq, seed, trained, pad, fixed_width),
+    return (RecordRows(corpus, starts[:first_held + 1], config.batch, config.seq, seed, trained, pad, fixed_width,
+                       group),
             eval_batches, desc)
 
 
