@@ -197,8 +197,9 @@ def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan
     # With clipping alone a device-homed unit holds the gradient autograd made from its backward
     # to step(): not all step (``grads``; cost.State.excess and r place it).
     grads = 0 if host or held else blk.numel * held_grad_bytes(profile)
-    if not host:
-        persist = blk.numel * device_bytes_per_param(profile.dtype_bytes, held_grad_bytes(profile) if held else 0)
+    if not host:  # all its weights (a LoRA base's too), then master, moments and gradient per trainable parameter
+        per = device_bytes_per_param(profile.dtype_bytes, held_grad_bytes(profile) if held else 0)
+        persist = w + blk.numel * (per - profile.dtype_bytes)
     else:
         persist = (w if resident else 0) + (device_sum_bytes(blk.numel) if summed else 0)
     bwd = _backward_bytes(blk, unit, grad_bytes)

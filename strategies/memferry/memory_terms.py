@@ -104,7 +104,8 @@ def rest_resident_bytes(profile: "StepProfile", rest_optimizer: str) -> int:
     ``rest``'s gradients of :func:`transient_bytes`)."""
     held = held_grad_bytes(profile) if grads_persist(profile) else 0
     per = device_bytes_per_param(profile.dtype_bytes, held) if rest_optimizer == "device" else profile.dtype_bytes
-    return profile.rest_numel * per
+    # All its weights (frozen ones, as a LoRA run's embeddings, too); the rest per trainable parameter.
+    return profile.rest_param_bytes + profile.rest_numel * (per - profile.dtype_bytes)
 
 
 def transient_parts(profile: "StepProfile", rest_optimizer: str) -> tuple[int, int, int]:

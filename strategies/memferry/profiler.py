@@ -58,8 +58,9 @@ class BlockProfile:
     """Measured figures of one block.
 
     Attributes:
-        numel: trainable parameters.
-        param_bytes: bytes of its compute-dtype weights (what a load moves).
+        numel: trainable parameters (what has gradients and optimizer state).
+        param_bytes: bytes of all its compute-dtype weights, frozen ones included (what a load
+            moves and a resident block holds).
         fwd_s: forward time on the device, timed alone (as the training thread issues it).
         bwd_s: backward time on the device (without recompute), issued ahead as autograd runs it.
         recompute_s: forward time issued ahead, as recomputation runs inside backward; 0 in
@@ -116,8 +117,8 @@ class StepProfile:
 
     Attributes:
         blocks: one :class:`BlockProfile` per block, in forward order.
-        rest_numel: parameters of the ``rest`` unit.
-        rest_param_bytes: bytes of its compute-dtype weights.
+        rest_numel: trainable parameters of the ``rest`` unit.
+        rest_param_bytes: bytes of all its compute-dtype weights, frozen ones included.
         rest_fwd_s: its forward time, loss included (timed alone).
         rest_bwd_s: its backward time (issued ahead).
         loss_peak_bytes: device memory the rest's forward and backward add at their peak
@@ -286,9 +287,9 @@ def _block_signature(block: nn.Module) -> tuple:
 def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend, device: int,
                    repeats: int) -> tuple[BlockProfile, Any]:
     """Figures of one block on the device, and its output (the next block's input)."""
-    params = [p for p in block.parameters() if p.requires_grad]
-    numel = sum(p.numel() for p in params)
-    param_bytes = sum(_nbytes(p) for p in params)
+    numel = sum(p.numel() for p in block.parameters() if p.requires_grad)
+    # Every weight, frozen ones too (a LoRA base): a load moves them all and a resident block holds them.
+    param_bytes = sum(_nbytes(p) for p in block.parameters())
     blk, x_args, x_kwargs = block_on_device(block, args, kwargs, backend, device)
 
     def run_forward() -> Any:
@@ -456,7 +457,7 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
                                                                   index, (0.0, 1.0))
     input_bytes = sum(_nbytes(t) for t in _tensors((inputs, targets)))
     name = backend.topology().devices[index].name if backend.topology().devices else backend.name
-    return StepProfile(profiles, rest.numel, sum(_nbytes(p) for _, p in rest.params), rest_fwd, rest_bwd, int(loss_peak),
+    return StepProfile(profiles, rest.train_numel, sum(_nbytes(p) for _, p in rest.params), rest_fwd, rest_bwd, int(loss_peak),
                        input_bytes, torch.empty((), dtype=dtype).element_size(), int(tokens), host_rate, dev_rate,
                        backend.name, str(name), notes, vocab, hidden, chunks,
                        host_adamw_copies_s_per_param=copies_rate if copies_GBps else 0.0, host_copies_GBps=copies_GBps,
