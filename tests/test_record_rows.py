@@ -89,7 +89,9 @@ def test_memferry_on_whole_records_trains_as_plain_pytorch_does(tmp_path, cpu_ba
     assert result.losses == pytest.approx(plain_adamw_losses(ref, config, max_grad_norm=1.0), abs=1e-5)
     rows, _, _ = make_datasets(config)
     held = [sum(rows.next()[0].numel() for _ in range(config.accumulation_steps)) for _ in range(config.steps)]
-    assert sum(held) < config.steps * config.accumulation_steps * config.batch * config.seq
+    # the run said so: at most batch x seq a micro-batch, and fewer held
+    assert result.info.padded and result.info.tokens_per_step == config.accumulation_steps * config.batch * config.seq
+    assert sum(held) < config.steps * result.info.tokens_per_step
     assert result.tokens_per_s * sum(result.step_times_s) == pytest.approx(sum(held), rel=1e-9)
     logged = [line.split(",") for line in (tmp_path / "log.csv").read_text().splitlines()[1:]]
     assert [float(r[4]) * float(r[3]) for r in logged] == pytest.approx(held, rel=1e-6)  # tokens_per_s x step_s

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             budget = _fmt_bytes(info.device_budget) if info.device_budget else "whole device"
             console.print(f"xpu train {info.name}: {info.params / 1e6:.2f}M parameters, {info.strategy} ({opts}), "
                           f"{info.backend} device {info.device}, {info.dtype}, budget {budget}")
-            console.print(f"data: {info.data}; {info.tokens_per_step:,} tokens per step")
+            console.print(f"data: {info.data}; {'up to ' if info.padded else ''}{info.tokens_per_step:,} tokens per step")
             if info.resumed_from:
                 console.print(f"resumed from {info.resumed_from} at step {info.start_step}")
             if info.plan:

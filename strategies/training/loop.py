@@ -137,7 +137,7 @@ def _train(config: TrainConfig, callback: TrainCallback, backend: Any, data: Ite
                        dict(config.strategy.options), budget, data_desc, start, config.steps,
                        config.batch * world * config.seq * accum, str(resumed_from) if resumed_from else None,
                        engine.plan.describe() if config.strategy.options.get("plan") == "auto" else None, run_id,
-                       world)
+                       world, padded=data is None and not config.data.packing)
         callback.on_start(info)
         steps, losses, lrs, times, checkpoints, eval_losses, tokens = [], [], [], [], [], [], []
         every = config.checkpoint.every if config.checkpoint else 0

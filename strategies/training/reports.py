@@ -28,6 +28,7 @@ class RunInfo:
     plan: str | None = None  # the strategy's explained plan, when it chose one (MemFerry's scheduler)
     run_id: str | None = None  # the run's identity, kept across resumes (a W&B run continues under it)
     world: int = 1  # data-parallel ranks (torchrun); ``tokens_per_step`` counts them all, config ``batch`` is per rank
+    padded: bool = False  # batches as wide as their longest row (whole records): ``tokens_per_step`` is the most
 
 
 @dataclass
