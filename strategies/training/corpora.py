@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
@@ -128,28 +128,50 @@ def load_tokenizer(path: Path) -> tuple[Any, int | None, int]:
     return (lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]), eos, tok.get_vocab_size()
 
 
+def _records(config: TrainConfig, path: Path, keys: list[str]) -> Iterator[tuple[str, list[Any]]]:
+    """Each non-blank line of a jsonl file: where it is (for messages) and its values of ``keys``.
+
+    Raises:
+        TrainConfigError: a line that is not a JSON object holding every key.
+    """
+    shown = config.data.path
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                values = [record[k] for k in keys]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise TrainConfigError(f"data.path {shown!r}: line {n} is not a JSON object with "
+                                       f"{' and '.join(repr(k) for k in keys)}") from None
+            yield f"data.path {shown!r}: line {n}", values
+
+
+def _eos_id(config: TrainConfig, found: int | None, between: str) -> int:
+    """``data.eos_id``, else the tokenizer's EOS (``found``), put between ``between``.
+
+    Raises:
+        TrainConfigError: neither names one.
+    """
+    d = config.data
+    eos = d.eos_id if d.eos_id is not None else found
+    if eos is None:
+        raise TrainConfigError(f"data.tokenizer {d.tokenizer!r} names no EOS token to put between {between}; "
+                               f"set data.eos_id")
+    return eos
+
+
 def _chat_tokens(config: TrainConfig, path: Path) -> tuple[np.ndarray, str, np.ndarray, list[int]]:
     from .chat import check_conversation, conversation_tokens, load_chat_tokenizer
 
     d = config.data
     tok = load_chat_tokenizer(_tokenizer_path(config), d.tokenizer)
-    eos = d.eos_id if d.eos_id is not None else tok.eos_token_id
-    if eos is None:
-        raise TrainConfigError(f"data.tokenizer {d.tokenizer!r} names no EOS token to put between conversations; "
-                               f"set data.eos_id")
+    eos = _eos_id(config, tok.eos_token_id, "conversations")
     conversations, wheres = [], []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"data.path {d.path!r}: line {n}"
-            try:
-                record = json.loads(line)
-                messages = record[d.messages_field]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise TrainConfigError(f"{where} is not a JSON object with {d.messages_field!r}") from None
-            conversations.append(check_conversation(messages, where))
-            wheres.append(where)
+    for where, (messages,) in _records(config, path, [d.messages_field]):
+        conversations.append(check_conversation(messages, where))
+        wheres.append(where)
     ids, trained = conversation_tokens(tok, conversations, eos, wheres)
     stream = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
     mask = np.concatenate(trained) if trained else np.zeros(0, dtype=bool)
@@ -162,26 +184,14 @@ def _jsonl_tokens(config: TrainConfig, path: Path) -> tuple[np.ndarray, str, np.
     d = config.data
     if d.messages_field is not None:
         return _chat_tokens(config, path)
-    tok_path = _tokenizer_path(config)
-    encode, eos, _ = load_tokenizer(tok_path)
-    eos = d.eos_id if d.eos_id is not None else eos
-    if eos is None:
-        raise TrainConfigError(f"data.tokenizer {d.tokenizer!r} names no EOS token to put between documents; "
-                               f"set data.eos_id")
+    encode, found, _ = load_tokenizer(_tokenizer_path(config))
+    eos = _eos_id(config, found, "documents")
     wanted = [k for k in (d.prompt_field, d.field) if k is not None]
     texts, prompts = [], []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                texts.append(str(record[d.field]))
-                if d.prompt_field is not None:
-                    prompts.append(str(record[d.prompt_field]))
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise TrainConfigError(f"data.path {d.path!r}: line {n} is not a JSON object with "
-                                       f"{' and '.join(repr(k) for k in wanted)}") from None
+    for _, values in _records(config, path, wanted):
+        texts.append(str(values[-1]))
+        if d.prompt_field is not None:
+            prompts.append(str(values[0]))
     heads = encode(prompts) if prompts else [[] for _ in texts]
     pieces, trained, lengths = [], [], []
     for head, ids in zip(heads, encode(texts)):
