@@ -25,16 +25,17 @@ __all__ = ["Corpus", "check_corpus_file", "load_corpus", "load_tokenizer"]
 
 
 class Corpus(NamedTuple):
-    """A token corpus as :func:`load_corpus` gives it."""
+    """A token corpus as :func:`load_corpus` gives it (and ``data``'s text and synthetic kinds alike)."""
 
     tokens: Any
-    """The 1-D token stream (an int64 array, or a memory-mapped one for ``tokens`` files)."""
+    """The 1-D token stream (an int64 array; memory-mapped for ``tokens`` files; a tensor for text and synthetic)."""
     desc: str
     """One line saying what it is."""
     trained: np.ndarray | None
     """Which tokens are targets (with ``data.prompt_field`` or ``data.messages_field``); None: all."""
     starts: np.ndarray | None
-    """Where each jsonl record starts in ``tokens``, and ``len(tokens)`` last; None for ``tokens`` files."""
+    """Where each jsonl record starts in ``tokens``, and ``len(tokens)`` last; None for other kinds."""
+
 
 _TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 #: EOS spellings looked for in a bare ``tokenizer.json`` (which has no notion of an EOS token).

@@ -26,7 +26,8 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from .config import TrainConfig
+from .config import TrainConfig, TrainConfigError
+from .corpora import Corpus, load_corpus
 
 __all__ = ["TokenWindows", "RecordRows", "IterableBatches", "markov_corpus", "make_data", "make_datasets"]
 
@@ -230,7 +231,7 @@ class IterableBatches:
         """No-op (see the class docstring)."""
 
 
-def _corpus(config: TrainConfig) -> tuple[Any, str, np.ndarray | None, np.ndarray | None]:
+def _corpus(config: TrainConfig) -> Corpus:
     """The whole 1-D token stream, its description, which tokens are targets (None: all), and
     where each jsonl record starts (None for other kinds)."""
     if config.data.kind == "text":
@@ -240,24 +241,20 @@ def _corpus(config: TrainConfig) -> tuple[Any, str, np.ndarray | None, np.ndarra
             shown = path.resolve().relative_to(Path.cwd())
         except ValueError:
             shown = path
-        return corpus, f"text {shown} ({corpus.numel():,} bytes)", None, None
+        return Corpus(corpus, f"text {shown} ({corpus.numel():,} bytes)", None, None)
     if config.data.kind in ("jsonl", "tokens"):
-        from .corpora import load_corpus
-
-        return tuple(load_corpus(config))
+        return load_corpus(config)
     vocab = config.vocab()
     assert vocab is not None  # validate() checked
     corpus = markov_corpus(vocab, config.data.branching, _SYNTHETIC_TOKENS, config.seed)
     floor = math.log(config.data.branching)
-    return corpus, (f"synthetic Markov chain, vocab {vocab}, {config.data.branching} successors per token "
-                    f"(loss floor ~{floor:.2f})"), None, None
+    return Corpus(corpus, (f"synthetic Markov chain, vocab {vocab}, {config.data.branching} successors per token "
+                           f"(loss floor ~{floor:.2f})"), None, None)
 
 
 def _record_rows(config: TrainConfig, corpus: np.ndarray, starts: np.ndarray, trained: np.ndarray | None,
                  desc: str, fixed_width: bool) -> tuple[RecordRows, list[tuple[torch.Tensor, torch.Tensor]], str]:
     """:func:`make_datasets` with ``data.packing: false``: whole records, the last share held out."""
-    from .config import TrainConfigError
-
     records = len(starts) - 1
     cut = int(np.count_nonzero(np.diff(starts) > config.seq + 1))
     pad = int(corpus[starts[1] - 1])  # every jsonl record ends with the EOS: a padding id the vocab holds
@@ -292,8 +289,6 @@ def make_datasets(config: TrainConfig, fixed_width: bool = False
         TrainConfigError: the training or held-out part is shorter than one window (or, with
             ``data.packing: false``, holds no record).
     """
-    from .config import TrainConfigError
-
     corpus, desc, trained, starts = _corpus(config)
     if not config.data.packing:
         return _record_rows(config, corpus, starts, trained, desc, fixed_width)
