@@ -1,0 +1,124 @@
+"""peft LoRA linears on the fused path (``strategies.models.lora_fused``): the same outputs and
+gradients as peft's own forward, peft's own forward wherever the fused one would not be exact,
+and nothing about the model's weights or state dict changed."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from strategies.models import HFCausalLM, fuse_lora
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_llama(dropout: float = 0.0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(cfg).to(dtype)
+    # init_lora_weights=False: lora_B non-zero, so the adapters change outputs and every gradient
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=TARGETS,
+                                                      init_lora_weights=False)).to(dtype)
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 128, (2, 16), generator=g), torch.randint(0, 128, (2, 16), generator=g)
+
+
+def loss_and_grads(model: torch.nn.Module, seed: int = 5) -> tuple[float, dict[str, torch.Tensor]]:
+    x, y = batch()
+    torch.manual_seed(seed)  # the same dropout masks for both models
+    loss = model(input_ids=x, labels=y).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_fused_matches_peft_in_fp32():
+    ref_model = lora_llama()
+    fused_model = copy.deepcopy(ref_model)
+    assert fuse_lora(fused_model) == 2 * len(TARGETS)
+    ref_loss, ref = loss_and_grads(ref_model)
+    loss, grads = loss_and_grads(fused_model)
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    assert set(grads) == set(ref) and len(ref) == 4 * len(TARGETS)  # lora_A and lora_B per target and layer
+    for name, g in ref.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_fused_matches_peft_with_dropout():
+    ref_model = lora_llama(dropout=0.3)
+    fused_model = copy.deepcopy(ref_model)
+    fuse_lora(fused_model)
+    ref_model.train(), fused_model.train()
+    ref_loss, ref = loss_and_grads(ref_model)
+    loss, grads = loss_and_grads(fused_model)
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    for name, g in ref.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_fused_matches_peft_in_bf16_within_rounding():
+    ref_model = lora_llama(dtype=torch.bfloat16)
+    fused_model = copy.deepcopy(ref_model)
+    fuse_lora(fused_model)
+    ref_loss, ref = loss_and_grads(ref_model)
+    loss, grads = loss_and_grads(fused_model)
+    assert loss == pytest.approx(ref_loss, rel=2e-2)
+    for name, g in ref.items():
+        # bf16 keeps 8 bits: the fused sum rounds once where peft rounds three times
+        assert (grads[name].float() - g.float()).norm() <= 0.05 * g.float().norm() + 1e-3, name
+
+
+def test_input_gradient_flows_through_the_adapter():
+    layer = lora_llama().base_model.model.model.layers[0].self_attn.q_proj
+    x = torch.randn(3, 5, 32, requires_grad=True)
+    ref = layer(x)
+    ref.square().sum().backward()
+    ref_dx = x.grad.clone()
+    x.grad = None
+    fuse_lora(layer)
+    out = layer(x)
+    out.square().sum().backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(x.grad, ref_dx)
+
+
+def test_peft_paths_the_fused_forward_leaves_to_peft():
+    model = lora_llama()
+    x, _ = batch()
+    with torch.no_grad():
+        with model.disable_adapter():
+            plain = model(input_ids=x).logits
+        fuse_lora(model)
+        with model.disable_adapter():  # adapters off: the base model's logits
+            torch.testing.assert_close(model(input_ids=x).logits, plain)
+        adapted = model(input_ids=x).logits
+        model.merge_adapter()  # merged: the base layer alone, already holding the adapter
+        torch.testing.assert_close(model(input_ids=x).logits, adapted, rtol=1e-4, atol=1e-5)
+        model.unmerge_adapter()
+    assert not torch.allclose(adapted, plain)  # the adapters do change the outputs
+
+
+def test_fusing_keeps_weights_and_names_and_is_idempotent():
+    model = lora_llama()
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    assert fuse_lora(model) == fuse_lora(model) == 2 * len(TARGETS)
+    after = model.state_dict()
+    assert list(after) == list(before)
+    for name, t in before.items():
+        assert torch.equal(after[name], t), name
+    assert fuse_lora(torch.nn.Linear(4, 4)) == 0  # nothing of peft: left alone
+
+
+def test_hf_causal_lm_with_lora_takes_the_fused_path(tmp_path):
+    lora_llama().get_base_model().save_pretrained(tmp_path)
+    lm = HFCausalLM(path=str(tmp_path), lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    fused = [m for m in lm.modules() if getattr(m, "_xpu_fused_lora", False)]
+    assert len(fused) == 4  # two targets in each of two layers
