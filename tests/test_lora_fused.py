@@ -122,3 +122,27 @@ def test_hf_causal_lm_with_lora_takes_the_fused_path(tmp_path):
     lm = HFCausalLM(path=str(tmp_path), lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
     fused = [m for m in lm.modules() if getattr(m, "_xpu_fused_lora", False)]
     assert len(fused) == 4  # two targets in each of two layers
+
+
+def test_fused_layer_under_selective_checkpointing_matches_peft():
+    """Selective checkpointing caches matmul outputs: the fused path must not change one (an
+    in-place sum into the base output did, and checkpointing refused it)."""
+    from functools import partial
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        saved = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    ref = lora_llama().base_model.model.model.layers[0].mlp
+    fused = copy.deepcopy(ref)
+    fuse_lora(fused)
+    x = torch.randn(2, 8, 32)
+    grads = []
+    for mlp in (ref, fused):
+        out = checkpoint(mlp, x, use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, policy))
+        out.square().sum().backward()
+        grads.append({n: p.grad.clone() for n, p in mlp.named_parameters() if p.requires_grad})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-6, msg=name)

@@ -6,8 +6,7 @@ the GEMMs, and as many again in backward. On a Qwen2-1.5B-shaped decoder layer (
 linears, 4 x 2048 tokens, bf16, H100, 2026-12-07, ``bench/results/2026-12-07-h100-session52``)
 the adapters made the layer's forward 1.41x the frozen layer's own, and the backward, which
 skips every base weight's gradient, as slow as full fine-tuning's. Here the adapter's product
-is added to the base output in place by one GEMM (``y += scaling * (x A^T) B^T``, cuBLAS's
-``beta = 1``), and its backward makes ``dY B`` once and uses it for both ``dA`` and ``dX``.
+is added to the base output by one GEMM (``scaling * (x A^T) B^T + y``, cuBLAS's ``beta = 1``), and its backward makes ``dY B`` once and uses it for both ``dA`` and ``dX``.
 
 :func:`fuse_lora` swaps the forward of every peft ``lora.Linear`` in a model for one that takes
 this path where it is exact for the adapter as configured (one active vanilla adapter, not
@@ -24,22 +23,23 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["fuse_lora", "lora_delta_"]
+__all__ = ["fuse_lora", "lora_delta"]
 
 
 class _LoraDelta(torch.autograd.Function):
-    """``y += scale * (x @ A^T) @ B^T`` in place; gradients for ``y`` (passed through), ``x``, ``A``, ``B``."""
+    """``y + scale * (x @ A^T) @ B^T`` in one GEMM; gradients for ``y`` (passed through), ``x``, ``A``, ``B``."""
 
     @staticmethod
     def forward(ctx: Any, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 scale: float) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         xa = x2 @ a.t()  # (tokens, r): small
-        y.view(-1, y.shape[-1]).addmm_(xa, b.t(), alpha=scale)
-        ctx.mark_dirty(y)
+        # A new tensor, not ``y`` updated in place: the same traffic (read y, write the sum), and
+        # a base output that selective checkpointing cached stays as it was cached.
+        out = torch.addmm(y.reshape(-1, y.shape[-1]), xa, b.t(), alpha=scale).view(y.shape)
         ctx.save_for_backward(x, xa, a, b)
         ctx.scale = scale
-        return y
+        return out
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -58,11 +58,11 @@ class _LoraDelta(torch.autograd.Function):
         return g, dx, da, db, None
 
 
-def lora_delta_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """Add a LoRA adapter's product to a linear layer's output in place and return it.
+def lora_delta(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """A linear layer's output plus its LoRA adapter's product, ``y + scale * (x A^T) B^T``, made by one GEMM.
 
     Args:
-        y: the base layer's output, ``(..., out_features)``, contiguous; modified in place.
+        y: the base layer's output, ``(..., out_features)``; left as it is.
         x: the layer's input, ``(..., in_features)``, same leading shape and dtype as ``y``.
         a: ``lora_A``'s weight, ``(r, in_features)``.
         b: ``lora_B``'s weight, ``(out_features, r)``.
@@ -87,8 +87,7 @@ def _fused_forward(layer: nn.Module, peft_forward: Any, x: torch.Tensor, *args: 
     xd = layer.lora_dropout[name](x)  # peft's one dropout call per adapter (Identity without dropout)
     if y.dtype != x.dtype:  # a base layer computing in another dtype: peft's order of casts
         return (y + lora_b(lora_a(xd)) * layer.scaling[name]).to(y.dtype)
-    return lora_delta_(y if y.is_contiguous() else y.contiguous(), xd, lora_a.weight, lora_b.weight,
-                       float(layer.scaling[name]))
+    return lora_delta(y, xd, lora_a.weight, lora_b.weight, float(layer.scaling[name]))
 
 
 def fuse_lora(model: nn.Module) -> int:
