@@ -228,3 +228,17 @@ def test_templates_of_common_families_train_their_assistant_turns(tmp_path, fami
     assert _trained_runs(tok, stream, trained) == [m["content"] + end for c in conversations for m in c if m["role"] == "assistant"]
     text = tok.decode(stream)
     assert text.count("<|endoftext|>") >= len(conversations) and "<|endoftext|><|endoftext|>" not in text
+
+
+def test_a_chat_tokenizer_folder_loads_once_until_its_files_change(tmp_path):
+    import os
+
+    from strategies.training.chat import load_chat_tokenizer
+
+    folder, _ = _tokenizer_folder(tmp_path)
+    first = load_chat_tokenizer(folder, "tokenizer")
+    assert load_chat_tokenizer(folder, "tokenizer") is first  # the checks' load serves the data too
+    config = folder / "tokenizer_config.json"
+    stat = config.stat()
+    os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a rewritten file: loaded afresh
+    assert load_chat_tokenizer(folder, "tokenizer") is not first

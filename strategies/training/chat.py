@@ -13,6 +13,7 @@ tokens guessed.
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,15 @@ import numpy as np
 from .config import TrainConfigError
 
 __all__ = ["load_chat_tokenizer", "check_conversation", "conversation_tokens"]
+
+
+@functools.lru_cache(maxsize=2)
+def _loaded(path: str, stamp: int) -> Any:
+    """The folder's tokenizer, loaded once per folder and contents (``stamp``: its newest file's
+    time): the config checks and the data both ask for it, and a large vocabulary takes seconds."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def load_chat_tokenizer(path: Path, name: str) -> Any:
@@ -33,10 +43,8 @@ def load_chat_tokenizer(path: Path, name: str) -> Any:
     if not path.is_dir():
         raise TrainConfigError(f"data.tokenizer {name!r} is a file; data.messages_field needs a tokenizer folder "
                                f"(save_pretrained's) whose chat template renders the conversations")
-    from transformers import AutoTokenizer
-
     try:
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tok = _loaded(str(path.resolve()), max((f.stat().st_mtime_ns for f in path.iterdir()), default=0))
     except (OSError, ValueError) as exc:
         raise TrainConfigError(f"data.tokenizer {name!r}: cannot load a tokenizer there "
                                f"({' '.join(str(exc).split())[:150]})") from None
