@@ -166,20 +166,22 @@ def test_saves_fsync_the_file_before_the_rename_and_the_folder_after(cpu_backend
 def test_a_full_disk_keeps_the_earlier_checkpoints_and_removes_the_partial_file(cpu_backend, tmp_path, monkeypatch,
                                                                                fault):
     d = tmp_path / "ck"
-    real_write = ck._write
+    real_write = ck.write_streamed
     calls = []
 
-    def failing_write(tmp, header, blob):
+    def failing_write(tmp, magic, payload, header):
         calls.append(tmp)
+        real_write(tmp, magic, payload, header)
         if len(calls) < 3:
-            return real_write(tmp, header, blob)
-        tmp.write_bytes(blob[: len(blob) // 2])  # what a full disk leaves behind
+            return
+        with open(tmp, "r+b") as f:  # what a full disk leaves behind
+            f.truncate(tmp.stat().st_size // 2)
         if fault == "enospc":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         raise RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file "
                            "data/3: file write failed, unexpected pos 64 vs 128")
 
-    monkeypatch.setattr(ck, "_write", failing_write)
+    monkeypatch.setattr(ck, "write_streamed", failing_write)
     with pytest.raises(CheckpointWriteError) as exc:
         _run(cpu_backend, _cfg(d, steps=4))
     msg = _one_line(exc)

@@ -6,10 +6,12 @@ File layout (format 2)::
     {"format": 2, "run_id": "...", "step": N, "time": T, "bytes": B, "crc32": C}\\n   # one JSON line
     <B bytes: torch.save of {"engine": ..., "data": ..., "config": ..., "dtype": ...}>
 
-The payload is serialised to memory, its CRC-32 taken, then header + payload go to a hidden
-``.step-N.pt.tmp-PID`` file that is fsync'ed, renamed over ``step-N.pt`` and the folder fsync'ed:
-a reader sees the old set of files or the new one, never half a file. The payload is read back
-with ``torch.load(..., weights_only=True)``, so a checkpoint cannot run code.
+The payload is streamed into a hidden ``.step-N.pt.tmp-PID`` file, its CRC-32 taken as it goes
+and the header line (padded with spaces) written last (``checkpoint_file.py``: no serialised copy
+of the state in memory); the file is fsync'ed, renamed over ``step-N.pt`` and the folder
+fsync'ed: a reader sees the old set of files or the new one, never half a file. The payload is
+checked and read back from the file in pieces, with ``torch.load(..., weights_only=True)``, so a
+checkpoint cannot run code.
 
 Why CRC-32 and not SHA-256: it guards against torn writes and bit rot, not against an attacker
 (a checkpoint is trusted input from one's own disk), and ``zlib.crc32`` ran at ~3.0 GB/s against
@@ -35,18 +37,17 @@ What a resume may change (:func:`compare_configs`):
 from __future__ import annotations
 
 import errno
-import io
 import json
 import os
 import time
 import uuid
-import zlib
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .checkpoint_file import load_streamed, verify_streamed, write_streamed
 from .config import CheckpointWriteError, DataConfig, TrainConfig, TrainConfigError, TrainingDivergedError
 from .data import TokenWindows
 from .registry import TrainEngine
@@ -115,16 +116,17 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     """
     path = Path(path)
     header = read_header(path)
-    with open(path, "rb") as f:
-        f.seek(header["_offset"])
-        blob = f.read()
-    if len(blob) != header["bytes"]:
-        raise TrainConfigError(f"resume: checkpoint {path} is truncated: {len(blob):,} of {header['bytes']:,} payload "
+    try:
+        count, crc = verify_streamed(path, header["_offset"])
+    except OSError as exc:
+        raise TrainConfigError(f"resume: cannot read checkpoint {path}: {exc.strerror or exc}") from None
+    if count != header["bytes"]:
+        raise TrainConfigError(f"resume: checkpoint {path} is truncated: {count:,} of {header['bytes']:,} payload "
                                f"bytes; resume from an earlier step-N.pt or start over")
-    if zlib.crc32(blob) != header["crc32"]:
+    if crc != header["crc32"]:
         raise TrainConfigError(f"resume: checkpoint {path}: {_CORRUPT}")
     try:
-        payload = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        payload = load_streamed(path, header["_offset"])
     except Exception as exc:  # a checksum-valid but foreign payload: say so, not a pickle traceback
         raise TrainConfigError(f"resume: cannot read checkpoint {path}: {_one_line(exc)}") from None
     if not isinstance(payload, dict) or "engine" not in payload or "config" not in payload:
@@ -309,14 +311,6 @@ def _nonfinite(obj: Any, name: str = "") -> str | None:
     return None
 
 
-def _write(tmp: Path, header: bytes, blob: bytes) -> None:
-    with open(tmp, "wb") as f:
-        f.write(_MAGIC)
-        f.write(header)
-        f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())  # the bytes are on disk before the rename makes them the checkpoint
-
 
 def save_checkpoint(directory: Path, step: int, engine: TrainEngine, data: TokenWindows,
                     config: TrainConfig | dict[str, Any], run_id: str, dtype_name: str, keep: int | None = None) -> Path:
@@ -341,15 +335,10 @@ def save_checkpoint(directory: Path, step: int, engine: TrainEngine, data: Token
     try:
         directory.mkdir(parents=True, exist_ok=True)
         _remove_stale_tmps(directory)
-        buf = io.BytesIO()
         record = config if isinstance(config, dict) else config.to_dict()
-        torch.save({"engine": state, "data": data.state_dict(), "config": record,
-                    "dtype": dtype_name}, buf)
-        blob = buf.getvalue()
-        del buf
-        header = json.dumps({"format": CHECKPOINT_FORMAT, "run_id": run_id, "step": step, "time": time.time(),
-                             "bytes": len(blob), "crc32": zlib.crc32(blob)}).encode() + b"\n"
-        _write(tmp, header, blob)
+        write_streamed(tmp, _MAGIC, {"engine": state, "data": data.state_dict(), "config": record, "dtype": dtype_name},
+                       lambda size, crc: json.dumps({"format": CHECKPOINT_FORMAT, "run_id": run_id, "step": step,
+                                                     "time": time.time(), "bytes": size, "crc32": crc}).encode())
         os.replace(tmp, final)  # atomic on POSIX
         _fsync_dir(directory)
     except (OSError, RuntimeError) as exc:  # RuntimeError: torch's "unexpected pos" when a write comes up short

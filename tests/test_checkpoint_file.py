@@ -1,0 +1,85 @@
+"""Checkpoint files streamed both ways (``strategies/training/checkpoint_file.py``): the bytes on
+disk, no serialised copy of the state in memory, and files of the earlier writer still read."""
+from __future__ import annotations
+
+import io
+import json
+import tracemalloc
+import zlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from strategies.training.checkpoints import CHECKPOINT_FORMAT, read_checkpoint, read_header, save_checkpoint
+from strategies.training.config import TrainConfigError
+
+PAYLOAD = 48 << 20  # bytes of tensors in the state: far above what the streams hold at once
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"model": {"w": torch.randn(PAYLOAD // 8, generator=g)},
+            "optimizer": {"w": {"exp_avg": torch.randn(PAYLOAD // 8, generator=g), "step": 3}}}
+
+
+def _save(tmp_path, state) -> object:
+    engine = SimpleNamespace(state_dict=lambda: state)
+    data = SimpleNamespace(state_dict=lambda: {"position": 7})
+    return save_checkpoint(tmp_path, 5, engine, data, {"name": "t"}, run_id="r1", dtype_name="fp32")
+
+
+def test_a_saved_checkpoint_reads_back_equal_with_a_checked_header(tmp_path):
+    state = _state()
+    path = _save(tmp_path, state)
+    header = read_header(path)
+    assert (header["format"], header["run_id"], header["step"]) == (CHECKPOINT_FORMAT, "r1", 5)
+    blob = path.read_bytes()[header["_offset"]:]
+    assert (len(blob), zlib.crc32(blob)) == (header["bytes"], header["crc32"])
+    got = read_checkpoint(path)
+    assert torch.equal(got["engine"]["model"]["w"], state["model"]["w"])
+    assert torch.equal(got["engine"]["optimizer"]["w"]["exp_avg"], state["optimizer"]["w"]["exp_avg"])
+    assert got["engine"]["optimizer"]["w"]["step"] == 3 and got["data"] == {"position": 7}
+
+
+def test_saving_and_resuming_hold_no_serialised_copy_of_the_state(tmp_path):
+    """The earlier writer held the payload's bytes in memory (a BytesIO and its copy: ~2x the
+    state) and the reader held them beside the tensors: Python allocations a third of the state
+    would already show either."""
+    state = _state()
+    tracemalloc.start()
+    try:
+        path = _save(tmp_path, state)
+        saved_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        got = read_checkpoint(path)
+        read_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert saved_peak < PAYLOAD / 3, saved_peak
+    assert read_peak < PAYLOAD / 3, read_peak
+    assert torch.equal(got["engine"]["model"]["w"], state["model"]["w"])
+
+
+def test_a_file_of_the_earlier_writer_still_reads(tmp_path):
+    """Format 2 as first written: an unpadded header line, then the payload."""
+    buf = io.BytesIO()
+    torch.save({"engine": {"model": {"w": torch.arange(4.0)}}, "data": {}, "config": {"name": "t"}, "dtype": "fp32"}, buf)
+    blob = buf.getvalue()
+    header = {"format": 2, "run_id": "old", "step": 9, "time": 1.0, "bytes": len(blob), "crc32": zlib.crc32(blob)}
+    path = tmp_path / "step-0000009.pt"
+    path.write_bytes(b"XPUCKPT\n" + json.dumps(header).encode() + b"\n" + blob)
+    got = read_checkpoint(path)
+    assert got["step"] == 9 and torch.equal(got["engine"]["model"]["w"], torch.arange(4.0))
+
+
+def test_a_flipped_byte_or_a_cut_file_is_refused_in_one_line(tmp_path):
+    path = _save(tmp_path, {"model": {"w": torch.randn(1000)}})
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(TrainConfigError, match="checksum mismatch"):
+        read_checkpoint(path)
+    path.write_bytes(bytes(raw[: len(raw) - 500]))
+    with pytest.raises(TrainConfigError, match="truncated"):
+        read_checkpoint(path)
