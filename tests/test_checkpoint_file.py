@@ -1,16 +1,18 @@
-"""Checkpoint files streamed both ways (``strategies/training/checkpoint_file.py``): the bytes on
-disk, no serialised copy of the state in memory, and files of the earlier writer still read."""
+"""Checkpoint files (``strategies/training/checkpoint_file.py``): the bytes on disk, no serialised
+copy of the state in memory either way, tensors mapped from the file, and format 2 files still read."""
 from __future__ import annotations
 
 import io
 import json
 import tracemalloc
 import zlib
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from strategies.training.checkpoint_file import TRAILER
 from strategies.training.checkpoints import CHECKPOINT_FORMAT, read_checkpoint, read_header, save_checkpoint
 from strategies.training.config import TrainConfigError
 
@@ -33,9 +35,12 @@ def test_a_saved_checkpoint_reads_back_equal_with_a_checked_header(tmp_path):
     state = _state()
     path = _save(tmp_path, state)
     header = read_header(path)
-    assert (header["format"], header["run_id"], header["step"]) == (CHECKPOINT_FORMAT, "r1", 5)
-    blob = path.read_bytes()[header["_offset"]:]
-    assert (len(blob), zlib.crc32(blob)) == (header["bytes"], header["crc32"])
+    assert (header["format"], header["run_id"], header["step"]) == (3, "r1", 5) and CHECKPOINT_FORMAT == 3
+    raw = path.read_bytes()
+    blob = raw[:header["bytes"]]  # the payload from byte 0, the header in the last TRAILER bytes
+    assert (header["_start"], header["_end"], len(raw)) == (0, header["bytes"], header["bytes"] + TRAILER)
+    assert zlib.crc32(blob) == header["crc32"]
+    assert torch.equal(torch.load(io.BytesIO(blob), weights_only=True)["engine"]["model"]["w"], state["model"]["w"])
     got = read_checkpoint(path)
     assert torch.equal(got["engine"]["model"]["w"], state["model"]["w"])
     assert torch.equal(got["engine"]["optimizer"]["w"]["exp_avg"], state["optimizer"]["w"]["exp_avg"])
@@ -61,6 +66,22 @@ def test_saving_and_resuming_hold_no_serialised_copy_of_the_state(tmp_path):
     assert torch.equal(got["engine"]["model"]["w"], state["model"]["w"])
 
 
+def test_a_resumed_tensor_is_mapped_from_the_file_not_copied(tmp_path):
+    path = _save(tmp_path, _state())
+    got = read_checkpoint(path)["engine"]["model"]["w"]
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("no /proc/self/maps to find the mapping in")
+    ptr = got.data_ptr()
+    for line in maps.read_text().splitlines():  # "start-end perms offset dev inode path"
+        span, *rest = line.split()
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if lo <= ptr < hi:
+            assert rest[-1] == str(path), line  # torch.load(mmap=True): pages read where used
+            return
+    pytest.fail("the tensor's memory is in no mapping")
+
+
 def test_a_file_of_the_earlier_writer_still_reads(tmp_path):
     """Format 2 as first written: an unpadded header line, then the payload."""
     buf = io.BytesIO()
@@ -76,10 +97,10 @@ def test_a_file_of_the_earlier_writer_still_reads(tmp_path):
 def test_a_flipped_byte_or_a_cut_file_is_refused_in_one_line(tmp_path):
     path = _save(tmp_path, {"model": {"w": torch.randn(1000)}})
     raw = bytearray(path.read_bytes())
-    raw[-100] ^= 0xFF
+    raw[-TRAILER - 100] ^= 0xFF  # in the payload
     path.write_bytes(bytes(raw))
     with pytest.raises(TrainConfigError, match="checksum mismatch"):
         read_checkpoint(path)
-    path.write_bytes(bytes(raw[: len(raw) - 500]))
-    with pytest.raises(TrainConfigError, match="truncated"):
+    path.write_bytes(bytes(raw[: len(raw) - 500]))  # the header, written last, is gone
+    with pytest.raises(TrainConfigError, match="is truncated: its header, written last, is missing"):
         read_checkpoint(path)

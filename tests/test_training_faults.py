@@ -109,7 +109,7 @@ def test_flipped_bytes_are_refused_with_the_file_named(cpu_backend, tmp_path):
     _run(cpu_backend, _cfg(d, steps=2))
     f = d / "step-0000002.pt"
     raw = bytearray(f.read_bytes())
-    raw[-100] ^= 0xFF  # one byte deep in the tensor payload
+    raw[-600] ^= 0xFF  # one byte deep in the tensor payload (the last 512 are the header)
     f.write_bytes(bytes(raw))
     with pytest.raises(TrainConfigError) as exc:
         _run(cpu_backend, _cfg(steps=4, resume=str(d)))
@@ -119,8 +119,10 @@ def test_flipped_bytes_are_refused_with_the_file_named(cpu_backend, tmp_path):
     assert res.info.start_step == 1
 
 
-@pytest.mark.parametrize("keep_bytes, reason", [(0, "empty (0 bytes)"), (5, "truncated inside its header"),
-                                                (-500, "is truncated:")])
+@pytest.mark.parametrize("keep_bytes, reason", [(0, "empty (0 bytes)"), (3, "is truncated inside its first bytes"),
+                                                (5, "is truncated: its header, written last, is missing"),
+                                                (-500, "is truncated: its header, written last, is missing"),
+                                                (-1000, "is truncated: its header, written last, is missing")])
 def test_truncated_or_empty_files_say_why(cpu_backend, tmp_path, keep_bytes, reason):
     d = tmp_path / "ck"
     _run(cpu_backend, _cfg(d, steps=1))
@@ -169,9 +171,9 @@ def test_a_full_disk_keeps_the_earlier_checkpoints_and_removes_the_partial_file(
     real_write = ck.write_streamed
     calls = []
 
-    def failing_write(tmp, magic, payload, header):
+    def failing_write(tmp, payload, header):
         calls.append(tmp)
-        real_write(tmp, magic, payload, header)
+        real_write(tmp, payload, header)
         if len(calls) < 3:
             return
         with open(tmp, "r+b") as f:  # what a full disk leaves behind

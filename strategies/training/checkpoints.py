@@ -1,17 +1,15 @@
 """Checkpoints of ``xpu train``: ``step-N.pt`` files written atomically, checksummed, found and checked on resume.
 
-File layout (format 2)::
-
-    XPUCKPT\\n
-    {"format": 2, "run_id": "...", "step": N, "time": T, "bytes": B, "crc32": C}\\n   # one JSON line
-    <B bytes: torch.save of {"engine": ..., "data": ..., "config": ..., "dtype": ...}>
+File layout (format 3; ``checkpoint_file.py``): ``torch.save`` of ``{"engine", "data", "config",
+"dtype"}`` as a zip from byte 0, then a JSON header (``format``, ``run_id``, ``step``, ``time``,
+``bytes``, ``crc32``) in the file's last 512 bytes. Format 2 files (the header first) still read.
 
 The payload is streamed into a hidden ``.step-N.pt.tmp-PID`` file, its CRC-32 taken as it goes
-and the header line (padded with spaces) written last (``checkpoint_file.py``: no serialised copy
-of the state in memory); the file is fsync'ed, renamed over ``step-N.pt`` and the folder
-fsync'ed: a reader sees the old set of files or the new one, never half a file. The payload is
-checked and read back from the file in pieces, with ``torch.load(..., weights_only=True)``, so a
-checkpoint cannot run code.
+and the header written last (no serialised copy of the state in memory); the file is fsync'ed,
+renamed over ``step-N.pt`` and the folder fsync'ed: a reader sees the old set of files or the new
+one, never half a file. A resume checks the CRC in pieces, then maps the payload with
+``torch.load(..., weights_only=True, mmap=True)``, so a checkpoint cannot run code and a tensor is
+read from the file only where it is used.
 
 Why CRC-32 and not SHA-256: it guards against torn writes and bit rot, not against an attacker
 (a checkpoint is trusted input from one's own disk), and ``zlib.crc32`` ran at ~3.0 GB/s against
@@ -37,7 +35,6 @@ What a resume may change (:func:`compare_configs`):
 from __future__ import annotations
 
 import errno
-import json
 import os
 import time
 import uuid
@@ -47,7 +44,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint_file import load_streamed, verify_streamed, write_streamed
+from .checkpoint_file import load_payload, parse_header, verify_streamed, write_streamed
 from .config import CheckpointWriteError, DataConfig, TrainConfig, TrainConfigError, TrainingDivergedError
 from .data import TokenWindows
 from .registry import TrainEngine
@@ -56,9 +53,7 @@ __all__ = ["find_checkpoint", "load_checkpoint", "save_checkpoint", "read_checkp
            "check_checkpoint_dir", "prepare_checkpoint_dir", "compare_configs", "check_steps_left", "CHECKPOINT_FORMAT"]
 
 #: Version of the checkpoint layout.
-CHECKPOINT_FORMAT = 2
-_MAGIC = b"XPUCKPT\n"
-_HEADER_MAX = 4096  # the JSON line is ~150 bytes; a longer "header" is not one of ours
+CHECKPOINT_FORMAT = 3
 _GLOB = "step-*.pt"
 _TMP_GLOB = ".step-*.pt.tmp-*"
 _CORRUPT = "checksum mismatch: the file is corrupt; resume from an earlier step-N.pt or start over"
@@ -75,37 +70,20 @@ def _one_line(exc: BaseException) -> str:
 
 
 def read_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a checkpoint file.
+    """The JSON header of a checkpoint file (format 3 or 2; ``checkpoint_file.py``).
 
     Raises:
-        TrainConfigError: empty, truncated or not a format-2 checkpoint; the message names the file and why.
+        TrainConfigError: empty, truncated or not a checkpoint; the message names the file and why.
     """
     try:
-        with open(path, "rb") as f:
-            head = f.read(len(_MAGIC) + _HEADER_MAX)
+        return parse_header(path)
     except OSError as exc:
         raise TrainConfigError(f"resume: cannot read checkpoint {path}: {exc.strerror or exc}") from None
-    if not head:
-        raise TrainConfigError(f"resume: checkpoint {path} is empty (0 bytes): the write was cut off; "
-                               f"resume from an earlier step-N.pt or start over")
-    if not head.startswith(_MAGIC):
-        why = "truncated inside its header" if _MAGIC.startswith(head) else "no xpu train header (format 2)"
-        raise TrainConfigError(f"resume: {path} is not a readable xpu train checkpoint: {why}")
-    end = head.find(b"\n", len(_MAGIC))
-    try:
-        if end < 0:
-            raise ValueError("truncated inside its header")
-        header = json.loads(head[len(_MAGIC):end])
-        if not isinstance(header, dict) or header.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"format {header.get('format') if isinstance(header, dict) else '?'}, "
-                             f"this version reads {CHECKPOINT_FORMAT}")
-        for key in ("run_id", "step", "time", "bytes", "crc32"):
-            if key not in header:
-                raise ValueError(f"header lacks {key!r}")
+    except EOFError as exc:
+        raise TrainConfigError(f"resume: checkpoint {path} {exc}; resume from an earlier step-N.pt or start over") \
+            from None
     except ValueError as exc:
         raise TrainConfigError(f"resume: {path} is not a readable xpu train checkpoint: {_one_line(exc)}") from None
-    header["_offset"] = end + 1
-    return header
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -117,7 +95,7 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     header = read_header(path)
     try:
-        count, crc = verify_streamed(path, header["_offset"])
+        count, crc = verify_streamed(path, header["_start"], header["_end"])
     except OSError as exc:
         raise TrainConfigError(f"resume: cannot read checkpoint {path}: {exc.strerror or exc}") from None
     if count != header["bytes"]:
@@ -126,13 +104,12 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     if crc != header["crc32"]:
         raise TrainConfigError(f"resume: checkpoint {path}: {_CORRUPT}")
     try:
-        payload = load_streamed(path, header["_offset"])
+        payload = load_payload(path, header["_start"], header["_end"])
     except Exception as exc:  # a checksum-valid but foreign payload: say so, not a pickle traceback
         raise TrainConfigError(f"resume: cannot read checkpoint {path}: {_one_line(exc)}") from None
     if not isinstance(payload, dict) or "engine" not in payload or "config" not in payload:
         raise TrainConfigError(f"resume: {path} is not an xpu train checkpoint")
-    header.pop("_offset")
-    return {**payload, **header}
+    return {**payload, **{k: v for k, v in header.items() if not k.startswith("_")}}
 
 
 def _headers(directory: Path) -> list[tuple[Path, dict[str, Any]]]:
@@ -336,9 +313,9 @@ def save_checkpoint(directory: Path, step: int, engine: TrainEngine, data: Token
         directory.mkdir(parents=True, exist_ok=True)
         _remove_stale_tmps(directory)
         record = config if isinstance(config, dict) else config.to_dict()
-        write_streamed(tmp, _MAGIC, {"engine": state, "data": data.state_dict(), "config": record, "dtype": dtype_name},
-                       lambda size, crc: json.dumps({"format": CHECKPOINT_FORMAT, "run_id": run_id, "step": step,
-                                                     "time": time.time(), "bytes": size, "crc32": crc}).encode())
+        write_streamed(tmp, {"engine": state, "data": data.state_dict(), "config": record, "dtype": dtype_name},
+                       lambda size, crc: {"format": CHECKPOINT_FORMAT, "run_id": run_id, "step": step,
+                                          "time": time.time(), "bytes": size, "crc32": crc})
         os.replace(tmp, final)  # atomic on POSIX
         _fsync_dir(directory)
     except (OSError, RuntimeError) as exc:  # RuntimeError: torch's "unexpected pos" when a write comes up short
