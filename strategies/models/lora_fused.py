@@ -2,18 +2,19 @@
 
 Why: peft's ``lora.Linear`` adds its adapter as ``result + lora_B(lora_A(x)) * scaling``: three
 whole passes over the layer's output (``lora_B``'s output, the scaled copy, the sum) besides
-the GEMMs, and as many again in backward. On a Qwen2-1.5B-shaped decoder layer (seven adapted
-linears, 4 x 2048 tokens, bf16, H100, 2026-12-07, ``bench/results/2026-12-07-h100-session52``)
-the adapters made the layer's forward 1.41x the frozen layer's own, and the backward, which
-skips every base weight's gradient, as slow as full fine-tuning's. Here the adapter's product
-is added to the base output by one GEMM (``scaling * (x A^T) B^T + y``, cuBLAS's ``beta = 1``), and its backward makes ``dY B`` once and uses it for both ``dA`` and ``dX``.
+the GEMMs, and more in backward. On a Qwen2-1.5B-shaped model under MemFerry (seven adapted
+linears a layer, 4 x 2048 tokens, bf16, H100, 2026-12-07,
+``bench/results/2026-12-07-h100-session52/call2``) a LoRA decoder layer's forward took 1.41x full
+fine-tuning's (the same GEMMs), and its backward, which makes no base weight gradient, as long.
+Here the adapter's product is added to the base output by one GEMM (``scaling * (x A^T) B^T +
+y``, cuBLAS's ``beta = 1``), and its backward makes ``dY B`` once for both ``dA`` and ``dX``.
 
 :func:`fuse_lora` swaps the forward of every peft ``lora.Linear`` in a model for one that takes
 this path where it is exact for the adapter as configured (one active vanilla adapter, not
-merged, no call-time options, matching dtypes, no autocast; dropout applied as peft applies it) and calls peft's own
-forward otherwise, so every peft feature keeps working; weights, state dicts and exports are
-untouched. Numerics: the sum is rounded once (peft rounds ``lora_B``'s output, its scaled copy
-and the sum), so results differ from peft's by bf16 rounding, not more.
+merged, no call-time options, matching dtypes, no autocast; dropout applied as peft applies it)
+and calls peft's own forward otherwise, so every peft feature keeps working; weights, state
+dicts and exports are untouched. Numerics: the sum is rounded once (peft rounds ``lora_B``'s
+output, its scaled copy and the sum), so results differ from peft's by bf16 rounding, not more.
 """
 from __future__ import annotations
 

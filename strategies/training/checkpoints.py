@@ -288,7 +288,6 @@ def _nonfinite(obj: Any, name: str = "") -> str | None:
     return None
 
 
-
 def save_checkpoint(directory: Path, step: int, engine: TrainEngine, data: TokenWindows,
                     config: TrainConfig | dict[str, Any], run_id: str, dtype_name: str, keep: int | None = None) -> Path:
     """Write ``step-N.pt`` atomically and durably, then prune to this run's last ``keep`` checkpoints.
