@@ -104,3 +104,41 @@ def test_a_flipped_byte_or_a_cut_file_is_refused_in_one_line(tmp_path):
     path.write_bytes(bytes(raw[: len(raw) - 500]))  # the header, written last, is gone
     with pytest.raises(TrainConfigError, match="is truncated: its header, written last, is missing"):
         read_checkpoint(path)
+
+
+def test_a_memferry_checkpoint_saves_its_host_state_without_copying_it(cpu_backend, tmp_path):
+    """``state_dict(copy=False)`` hands the host-homed masters and moments out as views, which
+    the checkpoint writes once each (a file no larger than the copied state's), and a resume
+    from it continues exactly."""
+    from strategies.memferry import AdamW, MemFerry
+    from strategies.models import build_model
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)
+
+    def engine():
+        torch.manual_seed(0)
+        model = build_model("gpt", layers=2, hidden=32, heads=2, vocab=64, seq=16)
+        return MemFerry(model, optim=AdamW(lr=1e-3), plan="prefetch", backend=cpu_backend)
+
+    first = engine()
+    first.train_step(x, y)
+    unit = first.shadow.shadows[0]
+    name = unit.unit.trainable[0][0]
+    views, copies = first.state_dict(copy=False), first.state_dict()
+    held = views["optimizer"][name]["exp_avg"].untyped_storage().data_ptr()
+    assert held == unit.exp_avg.untyped_storage().data_ptr()  # the engine's own buffer
+    assert copies["optimizer"][name]["exp_avg"].untyped_storage().data_ptr() != held
+    data = SimpleNamespace(state_dict=lambda: {})
+    path = save_checkpoint(tmp_path, 1, SimpleNamespace(state_dict=first.state_dict), data, {"name": "t"},
+                           run_id="r", dtype_name="fp32")
+    copied = io.BytesIO()
+    torch.save({"engine": copies, "data": {}, "config": {"name": "t"}, "dtype": "fp32"}, copied)
+    assert read_header(path)["bytes"] <= 1.02 * copied.tell()  # views saved their buffers once, no more
+    straight = first.train_step(x, y).item()
+    first.close()
+    resumed = engine()
+    resumed.load_state_dict(read_checkpoint(path)["engine"])
+    assert resumed.train_step(x, y).item() == straight  # the step after the checkpoint, bit for bit
+    resumed.close()

@@ -383,8 +383,8 @@ def test_a_rebuild_frees_each_unit_before_it_copies_the_next(cpu_backend, monkey
             weakref.finalize(s.master.untyped_storage(), events.append, ("freed", s.unit.index))
     del s  # the loop's last shadow would outlive the release
     real = ShadowModel._weights
-    monkeypatch.setattr(ShadowModel, "_weights", lambda self, s: (events.append(("copied", s.unit.index)),
-                                                                  real(self, s))[1])
+    monkeypatch.setattr(ShadowModel, "_weights", lambda self, s, copy: (events.append(("copied", s.unit.index)),
+                                                                        real(self, s, copy))[1])
     rehearsal._rebuild(engine, plan)
     copied = [e for e in events if e[1] in host]
     assert copied == [e for i in host for e in (("copied", i), ("freed", i))]

@@ -398,13 +398,16 @@ class MemFerry(EngineReadings):
         self.backend.synchronize(self.device)
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
         """``{"model": full host tensors, "optimizer": fp32 masters and moments}``; waits for updates.
 
-        Under data parallelism every rank must call it (shards are gathered) and gets the whole.
+        ``copy=False`` hands host-homed buffers out as views where their dtype is the state's (no
+        second copy of a state that may be most of the host's memory), valid until the next step:
+        for a checkpoint written at once. Under data parallelism every rank must call it (shards
+        are gathered) and gets the whole.
         """
         self.synchronize()
-        return {"model": self.shadow.state_dict(), "optimizer": self.shadow.optimizer_state_dict()}
+        return {"model": self.shadow.state_dict(copy), "optimizer": self.shadow.optimizer_state_dict(copy)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what :meth:`state_dict` gave (checked before anything changes)."""

@@ -337,9 +337,9 @@ class ShadowModel:
         shadows, self.shadows = list(self.shadows), []  # others may hold the list itself: not emptied
         for k in range(len(shadows)):
             if keep_weights:
-                state["model"].update(self._weights(shadows[k]))
+                state["model"].update(self._weights(shadows[k], copy=True))
             if keep_optimizer:
-                state["optimizer"].update(self._optimizer_state(shadows[k]))
+                state["optimizer"].update(self._optimizer_state(shadows[k], copy=True))
             self._release_unit(shadows[k], arena, free=free)
             shadows[k] = None  # type: ignore[call-overload]  # its views were the last references
         if self.backup.numel():
@@ -377,36 +377,38 @@ class ShadowModel:
         self.dp.gather(full)  # a collective: every rank is here too
         return full
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self, copy: bool = True) -> dict[str, torch.Tensor]:
         """Every parameter as an ordinary host tensor of its own dtype (the dtype before the
         engine's ``compute_dtype`` cast, where there was one), from the fp32 master.
 
+        ``copy=False``: where a parameter's host buffer already has its dtype, a view of it (live:
+        the next update changes it), for a caller that writes the state out at once.
         Data parallel: a collective (every rank must call it); each rank gets the whole state.
         """
-        return {name: t for s in self.shadows for name, t in self._weights(s).items()}
+        return {name: t for s in self.shadows for name, t in self._weights(s, copy).items()}
 
-    def _weights(self, s: UnitShadow) -> dict[str, torch.Tensor]:
+    def _weights(self, s: UnitShadow, copy: bool) -> dict[str, torch.Tensor]:
         """Unit ``s``'s part of :meth:`state_dict`."""
         master = self._full(s, "master")
         n_train = len(s.unit.trainable)
         out = {}
         for k, (off, (name, p)) in enumerate(zip(s.offsets, s.unit.params)):
             src = master if k < n_train else s.work  # frozen: the working copy is all there is
-            out[name] = src[off:off + p.numel()].view(p.shape).to("cpu", self.state_dtypes.get(name, p.dtype), copy=True)
+            out[name] = src[off:off + p.numel()].view(p.shape).to("cpu", self.state_dtypes.get(name, p.dtype), copy=copy)
         return out
 
-    def optimizer_state_dict(self) -> dict[str, object]:
+    def optimizer_state_dict(self, copy: bool = True) -> dict[str, object]:
         """fp32 master weights, Adam moments and step counts per parameter name (a collective
-        under data parallelism, like :meth:`state_dict`)."""
-        return {name: st for s in self.shadows for name, st in self._optimizer_state(s).items()}
+        under data parallelism, like :meth:`state_dict`; ``copy`` as there)."""
+        return {name: st for s in self.shadows for name, st in self._optimizer_state(s, copy).items()}
 
-    def _optimizer_state(self, s: UnitShadow) -> dict[str, object]:
+    def _optimizer_state(self, s: UnitShadow, copy: bool) -> dict[str, object]:
         """Unit ``s``'s part of :meth:`optimizer_state_dict`."""
         state: dict[str, object] = {}
         full = {key: self._full(s, key) for key in _STATE}
         for off, (name, p) in zip(s.offsets, s.unit.trainable):
             sl = slice(off, off + p.numel())
-            state[name] = {key: t[sl].view(p.shape).to("cpu", copy=True) for key, t in full.items()} | {"step": s.step}
+            state[name] = {key: t[sl].view(p.shape).to("cpu", copy=copy) for key, t in full.items()} | {"step": s.step}
         return state
 
     def _restore(self, s: UnitShadow, kept: dict[str, Any]) -> None:

@@ -111,8 +111,8 @@ class _Merged:
     def __init__(self, state: dict[str, Any]) -> None:
         self._state = state
 
-    def state_dict(self) -> dict[str, Any]:
-        return self._state
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
+        return self._state  # gathered host copies already
 
 
 def save_merged(train: TrainConfig, options: dict[str, Any], step: int, parts: list[dict[str, Any]], data: Any,

@@ -35,6 +35,7 @@ What a resume may change (:func:`compare_configs`):
 from __future__ import annotations
 
 import errno
+import inspect
 import os
 import time
 import uuid
@@ -302,7 +303,10 @@ def save_checkpoint(directory: Path, step: int, engine: TrainEngine, data: Token
     """
     final = directory / f"step-{step:07d}.pt"
     tmp = directory / f".{final.name}.tmp-{os.getpid()}"
-    state = engine.state_dict()
+    # Written before the next step: the engine's buffers as they are, not a second copy of them
+    # (an engine from elsewhere whose state_dict takes no ``copy`` gives its own).
+    takes_copy = "copy" in inspect.signature(engine.state_dict).parameters
+    state = engine.state_dict(copy=False) if takes_copy else engine.state_dict()
     bad = _nonfinite(state)  # one pass over the tensors, small beside serialising them
     if bad is not None:
         raise TrainingDivergedError(f"step {step}: {bad} holds NaN or infinite values (diverged); the run stopped "

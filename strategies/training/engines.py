@@ -214,10 +214,10 @@ class TorchEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def state_dict(self) -> dict[str, Any]:
-        """Host copies of the weights, and torch's optimizer state."""
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
+        """Host copies of the weights (``copy=False``: host weights as they are), and torch's optimizer state."""
         self.synchronize()
-        return {"model": {k: v.to("cpu", copy=True) for k, v in self.model.state_dict().items()},
+        return {"model": {k: v.to("cpu", copy=copy) for k, v in self.model.state_dict().items()},
                 "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

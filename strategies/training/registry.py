@@ -42,8 +42,9 @@ class TrainEngine(Protocol):
     def set_lr(self, lr: float) -> None:
         """Learning rate for the next update."""
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue training (weights and optimizer state)."""
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
+        """Everything needed to continue training (weights and optimizer state); ``copy=False``:
+        tensors may be the engine's own buffers, valid until the next step (a checkpoint's writer)."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what :meth:`state_dict` gave."""
