@@ -146,3 +146,16 @@ def test_fused_layer_under_selective_checkpointing_matches_peft():
         grads.append({n: p.grad.clone() for n, p in mlp.named_parameters() if p.requires_grad})
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_deep_copy_of_a_fused_model_runs_on_its_own_weights():
+    model = lora_llama()
+    fuse_lora(model)
+    twin = copy.deepcopy(model)
+    x, _ = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(twin(input_ids=x).logits, model(input_ids=x).logits)
+        layer = twin.base_model.model.model.layers[0].self_attn.q_proj
+        assert layer.forward.args[0] is layer  # the copy's forward is bound to the copy
+        layer.lora_B["default"].weight.add_(1.0)
+        assert not torch.allclose(twin(input_ids=x).logits, model(input_ids=x).logits)
