@@ -159,3 +159,22 @@ def test_a_deep_copy_of_a_fused_model_runs_on_its_own_weights():
         assert layer.forward.args[0] is layer  # the copy's forward is bound to the copy
         layer.lora_B["default"].weight.add_(1.0)
         assert not torch.allclose(twin(input_ids=x).logits, model(input_ids=x).logits)
+
+
+@pytest.mark.gpu
+def test_fused_matches_peft_on_the_accelerator_in_bf16(gpu_backend):
+    """The device's GEMMs (cuBLAS's beta = 1 path) against peft's three passes, bf16."""
+    dev = gpu_backend.device(0)
+    ref_model = lora_llama(dtype=torch.bfloat16).to(dev)
+    fused_model = copy.deepcopy(ref_model)
+    assert fuse_lora(fused_model) == 2 * len(TARGETS)
+    x, y = (t.to(dev) for t in batch())
+    losses, grads = [], []
+    for model in (ref_model, fused_model):
+        loss = model(input_ids=x, labels=y).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad})
+    assert losses[1] == pytest.approx(losses[0], rel=2e-2)
+    for name, g in grads[0].items():
+        assert (grads[1][name] - g).norm() <= 0.05 * g.norm() + 1e-3, name
