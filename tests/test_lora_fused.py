@@ -178,3 +178,13 @@ def test_fused_matches_peft_on_the_accelerator_in_bf16(gpu_backend):
     assert losses[1] == pytest.approx(losses[0], rel=2e-2)
     for name, g in grads[0].items():
         assert (grads[1][name] - g).norm() <= 0.05 * g.norm() + 1e-3, name
+
+
+def test_memferry_fuses_a_peft_model_it_is_given(cpu_backend):
+    from strategies.memferry import AdamW, MemFerry
+
+    engine = MemFerry(lora_llama(), optim=AdamW(lr=1e-3), plan="prefetch", backend=cpu_backend)
+    try:
+        assert sum(getattr(m, "_xpu_fused_lora", False) for m in engine.model.modules()) == 2 * len(TARGETS)
+    finally:
+        engine.close()

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     import xpu
     from strategies.memferry import AdamW, MemFerry
     from strategies.memferry.hf_trainer import memferry_trainer
-    from strategies.models import fuse_lora, slice_hf_loss
+    from strategies.models import slice_hf_loss
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.folder / "model", local_files_only=True)
     rows = token_blocks(args.folder, tokenizer, args.seq)
@@ -61,7 +61,6 @@ def main(argv: list[str] | None = None) -> None:
 
         model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
                                                            task_type=peft.TaskType.CAUSAL_LM))
-        fuse_lora(model)  # each adapter's product added inside its base layer's output (exact; fewer passes)
     model = slice_hf_loss(model, args.chunks)
     first = torch.stack([r["input_ids"] for r in rows[: args.batch]])
     backend = xpu.get_backend()

@@ -29,6 +29,7 @@ from torch import nn
 import xpu
 from xpu import Backend, in_host_memory
 
+from ..models.lora_fused import fuse_lora
 from ..weight_decay import no_decay_names
 
 from .accumulation import AccumulationError, MicroBatches, check_accumulation_steps, paired_units
@@ -68,7 +69,8 @@ class MemFerry(EngineReadings):
     Args:
         model: an ordinary module on the host, with a ``ModuleList`` of repeated blocks (or
             pass ``blocks=``). The engine takes it over: its parameters become views of the
-            engine's buffers (read them with :meth:`state_dict`). All trainable parameters
+            engine's buffers (read them with :meth:`state_dict`); peft LoRA linears take the
+            fused forward (``strategies.models.fuse_lora``: exact). All trainable parameters
             must share one dtype: the compute dtype (bf16 for speed, fp32 for exactness), or
             fp32 when ``compute_dtype`` is given.
         optim: optimizer settings (AdamW).
@@ -172,6 +174,7 @@ class MemFerry(EngineReadings):
             raise ValueError(f"sum_placement must be one of {PLACEMENTS}, got {sum_placement!r}")
         no_decay = no_decay_names(model) if no_decay is None else set(no_decay)
         no_kv_cache(model)
+        fuse_lora(model)  # peft LoRA adapters' products inside their base GEMMs, before anything times them
         if not 0.0 <= memory_margin < 1.0:
             raise ValueError(f"memory_margin must lie in [0, 1), got {memory_margin}")
         check_compute_dtype(model, compute_dtype)
