@@ -174,10 +174,10 @@ class MemFerry(EngineReadings):
             raise ValueError(f"sum_placement must be one of {PLACEMENTS}, got {sum_placement!r}")
         no_decay = no_decay_names(model) if no_decay is None else set(no_decay)
         no_kv_cache(model)
-        fuse_lora(model)  # peft LoRA adapters' products inside their base GEMMs, before anything times them
         if not 0.0 <= memory_margin < 1.0:
             raise ValueError(f"memory_margin must lie in [0, 1), got {memory_margin}")
         check_compute_dtype(model, compute_dtype)
+        fuse_lora(model)  # peft LoRA adapters' products inside their base GEMMs, before anything times them
         self.backend = backend or xpu.get_backend()
         self.device = self.backend.index_of(device)
         self.cfg = optim or AdamW()
