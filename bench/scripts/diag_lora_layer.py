@@ -4,7 +4,7 @@ fused path (``strategies.models.fuse_lora``).
 
 Default shape: Qwen2-1.5B's layer (hidden 1536, ffn 8960, 12 heads / 2 KV heads), 4 x 2048
 tokens, bf16, LoRA r 16 on all seven linears (the qwen2-1.5b-finetune scenario's). Times are the
-median of ``--iters`` runs between accelerator events, after ``--warmup`` runs.
+median of ``--iters`` runs between the backend's events (``xpu.timing``), after ``--warmup`` runs.
 
     python3 bench/scripts/diag_lora_layer.py [--hidden 1536 --ffn 8960 --heads 12 --kv-heads 2]
         [--batch 4 --seq 2048 --r 16] [--iters 20] [--out FILE.md]
@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
-import time
 
 import torch
 
@@ -26,27 +24,7 @@ def _layer(args: argparse.Namespace, dev: torch.device) -> torch.nn.Module:
                                    num_key_value_heads=args.kv_heads, num_hidden_layers=1, vocab_size=1024,
                                    max_position_embeddings=args.seq)
     cfg._attn_implementation = "sdpa"
-    model = transformers.Qwen2ForCausalLM(cfg).to(device=dev, dtype=torch.bfloat16)
-    return model
-
-
-def _time(fn, iters: int, warmup: int, dev: torch.device) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if dev.type == "cpu":  # a smoke run without an accelerator: wall time
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-            continue
-        start, end = torch.Event(device=dev, enable_timing=True), torch.Event(device=dev, enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return transformers.Qwen2ForCausalLM(cfg).to(device=dev, dtype=torch.bfloat16)
 
 
 def main() -> None:
@@ -58,9 +36,17 @@ def main() -> None:
     args = ap.parse_args()
     import peft
 
+    import xpu
     from strategies.models import fuse_lora
+    from xpu.timing import median_event_seconds
 
-    dev = torch.accelerator.current_accelerator() or torch.device("cpu")
+    backend = xpu.get_backend()  # XPU_BACKEND, else the machine's accelerator, else cpu
+    dev = backend.device(0)
+    stream = backend.current_stream(dev)
+
+    def timed_ms(fn) -> float:
+        return 1e3 * median_event_seconds(backend, stream, fn, repeats=args.iters, warmup=args.warmup)
+
     base = _layer(args, dev)
     rotary = base.model.rotary_emb
     x = torch.randn(args.batch, args.seq, args.hidden, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -90,8 +76,8 @@ def main() -> None:
             fwd().float().square().mean().backward()
 
         with torch.no_grad():
-            t_f = _time(fwd, args.iters, args.warmup, dev)
-        t_fb = _time(fwd_bwd, args.iters, args.warmup, dev)
+            t_f = timed_ms(fwd)
+        t_fb = timed_ms(fwd_bwd)
         rows.append((label, t_f, t_fb, t_fb - t_f))
     lines = [f"# One decoder layer: hidden {args.hidden}, ffn {args.ffn}, heads {args.heads}/{args.kv_heads}, "
              f"{args.batch} x {args.seq} tokens, bf16, LoRA r {args.r} on {len(targets)} linears "
