@@ -75,7 +75,7 @@ def _save(args: argparse.Namespace) -> dict:
     from strategies.training.checkpoints import save_checkpoint
 
     engine, numel = _engine(args)
-    state_bytes = numel * 16  # fp32 weights, master... as the state holds them: weights 4 + master 4 + moments 8
+    state_bytes = numel * 16  # what the checkpoint holds a parameter: fp32 weight 4, master 4, moments 8
     data = SimpleNamespace(state_dict=lambda: {})
     row = _phase("save", lambda: str(save_checkpoint(Path(args.dir), 1, engine, data, {"name": "m"}, run_id="r",
                                                      dtype_name="fp32")), state_bytes)

@@ -260,23 +260,25 @@ def _record_rows(config: TrainConfig, corpus: np.ndarray, starts: np.ndarray, tr
     pad = int(corpus[starts[1] - 1])  # every jsonl record ends with the EOS: a padding id the vocab holds
     desc += (f"; one record per row, {cut:,} of {records:,} longer than seq + 1 = {config.seq + 1} tokens and cut"
              if cut else "; one record per row (packing off)")
-    seed, frac, group = config.seed, config.data.eval_fraction, config.data.group_by_length
+    frac = config.data.eval_fraction
     rows = config.steps * config.accumulation_steps * config.batch
+
+    def over(part: np.ndarray, seed: int) -> RecordRows:  # the training rows and the eval rows differ in these only
+        return RecordRows(corpus, part, config.batch, config.seq, seed, trained, pad, fixed_width,
+                          config.data.group_by_length)
+
     if not frac:
         desc += f"; {rows / records:.3g} epochs in {config.steps:,} steps"
-        return RecordRows(corpus, starts, config.batch, config.seq, seed, trained, pad, fixed_width, group), [], desc
+        return over(starts, config.seed), [], desc
     first_held = int(np.searchsorted(starts[:-1], int(starts[-1]) - int(starts[-1] * frac)))
     if first_held < 1 or first_held >= records:
         raise TrainConfigError(f"data.eval_fraction {frac} leaves {first_held:,} of {records:,} records for training "
                                f"and {records - first_held:,} held out; each needs one: change eval_fraction")
-    evals = RecordRows(corpus, starts[first_held:], config.batch, config.seq, config.seed + 2, trained, pad,
-                       fixed_width, group)
+    evals = over(starts[first_held:], config.seed + 2)
     eval_batches = [evals.next() for _ in range(config.eval_batches)]  # drawn once: the same rows every time
     desc += (f"; last {records - first_held:,} records held out for eval; {rows / first_held:.3g} epochs over the "
              f"other {first_held:,} in {config.steps:,} steps")
-    return (RecordRows(corpus, starts[:first_held + 1], config.batch, config.seq, seed, trained, pad, fixed_width,
-                       group),
-            eval_batches, desc)
+    return over(starts[:first_held + 1], config.seed), eval_batches, desc
 
 
 def make_datasets(config: TrainConfig, fixed_width: bool = False
