@@ -188,3 +188,17 @@ def test_memferry_fuses_a_peft_model_it_is_given(cpu_backend):
         assert sum(getattr(m, "_xpu_fused_lora", False) for m in engine.model.modules()) == 2 * len(TARGETS)
     finally:
         engine.close()
+
+
+def test_a_model_without_peft_layers_does_not_import_peft():
+    """Every engine calls fuse_lora; importing peft there cost each plain run's process 4.6 s (the
+    suite's subprocesses paid it about a hundred times)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from strategies.models import fuse_lora; "
+            "assert fuse_lora(torch.nn.Linear(2, 2)) == 0; print('peft' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=__import__("pathlib").Path(__file__).parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False", out.stdout

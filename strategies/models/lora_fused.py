@@ -19,6 +19,7 @@ output, its scaled copy and the sum), so results differ from peft's by bf16 roun
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
 
 import torch
@@ -94,10 +95,11 @@ def _fused_forward(layer: nn.Module, peft_forward: Any, x: torch.Tensor, *args: 
 def fuse_lora(model: nn.Module) -> int:
     """Give every peft LoRA ``Linear`` in ``model`` the fused forward (see the module docstring);
     return how many. Idempotent; a model without peft layers is left as it is (0)."""
-    try:
-        from peft.tuners.lora import layer as lora_layer
-    except ImportError:  # peft is optional: nothing of it can be in the model
+    # A model holding peft layers has imported peft; importing it here for a model that has none
+    # would cost every plain engine seconds (peft imports much of transformers).
+    if "peft" not in sys.modules:
         return 0
+    from peft.tuners.lora import layer as lora_layer
     count = 0
     for m in model.modules():
         if type(m) is not lora_layer.Linear:  # subclasses (quantised bases) keep peft's forward
