@@ -4,15 +4,20 @@ fused path (``strategies.models.fuse_lora``).
 
 Default shape: Qwen2-1.5B's layer (hidden 1536, ffn 8960, 12 heads / 2 KV heads), 4 x 2048
 tokens, bf16, LoRA r 16 on all seven linears (the qwen2-1.5b-finetune scenario's). Times are the
-median of ``--iters`` runs between the backend's events (``xpu.timing``), after ``--warmup`` runs.
+median of ``--iters`` runs between the backend's events (``xpu.timing``), after ``--warmup`` runs;
+forward + backward is also timed with the device kept busy while it is issued
+(``xpu.timing.pipelined_seconds``): the device's own time, and the host's time to issue it (where
+the host's exceeds the device's, the layer is bound by issuing kernels, not by running them).
+``--profile N`` adds each variant's N kernels that took longest in one forward + backward.
 
     python3 bench/scripts/diag_lora_layer.py [--hidden 1536 --ffn 8960 --heads 12 --kv-heads 2]
-        [--batch 4 --seq 2048 --r 16] [--iters 20] [--out FILE.md]
+        [--batch 4 --seq 2048 --r 16] [--iters 20] [--profile 12] [--out FILE.md]
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 
 import torch
 
@@ -27,10 +32,22 @@ def _layer(args: argparse.Namespace, dev: torch.device) -> torch.nn.Module:
     return transformers.Qwen2ForCausalLM(cfg).to(device=dev, dtype=torch.bfloat16)
 
 
+def _top_kernels(backend, fn, count: int) -> str:
+    """The ``count`` device kernels that took longest in one call of ``fn`` (torch.profiler's table)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    accelerated = [a for a in torch.profiler.supported_activities() if a != ProfilerActivity.CPU]
+    with profile(activities=[ProfilerActivity.CPU, *accelerated]) as prof:
+        fn()
+        backend.synchronize(0)
+    key = "self_device_time_total" if accelerated else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=count, max_name_column_width=70)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for name, default in [("hidden", 1536), ("ffn", 8960), ("heads", 12), ("kv-heads", 2), ("batch", 4), ("seq", 2048),
-                          ("r", 16), ("iters", 20), ("warmup", 5)]:
+                          ("r", 16), ("iters", 20), ("warmup", 5), ("profile", 0)]:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -38,7 +55,7 @@ def main() -> None:
 
     import xpu
     from strategies.models import fuse_lora
-    from xpu.timing import median_event_seconds
+    from xpu.timing import median_event_seconds, pipelined_seconds
 
     backend = xpu.get_backend()  # XPU_BACKEND, else the machine's accelerator, else cpu
     dev = backend.device(0)
@@ -64,7 +81,7 @@ def main() -> None:
     def layer_of(m: torch.nn.Module) -> torch.nn.Module:
         return next(mod for mod in m.modules() if type(mod).__name__.endswith("DecoderLayer"))
 
-    rows = []
+    rows, kernels = [], []
     for label, m in [("full (trainable)", full), ("LoRA (peft)", lora), ("LoRA (fused)", fused)]:
         layer = layer_of(m)
 
@@ -78,12 +95,19 @@ def main() -> None:
         with torch.no_grad():
             t_f = timed_ms(fwd)
         t_fb = timed_ms(fwd_bwd)
-        rows.append((label, t_f, t_fb, t_fb - t_f))
+        piped = [pipelined_seconds(backend, 0, stream, fwd_bwd, lead_s=0.2) for _ in range(args.iters)]
+        device_ms, host_ms = (1e3 * statistics.median(p[i] for p in piped) for i in (0, 1))
+        rows.append((label, t_f, t_fb, t_fb - t_f, device_ms, host_ms))
+        if args.profile:
+            kernels.append((label, _top_kernels(backend, fwd_bwd, args.profile)))
     lines = [f"# One decoder layer: hidden {args.hidden}, ffn {args.ffn}, heads {args.heads}/{args.kv_heads}, "
              f"{args.batch} x {args.seq} tokens, bf16, LoRA r {args.r} on {len(targets)} linears "
              f"({dev})",
-             "", "| layer | forward ms | forward + backward ms | backward ms |", "|---|---:|---:|---:|"]
-    lines += [f"| {label} | {f:.3f} | {fb:.3f} | {b:.3f} |" for label, f, fb, b in rows]
+             "", "| layer | forward ms | forward + backward ms | backward ms | fwd + bwd: device ms | host ms to issue |",
+             "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {label} | {f:.3f} | {fb:.3f} | {b:.3f} | {d:.3f} | {h:.3f} |" for label, f, fb, b, d, h in rows]
+    for label, table in kernels:
+        lines += ["", f"## {label}: the longest kernels of one forward + backward", "", "```", table, "```"]
     text = "\n".join(lines)
     print(text)
     if args.out:
