@@ -37,6 +37,19 @@ def _micro(**extra) -> dict:
 
 
 # ---------------------------------------------------------------------------------- end to end
+def test_a_plain_run_imports_neither_transformers_nor_peft():
+    """A GPT run has no use for them, and importing them costs a process seconds: session 52's
+    LoRA code imported peft in every engine, 4.6 s in each of the suite's ~100 subprocesses."""
+    code = ("import sys; from xpu.cli import main\n"
+            f"sys.argv = ['xpu', 'train', {str(TINY)!r}, '--steps', '1', '--no-progress']\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print(sorted(m for m in ('transformers', 'peft') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, XPU_BACKEND="cpu",
+                          PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout[-2000:]
+
+
 def test_readme_command_trains_and_the_loss_falls():
     proc = _xpu_train(str(TINY), "--steps", "30", "--set", "model.layers=2", "--no-progress", "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,6 +1,5 @@
 """What LoRA adapters cost one decoder layer: forward and forward + backward of one HF decoder
-layer, fully trainable, frozen with peft LoRA adapters, and frozen with the same adapters on the
-fused path (``strategies.models.fuse_lora``).
+layer, fully trainable and frozen with peft LoRA adapters.
 
 Default shape: Qwen2-1.5B's layer (hidden 1536, ffn 8960, 12 heads / 2 KV heads), 4 x 2048
 tokens, bf16, LoRA r 16 on all seven linears (the qwen2-1.5b-finetune scenario's). Times are the
@@ -54,7 +53,6 @@ def main() -> None:
     import peft
 
     import xpu
-    from strategies.models import fuse_lora
     from xpu.timing import median_event_seconds, pipelined_seconds
 
     backend = xpu.get_backend()  # XPU_BACKEND, else the machine's accelerator, else cpu
@@ -75,14 +73,12 @@ def main() -> None:
     lora = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=args.r, lora_alpha=2 * args.r,
                                                                      target_modules=targets, init_lora_weights=False))
     lora = lora.to(dtype=torch.bfloat16)
-    fused = copy.deepcopy(lora)
-    fuse_lora(fused)
 
     def layer_of(m: torch.nn.Module) -> torch.nn.Module:
         return next(mod for mod in m.modules() if type(mod).__name__.endswith("DecoderLayer"))
 
     rows, kernels = [], []
-    for label, m in [("full (trainable)", full), ("LoRA (peft)", lora), ("LoRA (fused)", fused)]:
+    for label, m in [("full (trainable)", full), ("LoRA (peft)", lora)]:
         layer = layer_of(m)
 
         def fwd() -> torch.Tensor:

@@ -29,7 +29,6 @@ from torch import nn
 import xpu
 from xpu import Backend, in_host_memory
 
-from ..models.lora_fused import fuse_lora
 from ..weight_decay import no_decay_names
 
 from .accumulation import AccumulationError, MicroBatches, check_accumulation_steps, paired_units
@@ -69,8 +68,7 @@ class MemFerry(EngineReadings):
     Args:
         model: an ordinary module on the host, with a ``ModuleList`` of repeated blocks (or
             pass ``blocks=``). The engine takes it over: its parameters become views of the
-            engine's buffers (read them with :meth:`state_dict`); peft LoRA linears take the
-            fused forward (``strategies.models.fuse_lora``: exact). All trainable parameters
+            engine's buffers (read them with :meth:`state_dict`). All trainable parameters
             must share one dtype: the compute dtype (bf16 for speed, fp32 for exactness), or
             fp32 when ``compute_dtype`` is given.
         optim: optimizer settings (AdamW).
@@ -177,7 +175,6 @@ class MemFerry(EngineReadings):
         if not 0.0 <= memory_margin < 1.0:
             raise ValueError(f"memory_margin must lie in [0, 1), got {memory_margin}")
         check_compute_dtype(model, compute_dtype)
-        fuse_lora(model)  # peft LoRA adapters' products inside their base GEMMs, before anything times them
         self.backend = backend or xpu.get_backend()
         self.device = self.backend.index_of(device)
         self.cfg = optim or AdamW()

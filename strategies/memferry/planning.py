@@ -24,7 +24,6 @@ import xpu
 from xpu import Backend
 from xpu.dist import collective_timeout, decide_on_first_rank
 
-from ..models.lora_fused import fuse_lora
 from .compute_dtype import cast_parameters, check_compute_dtype, restore_parameters
 from .config import AdamW, Plan
 from .hf_models import kv_cache_off
@@ -70,7 +69,6 @@ def plan_for(model: nn.Module, sample: tuple[Any, Any] | None, device_budget: in
     from .accumulation import check_accumulation_steps
 
     check_accumulation_steps(accumulation_steps)
-    fuse_lora(model)  # profiled as the engine will run it (MemFerry fuses too)
     backend = backend or xpu.get_backend()
     index = backend.index_of(device)
 

@@ -22,9 +22,7 @@ Families and their dimensions (``build_model(family, **dims)``):
   Checks in :mod:`.hf_config`; HF format out in :mod:`strategies.training.export`.
 
 A plain ``transformers`` causal LM (what Hugging Face's Trainer drives) keeps its own forward;
-:func:`slice_hf_loss` makes its training loss run over token slices, without whole logits;
-:func:`fuse_lora` adds peft LoRA adapters' products inside their base layers' outputs
-(``hf`` models with ``lora`` get it).
+:func:`slice_hf_loss` makes its training loss run over token slices, without whole logits.
 """
 from .base import CausalLM, RMSNorm
 from .families import (FAMILIES, build_model, default_dims, embedding_param_count, flops_per_token, param_count,
@@ -33,10 +31,8 @@ from .gpt import GPT
 from .hf import HFCausalLM
 from .hf_sliced_loss import slice_hf_loss
 from .llama import Llama, apply_rotary, llama_ffn, rotary_tables
-from .lora_fused import fuse_lora
 
 __all__ = [
     "FAMILIES", "CausalLM", "RMSNorm", "GPT", "Llama", "HFCausalLM", "llama_ffn", "rotary_tables", "apply_rotary", "build_model", "param_count",
     "embedding_param_count", "flops_per_token", "validate_dims", "default_dims", "slice_hf_loss",
-    "fuse_lora",
 ]

@@ -20,7 +20,6 @@ from torch import nn
 from .base import CausalLM
 from .hf_config import LORA_DEFAULTS
 from .hf_sliced_loss import logit_map
-from .lora_fused import fuse_lora
 
 __all__ = ["HFCausalLM"]
 
@@ -67,7 +66,6 @@ class HFCausalLM(CausalLM):
                 # in every LoRA run that the user can do nothing about); only that one is hidden.
                 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
                 self.hf = get_peft_model(self.hf, _lora_config(lora))  # freezes every non-adapter weight
-            fuse_lora(self.hf)  # the adapters' products inside the base GEMMs' outputs
         layers = getattr(self.base.config, "num_hidden_layers", None)
         # The decoder layers are the first ModuleList as long as the layer count (llama, gpt2, mistral, qwen...).
         found = [m for m in self.hf.modules() if isinstance(m, nn.ModuleList) and len(m) == layers]
