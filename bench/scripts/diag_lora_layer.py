@@ -1,5 +1,7 @@
 """What LoRA adapters cost one decoder layer: forward and forward + backward of one HF decoder
-layer, fully trainable and frozen with peft LoRA adapters.
+layer, fully trainable, frozen with peft LoRA adapters, and frozen with the same adapters inside
+the base GEMM's reduction (an experiment, here only: ``[x, s x A^T] [W, B]^T``, so no pass over
+the output beside the GEMM; its backward makes the input gradient of both in one GEMM too).
 
 Default shape: Qwen2-1.5B's layer (hidden 1536, ffn 8960, 12 heads / 2 KV heads), 4 x 2048
 tokens, bf16, LoRA r 16 on all seven linears (the qwen2-1.5b-finetune scenario's). Times are the
@@ -29,6 +31,46 @@ def _layer(args: argparse.Namespace, dev: torch.device) -> torch.nn.Module:
                                    max_position_embeddings=args.seq)
     cfg._attn_implementation = "sdpa"
     return transformers.Qwen2ForCausalLM(cfg).to(device=dev, dtype=torch.bfloat16)
+
+
+class _ConcatLora(torch.autograd.Function):
+    """``x W^T + bias + s (x A^T) B^T`` as one GEMM over ``[x, s x A^T]`` and ``[W, B]``; W and bias frozen."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, a, b, s):
+        x2 = x.reshape(-1, x.shape[-1])
+        xa = (x2 @ a.t()).mul_(s)
+        xc, wc = torch.cat([x2, xa], 1), torch.cat([w, b], 1)
+        y = xc @ wc.t() if bias is None else torch.addmm(bias, xc, wc.t())
+        ctx.save_for_backward(x2, xa, w, a, b)
+        ctx.s, ctx.shape = s, x.shape
+        return y.view(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        x2, xa, w, a, b = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1])
+        dxc = g2 @ torch.cat([w, b], 1)  # the base layer's input gradient and the adapter's, one GEMM
+        dxa = dxc[:, w.shape[1]:]
+        dx = torch.addmm(dxc[:, :w.shape[1]], dxa, a, alpha=ctx.s).view(ctx.shape)
+        return dx, None, None, (dxa.t() @ x2).mul_(ctx.s), g2.t() @ xa, None
+
+
+def _concat_lora(model: torch.nn.Module) -> None:
+    """Give each peft LoRA ``Linear`` (one adapter, no dropout) the :class:`_ConcatLora` forward."""
+    from peft.tuners.lora import layer as lora_layer
+
+    for m in model.modules():
+        if type(m) is lora_layer.Linear:
+            name = m.active_adapters[0]
+            m.forward = (lambda m, name: lambda x, *args, **kw: _ConcatLora.apply(
+                x, m.base_layer.weight, m.base_layer.bias, m.lora_A[name].weight, m.lora_B[name].weight,
+                float(m.scaling[name])))(m, name)
+
+
+def _gap(ref: torch.Tensor, got: torch.Tensor) -> float:
+    """Largest difference over the reference's largest magnitude."""
+    return float((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
 
 
 def _top_kernels(backend, fn, count: int) -> str:
@@ -73,12 +115,15 @@ def main() -> None:
     lora = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=args.r, lora_alpha=2 * args.r,
                                                                      target_modules=targets, init_lora_weights=False))
     lora = lora.to(dtype=torch.bfloat16)
+    concat = copy.deepcopy(lora)
+    _concat_lora(concat)
 
     def layer_of(m: torch.nn.Module) -> torch.nn.Module:
         return next(mod for mod in m.modules() if type(mod).__name__.endswith("DecoderLayer"))
 
     rows, kernels = [], []
-    for label, m in [("full (trainable)", full), ("LoRA (peft)", lora)]:
+    grads = {}
+    for label, m in [("full (trainable)", full), ("LoRA (peft)", lora), ("LoRA (concatenated K)", concat)]:
         layer = layer_of(m)
 
         def fwd() -> torch.Tensor:
@@ -88,6 +133,11 @@ def main() -> None:
         def fwd_bwd() -> None:
             fwd().float().square().mean().backward()
 
+        x.grad = None
+        out = fwd()
+        out.float().square().mean().backward()
+        grads[label] = (out.detach(), x.grad.clone(), [p.grad.clone() for n, p in m.named_parameters()
+                                                       if "lora_" in n and p.grad is not None])
         with torch.no_grad():
             t_f = timed_ms(fwd)
         t_fb = timed_ms(fwd_bwd)
@@ -102,6 +152,10 @@ def main() -> None:
              "", "| layer | forward ms | forward + backward ms | backward ms | fwd + bwd: device ms | host ms to issue |",
              "|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {label} | {f:.3f} | {fb:.3f} | {b:.3f} | {d:.3f} | {h:.3f} |" for label, f, fb, b, d, h in rows]
+    ref, got = grads["LoRA (peft)"], grads["LoRA (concatenated K)"]
+    lines += ["", f"Concatenated K against peft (largest difference over largest value): output {_gap(ref[0], got[0]):.1e}, "
+              f"input gradient {_gap(ref[1], got[1]):.1e}, adapter gradients "
+              f"{max(_gap(r, g) for r, g in zip(ref[2], got[2])):.1e} ({len(got[2])} tensors)"]
     for label, table in kernels:
         lines += ["", f"## {label}: the longest kernels of one forward + backward", "", "```", table, "```"]
     text = "\n".join(lines)
