@@ -106,6 +106,29 @@ def test_a_flipped_byte_or_a_cut_file_is_refused_in_one_line(tmp_path):
         read_checkpoint(path)
 
 
+def test_a_launchers_mark_spares_the_checksum_pass_only_while_the_file_is_unchanged(tmp_path, monkeypatch):
+    """`xpu mpress` verifies the file and hands its stages the mark; a changed file is verified again."""
+    import os
+
+    import strategies.training.checkpoints as ck
+
+    path = _save(tmp_path, {"model": {"w": torch.randn(1000)}})
+    passes = []
+    real = ck.verify_streamed
+    monkeypatch.setattr(ck, "verify_streamed", lambda *a: passes.append(a) or real(*a))
+    mark = ck.verified_mark(path)
+    assert torch.equal(read_checkpoint(path, mark)["engine"]["model"]["w"], read_checkpoint(path)["engine"]["model"]["w"])
+    assert len(passes) == 1  # the read without the mark
+    raw = bytearray(path.read_bytes())
+    raw[-TRAILER - 100] ^= 0xFF
+    path.write_bytes(bytes(raw))  # another mtime (and size kept): the mark no longer matches
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    with pytest.raises(TrainConfigError, match="checksum mismatch"):
+        read_checkpoint(path, mark)
+    assert len(passes) == 2
+
+
 def test_a_memferry_checkpoint_saves_its_host_state_without_copying_it(cpu_backend, tmp_path):
     """``state_dict(copy=False)`` hands the host-homed masters and moments out as views, which
     the checkpoint writes once each (a file no larger than the copied state's), and a resume

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -182,6 +183,7 @@ def test_a_checkpoint_resumes_under_another_pipeline_with_the_uninterrupted_loss
     the ``logging.csv`` rows go on from the resumed step."""
     from strategies.models import build_model
     from strategies.training import read_checkpoint
+    from strategies.training.checkpoints import VERIFIED_ENV, verified_mark
 
     csv_log = tmp_path / "log.csv"
     cfg = _config(tmp_path, steps=4, checkpoint={"dir": str(tmp_path / "run"), "every": 2}, logging={"csv": str(csv_log)})
@@ -195,6 +197,9 @@ def test_a_checkpoint_resumes_under_another_pipeline_with_the_uninterrupted_loss
     resumed = _mpress(cfg, "--resume", str(tmp_path / "run" / "step-0000002.pt"), "--stages", "3",
                       "--schedule", "gpipe", "--set", "strategy.options.plan=auto")
     assert resumed["start_step"] == 2 and len(resumed["losses"]) == 2
+    # The launcher verified the file and hands the stages its mark: they skip the checksum pass.
+    mark = verified_mark(tmp_path / "run" / "step-0000002.pt")
+    assert f"{VERIFIED_ENV}={shlex.quote(mark)}" in resumed["log"], resumed["log"][-2000:]
     # The CSV log keeps steps 1-2 and takes 3-4 from the resumed run (the first run's 3-4 dropped).
     rows = [line.split(",") for line in csv_log.read_text().splitlines()]
     assert rows[0][:3] == ["step", "loss", "lr"] and [int(r[0]) for r in rows[1:]] == [1, 2, 3, 4]

@@ -82,8 +82,10 @@ def record_config(train: TrainConfig, options: dict[str, Any]) -> dict[str, Any]
     return {**train.to_dict(), "strategy": {"name": STRATEGY, "options": dict(options)}}
 
 
-def check_resume(train: TrainConfig, options: dict[str, Any], dtype_name: str) -> tuple[Path, dict[str, Any], list[str]]:
+def check_resume(train: TrainConfig, options: dict[str, Any], dtype_name: str,
+                 verified: str | None = None) -> tuple[Path, dict[str, Any], list[str]]:
     """Read and check ``train.resume`` against the config: (file, its contents, notices of allowed changes).
+    ``verified``: the launcher's mark of the file it verified (``read_checkpoint``'s).
 
     Raises:
         TrainConfigError: unreadable, written by another strategy, or of another model, shapes, data or
@@ -92,7 +94,7 @@ def check_resume(train: TrainConfig, options: dict[str, Any], dtype_name: str) -
     from strategies.training.checkpoints import check_steps_left, compare_configs, find_checkpoint, read_checkpoint
 
     path = find_checkpoint(str(train.resume))
-    state = read_checkpoint(path)
+    state = read_checkpoint(path, verified)
     saved = state["config"]
     strategy = (saved.get("strategy") or {}).get("name") if isinstance(saved, dict) else None
     if strategy != STRATEGY:

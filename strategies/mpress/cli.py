@@ -123,23 +123,27 @@ def _check_profile_json(path: str | None) -> None:
                                 + "; give a file path in an existing directory")
 
 
-def _check_checkpoints(config: Any, backend: Any) -> None:
-    """The resume checkpoint against the config and the checkpoint folder: refused before any process starts."""
+def _check_checkpoints(config: Any, backend: Any) -> dict[str, str]:
+    """The resume checkpoint against the config and the checkpoint folder: refused before any process
+    starts. Returns what the stages' environment gains: the verified checkpoint's mark, so that
+    they do not each read the whole file again for its checksum."""
     from pathlib import Path
 
     from strategies.mpress.checkpointing import check_resume
     from strategies.training import TrainConfigError, resolve_dtype
-    from strategies.training.checkpoints import check_checkpoint_dir
+    from strategies.training.checkpoints import VERIFIED_ENV, check_checkpoint_dir, verified_mark
 
     t = config.train
     resumed = check_resume(t, config.options(), resolve_dtype(t, backend)[0]) if t.resume else None
+    env = {VERIFIED_ENV: verified_mark(resumed[0])} if resumed else {}
     if t.checkpoint is None:
-        return
+        return env
     check_checkpoint_dir(t, resumed[1]["run_id"] if resumed else "", fresh=resumed is None)
     try:  # an unwritable folder fails now, not after the first hour of training
         Path(t.checkpoint.dir).expanduser().mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise TrainConfigError(f"checkpoint.dir {t.checkpoint.dir!r}: {exc.strerror or exc}") from None
+    return env
 
 
 def run(args: argparse.Namespace) -> int:
@@ -157,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
 
     backend = xpu.get_backend()
     env = check_devices(config, backend, add_virtual=True)
-    _check_checkpoints(config, backend)
+    env.update(_check_checkpoints(config, backend))
     # torchrun would set 1 thread per process (and warn); share the cores between the stages instead.
     env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.stages))))
     command = launch_command(args.config, config.stages, _rank_args(args))

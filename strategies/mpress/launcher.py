@@ -92,7 +92,7 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
 
     import xpu
     from strategies.training import lr_at, make_data, resolve_dtype  # the same dtype choice and batches as `xpu train`
-    from strategies.training.checkpoints import new_run_id, prepare_checkpoint_dir
+    from strategies.training.checkpoints import VERIFIED_ENV, new_run_id, prepare_checkpoint_dir
     from strategies.training.reports import StepReport
     from xpu.units import format_bytes
 
@@ -132,7 +132,8 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
         ckpt = t.checkpoint
         # Checkpoints gather host copies: over the host library, whatever the stages send each other.
         objects = dist.new_group(backend="gloo") if ckpt is not None and library != "gloo" else None
-        resumed = check_resume(t, config.options(), dtype_name) if t.resume else None  # checked before launch too
+        # Checked by `xpu mpress` before launch too: its mark spares each stage the checksum pass.
+        resumed = check_resume(t, config.options(), dtype_name, os.environ.get(VERIFIED_ENV)) if t.resume else None
         run_id = resumed[1]["run_id"] if resumed else new_run_id()  # rank 0's is the one written
         box: list[torch.optim.Optimizer] = []
         if profile_json is not None:
