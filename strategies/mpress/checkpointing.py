@@ -83,17 +83,20 @@ def record_config(train: TrainConfig, options: dict[str, Any]) -> dict[str, Any]
 
 
 def check_resume(train: TrainConfig, options: dict[str, Any], dtype_name: str,
-                 verified: str | None = None) -> tuple[Path, dict[str, Any], list[str]]:
-    """Read and check ``train.resume`` against the config: (file, its contents, notices of allowed changes).
-    ``verified``: the launcher's mark of the file it verified (``read_checkpoint``'s).
+                 verified: str | None = None) -> tuple[Path, dict[str, Any], list[str], str]:
+    """Read and check ``train.resume`` against the config: (file, its contents, notices of allowed
+    changes, its ``verified_mark`` taken before it was read: a file changed while it was verified
+    no longer matches). ``verified``: the launcher's mark of the file it verified (``read_checkpoint``'s).
 
     Raises:
         TrainConfigError: unreadable, written by another strategy, or of another model, shapes, data or
             dtype (the messages of ``xpu train``'s resume); or already at ``steps``.
     """
-    from strategies.training.checkpoints import check_steps_left, compare_configs, find_checkpoint, read_checkpoint
+    from strategies.training.checkpoints import (check_steps_left, compare_configs, find_checkpoint, read_checkpoint,
+                                                 verified_mark)
 
     path = find_checkpoint(str(train.resume))
+    mark = verified_mark(path)
     state = read_checkpoint(path, verified)
     saved = state["config"]
     strategy = (saved.get("strategy") or {}).get("name") if isinstance(saved, dict) else None
@@ -104,7 +107,7 @@ def check_resume(train: TrainConfig, options: dict[str, Any], dtype_name: str,
     as_train = {**saved, "strategy": {**saved["strategy"], "name": train.strategy.name}}
     notices = compare_configs(as_train, state.get("dtype"), train, dtype_name, path, options=options)
     check_steps_left(path, state["step"], train.steps)
-    return path, state, notices
+    return path, state, notices, mark
 
 
 class _Merged:

@@ -131,11 +131,11 @@ def _check_checkpoints(config: Any, backend: Any) -> dict[str, str]:
 
     from strategies.mpress.checkpointing import check_resume
     from strategies.training import TrainConfigError, resolve_dtype
-    from strategies.training.checkpoints import VERIFIED_ENV, check_checkpoint_dir, verified_mark
+    from strategies.training.checkpoints import VERIFIED_ENV, check_checkpoint_dir
 
     t = config.train
     resumed = check_resume(t, config.options(), resolve_dtype(t, backend)[0]) if t.resume else None
-    env = {VERIFIED_ENV: verified_mark(resumed[0])} if resumed else {}
+    env = {VERIFIED_ENV: resumed[3]} if resumed else {}
     if t.checkpoint is None:
         return env
     check_checkpoint_dir(t, resumed[1]["run_id"] if resumed else "", fresh=resumed is None)

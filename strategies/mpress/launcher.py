@@ -176,7 +176,7 @@ def run_rank(config: MPressConfig, *, log: Callable[[str], None] | None = None, 
             say(f"plan (chosen by the planner):\n{plan_text}")
         start, resumed_from = 0, None
         if resumed is not None:  # after planning: the profiled steps ran on the initial weights, as planned
-            path, state, notices = resumed
+            path, state, notices, _ = resumed
             with backend.device_scope(device):
                 load_stage_state(stage, optimizer, state["engine"], path)
             data.load_state_dict(state["data"])
