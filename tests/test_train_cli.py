@@ -39,7 +39,7 @@ def _micro(**extra) -> dict:
 # ---------------------------------------------------------------------------------- end to end
 def test_a_plain_run_imports_neither_transformers_nor_peft():
     """A GPT run has no use for them, and importing them costs a process seconds: session 52's
-    LoRA code imported peft in every engine, 4.6 s in each of the suite's ~100 subprocesses."""
+    LoRA code imported peft in every engine, about 3 s in each of the suite's many subprocesses."""
     code = ("import sys; from xpu.cli import main\n"
             f"sys.argv = ['xpu', 'train', {str(TINY)!r}, '--steps', '1', '--no-progress']\n"
             "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
