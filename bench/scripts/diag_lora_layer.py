@@ -1,7 +1,11 @@
 """What LoRA adapters cost one decoder layer: forward and forward + backward of one HF decoder
-layer, fully trainable, frozen with peft LoRA adapters, and frozen with the same adapters inside
-the base GEMM's reduction (an experiment, here only: ``[x, s x A^T] [W, B]^T``, so no pass over
-the output beside the GEMM; its backward makes the input gradient of both in one GEMM too).
+layer, fully trainable, frozen with peft LoRA adapters, and frozen with the same adapters made
+three other ways (experiments, here only): inside the base GEMM's reduction (``[x, s x A^T]
+[W, B]^T``: no pass over the output beside the GEMM, its backward makes the input gradient of
+both in one GEMM, but the input is copied), added into the base output in place (one GEMM with
+``beta = 1``: one read and write of the output), and per linear whichever of the two copies
+less (the input where it is the narrower side, else the output), and the same with the backward's
+input gradient made on its narrower side too.
 
 Default shape: Qwen2-1.5B's layer (hidden 1536, ffn 8960, 12 heads / 2 KV heads), 4 x 2048
 tokens, bf16, LoRA r 16 on all seven linears (the qwen2-1.5b-finetune scenario's). Times are the
@@ -9,10 +13,11 @@ median of ``--iters`` runs between the backend's events (``xpu.timing``), after 
 forward + backward is also timed with the device kept busy while it is issued
 (``xpu.timing.pipelined_seconds``): the device's own time, and the host's time to issue it (where
 the host's exceeds the device's, the layer is bound by issuing kernels, not by running them).
-``--profile N`` adds each variant's N kernels that took longest in one forward + backward.
+``--profile N`` adds each variant's N kernels that took longest in one forward + backward;
+``--ops 1`` (the default) each piece of a LoRA linear timed alone for the layer's four shapes.
 
     python3 bench/scripts/diag_lora_layer.py [--hidden 1536 --ffn 8960 --heads 12 --kv-heads 2]
-        [--batch 4 --seq 2048 --r 16] [--iters 20] [--profile 12] [--out FILE.md]
+        [--batch 4 --seq 2048 --r 16] [--iters 20] [--profile 12] [--ops 0] [--out FILE.md]
 """
 from __future__ import annotations
 
@@ -56,16 +61,88 @@ class _ConcatLora(torch.autograd.Function):
         return dx, None, None, (dxa.t() @ x2).mul_(ctx.s), g2.t() @ xa, None
 
 
-def _concat_lora(model: torch.nn.Module) -> None:
-    """Give each peft LoRA ``Linear`` (one adapter, no dropout) the :class:`_ConcatLora` forward."""
+class _InplaceLora(torch.autograd.Function):
+    """``x W^T + bias`` by one GEMM, then ``s (x A^T) B^T`` added into it in place (cuBLAS's
+    ``beta = 1``: one read and one write of the output); W and bias frozen."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, a, b, s):
+        x2 = x.reshape(-1, x.shape[-1])
+        y = x2 @ w.t() if bias is None else torch.addmm(bias, x2, w.t())
+        xa = x2 @ a.t()
+        y.addmm_(xa, b.t(), alpha=s)
+        ctx.save_for_backward(x2, xa, w, a, b)
+        ctx.s, ctx.shape = s, x.shape
+        return y.view(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        x2, xa, w, a, b = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1])
+        gb = (g2 @ b).mul_(ctx.s)
+        dx = (g2 @ w).addmm_(gb, a)
+        return dx.view(ctx.shape), None, None, gb.t() @ x2, (g2.t() @ xa).mul_(ctx.s), None
+
+
+class _NarrowLora(torch.autograd.Function):
+    """Each extra pass on the narrower side of the linear: forward as :class:`_ConcatLora` where
+    the input is narrower than the output, else as :class:`_InplaceLora`; backward makes the
+    input gradient as ``[g, s g B] [W; A]`` (one GEMM, ``g`` copied) where the output is the
+    narrower side, else as ``g W`` with ``s (g B) A`` added in place."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, a, b, s):
+        ctx.xa_scaled = w.shape[1] < w.shape[0]  # the concatenated forward saves s x A^T
+        return (_ConcatLora if ctx.xa_scaled else _InplaceLora).forward(ctx, x, w, bias, a, b, s)
+
+    @staticmethod
+    def backward(ctx, g):
+        x2, xa, w, a, b = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1])
+        gb = (g2 @ b).mul_(ctx.s)
+        if w.shape[0] < w.shape[1]:
+            dx = torch.cat([g2, gb], 1) @ torch.cat([w, a], 0)
+        else:
+            dx = (g2 @ w).addmm_(gb, a)
+        db = g2.t() @ xa
+        return dx.view(ctx.shape), None, None, gb.t() @ x2, db if ctx.xa_scaled else db.mul_(ctx.s), None
+
+
+def _swap_lora(model: torch.nn.Module, pick) -> None:
+    """Give each peft LoRA ``Linear`` (one adapter, no dropout) the forward of ``pick(in, out)``:
+    an autograd function taking ``x, W, bias, A, B, scaling``."""
     from peft.tuners.lora import layer as lora_layer
 
     for m in model.modules():
         if type(m) is lora_layer.Linear:
-            name = m.active_adapters[0]
-            m.forward = (lambda m, name: lambda x, *args, **kw: _ConcatLora.apply(
+            name, w = m.active_adapters[0], m.base_layer.weight
+            fn = pick(w.shape[1], w.shape[0])
+            m.forward = (lambda m, name, fn: lambda x, *args, **kw: fn.apply(
                 x, m.base_layer.weight, m.base_layer.bias, m.lora_A[name].weight, m.lora_B[name].weight,
-                float(m.scaling[name])))(m, name)
+                float(m.scaling[name])))(m, name, fn)
+
+
+def _op_table(timed_ms, dev: torch.device, tokens: int, r: int, shapes: list[tuple[str, int, int]]) -> list[str]:
+    """Each piece of a LoRA linear's forward and backward timed alone, per linear shape."""
+    ops = ["x W^T", "x A^T", "peft tail: B, *s, +", "addmm(y, xa, B^T)", "y.addmm_(xa, B^T)",
+           "cat [x, xa]", "[x, xa] [W, B]^T", "g W (dX)", "g^T x (dW)", "g B", "(g B)^T x (dA)",
+           "g^T xa (dB)", "dx.addmm_(gB, A)"]
+    lines = ["| op | " + " | ".join(f"{n} {i}->{o}" for n, i, o in shapes) + " |",
+             "|---|" + "---:|" * len(shapes)]
+    cols = []
+    for _, fan_in, fan_out in shapes:
+        def t(*shape):
+            return torch.randn(*shape, device=dev, dtype=torch.bfloat16)
+        x, w, a, b, g = t(tokens, fan_in), t(fan_out, fan_in), t(r, fan_in), t(fan_out, r), t(tokens, fan_out)
+        y, xa, gb, dx = x @ w.t(), x @ a.t(), g @ b, g @ w
+        xc, wc = torch.cat([x, xa], 1), torch.cat([w, b], 1)
+        fns = [lambda: x @ w.t(), lambda: x @ a.t(), lambda: y + (xa @ b.t()) * 2.0,
+               lambda: torch.addmm(y, xa, b.t(), alpha=2.0), lambda: y.addmm_(xa, b.t(), alpha=2.0),
+               lambda: torch.cat([x, xa], 1), lambda: xc @ wc.t(), lambda: g @ w, lambda: g.t() @ x,
+               lambda: g @ b, lambda: gb.t() @ x, lambda: g.t() @ xa, lambda: dx.addmm_(gb, a)]
+        cols.append([timed_ms(f) for f in fns])
+    lines += [f"| {op} | " + " | ".join(f"{c[k]:.3f}" for c in cols) + " |" for k, op in enumerate(ops)]
+    return lines
 
 
 def _gap(ref: torch.Tensor, got: torch.Tensor) -> float:
@@ -88,7 +165,7 @@ def _top_kernels(backend, fn, count: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for name, default in [("hidden", 1536), ("ffn", 8960), ("heads", 12), ("kv-heads", 2), ("batch", 4), ("seq", 2048),
-                          ("r", 16), ("iters", 20), ("warmup", 5), ("profile", 0)]:
+                          ("r", 16), ("iters", 20), ("warmup", 5), ("profile", 0), ("ops", 1)]:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -115,15 +192,21 @@ def main() -> None:
     lora = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=args.r, lora_alpha=2 * args.r,
                                                                      target_modules=targets, init_lora_weights=False))
     lora = lora.to(dtype=torch.bfloat16)
-    concat = copy.deepcopy(lora)
-    _concat_lora(concat)
+    concat, inplace, hybrid, narrow = (copy.deepcopy(lora) for _ in range(4))
+    _swap_lora(concat, lambda i, o: _ConcatLora)
+    _swap_lora(inplace, lambda i, o: _InplaceLora)
+    # Per linear, the variant with the smaller extra pass: copying the input (concat) or the output (in place).
+    _swap_lora(hybrid, lambda i, o: _ConcatLora if i < o else _InplaceLora)
+    _swap_lora(narrow, lambda i, o: _NarrowLora)
 
     def layer_of(m: torch.nn.Module) -> torch.nn.Module:
         return next(mod for mod in m.modules() if type(mod).__name__.endswith("DecoderLayer"))
 
     rows, kernels = [], []
     grads = {}
-    for label, m in [("full (trainable)", full), ("LoRA (peft)", lora), ("LoRA (concatenated K)", concat)]:
+    variants = [("full (trainable)", full), ("LoRA (peft)", lora), ("LoRA (concatenated K)", concat),
+                ("LoRA (in-place addmm)", inplace), ("LoRA (hybrid)", hybrid), ("LoRA (narrow side)", narrow)]
+    for label, m in variants:
         layer = layer_of(m)
 
         def fwd() -> torch.Tensor:
@@ -152,10 +235,19 @@ def main() -> None:
              "", "| layer | forward ms | forward + backward ms | backward ms | fwd + bwd: device ms | host ms to issue |",
              "|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {label} | {f:.3f} | {fb:.3f} | {b:.3f} | {d:.3f} | {h:.3f} |" for label, f, fb, b, d, h in rows]
-    ref, got = grads["LoRA (peft)"], grads["LoRA (concatenated K)"]
-    lines += ["", f"Concatenated K against peft (largest difference over largest value): output {_gap(ref[0], got[0]):.1e}, "
-              f"input gradient {_gap(ref[1], got[1]):.1e}, adapter gradients "
-              f"{max(_gap(r, g) for r, g in zip(ref[2], got[2])):.1e} ({len(got[2])} tensors)"]
+    ref = grads["LoRA (peft)"]
+    lines.append("")
+    for label, _ in variants[2:]:
+        got = grads[label]
+        lines.append(f"- {label} against peft (largest difference over largest value): output {_gap(ref[0], got[0]):.1e}, "
+                     f"input gradient {_gap(ref[1], got[1]):.1e}, adapter gradients "
+                     f"{max(_gap(r, g) for r, g in zip(ref[2], got[2])):.1e} ({len(got[2])} tensors)")
+    if args.ops:
+        kv = args.hidden // args.heads * args.kv_heads
+        shapes = [("q/o", args.hidden, args.hidden), ("k/v", args.hidden, kv), ("gate/up", args.hidden, args.ffn),
+                  ("down", args.ffn, args.hidden)]
+        lines += ["", f"## Each piece alone, ms ({args.batch * args.seq} tokens, r {args.r})", ""]
+        lines += _op_table(timed_ms, dev, args.batch * args.seq, args.r, shapes)
     for label, table in kernels:
         lines += ["", f"## {label}: the longest kernels of one forward + backward", "", "```", table, "```"]
     text = "\n".join(lines)
