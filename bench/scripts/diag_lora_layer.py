@@ -14,10 +14,12 @@ forward + backward is also timed with the device kept busy while it is issued
 (``xpu.timing.pipelined_seconds``): the device's own time, and the host's time to issue it (where
 the host's exceeds the device's, the layer is bound by issuing kernels, not by running them).
 ``--profile N`` adds each variant's N kernels that took longest in one forward + backward;
-``--ops 1`` (the default) each piece of a LoRA linear timed alone for the layer's four shapes.
+``--ops 1`` (the default) each piece of a LoRA linear timed alone for the layer's four shapes;
+``--compile 1`` adds the fully trainable and the peft layer under ``torch.compile`` (and the
+peft one with CUDA graphs too: ``mode="reduce-overhead"``), for a layer bound by issuing kernels.
 
     python3 bench/scripts/diag_lora_layer.py [--hidden 1536 --ffn 8960 --heads 12 --kv-heads 2]
-        [--batch 4 --seq 2048 --r 16] [--iters 20] [--profile 12] [--ops 0] [--out FILE.md]
+        [--batch 4 --seq 2048 --r 16] [--iters 20] [--profile 12] [--ops 0] [--compile 1] [--out FILE.md]
 """
 from __future__ import annotations
 
@@ -165,7 +167,7 @@ def _top_kernels(backend, fn, count: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for name, default in [("hidden", 1536), ("ffn", 8960), ("heads", 12), ("kv-heads", 2), ("batch", 4), ("seq", 2048),
-                          ("r", 16), ("iters", 20), ("warmup", 5), ("profile", 0), ("ops", 1)]:
+                          ("r", 16), ("iters", 20), ("warmup", 5), ("profile", 0), ("ops", 1), ("compile", 0)]:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -204,12 +206,19 @@ def main() -> None:
 
     rows, kernels = [], []
     grads = {}
-    variants = [("full (trainable)", full), ("LoRA (peft)", lora), ("LoRA (concatenated K)", concat),
-                ("LoRA (in-place addmm)", inplace), ("LoRA (hybrid)", hybrid), ("LoRA (narrow side)", narrow)]
-    for label, m in variants:
-        layer = layer_of(m)
+    variants = [("full (trainable)", full, None), ("LoRA (peft)", lora, None), ("LoRA (concatenated K)", concat, None),
+                ("LoRA (in-place addmm)", inplace, None), ("LoRA (hybrid)", hybrid, None),
+                ("LoRA (narrow side)", narrow, None)]
+    if args.compile:  # fewer launches and less Python per kernel: does it lift a host-bound layer?
+        variants += [("full, torch.compile", copy.deepcopy(full), "default"),
+                     ("LoRA (peft), torch.compile", copy.deepcopy(lora), "default"),
+                     ("LoRA (peft), torch.compile + graphs", copy.deepcopy(lora), "reduce-overhead")]
+    for label, m, mode in variants:
+        layer = layer_of(m) if mode is None else torch.compile(layer_of(m), mode=mode)
 
         def fwd() -> torch.Tensor:
+            if mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are done with
             out = layer(x, position_embeddings=emb, attention_mask=None)
             return out[0] if isinstance(out, tuple) else out
 
@@ -237,7 +246,7 @@ def main() -> None:
     lines += [f"| {label} | {f:.3f} | {fb:.3f} | {b:.3f} | {d:.3f} | {h:.3f} |" for label, f, fb, b, d, h in rows]
     ref = grads["LoRA (peft)"]
     lines.append("")
-    for label, _ in variants[2:]:
+    for label in [v[0] for v in variants if v[0].startswith("LoRA") and v[0] != "LoRA (peft)"]:
         got = grads[label]
         lines.append(f"- {label} against peft (largest difference over largest value): output {_gap(ref[0], got[0]):.1e}, "
                      f"input gradient {_gap(ref[1], got[1]):.1e}, adapter gradients "
