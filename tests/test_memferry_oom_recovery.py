@@ -165,3 +165,40 @@ def test_a_rebuild_keeps_every_unit_s_state_where_units_change_homes(cpu_backend
         assert after["optimizer"][name]["step"] == st["step"] == 1
         assert all(torch.equal(after["optimizer"][name][k], st[k]) for k in ("master", "exp_avg", "exp_avg_sq")), name
     engine.close()
+
+
+def test_a_benchmark_row_whose_step_runs_out_of_memory_is_planned_again_and_trains_on(cpu_backend, monkeypatch):
+    """The benchmark's MemFerry rows step as ``xpu train`` does (``ReplanningSteps``): a timed
+    step that runs out of device memory after its first forward is planned again, runs again
+    from its first micro-batch, and the row's losses are the clean row's; the row says so."""
+    import bench.systems.memferry as bench_memferry
+    from bench.scenario import load_scenario
+    from bench.systems.base import micro_batches
+    from bench.worker import run_spec
+
+    scenario = load_scenario({"model": {"family": "gpt", "layers": 2, "hidden": 32, "heads": 4, "vocab": 128},
+                              "batch": 2, "seq": 16, "steps": 2, "warmup": 1, "dtype": "fp32", "seed": 0,
+                              "timeline": False, "accumulation_steps": 2,
+                              "systems": [{"name": "memferry", "device_mem_gb": 1, "options": {"plan": "auto"}}]})
+
+    def row() -> dict:
+        out = run_spec({"scenario": scenario.to_dict(), "label": "memferry", "timeline_path": None}, in_process=True)
+        assert out["status"] == "ok", out["reason"]
+        return out
+
+    clean = row()
+    real, calls = bench_memferry.engine_step, []
+
+    def runs_out_once(engine, inputs, targets, accumulation):
+        calls.append(1)
+        if len(calls) == 2:  # the first timed step: one micro-batch's forward, then the error
+            engine(*micro_batches(inputs, targets, accumulation)[0])
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 298.00 MiB. (injected)")
+        return real(engine, inputs, targets, accumulation)
+
+    monkeypatch.setattr(bench_memferry, "engine_step", runs_out_once)
+    got = row()
+    assert clean["replans"] == 0 and got["replans"] == 1
+    assert got["losses"] == clean["losses"]  # the step ran again exactly: nothing counted twice
+    assert "1 step(s) ran out of memory and ran again: out of memory in a step (CUDA out of memory" in got["notes"]
+    assert "planned again with a 15% memory margin" in got["notes"], got["notes"]

@@ -60,7 +60,10 @@ averaged over every step run), which says whether the CPU or the device bounds a
 rate per parameter beside the rate the scheduler planned with (plan ``auto``) and the floor
 host memory sets; the row has those figures as fields too (:mod:`.host_rate`:
 ``host_ns_per_param``, ``host_planned_ns_per_param``, ``host_over_floor``, ...), with the
-scheduler's ``predicted_step_s`` beside the measured ``step_s``.
+scheduler's ``predicted_step_s`` beside the measured ``step_s``. A step that runs out of device
+memory is planned again with a larger margin and run again, as ``xpu train`` does
+(``oom_recovery.ReplanningSteps``): the row's ``replans`` counts such steps and its notes quote
+the re-plan; the step's time includes the failed attempt.
 """
 from __future__ import annotations
 
@@ -78,6 +81,7 @@ from ..thread_waits import run_delays, waited_s
 from strategies.memferry import AdamW, MemFerry, Plan
 from strategies.memferry.cost import links_from_probe, predict_clip_fired
 from strategies.memferry.host_clock import HostReading
+from strategies.memferry.oom_recovery import ReplanningSteps
 
 __all__ = ["MemFerrySystem", "make"]
 
@@ -146,6 +150,8 @@ class MemFerrySystem(BenchSystem):
         if hold == "budget":
             ctx.backend.set_memory_cap(ctx.device_index, cap)
         self._accumulation = ctx.accumulation_steps
+        # A step that runs out of memory is planned again and run again, as ``xpu train`` does (the row says so).
+        self._replanning = ReplanningSteps(self.engine)
         self._plan_note = f"plan={spec}, host kernel {self.engine.optimizer.kernel.name}" + (
             f", loss in {chunks} slices ({'gradients in forward' if model.loss_grad_in_forward else 'recomputed'})"
             if chunks > 1 else "")
@@ -180,7 +186,7 @@ class MemFerrySystem(BenchSystem):
     @property
     def notes(self) -> str:
         """The plan, and the host optimizer's milliseconds per step by phase."""
-        base = self._plan_note + self._loss_note() + self._export_note
+        base = self._plan_note + self._replan_note() + self._loss_note() + self._export_note
         if not self._steps:
             return base
         # The last step's updates may still be running: wait, or the per-step averages below
@@ -201,7 +207,9 @@ class MemFerrySystem(BenchSystem):
         core (``issuing_wait_ms_per_step``: Linux's run delay; 0 elsewhere), and with
         clipping each step's ``grad_norms`` and whether it ``clipped``, and the step predicted after
         a clipped one (``predicted_after_clip_step_s``: :func:`~strategies.memferry.cost.predict_clip_fired`),
-        and per step the host's work and the training thread's wait for it (:meth:`_per_step_ms`)."""
+        and per step the host's work and the training thread's wait for it (:meth:`_per_step_ms`);
+        ``replans``: steps that ran out of device memory, were planned again and ran again
+        (``oom_recovery.ReplanningSteps``, as in ``xpu train``)."""
         if not self._steps:
             return {}
         self.engine.optimizer.wait_all()
@@ -217,7 +225,8 @@ class MemFerrySystem(BenchSystem):
                 clip["predicted_after_clip_step_s"] = predict_clip_fired(self.engine.plan, profile, links).step_s
         post = self.engine.executor.post  # the training thread's time queuing gradients home
         waited = waited_s(self._waits0, run_delays(), post.threads | {self._main_thread})
-        return {**clip, "grad_post_ms_per_step": round(post.seconds * 1e3 / self._steps, 3),
+        return {**clip, "replans": self._replanning.replans,
+                "grad_post_ms_per_step": round(post.seconds * 1e3 / self._steps, 3),
                 "grad_post_parts_ms_per_step": {k: round(v * 1e3 / self._steps, 3) for k, v in post.parts.items()},
                 "issuing_wait_ms_per_step": round(waited * 1e3 / self._steps, 3),
                 "predicted_step_s": self.engine.plan.predicted_step_s,
@@ -261,6 +270,14 @@ class MemFerrySystem(BenchSystem):
                 f"{c['sure_units']} not speculated in steps sure to clip, {c['held_units']} held for want of "
                 f"backup room)")
 
+    def _replan_note(self) -> str:
+        """Steps that ran out of device memory and were planned again (the last re-plan's own note)."""
+        n = self._replanning.replans
+        if not n:
+            return ""
+        said = [note for note in self.engine.plan.notes if note.startswith("out of memory in a step")]
+        return f"; {n} step(s) ran out of memory and ran again: {said[-1] if said else 'planned again'}"
+
     def _loss_note(self) -> str:
         """First and last step loss (does the loss fall?)."""
         if len(self._losses) < 2:
@@ -295,7 +312,7 @@ class MemFerrySystem(BenchSystem):
         if self._first_batch is None and self._export:
             rows = inputs.shape[0] // self._accumulation
             self._first_batch = (inputs[:rows], targets[:rows])
-        loss = engine_step(self.engine, inputs, targets, self._accumulation)
+        loss = self._replanning.run(lambda: engine_step(self.engine, inputs, targets, self._accumulation))
         self._losses.append(loss)  # a device scalar: read when the notes are
         self._per_step.append(self._host_clock())
         return loss

@@ -23,7 +23,7 @@ says what would work.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
 
@@ -39,13 +39,15 @@ from .scheduler import NoPlanFitsError
 if TYPE_CHECKING:
     from .engine import MemFerry
 
-__all__ = ["replan_after_oom", "rebuild_keeping_state", "rebuild_refusal", "cap_at_budget",
+__all__ = ["replan_after_oom", "ReplanningSteps", "rebuild_keeping_state", "rebuild_refusal", "cap_at_budget",
            "budget_bytes", "StepOutOfMemoryError", "ATTEMPTS"]
 
 _log = logging.getLogger("xpu.memferry")
 
 #: Re-plans after out-of-memory errors that one training run may make.
 ATTEMPTS = 3
+
+_T = TypeVar("_T")
 
 
 class StepOutOfMemoryError(XpuError, torch.OutOfMemoryError):
@@ -138,6 +140,35 @@ def replan_after_oom(engine: "MemFerry", error: BaseException | str) -> str:
     return note
 
 
+class ReplanningSteps:
+    """Runs ``engine``'s steps so that one that runs out of device memory is planned again
+    (:func:`replan_after_oom`) and run again from its first micro-batch, at most :data:`ATTEMPTS`
+    times in all; the training loop's engine and the benchmark's MemFerry rows step through it.
+
+    Attributes:
+        replans: steps run again so far.
+    """
+
+    def __init__(self, engine: "MemFerry") -> None:
+        self.engine = engine
+        self.replans = 0
+
+    def run(self, step: Callable[[], _T]) -> _T:
+        """``step()`` (one whole step of ``engine``: every micro-batch's forward and backward and
+        the update), again after each out-of-memory error it can re-plan; any other error, one it
+        cannot re-plan (:class:`StepOutOfMemoryError`) and the one past the attempts propagate."""
+        while True:
+            try:
+                return step()
+            except torch.OutOfMemoryError as exc:
+                if isinstance(exc, StepOutOfMemoryError) or self.replans >= ATTEMPTS:
+                    raise
+                failed = str(exc)
+            # Out of the except block: the failed step's graph (held by the traceback) is gone.
+            replan_after_oom(self.engine, failed)
+            self.replans += 1
+
+
 def budget_bytes(engine: "MemFerry") -> int:
     """The engine's device budget in bytes (the device's memory where none was given)."""
     given = engine._setup["device_budget"]
@@ -151,12 +182,14 @@ def rebuild_keeping_state(engine: "MemFerry", plan: Any) -> None:
     backend, device = engine.backend, engine.device
     engine.optimizer.wait_all()  # the previous step's updates are part of the state kept
     handle, lr = engine._handle, engine._lr
+    # The budget, not the old plan's hold (``rehearsal.hold_to_plan``), bounds the rebuild too: a
+    # hold at the old prediction had refused the new plan's buffers while the old ones were alive.
+    cap_at_budget(engine)
     # The state taken out and put back unit by unit; the optimizers, built after, take their step counts from it.
     _rebuild(engine, plan, keep_optimizer=True)
     backend.release_cache(device)  # the old plan's cached fragments: the new plan starts from what is in use
     engine._handle = handle  # an LR scheduler's optimizer stays this engine's
     engine.set_lr(lr)
-    cap_at_budget(engine)
 
 
 def cap_at_budget(engine: "MemFerry") -> None:

@@ -105,20 +105,27 @@ class MemFerryEngine:
     everything else is MemFerry's own."""
 
     def __init__(self, engine: Any) -> None:
+        from strategies.memferry.oom_recovery import ReplanningSteps
+
         self.engine = engine
-        self.replans = 0  # steps run again after running out of memory
+        self._steps = ReplanningSteps(engine)
+
+    @property
+    def replans(self) -> int:
+        """Steps run again after running out of device memory."""
+        return self._steps.replans
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)  # eval_loss, set_lr, state_dict, plan, ...
 
     def train_step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
         """MemFerry's ``train_step``, run again after an out-of-memory error it can re-plan."""
-        return self._again_after_oom(lambda: self.engine.train_step(inputs, targets))
+        return self._steps.run(lambda: self.engine.train_step(inputs, targets))
 
     def train_batch(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Forward and backward each micro-batch on ``loss / N``, then one step; the mean loss
         (detached); run again from the first micro-batch after an out-of-memory error it can re-plan."""
-        return self._again_after_oom(lambda: self._batch(micro_batches))
+        return self._steps.run(lambda: self._batch(micro_batches))
 
     def _fit(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Fit the plan to the step's longest micro-batch before its first runs (``batch_growth.py``)."""
@@ -135,20 +142,6 @@ class MemFerryEngine:
             total = loss.detach() if total is None else total + loss.detach()
         self.engine.step()
         return total / n
-
-    def _again_after_oom(self, run: Any) -> torch.Tensor:
-        from strategies.memferry.oom_recovery import ATTEMPTS, StepOutOfMemoryError, replan_after_oom
-
-        while True:
-            try:
-                return run()
-            except torch.OutOfMemoryError as exc:
-                if isinstance(exc, StepOutOfMemoryError) or self.replans >= ATTEMPTS:
-                    raise
-                failed = str(exc)
-            # Out of the except block: the failed step's graph (held by the traceback) is gone.
-            replan_after_oom(self.engine, failed)
-            self.replans += 1
 
 
 class TorchEngine:
