@@ -373,3 +373,42 @@ def test_a_longer_batch_is_planned_for_under_the_cap_and_close_gives_the_cap_bac
     assert max(stats.peak_reserved, stats.peak_allocated) <= budget
     engine.close()
     assert b.memory_cap(0) is None
+
+
+def test_a_held_engine_replans_a_step_that_ran_out_and_trains_on(gpu_backend, monkeypatch):
+    """``oom_recovery`` on the device: an engine rehearsed and held to its plan's prediction whose
+    step runs out of memory (injected as the step's forward begins) is planned again on the
+    device's own allocator: it rebuilds, the step runs again, the allocator stays capped at the
+    budget rather than the old hold, and ``close()`` lifts the cap."""
+    from strategies.memferry.executor import Executor
+    from strategies.memferry.oom_recovery import ReplanningSteps
+    from strategies.memferry.planning import plan_for
+
+    b = gpu_backend
+    tok = torch.randint(0, DIMS["vocab"], (BATCH, DIMS["seq"] + 1), generator=torch.Generator().manual_seed(5))
+    x, y = b.to_device(tok[:, :-1].contiguous(), 0), b.to_device(tok[:, 1:].contiguous(), 0)
+
+    def model():
+        torch.manual_seed(0)
+        return build_model("gpt", dtype=torch.bfloat16, **DIMS)
+
+    budget = int(1.5 * plan_for(model(), (x, y), None, backend=b, device=0).predicted_peak_bytes)
+    engine = MemFerry(model(), optim=AdamW(lr=1e-3), plan="auto", sample=(x, y), device_budget=budget, backend=b,
+                      device=0, memory_margin=0.0)
+    held = b.memory_cap(0)
+    assert held is not None and held < budget  # the rehearsal held the allocator to the plan
+    steps, calls, real = ReplanningSteps(engine), [], Executor.begin_forward
+
+    def forward(self):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB. (injected)")
+        return real(self)
+
+    monkeypatch.setattr(Executor, "begin_forward", forward)
+    assert torch.isfinite(steps.run(lambda: engine.train_step(x, y))).item()  # the step's first run
+    assert torch.isfinite(steps.run(lambda: engine.train_step(x, y))).item()  # ran out once, ran again
+    assert steps.replans == 1 and b.memory_cap(0) == budget
+    assert torch.isfinite(steps.run(lambda: engine.train_step(x, y))).item()
+    engine.close()
+    assert b.memory_cap(0) is None
