@@ -11,8 +11,9 @@ margin raised by :data:`~.rehearsal.MARGIN_STEP`, its allocator capped at the bu
 prediction was just shown short, and the new plan is not rehearsed); the caller then runs the
 step again from its first micro-batch. The new plan holds the longest micro-batch the engine
 has met (``batch_growth.py``): a longer one than the sample, met late in a step, is what may
-have run out. The training loop's MemFerry
-engine (``strategies/training/engines.py``) does so by itself, at most :data:`ATTEMPTS` times a run.
+have run out. :class:`ReplanningSteps` does it all around a step, at most :data:`ATTEMPTS` times
+a run: the training loop's MemFerry engine (``strategies/training/engines.py``) and the
+benchmark's MemFerry rows (``bench/systems/memferry.py``) step through it.
 
 It is exact only before the step's last backward: from then on host updates run as gradients
 land, and the step cannot be run again. Nor can a plan given rather than scheduled be made again,
