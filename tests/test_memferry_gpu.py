@@ -377,9 +377,9 @@ def test_a_longer_batch_is_planned_for_under_the_cap_and_close_gives_the_cap_bac
 
 def test_a_held_engine_replans_a_step_that_ran_out_and_trains_on(gpu_backend, monkeypatch):
     """``oom_recovery`` on the device: an engine rehearsed and held to its plan's prediction whose
-    step runs out of memory (injected as the step's forward begins) is planned again on the
-    device's own allocator: it rebuilds, the step runs again, the allocator stays capped at the
-    budget rather than the old hold, and ``close()`` lifts the cap."""
+    step runs out of memory (injected as the step's forward begins) is built again for the same
+    plan with the device's own allocator capped at the budget rather than the hold; the step
+    runs again, training goes on, and ``close()`` lifts the cap."""
     from strategies.memferry.executor import Executor
     from strategies.memferry.oom_recovery import ReplanningSteps
     from strategies.memferry.planning import plan_for
@@ -408,7 +408,7 @@ def test_a_held_engine_replans_a_step_that_ran_out_and_trains_on(gpu_backend, mo
     monkeypatch.setattr(Executor, "begin_forward", forward)
     assert torch.isfinite(steps.run(lambda: engine.train_step(x, y))).item()  # the step's first run
     assert torch.isfinite(steps.run(lambda: engine.train_step(x, y))).item()  # ran out once, ran again
-    assert steps.replans == 1 and b.memory_cap(0) == budget
+    assert steps.replans == 1 and b.memory_cap(0) == budget and "the same plan built again" in steps.notes[0]
     assert torch.isfinite(steps.run(lambda: engine.train_step(x, y))).item()
     engine.close()
     assert b.memory_cap(0) is None

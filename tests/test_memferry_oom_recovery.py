@@ -31,14 +31,15 @@ def _engine(cpu_backend, plan, budget, compute_dtype=None):
                     compute_dtype=compute_dtype)
 
 
-def _fail_once(monkeypatch, at_forward: int) -> list[int]:
-    """The ``at_forward``-th forward from now raises CUDA's out-of-memory error once."""
+def _fail_once(monkeypatch, at_forward: int | set[int]) -> list[int]:
+    """The ``at_forward``-th forward from now (each of a set's) raises CUDA's out-of-memory error once."""
     seen = []
     real = Executor.begin_forward
+    at = {at_forward} if isinstance(at_forward, int) else at_forward
 
     def forward(self):
         seen.append(1)
-        if len(seen) == at_forward:
+        if len(seen) in at:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 126.00 MiB. (injected)")
         return real(self)
 
@@ -68,14 +69,21 @@ def test_a_step_out_of_memory_is_planned_again_and_trains_as_if_it_had_not_faile
     want = _train(clean)
     clean.close()
     faulty = MemFerryEngine(_engine(cpu_backend, plan, budget, compute_dtype))
-    _fail_once(monkeypatch, at_forward=4)  # step 2's second micro-batch: its first backward has summed already
+    held = cpu_backend.memory_cap(0)
+    assert held is not None and held < budget  # rehearsed: the allocator held to the plan's prediction
+    # Step 2's second micro-batch (its first backward has summed already), then the rerun's first.
+    _fail_once(monkeypatch, at_forward={4, 5})
     released = []
     monkeypatch.setattr(type(cpu_backend), "release_cache", lambda self, device=None: released.append(device))
     got = _train(faulty)
-    assert faulty.replans == 1 and released == [0]  # the failed step's cache given back before the re-run
+    assert faulty.replans == 2 and released == [0, 0]  # each failed step's cache given back before its re-run
+    said = faulty._steps.notes
+    # first the same plan with the hold lifted to the budget, then (not held any more) a new plan
+    assert len(said) == 2 and all(n.startswith("out of memory in a step (CUDA out of memory") for n in said), said
+    assert said[-1] in faulty.engine.plan.notes
+    assert "held at the plan's predicted peak" in said[0] and "the same plan built again" in said[0]
+    assert "planned again with a 5% memory margin" in said[1]
     assert faulty.engine._setup["memory_margin"] == pytest.approx(0.05)
-    said = [n for n in faulty.engine.plan.notes if n.startswith("out of memory in a step (CUDA out of memory")]
-    assert len(said) == 1 and "planned again with a 5% memory margin" in said[0], faulty.engine.plan.notes
     assert cpu_backend.memory_cap(0) == budget  # the new plan is not rehearsed: no hold below the budget
     for name, t in want["model"].items():  # bit for bit: no gradient counted twice, no moment or rate lost
         assert torch.equal(got["model"][name], t), name
@@ -201,4 +209,5 @@ def test_a_benchmark_row_whose_step_runs_out_of_memory_is_planned_again_and_trai
     assert clean["replans"] == 0 and got["replans"] == 1
     assert got["losses"] == clean["losses"]  # the step ran again exactly: nothing counted twice
     assert "1 step(s) ran out of memory and ran again: out of memory in a step (CUDA out of memory" in got["notes"]
-    assert "planned again with a 15% memory margin" in got["notes"], got["notes"]
+    # the engine was held to its plan's prediction: the same plan ran again under the budget
+    assert "the same plan built again, the allocator capped at the budget, 1.0 GB" in got["notes"], got["notes"]

@@ -271,12 +271,9 @@ class MemFerrySystem(BenchSystem):
                 f"backup room)")
 
     def _replan_note(self) -> str:
-        """Steps that ran out of device memory and were planned again (the last re-plan's own note)."""
+        """Steps that ran out of device memory and ran again, with what each re-plan did."""
         n = self._replanning.replans
-        if not n:
-            return ""
-        said = [note for note in self.engine.plan.notes if note.startswith("out of memory in a step")]
-        return f"; {n} step(s) ran out of memory and ran again: {said[-1] if said else 'planned again'}"
+        return f"; {n} step(s) ran out of memory and ran again: " + "; then ".join(self._replanning.notes) if n else ""
 
     def _loss_note(self) -> str:
         """First and last step loss (does the loss fall?)."""

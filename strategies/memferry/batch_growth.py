@@ -94,6 +94,17 @@ def longest_shape(engine: "MemFerry") -> tuple[int, int]:
     return max(base[0], fitted[0], later[0]), max(base[1], fitted[1], later[1])
 
 
+def plan_holds_longest(engine: "MemFerry") -> bool:
+    """Whether ``engine``'s plan was made for the longest micro-batch it must hold
+    (:func:`longest_shape`); a plan given rather than scheduled counts as made for it."""
+    profile = engine.plan.profile
+    if profile is None:
+        return True
+    rows, seq = longest_shape(engine)
+    made = _profile_shape(profile)
+    return rows <= made[0] and seq <= made[1]
+
+
 def _profile_shape(profile: "StepProfile") -> tuple[int, int]:
     """``(rows, sequence)`` a profile was measured at (one row of ``tokens`` where its sequence is not known)."""
     return (profile.tokens // profile.seq, profile.seq) if profile.seq else (1, profile.tokens)

@@ -1,4 +1,4 @@
-"""A step that runs out of device memory is planned again with a larger margin, not lost.
+"""A step that runs out of device memory runs again under the budget or a new plan, not lost.
 
 The rehearsal (``rehearsal.py``) fits a plan before training, but a step can still run out of
 memory later: on the H200, with expandable segments turned off by the user, a plan whose
@@ -11,9 +11,15 @@ margin raised by :data:`~.rehearsal.MARGIN_STEP`, its allocator capped at the bu
 prediction was just shown short, and the new plan is not rehearsed); the caller then runs the
 step again from its first micro-batch. The new plan holds the longest micro-batch the engine
 has met (``batch_growth.py``): a longer one than the sample, met late in a step, is what may
-have run out. :class:`ReplanningSteps` does it all around a step, at most :data:`ATTEMPTS` times
-a run: the training loop's MemFerry engine (``strategies/training/engines.py``) and the
-benchmark's MemFerry rows (``bench/systems/memferry.py``) step through it.
+have run out. A rehearsed engine's allocator is held at its plan's predicted peak, under the
+budget (``rehearsal.hold_to_plan``); where the plan was made for the longest micro-batch met,
+the first such error builds the same plan again with the cap lifted to the budget instead
+(session 54's LoRA row ran out with 0.28 GB reserved but unallocated over a 7.46 GB hold under
+8 GB: fragmentation the budget's rest has room for), and only a step that runs out after that
+is planned again with the larger margin. :class:`ReplanningSteps` does it all around a step, at
+most :data:`ATTEMPTS` times a run: the training loop's MemFerry engine
+(``strategies/training/engines.py``) and the benchmark's MemFerry rows
+(``bench/systems/memferry.py``) step through it.
 
 It is exact only before the step's last backward: from then on host updates run as gradients
 land, and the step cannot be run again. Nor can a plan given rather than scheduled be made again,
@@ -32,7 +38,7 @@ from xpu.errors import XpuError
 from xpu.hostmem import mem_available
 from xpu.units import format_bytes, parse_bytes
 
-from .batch_growth import longest_shape, scaled_profile
+from .batch_growth import longest_shape, plan_holds_longest, scaled_profile
 from .planning import replan
 from .rehearsal import MARGIN_STEP, _rebuild
 from .scheduler import NoPlanFitsError
@@ -75,11 +81,12 @@ def _state_bytes(engine: "MemFerry") -> int:
     return one + sum(state(s) for s in shadows if s.home == "device") + cast
 
 
-def rebuild_refusal(engine: "MemFerry") -> str | None:
-    """Why ``engine`` cannot be built again for another plan between steps, or None."""
+def rebuild_refusal(engine: "MemFerry", same_plan: bool = False) -> str | None:
+    """Why ``engine`` cannot be built again between steps for another plan (``same_plan``: for
+    its own plan), or None."""
     if engine.dp is not None:
         return "under data parallelism the ranks plan together only at setup"
-    if engine.plan.profile is None:
+    if engine.plan.profile is None and not same_plan:
         return "the plan was given, not scheduled, so it cannot be made again"
     available, need = mem_available(), _state_bytes(engine)
     if available is not None and available < need:
@@ -88,13 +95,14 @@ def rebuild_refusal(engine: "MemFerry") -> str | None:
     return None
 
 
-def _refusal(engine: "MemFerry") -> str | None:
-    """Why the engine's interrupted step cannot be run again under a new plan, or None."""
+def _refusal(engine: "MemFerry", same_plan: bool) -> str | None:
+    """Why the engine's interrupted step cannot be run again under a new plan (``same_plan``: its
+    own), or None."""
     if engine.micro.backwards >= engine.micro.steps:
         return ("it ran out during the step's last backward or its update, after host updates had begun, so "
                 "the step cannot be run again exactly; resume from the last checkpoint with a memory_margin "
                 f"above {engine._setup['memory_margin']:.2f}")
-    why = rebuild_refusal(engine)
+    why = rebuild_refusal(engine, same_plan)
     if why is None:
         return None
     if engine.plan.profile is None:
@@ -102,11 +110,26 @@ def _refusal(engine: "MemFerry") -> str | None:
     return f"{why}; restart from the last checkpoint with a larger memory_margin"
 
 
+def _held_below_budget(engine: "MemFerry") -> int | None:
+    """The allocator's cap where the rehearsal holds it under the engine's budget
+    (``rehearsal.hold_to_plan``) and the plan was made for the longest micro-batch met, else None
+    (a longer one is planned for: ``batch_growth.py``)."""
+    cap = engine.backend.memory_cap(engine.device)
+    if engine._setup["device_budget"] is None or cap is None or not plan_holds_longest(engine):
+        return None
+    return cap if cap < budget_bytes(engine) else None
+
+
 def replan_after_oom(engine: "MemFerry", error: BaseException | str) -> str:
-    """Build ``engine`` again for a plan with a larger memory margin after ``error``, an
-    out-of-memory error raised inside one of its steps, keeping the weights and optimizer state
-    the step started from; the caller then runs the step again from its first micro-batch.
-    Call it after leaving the ``except`` block, so that the failed step's graph is gone.
+    """Build ``engine`` again after ``error``, an out-of-memory error raised inside one of its
+    steps, keeping the weights and optimizer state the step started from; the caller then runs
+    the step again from its first micro-batch. Call it after leaving the ``except`` block, so
+    that the failed step's graph is gone.
+
+    Where the allocator was held under the budget at the plan's prediction and the plan holds
+    the longest micro-batch met, the same plan is built again with the cap lifted to the budget
+    (it stays as fast); otherwise the plan is made again with a larger memory margin (see the
+    module docstring).
 
     Returns:
         What was done, one line (also logged, and added to ``engine.plan.notes``).
@@ -116,11 +139,20 @@ def replan_after_oom(engine: "MemFerry", error: BaseException | str) -> str:
             fits with the larger margin.
     """
     said = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    why = _refusal(engine)
+    held = _held_below_budget(engine)
+    why = _refusal(engine, same_plan=held is not None)
     if why:
         raise StepOutOfMemoryError(f"MemFerry ran out of device memory in a step ({said[:120]}); {why}")
     setup = engine._setup
     budget = budget_bytes(engine)
+    if held is not None:
+        rebuild_keeping_state(engine, engine.plan)
+        note = (f"out of memory in a step ({said[:120]}) with the allocator held at the plan's predicted peak, "
+                f"{format_bytes(held)}: the same plan built again, the allocator capped at the budget, "
+                f"{format_bytes(budget)}; the step runs again")
+        engine.plan.notes.append(note)
+        _log.warning("MemFerry: %s", note)
+        return note
     margin = setup["memory_margin"] + MARGIN_STEP
     old = engine.plan
     shape = longest_shape(engine)  # a micro-batch longer than planned for may be what ran out (batch_growth.py)
@@ -148,11 +180,14 @@ class ReplanningSteps:
 
     Attributes:
         replans: steps run again so far.
+        notes: what each re-plan did, in order (:func:`replan_after_oom`'s lines; a new plan's
+            own notes start afresh).
     """
 
     def __init__(self, engine: "MemFerry") -> None:
         self.engine = engine
         self.replans = 0
+        self.notes: list[str] = []
 
     def run(self, step: Callable[[], _T]) -> _T:
         """``step()`` (one whole step of ``engine``: every micro-batch's forward and backward and
@@ -166,7 +201,7 @@ class ReplanningSteps:
                     raise
                 failed = str(exc)
             # Out of the except block: the failed step's graph (held by the traceback) is gone.
-            replan_after_oom(self.engine, failed)
+            self.notes.append(replan_after_oom(self.engine, failed))
             self.replans += 1
 
 
