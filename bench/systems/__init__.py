@@ -133,7 +133,7 @@ register_system("memferry", "bench.systems.memferry:make",
                          "lora": None, "export_hf": False, "allocator_cap": "plan", "sum_placement": "race",
                          "landing_wait": "spin", "clip_fire_rate": 0.0, "flat_sends": False,
                          "split_update": None, "loss_grad_in_forward": True, "gil_switch_s": None,
-                         "host_piece": None, "freeze_setup": None},
+                         "host_piece": None, "freeze_setup": None, "compile_blocks": False},
                 accumulation=True,
                 description="MemFerry: parameters homed in host memory; per-block prefetch / DHA / device-homed plans")
 register_system("memferry-dp", "bench.systems.memferry_dp:make",

@@ -27,6 +27,8 @@ Options:
         GIL waits up to that long for a holder running Python; for an A/B of what the host
         optimizer's loop calls lose that way (its ``call`` phase).
     memory_margin: the scheduler's fragmentation margin on predicted peak memory (plan auto).
+    compile_blocks: ``false`` (default) or ``true`` (``MemFerry(compile_blocks=...)``): blocks run
+        through ``torch.compile``, profiled so too. For an A/B of what compiling them pays in steps.
     freeze_setup: unset (default: on real devices), ``true`` or ``false``
         (``MemFerry(freeze_setup=...)``): what the set-up made alive frozen out of Python's full
         garbage collections. For an A/B of what their pauses cost a step (the row's ``gc_full_ms_steps``).
@@ -101,6 +103,8 @@ class MemFerrySystem(BenchSystem):
         switch = ctx.options.get("gil_switch_s")
         if switch is not None and not (isinstance(switch, (int, float)) and 0 < switch <= 1):
             raise ValueError(f"memferry: gil_switch_s must be seconds in (0, 1] (e.g. 0.0005) or unset, got {switch!r}")
+        if not isinstance(ctx.options["compile_blocks"], bool):
+            raise ValueError(f"memferry: compile_blocks must be true or false, got {ctx.options['compile_blocks']!r}")
         lora, self._export = ctx.options.get("lora"), bool(ctx.options.get("export_hf", False))
         if (lora is not None or self._export) and ctx.family != "hf":
             raise ValueError(f"memferry: options lora and export_hf need a model of family hf, not {ctx.family!r}")
@@ -143,7 +147,8 @@ class MemFerrySystem(BenchSystem):
                                    compute_dtype=ctx.dtype, blocks=model.blocks,  # named: a 1-block model has no list
                                    accumulation_steps=ctx.accumulation_steps,
                                    sum_placement=ctx.options.get("sum_placement", "race"),
-                                   freeze_setup=ctx.options.get("freeze_setup"))
+                                   freeze_setup=ctx.options.get("freeze_setup"),
+                                   compile_blocks=ctx.options["compile_blocks"])
         except BaseException:
             sys.setswitchinterval(self._switch_before)
             raise

@@ -137,6 +137,9 @@ class MemFerry(EngineReadings):
             128-block model (``gc_pauses.py``). :meth:`close` thaws them (the last engine to
             close). None: on real devices, not the cpu backend's virtual ones (whose steps are
             not timed, and whose tests build engines by the thousand, a collection each).
+        compile_blocks: run blocks through ``torch.compile``, profiled so too
+            (``compiled_blocks.py``; blocks read over the link or offloading stay eager).
+            Off by default: not yet measured in steps on a device.
 
     Frozen parameters (``requires_grad=False``, e.g. a LoRA model's base weights) are homed and
     moved with their units like the others but have no optimizer state (no master, moments or
@@ -163,6 +166,7 @@ class MemFerry(EngineReadings):
         rehearse: bool = True,
         sum_placement: str = "race",
         freeze_setup: bool | None = None,
+        compile_blocks: bool = False,
     ) -> None:
         check_accumulation_steps(accumulation_steps)
         if any(p.numel() and not p.untyped_storage().nbytes() for p in model.parameters()):
@@ -194,7 +198,8 @@ class MemFerry(EngineReadings):
         self._setup = {"blocks": blocks, "no_decay": no_decay, "device_budget": device_budget,
                        "compute_dtype": compute_dtype, "accumulation_steps": accumulation_steps,
                        "multipath": multipath, "memory_margin": memory_margin, "sum_placement": sum_placement,
-                       "freeze_setup": not self.backend.caps.virtual_devices if freeze_setup is None else freeze_setup}
+                       "freeze_setup": not self.backend.caps.virtual_devices if freeze_setup is None else freeze_setup,
+                       "compile_blocks": bool(compile_blocks)}
         try:
             if process_group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
                 self.dp = DataParallel.create(self.backend.device(self.device), process_group)
@@ -203,7 +208,8 @@ class MemFerry(EngineReadings):
             if plan == "auto":  # the convenience form: plan first (the model is already cast)
                 plan = plan_for(model, sample, device_budget, optim=self.cfg, loss_fn=loss_fn, blocks=blocks,
                                 device=self.device, backend=self.backend, process_group=process_group,
-                                memory_margin=memory_margin, accumulation_steps=accumulation_steps)
+                                memory_margin=memory_margin, accumulation_steps=accumulation_steps,
+                                compile_blocks=compile_blocks)
             elif isinstance(plan, str):
                 plan = Plan.from_spec(plan, n_blocks)
             plan = plan or Plan.uniform(n_blocks, UnitPlan("prefetch", "prefetch"))
@@ -261,7 +267,8 @@ class MemFerry(EngineReadings):
                                                 norms=self.clip.norms if self.clip is not None else None)
         self.copier = self._copier(setup["multipath"])
         self.executor = Executor(self.backend, self.device, self.shadow, plan, self.optimizer, self.device_optimizer,
-                                 copier=self.copier, accumulation_steps=setup["accumulation_steps"], clip=self.clip)
+                                 copier=self.copier, accumulation_steps=setup["accumulation_steps"], clip=self.clip,
+                                 compile_blocks=setup["compile_blocks"])
         self.plan = plan
         self._steps = 0
         self.micro = MicroBatches(setup["accumulation_steps"])

@@ -47,6 +47,7 @@ from xpu import Backend
 from ..activation_swap import ActivationSwapper, SwapGroup
 from ..selective_recompute import selective_checkpoint
 from .clip_norms import GlobalNormClip
+from .compiled_blocks import compile_forward, compiles
 from .config import OFFLOAD_MIN_BYTES, Plan, UnitPlan
 from .device_accumulation import DeviceSums
 from .device_optimizer import DeviceOptimizer
@@ -82,11 +83,12 @@ class Executor(GradientsHome):
         clip: global-norm clipping (``clip_norms.py``): the units in its ``device_normed`` add their
             step gradient's squares to its device sum before the gradient goes home, and bring the
             running sum home behind it (``GlobalNormClip.partials``). None: no clipping.
+        compile_blocks: run each block that can through ``torch.compile`` (``compiled_blocks.py``).
     """
 
     def __init__(self, backend: Backend, device: int, shadow: ShadowModel, plan: Plan, optimizer: HostOptimizer,
                  device_optimizer: DeviceOptimizer, copier: Any = None, accumulation_steps: int = 1,
-                 clip: GlobalNormClip | None = None) -> None:
+                 clip: GlobalNormClip | None = None, compile_blocks: bool = False) -> None:
         blocks = [s for s in shadow.shadows if s.unit.is_block]
         check_plan(plan, len(blocks), backend, accumulation_steps)
         self.b, self.dev, self.shadow, self.plan, self.opt = backend, device, shadow, plan, optimizer
@@ -116,6 +118,7 @@ class Executor(GradientsHome):
         self._routed_done: set[int] = set()  # ... of those, the ones written this step
         self._final = True  # the current backward is the step's last micro-batch
         self._frozen_in_backward: list[UnitShadow] = []  # frozen units whose backward ran (to release)
+        self.compile_blocks = compile_blocks  # blocks through torch.compile where they can (compiled_blocks.py)
         # Activation offload. Weights are never swapped: they are bound to buffers that come and go.
         self.swapper = ActivationSwapper(backend, device, min_bytes=OFFLOAD_MIN_BYTES)
         self.swapper.skip = self._keeps_on_device  # type: ignore[method-assign]
@@ -136,8 +139,11 @@ class Executor(GradientsHome):
             if s.home == "host" and self.unit_plans[s.unit.index].forward == "dha":
                 self._route_linears(s)
             up = self.unit_plans[s.unit.index]
-            if up.selective or up.recompute or up.offload:
-                self._handles.append(_Restore(module))  # taken before the wrap below
+            compiled = self.compile_blocks and compiles(up)
+            if up.selective or up.recompute or up.offload or compiled:
+                self._handles.append(_Restore(module))  # taken before the wraps below
+            if compiled:  # inside any recomputation: it recomputes through the compiled graph
+                compile_forward(module)
             if up.selective:
                 module.forward = functools.partial(selective_checkpoint, module.forward)
             elif up.recompute:

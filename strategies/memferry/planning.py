@@ -42,7 +42,8 @@ def plan_for(model: nn.Module, sample: tuple[Any, Any] | None, device_budget: in
              optim: AdamW | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
              blocks: nn.ModuleList | None = None, device: int | None = None, backend: Backend | None = None,
              process_group: Any = None, memory_margin: float = 0.10,
-             compute_dtype: torch.dtype | None = None, accumulation_steps: int = 1) -> Plan:
+             compute_dtype: torch.dtype | None = None, accumulation_steps: int = 1,
+             compile_blocks: bool = False) -> Plan:
     """The plan MemFerry's scheduler picks for ``model`` under ``device_budget``, from one profiled step.
 
     The arguments mean what they mean to :class:`~strategies.memferry.engine.MemFerry`; the
@@ -56,7 +57,7 @@ def plan_for(model: nn.Module, sample: tuple[Any, Any] | None, device_budget: in
         device_budget: most device memory the run may use (None: what the device has free).
         optim: the optimizer settings training will use (its host kernel is measured).
         loss_fn, blocks, device, backend, process_group, memory_margin, compute_dtype,
-            accumulation_steps: as :class:`~strategies.memferry.engine.MemFerry`'s (the
+            accumulation_steps, compile_blocks: as :class:`~strategies.memferry.engine.MemFerry`'s (the
             micro-batches per step keep device-homed units' fp32 gradients resident all step:
             ``cost.grads_persist``).
 
@@ -80,7 +81,7 @@ def plan_for(model: nn.Module, sample: tuple[Any, Any] | None, device_budget: in
         with kv_cache_off(model):  # a Hugging Face model's cache would carry one timed pass's graph into the next
             return _profile_and_schedule(model, sample, device_budget, optim or AdamW(), loss_fn, blocks, index,
                                          backend, memory_margin, compute_dtype, accumulation_steps,
-                                         data_parallel=not alone)
+                                         data_parallel=not alone, compile_blocks=compile_blocks)
 
     if alone:
         return plan_here()
@@ -90,7 +91,8 @@ def plan_for(model: nn.Module, sample: tuple[Any, Any] | None, device_budget: in
 
 def _profile_and_schedule(model: nn.Module, sample: Any, device_budget: Any, optim: AdamW, loss_fn: Any, blocks: Any,
                           index: int, backend: Backend, margin: float, compute_dtype: torch.dtype | None,
-                          accumulation_steps: int = 1, data_parallel: bool = False) -> Plan:
+                          accumulation_steps: int = 1, data_parallel: bool = False,
+                          compile_blocks: bool = False) -> Plan:
     """Profile one step here and pick the fastest plan the budget allows."""
     from xpu.units import parse_bytes
 
@@ -108,7 +110,7 @@ def _profile_and_schedule(model: nn.Module, sample: Any, device_budget: Any, opt
         inputs, targets = sample
         started = time.perf_counter()
         profile = profile_step(model, units, backend, index, inputs, targets, loss_fn=loss_fn, blocks=blocks,
-                               host_kernel=optim.host_kernel)
+                               host_kernel=optim.host_kernel, compile_blocks=compile_blocks)
         profiled = time.perf_counter()
         profile.accumulation_steps = accumulation_steps  # what persists across micro-batches (cost.grads_persist)
         profile.clipping = optim.max_grad_norm is not None  # device gradients held until step() (likewise)

@@ -40,6 +40,7 @@ from xpu import Backend
 
 from ..selective_recompute import kept_output_bytes, selective_checkpoint
 from .adamw_rates import device_adamw_rate, host_adamw_rate, host_adamw_rates
+from .compiled_blocks import compile_forward
 from .backward_memory import backward_extra, recomputed_backward_extra
 from .config import OFFLOAD_MIN_BYTES
 from .cost import loss_peak_estimate
@@ -188,6 +189,8 @@ class StepProfile:
         host_adamw_numel: the length of the flat buffers the host rates were measured on (0: not
             recorded); the rehearsal times the kernel alone on buffers as long
             (``host_calibration.alone_slowdown``).
+        compiled_blocks: the blocks were timed and measured through ``torch.compile``
+            (``compiled_blocks.py``), as an engine with ``compile_blocks`` runs them.
     """
 
     blocks: list[BlockProfile]
@@ -225,6 +228,7 @@ class StepProfile:
     seq: int = 0
     padded: bool = False
     host_adamw_numel: int = 0
+    compiled_blocks: bool = False
 
     def to_json(self, indent: int | None = 1) -> str:
         """The profile as a JSON string (``indent=None``: on one line)."""
@@ -285,12 +289,15 @@ def _block_signature(block: nn.Module) -> tuple:
 
 
 def _profile_block(block: nn.Module, args: tuple, kwargs: dict, backend: Backend, device: int,
-                   repeats: int) -> tuple[BlockProfile, Any]:
-    """Figures of one block on the device, and its output (the next block's input)."""
+                   repeats: int, compiled: bool = False) -> tuple[BlockProfile, Any]:
+    """Figures of one block on the device (``compiled``: run through ``torch.compile``, compiled
+    in the warm-up of the first figure), and its output (the next block's input)."""
     numel = sum(p.numel() for p in block.parameters() if p.requires_grad)
     # Every weight, frozen ones too (a LoRA base): a load moves them all and a resident block holds them.
     param_bytes = sum(_nbytes(p) for p in block.parameters())
     blk, x_args, x_kwargs = block_on_device(block, args, kwargs, backend, device)
+    if compiled:  # the copy's own (blocks are profiled before the executor compiles them)
+        compile_forward(blk)
 
     def run_forward() -> Any:
         return blk(*x_args, **x_kwargs)
@@ -365,7 +372,8 @@ def _profile_rest(model: nn.Module, blocks: nn.ModuleList, rest: Unit, inputs: A
 def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: int | None, inputs: Any,
                  targets: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                  blocks: nn.ModuleList | None = None, repeats: int = 3, adamw_numel: int | None = None,
-                 reuse_identical: bool = True, host_kernel: str = "auto") -> StepProfile:
+                 reuse_identical: bool = True, host_kernel: str = "auto",
+                 compile_blocks: bool = False) -> StepProfile:
     """Measure one step of ``model`` on ``backend`` (see the module docstring).
 
     Args:
@@ -386,6 +394,8 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
             rate is measured alone and beside host<->device copies in both directions at
             full rate (:func:`host_adamw_rates`): the cost model prices a plan's own copies
             from the two (``host_budget``).
+        compile_blocks: time and measure each block as ``torch.compile`` runs it
+            (``compiled_blocks.py``; its activations at half the sequence are measured eagerly).
 
     Raises:
         ValueError: the model never reaches its first block, or a block's output has no
@@ -414,7 +424,7 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
             if reuse_identical and sig in cache:
                 profiles.append(copy.copy(cache[sig]))
                 continue
-            prof, out = _profile_block(u.module, args, kwargs, backend, index, repeats)
+            prof, out = _profile_block(u.module, args, kwargs, backend, index, repeats, compile_blocks)
             first_in = _tensors(args)[0]
             out_t = _tensors(out)
             pass_through_ok &= bool(out_t) and out_t[0].shape == first_in.shape
@@ -434,7 +444,7 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
             notes.append("rest: blocks change the hidden shape; rest times scaled from blocks by parameter count, "
                          + ("loss peak estimated from the head's shape" if vocab else "loss peak unknown (0)"))
         if block_units and not backend.caps.virtual_devices:  # a cold device's first figures, again (pass_timing.py)
-            again, _ = _profile_block(block_units[0].module, *first_input, backend, index, repeats)
+            again, _ = _profile_block(block_units[0].module, *first_input, backend, index, repeats, compile_blocks)
             for sig, prof in zip(sigs, profiles):
                 if sig == sigs[0]:
                     lesser_times(prof, again)
@@ -463,4 +473,4 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
                        host_adamw_copies_s_per_param=copies_rate if copies_GBps else 0.0, host_copies_GBps=copies_GBps,
                        host_adamw_bytes_per_param=update_bytes(dtype.itemsize).kernel,
                        seq=sample_shape(inputs)[1] if halves else 0, padded=padded(inputs),
-                       host_adamw_numel=numel_for_rates)
+                       host_adamw_numel=numel_for_rates, compiled_blocks=compile_blocks)

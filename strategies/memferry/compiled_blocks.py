@@ -1,0 +1,38 @@
+"""Blocks run through ``torch.compile`` (``MemFerry(compile_blocks=True)``; off by default).
+
+Why: a decoder layer run eagerly launches every elementwise op on its own and pays the host's
+time to issue each (session 54, one Qwen2-1.5B layer on an H100, 4 x 2048 tokens: forward +
+backward 7.07 ms eager, 5.20 compiled; with peft LoRA adapters 8.18 and 5.64;
+``bench/results/2026-12-07-h100-session54/call3/``). Not yet measured inside MemFerry's steps.
+
+What the executor relies on holds for a compiled block (``bench/scripts/probe_compile_block.py``):
+moving a parameter's ``.data`` (``UnitShadow.bind``) compiles nothing new, ``checkpoint`` and
+selective recomputation recompute through the same graph, saved-tensor hooks see the compiled
+graph's saves (so the profiler measures its activations as they are), gradient hooks fire, and
+blocks of one class share one graph. A deep copy's ``forward`` attribute, though, is still the
+original's compiled method: the profiler compiles its own copy (:func:`compile_forward`).
+
+Blocks whose linears are read over the link (DHA, custom autograd functions over host memory)
+or whose activations are offloaded stay eager (:func:`compiles`); the profile prices every block
+at its compiled times, so such a block is priced as if it were compiled.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import UnitPlan
+
+__all__ = ["compile_forward", "compiles"]
+
+
+def compile_forward(module: nn.Module) -> None:
+    """Make ``module.forward`` (its own attribute, else the class's, bound) ``torch.compile``'s
+    wrapper of it, for fixed shapes (``dynamic=False``: a new shape compiles once more)."""
+    module.forward = torch.compile(module.forward, dynamic=False)
+
+
+def compiles(plan: UnitPlan) -> bool:
+    """Whether a block under ``plan`` runs compiled when blocks are: not where its linears are
+    read over the link (``dha`` either way) nor where its activations are offloaded."""
+    return "dha" not in (plan.forward, plan.backward) and not plan.offload
