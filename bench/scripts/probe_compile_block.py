@@ -4,7 +4,7 @@ C++ code, a device backend with Triton).
 
 MemFerry points a block's parameters at other storage between uses (``UnitShadow.bind`` sets
 ``p.data``: a prefetch slot, the device home, the host copy), wraps a block's forward in
-``checkpoint`` to recompute it, counts what autograd saves through saved-tensor hooks (the
+``checkpoint`` (or selective recomputation's) to recompute it, counts what autograd saves through saved-tensor hooks (the
 profiler), hooks each parameter's accumulated gradient (the gradient offload) and deep-copies
 blocks to profile them. Each line printed says whether that holds for a block whose ``forward``
 was replaced by ``torch.compile(block.forward)``, and how many graphs were compiled in all:
@@ -57,6 +57,15 @@ def main() -> None:
     out = checkpoint(block.forward, x, use_reentrant=False)
     out.sum().backward()
     print("under checkpoint (recomputed in backward): graphs", graphs())
+
+    from strategies.selective_recompute import selective_checkpoint
+
+    x.grad = None
+    selective_checkpoint(block.forward, x).sum().backward()
+    got, x.grad = x.grad, None
+    eager(x).sum().backward()
+    print("under selective recomputation: input gradient equals eager's:",
+          torch.allclose(got, x.grad, atol=1e-5, rtol=1e-5), "graphs", graphs())
 
     saved: list[int] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t.numel() * t.element_size()), t)[1],
