@@ -40,8 +40,8 @@ from xpu import Backend
 
 from ..selective_recompute import kept_output_bytes, selective_checkpoint
 from .adamw_rates import device_adamw_rate, host_adamw_rate, host_adamw_rates
-from .compiled_blocks import compile_forward
 from .backward_memory import backward_extra, recomputed_backward_extra
+from .compiled_blocks import compile_forward
 from .config import OFFLOAD_MIN_BYTES
 from .cost import loss_peak_estimate
 from .hf_models import head_shape, model_loss
