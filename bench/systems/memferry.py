@@ -103,8 +103,9 @@ class MemFerrySystem(BenchSystem):
         switch = ctx.options.get("gil_switch_s")
         if switch is not None and not (isinstance(switch, (int, float)) and 0 < switch <= 1):
             raise ValueError(f"memferry: gil_switch_s must be seconds in (0, 1] (e.g. 0.0005) or unset, got {switch!r}")
-        if not isinstance(ctx.options["compile_blocks"], bool):
-            raise ValueError(f"memferry: compile_blocks must be true or false, got {ctx.options['compile_blocks']!r}")
+        compile_blocks = ctx.options.get("compile_blocks", False)
+        if not isinstance(compile_blocks, bool):
+            raise ValueError(f"memferry: compile_blocks must be true or false, got {compile_blocks!r}")
         lora, self._export = ctx.options.get("lora"), bool(ctx.options.get("export_hf", False))
         if (lora is not None or self._export) and ctx.family != "hf":
             raise ValueError(f"memferry: options lora and export_hf need a model of family hf, not {ctx.family!r}")
@@ -148,7 +149,7 @@ class MemFerrySystem(BenchSystem):
                                    accumulation_steps=ctx.accumulation_steps,
                                    sum_placement=ctx.options.get("sum_placement", "race"),
                                    freeze_setup=ctx.options.get("freeze_setup"),
-                                   compile_blocks=ctx.options["compile_blocks"])
+                                   compile_blocks=compile_blocks)
         except BaseException:
             sys.setswitchinterval(self._switch_before)
             raise
