@@ -147,12 +147,9 @@ def replan_after_oom(engine: "MemFerry", error: BaseException | str) -> str:
     budget = budget_bytes(engine)
     if held is not None:
         rebuild_keeping_state(engine, engine.plan)
-        note = (f"out of memory in a step ({said[:120]}) with the allocator held at the plan's predicted peak, "
-                f"{format_bytes(held)}: the same plan built again, the allocator capped at the budget, "
-                f"{format_bytes(budget)}; the step runs again")
-        engine.plan.notes.append(note)
-        _log.warning("MemFerry: %s", note)
-        return note
+        return _tell(engine, f"out of memory in a step ({said[:120]}) with the allocator held at the plan's predicted "
+                             f"peak, {format_bytes(held)}: the same plan built again, the allocator capped at the "
+                             f"budget, {format_bytes(budget)}; the step runs again")
     margin = setup["memory_margin"] + MARGIN_STEP
     old = engine.plan
     shape = longest_shape(engine)  # a micro-batch longer than planned for may be what ran out (batch_growth.py)
@@ -165,9 +162,14 @@ def replan_after_oom(engine: "MemFerry", error: BaseException | str) -> str:
     rebuild_keeping_state(engine, plan)
     setup["memory_margin"], setup["shape"] = margin, shape
     setup.pop("shape_next", None)
-    note = (f"out of memory in a step ({said[:120]}): planned again with a {margin:.0%} memory margin, predicted "
-            f"peak {format_bytes(plan.predicted_peak_bytes or 0)} (was {format_bytes(old.predicted_peak_bytes or 0)}), "
-            f"the allocator capped at the budget, {format_bytes(budget)}; the step runs again")
+    return _tell(engine, f"out of memory in a step ({said[:120]}): planned again with a {margin:.0%} memory margin, "
+                         f"predicted peak {format_bytes(plan.predicted_peak_bytes or 0)} (was "
+                         f"{format_bytes(old.predicted_peak_bytes or 0)}), the allocator capped at the budget, "
+                         f"{format_bytes(budget)}; the step runs again")
+
+
+def _tell(engine: "MemFerry", note: str) -> str:
+    """``note``, added to the engine's plan notes and logged."""
     engine.plan.notes.append(note)
     _log.warning("MemFerry: %s", note)
     return note
