@@ -98,3 +98,20 @@ def test_the_benchmark_option_reaches_the_engine_and_is_checked(cpu_backend, mon
     assert len(compiled) == DIMS["layers"]  # each block of the row's engine
     bad = row("yes")
     assert bad["status"] != "ok" and "compile_blocks must be true or false, got 'yes'" in bad["reason"]
+
+
+def test_xpu_train_s_option_reaches_the_engine(cpu_backend, monkeypatch):
+    """``strategy.options.compile_blocks: true`` in a training config compiles the engine's blocks,
+    and the run trains (its loss falls)."""
+    import strategies.memferry.executor as executor
+    from strategies.training import load_config, train
+
+    compiled = []
+    real = executor.compile_forward
+    monkeypatch.setattr(executor, "compile_forward", lambda m: (compiled.append(m), real(m)))
+    config = load_config({"model": {"family": "gpt", "layers": 2, "hidden": 32, "heads": 2, "vocab": 256},
+                          "steps": 8, "batch": 4, "seq": 16, "optimizer": {"lr": 3e-3},
+                          "data": {"kind": "synthetic", "branching": 2},
+                          "strategy": {"name": "memferry", "options": {"compile_blocks": True}}})
+    result = train(config, backend=cpu_backend)
+    assert len(compiled) == 2 and result.losses[-1] < result.losses[0]

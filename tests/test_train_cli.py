@@ -86,8 +86,10 @@ def test_text_path_is_found_next_to_the_config_from_any_working_directory(tmp_pa
     ({"stepz": 3}, "unknown key(s) ['stepz']; valid keys: model, name"),
     ({"strategy": "nope"}, "unknown strategy 'nope'; valid strategies: memferry, torch"),
     ({"strategy": {"name": "memferry", "options": {"plann": "dha"}}},
-     "has no option(s) ['plann']; valid options: clip_fire_rate, loss_chunks, max_grad_norm, memory_margin, plan, "
-     "split_update"),
+     "has no option(s) ['plann']; valid options: clip_fire_rate, compile_blocks, loss_chunks, max_grad_norm, "
+     "memory_margin, plan, split_update"),
+    ({"strategy": {"name": "memferry", "options": {"compile_blocks": "yes"}}},
+     "compile_blocks must be true or false (blocks through torch.compile), got 'yes'"),
     ({"strategy": {"name": "memferry", "options": {"clip_fire_rate": 2}}}, "clip_fire_rate is the share of steps"),
     ({"strategy": {"name": "memferry", "options": {"split_update": "yes"}}}, "split_update must be true, false or null"),
     ({"strategy": {"name": "memferry", "options": {"clip_fire_rate": 0.3}}},
@@ -119,7 +121,8 @@ def test_bad_configs_name_what_is_valid(change, message):
 def test_set_overrides_reach_nested_keys_and_bare_strategy_names():
     config = load_config(_micro(strategy="memferry"), {"strategy.options.plan": "prefetch2+recompute", "model.layers": 3})
     assert config.strategy.options == {"plan": "prefetch2+recompute", "max_grad_norm": None, "loss_chunks": "auto",
-                                       "memory_margin": 0.10, "clip_fire_rate": 0.0, "split_update": None}
+                                       "memory_margin": 0.10, "clip_fire_rate": 0.0, "split_update": None,
+                                       "compile_blocks": False}
     assert config.model["layers"] == 3
     assert config.to_dict()["optimizer"]["betas"] == [0.9, 0.999]
 

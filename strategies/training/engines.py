@@ -42,6 +42,9 @@ def _check_memferry(options: dict[str, Any], config: TrainConfig) -> None:
     if split is not None and not isinstance(split, bool):
         raise TrainConfigError(f"strategy.options.split_update must be true, false or null (on where clipping is), "
                                f"got {split!r}")
+    if not isinstance(options["compile_blocks"], bool):
+        raise TrainConfigError(f"strategy.options.compile_blocks must be true or false (blocks through "
+                               f"torch.compile), got {options['compile_blocks']!r}")
     margin = options["memory_margin"]
     if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise TrainConfigError(f"strategy.options.memory_margin must lie in [0, 1), got {margin!r}")
@@ -79,7 +82,8 @@ def _build_memferry(model: nn.Module, config: TrainConfig, backend: Any, device:
                                    device=device, sample=sample, memory_margin=float(opts["memory_margin"]),
                                    compute_dtype=resolve_dtype(config, backend)[1],
                                    blocks=model.blocks,
-                                   accumulation_steps=config.accumulation_steps))  # named: a 1-block model has no list to find
+                                   accumulation_steps=config.accumulation_steps,
+                                   compile_blocks=opts["compile_blocks"]))  # blocks named: a 1-block model has no list to find
 
 
 def _loss_chunks(option: Any, model: nn.Module, config: TrainConfig, backend: Any, device: int) -> int:
@@ -237,7 +241,8 @@ def _check_torch(options: dict[str, Any], config: TrainConfig) -> None:
 
 
 MEMFERRY = StrategySpec(_build_memferry, {"plan": "prefetch", "max_grad_norm": None, "loss_chunks": "auto",
-                                          "memory_margin": 0.10, "clip_fire_rate": 0.0, "split_update": None},
+                                          "memory_margin": 0.10, "clip_fire_rate": 0.0, "split_update": None,
+                                          "compile_blocks": False},
                         "MemFerry: parameters homed in host memory, per-block plan, host AdamW", _check_memferry,
                         takes_budget=True, fp32_model=True, data_parallel=True)
 TORCH = StrategySpec(TorchEngine, {"max_grad_norm": None, "recompute": False},
