@@ -77,7 +77,7 @@ def test_a_step_out_of_memory_is_planned_again_and_trains_as_if_it_had_not_faile
     monkeypatch.setattr(type(cpu_backend), "release_cache", lambda self, device=None: released.append(device))
     got = _train(faulty)
     assert faulty.replans == 2 and released == [0, 0]  # each failed step's cache given back before its re-run
-    said = faulty._steps.notes
+    said = faulty._replanning.notes
     # first the same plan with the hold lifted to the budget, then (not held any more) a new plan
     assert len(said) == 2 and all(n.startswith("out of memory in a step (CUDA out of memory") for n in said), said
     assert said[-1] in faulty.engine.plan.notes

@@ -96,7 +96,7 @@ def read_header(path: Path) -> dict[str, Any]:
 
 def verified_mark(path: str | Path) -> str:
     """What identifies the file as it is now (its resolved path, size and modification time in ns):
-    a reader given the mark its launcher took after verifying the file, and finding the file
+    a reader given the mark its launcher took before verifying the file, and finding the file
     unchanged, need not verify it again (:data:`VERIFIED_ENV`)."""
     st = os.stat(path)
     return f"{Path(path).resolve()}|{st.st_size}|{st.st_mtime_ns}"
@@ -105,8 +105,8 @@ def verified_mark(path: str | Path) -> str:
 def read_checkpoint(path: str | Path, verified: str | None = None) -> dict[str, Any]:
     """Read and verify a checkpoint: its header fields plus the payload (``engine``, ``data``, ``config``, ``dtype``).
 
-    ``verified``: a :func:`verified_mark` taken after this file was verified; if the file still
-    matches it, the checksum pass is skipped (the header's own checks still run).
+    ``verified``: a :func:`verified_mark` taken before this file's checksum passed; if the file
+    still matches it, the checksum pass is skipped (the header's own checks still run).
 
     Raises:
         TrainConfigError: unreadable, truncated, or its checksum does not match (one line naming the file).

@@ -112,24 +112,24 @@ class MemFerryEngine:
         from strategies.memferry.oom_recovery import ReplanningSteps
 
         self.engine = engine
-        self._steps = ReplanningSteps(engine)
+        self._replanning = ReplanningSteps(engine)
 
     @property
     def replans(self) -> int:
         """Steps run again after running out of device memory."""
-        return self._steps.replans
+        return self._replanning.replans
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)  # eval_loss, set_lr, state_dict, plan, ...
 
     def train_step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
         """MemFerry's ``train_step``, run again after an out-of-memory error it can re-plan."""
-        return self._steps.run(lambda: self.engine.train_step(inputs, targets))
+        return self._replanning.run(lambda: self.engine.train_step(inputs, targets))
 
     def train_batch(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Forward and backward each micro-batch on ``loss / N``, then one step; the mean loss
         (detached); run again from the first micro-batch after an out-of-memory error it can re-plan."""
-        return self._steps.run(lambda: self._batch(micro_batches))
+        return self._replanning.run(lambda: self._batch(micro_batches))
 
     def _fit(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Fit the plan to the step's longest micro-batch before its first runs (``batch_growth.py``)."""
