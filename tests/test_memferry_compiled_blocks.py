@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from strategies.memferry import AdamW, MemFerry, Plan, UnitPlan
+from strategies.memferry.compiled_blocks import compiles
 from strategies.memferry.planning import plan_for
+from strategies.memferry.profiler import BlockProfile, StepProfile
 from strategies.models import build_model
 
 DIMS = dict(layers=2, hidden=32, heads=4, vocab=64, seq=16)
@@ -72,6 +74,36 @@ def test_the_profile_is_taken_on_compiled_copies_and_says_so(cpu_backend, monkey
     assert all("forward" not in b.__dict__ for b in model.blocks)
     # measured as compiled: the compiled graph saves fewer tensors than eager autograd does
     assert compiled.profile.blocks[0].act_bytes <= eager.profile.blocks[0].act_bytes
+    # and each block eagerly too, for the blocks that stay eager: an eager profile's bytes
+    assert not eager.profile.eager_blocks and len(compiled.profile.eager_blocks) == DIMS["layers"]
+    assert [b.act_bytes for b in compiled.profile.eager_blocks] == [b.act_bytes for b in eager.profile.blocks]
+    assert StepProfile.from_json(compiled.profile.to_json()) == compiled.profile
+
+
+def test_a_block_that_stays_eager_is_priced_at_its_eager_figures():
+    """A compiled profile prices a DHA or offloading block at the block's eager times and bytes
+    (it runs eagerly), and a block that compiles at the compiled ones."""
+    from strategies.memferry.block_costs import option_cost
+    from strategies.memferry.links import Links
+
+    def block(fwd_s: float, act: int) -> BlockProfile:
+        return BlockProfile(numel=1000, param_bytes=2000, fwd_s=fwd_s, bwd_s=2 * fwd_s, act_bytes=act,
+                            act_bytes_recompute=100, act_bytes_offload_kept=act // 4)
+
+    def profile(eager: list[BlockProfile]) -> StepProfile:
+        return StepProfile([block(1e-3, 4000)] * 2, 0, 0, 0.0, 0.0, 0, 0, 2, 64, 1e-9, 1e-10,
+                           compiled_blocks=True, eager_blocks=eager)
+
+    links = Links(h2d_GBps=20.0, d2h_GBps=20.0, dha_read_GBps=20.0)
+    slow = profile([block(5e-3, 9000)] * 2)
+    same = profile([])  # a profile without eager figures prices every block at its own
+    for unit in (UnitPlan("dha", "dha"), UnitPlan("prefetch", "prefetch", offload=True),
+                 UnitPlan("prefetch", "prefetch")):
+        eager, own = option_cost(slow, links, 0, unit), option_cost(same, links, 0, unit)
+        if compiles(unit):
+            assert eager == own
+        else:
+            assert eager.a > own.a and eager != own
 
 
 def test_the_benchmark_option_reaches_the_engine_and_is_checked(cpu_backend, monkeypatch):
@@ -115,3 +147,15 @@ def test_xpu_train_s_option_reaches_the_engine(cpu_backend, monkeypatch):
                           "strategy": {"name": "memferry", "options": {"compile_blocks": True}}})
     result = train(config, backend=cpu_backend)
     assert len(compiled) == 2 and result.losses[-1] < result.losses[0]
+
+
+def test_a_profile_scaled_to_a_longer_batch_scales_its_eager_figures_too():
+    from strategies.memferry.batch_growth import scaled_profile
+
+    blk = BlockProfile(numel=10, param_bytes=20, fwd_s=1e-3, bwd_s=2e-3, act_bytes=4000, act_bytes_recompute=100)
+    eager = BlockProfile(numel=10, param_bytes=20, fwd_s=3e-3, bwd_s=6e-3, act_bytes=6000, act_bytes_recompute=100)
+    profile = StepProfile([blk], 0, 0, 0.0, 0.0, 0, 0, 2, 64, 1e-9, 1e-10, compiled_blocks=True,
+                          eager_blocks=[eager], seq=32)
+    grown = scaled_profile(profile, rows=4, seq=32)  # twice the tokens, the same sequence
+    assert grown.blocks[0].act_bytes == 8000 and grown.eager_blocks[0].act_bytes == 12000
+    assert grown.eager_blocks[0].fwd_s == pytest.approx(6e-3)

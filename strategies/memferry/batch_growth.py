@@ -80,7 +80,8 @@ def scaled_profile(profile: "StepProfile", rows: int, seq: int) -> "StepProfile"
             grown["act_bytes_selective"] = int(round(b.act_bytes_selective * r * (1 + share * (s - 1))))
         return dataclasses.replace(b, **grown)
 
-    return dataclasses.replace(profile, blocks=[block(b) for b in profile.blocks], tokens=int(tokens),
+    return dataclasses.replace(profile, blocks=[block(b) for b in profile.blocks],
+                               eager_blocks=[block(b) for b in profile.eager_blocks], tokens=int(tokens),
                                seq=seq if profile.seq else 0, **scale(profile, _STEP_SCALED),
                                notes=[*profile.notes, f"scaled from {profile.tokens} to {tokens} tokens ({rows} x {seq})"])
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from .accumulation import sums_in_pairs
 from .clip_norms import norm_on_device
+from .compiled_blocks import block_as_run
 from .config import UnitPlan
 from .host_budget import host_budget, link_bytes, unit_terms
 from .links import Links
@@ -162,7 +163,7 @@ def sums_on_host_by_choice(unit: UnitPlan) -> bool:
 
 def option_cost(profile: "StepProfile", links: Links, index: int, unit: UnitPlan, prefetch_depth: int = 1) -> OptionCost:
     """The cost-model terms of block ``index`` run as ``unit`` (see :class:`OptionCost`)."""
-    blk = profile.blocks[index]
+    blk = block_as_run(profile, index, unit)  # eager figures where a compiled profile's block stays eager
     n = len(profile.blocks)
     w = blk.param_bytes
     pen = links.dha_penalty(profile.tokens)

@@ -13,17 +13,22 @@ blocks of one class share one graph. A deep copy's ``forward`` attribute, though
 original's compiled method: the profiler compiles its own copy (:func:`compile_forward`).
 
 Blocks whose linears are read over the link (DHA, custom autograd functions over host memory)
-or whose activations are offloaded stay eager (:func:`compiles`); the profile prices every block
-at its compiled times, so such a block is priced as if it were compiled.
+or whose activations are offloaded stay eager (:func:`compiles`); the profile measures each
+block both ways and the cost model prices a block as it will run (:func:`block_as_run`).
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .config import UnitPlan
 
-__all__ = ["compile_forward", "compiles"]
+if TYPE_CHECKING:
+    from .profiler import BlockProfile, StepProfile
+
+__all__ = ["compile_forward", "compiles", "block_as_run"]
 
 
 def compile_forward(module: nn.Module) -> None:
@@ -36,3 +41,11 @@ def compiles(plan: UnitPlan) -> bool:
     """Whether a block under ``plan`` runs compiled when blocks are: not where its linears are
     read over the link (``dha`` either way) nor where its activations are offloaded."""
     return "dha" not in (plan.forward, plan.backward) and not plan.offload
+
+
+def block_as_run(profile: "StepProfile", index: int, plan: UnitPlan) -> "BlockProfile":
+    """Block ``index``'s figures as it runs under ``plan``: its eager ones where the profile was
+    taken compiled but the block stays eager (:func:`compiles`), else the profile's own."""
+    if profile.eager_blocks and not compiles(plan):
+        return profile.eager_blocks[index]
+    return profile.blocks[index]

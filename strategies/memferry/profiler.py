@@ -191,6 +191,8 @@ class StepProfile:
             (``host_calibration.alone_slowdown``).
         compiled_blocks: the blocks were timed and measured through ``torch.compile``
             (``compiled_blocks.py``), as an engine with ``compile_blocks`` runs them.
+        eager_blocks: with ``compiled_blocks``, each block's figures run eagerly too, which a block
+            that stays eager (read over the link, or offloading) is priced at; else empty.
     """
 
     blocks: list[BlockProfile]
@@ -229,6 +231,7 @@ class StepProfile:
     padded: bool = False
     host_adamw_numel: int = 0
     compiled_blocks: bool = False
+    eager_blocks: list[BlockProfile] = field(default_factory=list)
 
     def to_json(self, indent: int | None = 1) -> str:
         """The profile as a JSON string (``indent=None``: on one line)."""
@@ -238,7 +241,8 @@ class StepProfile:
     def from_json(cls, text: str) -> "StepProfile":
         """A profile from :meth:`to_json` output."""
         data = json.loads(text)
-        data["blocks"] = [BlockProfile(**b) for b in data["blocks"]]
+        for key in ("blocks", "eager_blocks"):
+            data[key] = [BlockProfile(**b) for b in data.get(key, [])]
         return cls(**data)
 
     def save(self, path: str | Path) -> None:
@@ -395,7 +399,8 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
             full rate (:func:`host_adamw_rates`): the cost model prices a plan's own copies
             from the two (``host_budget``).
         compile_blocks: time and measure each block as ``torch.compile`` runs it
-            (``compiled_blocks.py``; its activations at half the sequence are measured eagerly).
+            (``compiled_blocks.py``; its activations at half the sequence are measured eagerly),
+            and each distinct block eagerly as well (``StepProfile.eager_blocks``).
 
     Raises:
         ValueError: the model never reaches its first block, or a block's output has no
@@ -415,23 +420,27 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
     vocab, hidden = head_shape(model)
     chunks = int(getattr(model, "loss_chunks", 1) or 1)
     profiles: list[BlockProfile] = []
-    cache: dict[tuple, BlockProfile] = {}
+    eager: list[BlockProfile] = []  # with compile_blocks: the same blocks run eagerly
+    cache: dict[tuple, tuple[BlockProfile, BlockProfile | None]] = {}
     pass_through_ok = True
     first_input = (args, kwargs)
     sigs = [_block_signature(u.module) for u in block_units]
     with backend.device_scope(index):
         for u, sig in zip(block_units, sigs):
             if reuse_identical and sig in cache:
-                profiles.append(copy.copy(cache[sig]))
+                profiles.append(copy.copy(cache[sig][0]))
+                eager += [copy.copy(cache[sig][1])] if compile_blocks else []
                 continue
+            as_eager = _profile_block(u.module, args, kwargs, backend, index, repeats)[0] if compile_blocks else None
             prof, out = _profile_block(u.module, args, kwargs, backend, index, repeats, compile_blocks)
             first_in = _tensors(args)[0]
             out_t = _tensors(out)
             pass_through_ok &= bool(out_t) and out_t[0].shape == first_in.shape
             if out_t and out_t[0].shape == first_in.shape:
                 args = (_map_tensors(out_t[0], lambda t: t.to("cpu")),) + tuple(args[1:])
-            cache[sig] = prof
+            cache[sig] = (prof, as_eager)
             profiles.append(prof)
+            eager += [as_eager] if as_eager else []
         if pass_through_ok:
             rest_fwd, rest_bwd, loss_peak, rest_notes = _profile_rest(model, blocks, rest, inputs, targets, loss_fn,
                                                                       backend, index, repeats, out)
@@ -454,8 +463,9 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
                 rest_fwd, rest_bwd = min(rest_fwd, f2), min(rest_bwd, b2)
         halves = half_sequence_bytes(model, [u.module for u in block_units], _block_signature, inputs, targets,
                                      loss_fn, backend, index)
-        for u, prof in zip(block_units, profiles):
-            prof.act_bytes_half_seq = halves.get(_block_signature(u.module), 0)
+        for u, prof, *as_eager in zip(block_units, profiles, *([eager] if eager else [])):
+            for p in (prof, *as_eager):
+                p.act_bytes_half_seq = halves.get(_block_signature(u.module), 0)
         numel_for_rates = adamw_numel or min(64 << 20, max(1 << 20, max(u.numel for u in units)))
         # The device measurement's buffers (fp32 master, gradient, moments; two compute-dtype
         # copies) take at most half of what the device (its cap) has free: a rate per
@@ -473,4 +483,4 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
                        host_adamw_copies_s_per_param=copies_rate if copies_GBps else 0.0, host_copies_GBps=copies_GBps,
                        host_adamw_bytes_per_param=update_bytes(dtype.itemsize).kernel,
                        seq=sample_shape(inputs)[1] if halves else 0, padded=padded(inputs),
-                       host_adamw_numel=numel_for_rates, compiled_blocks=compile_blocks)
+                       host_adamw_numel=numel_for_rates, compiled_blocks=compile_blocks, eager_blocks=eager)

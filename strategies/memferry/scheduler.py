@@ -117,7 +117,7 @@ def prune_choices(choices: Sequence[UnitPlan], profile: "StepProfile", links: Li
     eager dispatch mode's per-op cost made a Qwen2 layer's selective backward 8.3 ms against
     6.9 ms for forward and backward again)."""
     rate = min(links.h2d_GBps, links.d2h_GBps) * 1e9
-    offload = any(b.act_bytes / rate < b.fwd_s for b in profile.blocks)
+    offload = any(b.act_bytes / rate < b.fwd_s for b in profile.eager_blocks or profile.blocks)  # offloading runs eagerly
     selective = all(b.act_bytes_selective for b in profile.blocks) and any(
         (b.fwd_selective_s or b.fwd_s) + b.bwd_selective_s < b.fwd_s + b.recompute_time + b.bwd_s
         for b in profile.blocks)
