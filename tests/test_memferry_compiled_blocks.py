@@ -78,6 +78,11 @@ def test_the_profile_is_taken_on_compiled_copies_and_says_so(cpu_backend, monkey
     assert not eager.profile.eager_blocks and len(compiled.profile.eager_blocks) == DIMS["layers"]
     assert [b.act_bytes for b in compiled.profile.eager_blocks] == [b.act_bytes for b in eager.profile.blocks]
     assert StepProfile.from_json(compiled.profile.to_json()) == compiled.profile
+    # the plan says what compiling bought: both sums, from the profile's own figures
+    [note] = [n for n in compiled.notes if n.startswith("compiled blocks: ")]
+    ms = lambda bs: f"{sum(b.fwd_s + b.bwd_s for b in bs) * 1e3:.2f} ms"  # noqa: E731
+    assert f"{ms(compiled.profile.blocks)} over 2 blocks, {ms(compiled.profile.eager_blocks)} eager" in note
+    assert not [n for n in eager.notes if n.startswith("compiled blocks: ")]
 
 
 def test_a_block_that_stays_eager_is_priced_at_its_eager_figures():

@@ -96,6 +96,7 @@ def _profile_and_schedule(model: nn.Module, sample: Any, device_budget: Any, opt
     """Profile one step here and pick the fastest plan the budget allows."""
     from xpu.units import parse_bytes
 
+    from .compiled_blocks import compiled_note
     from .cost import links_from_probe
     from .profiler import profile_step
     from .scheduler import schedule
@@ -127,6 +128,7 @@ def _profile_and_schedule(model: nn.Module, sample: Any, device_budget: Any, opt
         # Setup is most of a short run's time: say where it went.
         plan.notes.append(f"{SETUP_NOTE} profiled one step in {profiled - started:.1f} s, searched plans in "
                           f"{time.perf_counter() - profiled:.1f} s")
+        plan.notes += [note for note in [compiled_note(profile)] if note]
     finally:
         restore_parameters(model, originals)
     _log.info("MemFerry plan for %s:\n%s", type(model).__name__, plan.describe())
