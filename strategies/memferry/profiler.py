@@ -463,9 +463,9 @@ def profile_step(model: nn.Module, units: list[Unit], backend: Backend, device: 
                 rest_fwd, rest_bwd = min(rest_fwd, f2), min(rest_bwd, b2)
         halves = half_sequence_bytes(model, [u.module for u in block_units], _block_signature, inputs, targets,
                                      loss_fn, backend, index)
-        for u, prof, *as_eager in zip(block_units, profiles, *([eager] if eager else [])):
-            for p in (prof, *as_eager):
-                p.act_bytes_half_seq = halves.get(_block_signature(u.module), 0)
+        for i, u in enumerate(block_units):
+            for prof in (profiles[i], *eager[i:i + 1]):
+                prof.act_bytes_half_seq = halves.get(_block_signature(u.module), 0)
         numel_for_rates = adamw_numel or min(64 << 20, max(1 << 20, max(u.numel for u in units)))
         # The device measurement's buffers (fp32 master, gradient, moments; two compute-dtype
         # copies) take at most half of what the device (its cap) has free: a rate per
