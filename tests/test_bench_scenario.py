@@ -31,8 +31,12 @@ def test_named_scenarios_load():
     assert load_scenario("tiny").dtype == "fp32"
     acc = load_scenario("design-s3-accum8")  # the global batch of 64 x 1024, MemFerry alone capped
     assert (acc.batch, acc.accumulation_steps, acc.model_dims()) == (8, 8, s.model_dims())
-    assert [e.label for e in acc.systems] == ["torch", "fsdp2-offload", "deepspeed-z2-offload", "memferry-auto"]
-    assert [acc.effective(e)["device_mem_gb"] for e in acc.systems] == [None, None, None, 17.7]
+    assert [e.label for e in acc.systems] == ["torch", "fsdp2-offload", "deepspeed-z2-offload", "memferry-auto",
+                                              "memferry-auto-compiled"]
+    assert [acc.effective(e)["device_mem_gb"] for e in acc.systems] == [None, None, None, 17.7, 17.7]
+    # the compiled row is the same row with its blocks compiled, nothing else
+    plain, compiled = acc.entry("memferry-auto").options, acc.entry("memferry-auto-compiled").options
+    assert compiled == {**plain, "compile_blocks": True} and plain["compile_blocks"] is False
 
 
 def test_overrides_and_selection():
