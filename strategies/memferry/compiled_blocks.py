@@ -3,7 +3,8 @@
 Why: a decoder layer run eagerly launches every elementwise op on its own and pays the host's
 time to issue each (session 54, one Qwen2-1.5B layer on an H100, 4 x 2048 tokens: forward +
 backward 7.07 ms eager, 5.20 compiled; with peft LoRA adapters 8.18 and 5.64;
-``bench/results/2026-12-07-h100-session54/call3/``). Not yet measured inside MemFerry's steps.
+``bench/results/2026-12-07-h100-session54/call3/``). Inside MemFerry's steps on the DESIGN §3
+GPT, whose blocks are large GEMMs, it bought 1.1 % (``bench/results/2026-12-07-h100-session55/``).
 
 What the executor relies on holds for a compiled block (``bench/scripts/probe_compile_block.py``):
 moving a parameter's ``.data`` (``UnitShadow.bind``) compiles nothing new, ``checkpoint`` and

@@ -128,7 +128,8 @@ def _profile_and_schedule(model: nn.Module, sample: Any, device_budget: Any, opt
         # Setup is most of a short run's time: say where it went.
         plan.notes.append(f"{SETUP_NOTE} profiled one step in {profiled - started:.1f} s, searched plans in "
                           f"{time.perf_counter() - profiled:.1f} s")
-        plan.notes += [note for note in [compiled_note(profile)] if note]
+        if note := compiled_note(profile):
+            plan.notes.append(note)
     finally:
         restore_parameters(model, originals)
     _log.info("MemFerry plan for %s:\n%s", type(model).__name__, plan.describe())
