@@ -82,6 +82,7 @@ from ..thread_waits import run_delays, waited_s
 
 from strategies.memferry import AdamW, MemFerry, Plan
 from strategies.memferry.cost import links_from_probe, predict_clip_fired
+from strategies.memferry.compiled_blocks import compiled_runs
 from strategies.memferry.host_clock import HostReading
 from strategies.memferry.oom_recovery import ReplanningSteps
 
@@ -156,6 +157,7 @@ class MemFerrySystem(BenchSystem):
         if hold == "budget":
             ctx.backend.set_memory_cap(ctx.device_index, cap)
         self._accumulation = ctx.accumulation_steps
+        self._compile_blocks = compile_blocks
         # A step that runs out of memory is planned again and run again, as ``xpu train`` does (the row says so).
         self._replanning = ReplanningSteps(self.engine)
         self._plan_note = f"plan={spec}, host kernel {self.engine.optimizer.kernel.name}" + (
@@ -199,7 +201,9 @@ class MemFerrySystem(BenchSystem):
         # would count a part of that step's host work as if it were all of it.
         self.engine.optimizer.wait_all()
         phases = ", ".join(f"{k} {v * 1e3 / self._steps:.1f}" for k, v in self.engine.optimizer.time_s.items())
-        return f"{base}; host optimizer ms/step: {phases}{host_note(self._host_rate_metrics())}{self._clip_note()}"
+        eager = "; compiled blocks ran eagerly (no compiled block code ran in the steps)" if (
+            self._compile_blocks and compiled_runs() == self._runs0) else ""
+        return f"{base}{eager}; host optimizer ms/step: {phases}{host_note(self._host_rate_metrics())}{self._clip_note()}"
 
     @property
     def metrics(self) -> dict[str, Any]:
@@ -215,7 +219,8 @@ class MemFerrySystem(BenchSystem):
         a clipped one (``predicted_after_clip_step_s``: :func:`~strategies.memferry.cost.predict_clip_fired`),
         and per step the host's work and the training thread's wait for it (:meth:`_per_step_ms`);
         ``replans``: steps that ran out of device memory, were planned again and ran again
-        (``oom_recovery.ReplanningSteps``, as in ``xpu train``)."""
+        (``oom_recovery.ReplanningSteps``, as in ``xpu train``); with ``compile_blocks``, how many
+        times a step ran compiled block code (``compiled_runs_per_step``; 0: the blocks ran eagerly)."""
         if not self._steps:
             return {}
         self.engine.optimizer.wait_all()
@@ -231,6 +236,8 @@ class MemFerrySystem(BenchSystem):
                 clip["predicted_after_clip_step_s"] = predict_clip_fired(self.engine.plan, profile, links).step_s
         post = self.engine.executor.post  # the training thread's time queuing gradients home
         waited = waited_s(self._waits0, run_delays(), post.threads | {self._main_thread})
+        if self._compile_blocks:  # 0 where dynamo ran the blocks eagerly (compiled_blocks._CountedInductor)
+            clip["compiled_runs_per_step"] = round((compiled_runs() - self._runs0) / self._steps, 2)
         return {**clip, "replans": self._replanning.replans,
                 "grad_post_ms_per_step": round(post.seconds * 1e3 / self._steps, 3),
                 "grad_post_parts_ms_per_step": {k: round(v * 1e3 / self._steps, 3) for k, v in post.parts.items()},
@@ -303,6 +310,7 @@ class MemFerrySystem(BenchSystem):
         if self._steps == 1:  # the threads' waits for a core from here on (metrics)
             self._waits0, self._main_thread = run_delays(), threading.get_native_id()
             self._clock0, self._per_step = self._host_clock(), []
+            self._runs0 = compiled_runs()
         if self._optimizer_alone:
             optimizer = self.engine.optimizer
             with phase("optimizer"):
