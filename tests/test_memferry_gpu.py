@@ -418,19 +418,25 @@ def test_a_held_engine_replans_a_step_that_ran_out_and_trains_on(gpu_backend, mo
 
 
 def test_blocks_profiled_compiled_run_compiled_in_the_device_steps(gpu_backend):
-    """``compile_blocks`` on the device: a plan made by profiling compiled blocks runs them compiled
-    in its steps (session 56: a dispatch mode in the profiler had left them eager, and the LoRA
-    row ran at eager speed at compiled prices): every block's forward ran compiled code."""
-    from strategies.memferry.compiled_blocks import compiled_runs, compiles
+    """``compile_blocks`` on the device: after a compiled profile, an engine's compiled blocks run
+    compiled in its steps (session 56: a dispatch mode in the profiler had left them eager, and
+    the LoRA row ran at eager speed at compiled prices): each block's forward, every step."""
+    from strategies.memferry.compiled_blocks import compiled_runs
+    from strategies.memferry.planning import plan_for
 
     b = gpu_backend
     tok = torch.randint(0, DIMS["vocab"], (BATCH, DIMS["seq"] + 1), generator=torch.Generator().manual_seed(6))
     x, y = tok[:, :-1].contiguous(), tok[:, 1:].contiguous()
-    torch.manual_seed(0)
-    engine = MemFerry(build_model("gpt", dtype=torch.bfloat16, **DIMS), optim=AdamW(lr=1e-3), plan="auto",
-                      sample=(x, y), backend=b, device=0, compile_blocks=True)
+
+    def model():
+        torch.manual_seed(0)
+        return build_model("gpt", dtype=torch.bfloat16, **DIMS)
+
+    assert plan_for(model(), (x, y), None, backend=b, device=0, compile_blocks=True).profile.compiled_blocks
+    engine = MemFerry(model(), optim=AdamW(lr=1e-3), plan=Plan([UnitPlan("prefetch", "prefetch")] * DIMS["layers"]),
+                      backend=b, device=0, compile_blocks=True)
     runs = compiled_runs()
-    assert torch.isfinite(engine.train_step(x, y)).item()
-    compiled = sum(compiles(u) for u in engine.plan.units)
+    for _ in range(2):
+        assert torch.isfinite(engine.train_step(x, y)).item()
     engine.close()
-    assert compiled > 0 and compiled_runs() - runs >= compiled
+    assert compiled_runs() - runs == 2 * DIMS["layers"]

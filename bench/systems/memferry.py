@@ -82,7 +82,7 @@ from ..thread_waits import run_delays, waited_s
 
 from strategies.memferry import AdamW, MemFerry, Plan
 from strategies.memferry.cost import links_from_probe, predict_clip_fired
-from strategies.memferry.compiled_blocks import compiled_runs
+from strategies.memferry.compiled_blocks import compiled_runs, compiles
 from strategies.memferry.host_clock import HostReading
 from strategies.memferry.oom_recovery import ReplanningSteps
 
@@ -202,7 +202,8 @@ class MemFerrySystem(BenchSystem):
         self.engine.optimizer.wait_all()
         phases = ", ".join(f"{k} {v * 1e3 / self._steps:.1f}" for k, v in self.engine.optimizer.time_s.items())
         eager = "; compiled blocks ran eagerly (no compiled block code ran in the steps)" if (
-            self._compile_blocks and compiled_runs() == self._runs0) else ""
+            self._compile_blocks and compiled_runs() == self._runs0
+            and any(compiles(u) for u in self.engine.plan.units)) else ""  # a plan of DHA blocks compiles none
         return f"{base}{eager}; host optimizer ms/step: {phases}{host_note(self._host_rate_metrics())}{self._clip_note()}"
 
     @property
