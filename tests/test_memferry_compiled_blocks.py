@@ -30,7 +30,7 @@ def _data(steps: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _compiled(forward) -> bool:
-    """Whether ``forward`` is torch.compile's wrapper (or recomputation's partial around one)."""
+    """Whether ``forward`` is a :class:`CompiledForward` (or recomputation's partial around one)."""
     inner = forward.args[0] if hasattr(forward, "args") else forward
     return isinstance(inner, CompiledForward)
 

@@ -380,8 +380,8 @@ def test_a_held_engine_replans_a_step_that_ran_out_and_trains_on(gpu_backend, mo
     step runs out of memory (injected as its first step's forward begins) is built again for the
     same plan with the device's own allocator capped at the budget rather than the hold; the step
     runs again, training goes on, and ``close()`` lifts the cap. (Session 56's H100 ran out for
-    real in a held step of this tiny model, whose fixed costs, a cuBLAS workspace, outweigh its
-    plan: the injection now comes first, and the budget leaves room after it.)"""
+    real in a held step of this tiny model, 2 MiB over its 88.5 MB prediction: fixed costs its plan
+    does not price. The injection now comes first, and the budget leaves room after it.)"""
     from strategies.memferry.executor import Executor
     from strategies.memferry.oom_recovery import ReplanningSteps
     from strategies.memferry.planning import plan_for

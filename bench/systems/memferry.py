@@ -202,7 +202,7 @@ class MemFerrySystem(BenchSystem):
         self.engine.optimizer.wait_all()
         phases = ", ".join(f"{k} {v * 1e3 / self._steps:.1f}" for k, v in self.engine.optimizer.time_s.items())
         eager = "; compiled blocks ran eagerly (no compiled block code ran in the steps)" if (
-            self._compile_blocks and compiled_runs() == self._runs0
+            self._compiled_runs_per_step() == 0
             and any(compiles(u) for u in self.engine.plan.units)) else ""  # a plan of DHA blocks compiles none
         return f"{base}{eager}; host optimizer ms/step: {phases}{host_note(self._host_rate_metrics())}{self._clip_note()}"
 
@@ -237,8 +237,8 @@ class MemFerrySystem(BenchSystem):
                 clip["predicted_after_clip_step_s"] = predict_clip_fired(self.engine.plan, profile, links).step_s
         post = self.engine.executor.post  # the training thread's time queuing gradients home
         waited = waited_s(self._waits0, run_delays(), post.threads | {self._main_thread})
-        if self._compile_blocks:  # 0 where dynamo ran the blocks eagerly (compiled_blocks._CountedInductor)
-            clip["compiled_runs_per_step"] = round((compiled_runs() - self._runs0) / self._steps, 2)
+        if self._compile_blocks:
+            clip["compiled_runs_per_step"] = round(self._compiled_runs_per_step(), 2)
         return {**clip, "replans": self._replanning.replans,
                 "grad_post_ms_per_step": round(post.seconds * 1e3 / self._steps, 3),
                 "grad_post_parts_ms_per_step": {k: round(v * 1e3 / self._steps, 3) for k, v in post.parts.items()},
@@ -247,6 +247,11 @@ class MemFerrySystem(BenchSystem):
                 "rehearsal_step_s": self.engine.plan.rehearsed_step_s,
                 "predicted_peak_gb": None if peak is None else round(peak / 1e9, 4), **self._host_rate_metrics(),
                 **self._host_parts(), **self._per_step_ms()}
+
+    def _compiled_runs_per_step(self) -> float | None:
+        """Runs of compiled block code per step since the first (``compiled_blocks.compiled_runs``;
+        0 where dynamo ran the blocks eagerly), None without ``compile_blocks``."""
+        return (compiled_runs() - self._runs0) / self._steps if self._compile_blocks else None
 
     def _host_parts(self) -> dict[str, float]:
         """The host's work per updated parameter in two parts, measured and as the plan priced
