@@ -45,6 +45,7 @@ import logging
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from .adamw_rates import host_adamw_rate
+from .compute_calibration import compute_scale, scaled
 from .config import Plan
 from .cost import predict
 from .links import links_from_probe
@@ -303,15 +304,18 @@ def same_layout(a: Plan, b: Plan) -> bool:
 
 def checked_plan(engine: "MemFerry", budget: int, margin: float, found: list[str],
                  measured: tuple[float, float] | None, send_s: float | None = None,
-                 rates: Sequence[Reading] = (), gap_s: float | None = None) -> Plan | None:
+                 rates: Sequence[Reading] = (), gap_s: float | None = None,
+                 step_s: float | None = None) -> Plan | None:
     """The plan priced again on a profile calibrated to the rehearsal's host work ``measured``
     (seconds per parameter: the updates, the earlier micro-batches' sums; None: not taken), or to
     :func:`least_disturbed` of ``rates`` (every timed rehearsal's, this one's last), to the issuing
     thread's ``send_s`` (seconds per send before a step's last micro-batch:
     ``StepProfile.earlier_send_s``) where it was measured, and to ``gap_s`` (a host-bound step's
-    time beyond its host work, :func:`with_gap`) where it was; searched again where the host bounds
-    it and either part was off the plan's by more than ``TOLERANCE`` (or sends were measured, or
-    the gap was priced anew). None where nothing was measured. What it found is appended to ``found``."""
+    time beyond its host work, :func:`with_gap`) where it was, and to ``step_s`` (the rehearsal's
+    step, timed with the host undisturbed) where the device's compute bounds the plan
+    (``compute_calibration.py``); searched again where the host bounds it and either part was off
+    the plan's by more than ``TOLERANCE`` (or sends were measured, or the gap or the compute was
+    priced anew). None where nothing was measured. What it found is appended to ``found``."""
     plan = engine.plan
     links = links_from_probe(engine.backend, engine.device)
     planned = plan.host_s_per_param  # the rehearsal's steps are whole ones: the plan's own rate
@@ -341,15 +345,21 @@ def checked_plan(engine: "MemFerry", budget: int, margin: float, found: list[str
         said += (f"{'' if rates_off else ' (within the tolerance)'}; sends before a step's last micro-batch took "
                  f"{send_s * 1e3:.2f} ms each on the issuing thread")
     gapped = with_gap(plan, profile, links, margin, gap_s) if gap_s is not None else profile
-    gap_priced = gapped is not profile
-    if gap_priced:
+    priced_anew = gapped is not profile  # the gap or the compute: searched again where the step moved
+    if priced_anew:
         profile = gapped
         said += f"; {profile.notes[-1]}"
+    scale = compute_scale(plan, profile, links, margin, step_s)
+    if scale is not None:
+        profile = scaled(profile, scale)
+        said += (f"; the device's compute bounds the plan and its rehearsed step took {step_s * 1e3:.1f} ms: "
+                 f"the profile's compute times scaled {scale:.3f}x")
+        priced_anew = True
     kept = repriced(plan, profile, links, margin)
     before, now = plan.predicted_step_s or 0.0, kept.predicted_step_s or 0.0
-    unmoved = f"its step moved under {SEARCH_AGAIN:.0%}" if gap_priced else "the host does not bound it"
+    unmoved = f"its step moved under {SEARCH_AGAIN:.0%}" if priced_anew else "the host does not bound it"
     again, how = kept, f"{unmoved}: same plan, not searched again"
-    if not rates_off and not send_s and not gap_priced:
+    if not rates_off and not send_s and not priced_anew:
         how = "within the tolerance: same plan, not searched again"
     elif abs(now - before) > SEARCH_AGAIN * before:
         searched = replan(plan, budget, engine.backend, engine.device, margin, profile=profile)

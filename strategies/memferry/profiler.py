@@ -193,6 +193,9 @@ class StepProfile:
             (``compiled_blocks.py``), as an engine with ``compile_blocks`` runs them.
         eager_blocks: with ``compiled_blocks``, each block's figures run eagerly too, which a block
             that stays eager (read over the link, or offloading) is priced at; else empty.
+        compute_scale: the rehearsal's calibration of the device's compute
+            (``compute_calibration.scaled``): the times above are the profiled ones times this
+            (1: as profiled).
     """
 
     blocks: list[BlockProfile]
@@ -232,6 +235,7 @@ class StepProfile:
     host_adamw_numel: int = 0
     compiled_blocks: bool = False
     eager_blocks: list[BlockProfile] = field(default_factory=list)
+    compute_scale: float = 1.0
 
     def to_json(self, indent: int | None = 1) -> str:
         """The profile as a JSON string (``indent=None``: on one line)."""

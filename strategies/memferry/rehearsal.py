@@ -38,7 +38,8 @@ still disturbed they count at most at the plan's price times the slowdown the ke
 showed on both sides of them, and settled at most at ``host_calibration.CEILING`` times the
 price: ``host_calibration.undisturbed``; one still disturbed only bounds an earlier settled one),
 and where the host bounds it, on what the clocked steps of the last rehearsal the host settled
-through ran beyond their host work (``host_calibration.with_gap``); where the updates, or the sums of the earlier
+through ran beyond their host work (``host_calibration.with_gap``), and where the device's compute
+bounds it, on that rehearsal's step (``compute_calibration.py``); where the updates, or the sums of the earlier
 micro-batches, ran more than 10 % off what the plan assumed for them, the scheduler also
 searches again where the host bounds the plan (``host_calibration.py``), and a faster plan is
 built and rehearsed in its turn (real devices only).
@@ -149,7 +150,8 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
         if found and not rate_checked:
             rates.append(found)
         host = taken
-        if settled(pair):  # nothing else had the host
+        calm = settled(pair)  # nothing else had the host
+        if calm:
             gap = step_gap(clock)
         predicted = engine.plan.predicted_peak_bytes or 0
         capped = ""  # where the cache alone was over: what one step under the plan's hold showed
@@ -162,7 +164,8 @@ def fit_by_rehearsal(engine: "MemFerry", sample: tuple[Any, Any]) -> None:
                 rate_checked = True
                 if step_s is not None and engine.plan.predicted_step_s:
                     calibration.append(_step_note(step_s, engine.plan.predicted_step_s))
-                again = checked_plan(engine, budget, margin, calibration, host, send_s, rates, gap)
+                again = checked_plan(engine, budget, margin, calibration, host, send_s, rates, gap,
+                                     step_s if calm else None)
                 if again is not None and not same_layout(again, engine.plan):
                     if placement.may_race(engine):
                         placement.replaced(engine.plan, step_s)
