@@ -123,6 +123,7 @@ def test_fsdp2_offload_accumulates_like_the_reference(cpu_backend, recompute):
     forwards = scenario.model["layers"] * 2 * (scenario.warmup + scenario.steps)  # blocks x micro-batches x steps
     assert calls == forwards * (2 if recompute else 1)
     assert ("recompute per block (torch.utils.checkpoint, non-reentrant)" in row["notes"]) == recompute
+    assert not row["notes"].startswith("ranks=")  # ranks 1 (the default): the single-process system, unchanged
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, "2", True])
@@ -208,6 +209,9 @@ def test_memferry_lora_needs_an_hf_model(cpu_backend):
 
 @pytest.mark.parametrize("system", ["memferry-dp", "fsdp2-offload"])
 def test_two_ranks_accumulate_like_the_reference(system, monkeypatch):
+    """Two ranks train as one process on the whole batch does (the plain reference, which the
+    single-process rows match too); fsdp2-offload's row says so in its notes and counts the
+    global batch's tokens."""
     # As in a bench worker: one virtual device here; the system gives its ranks one each. Batch 4 over
     # 2 ranks, 2 accumulated micro-batches: each rank gets its 2 rows of each micro-batch.
     import xpu
@@ -223,6 +227,11 @@ def test_two_ranks_accumulate_like_the_reference(system, monkeypatch):
         xpu.reset_backend()
     assert row["status"] == "ok", row["reason"]
     assert row["losses"] == pytest.approx(_reference_losses(scenario), abs=2e-5)
+    assert row["losses"][-1] < row["losses"][0]  # it trains
+    if system == "fsdp2-offload":  # (test_bench_multirank's toy system covers ranks without accumulation)
+        assert row["notes"].startswith("ranks=2 (micro-batch 2 per rank); param_dtype=float32"), row["notes"]
+        assert row["peak_device_gb"] is None  # the ranks' memory is not the worker's
+        assert row["tokens_per_s"] == pytest.approx(2 * 4 * 16 / row["step_s"], rel=1e-3)  # every rank's micro-batches
 
 
 def test_memferry_lora_plan_auto_under_a_cap(cpu_backend, tmp_path):

@@ -60,10 +60,24 @@ def budget():
     return b
 
 
+_KEEPING: dict[tuple, object] = {}
+
+
 def keeping(backend, budget, accumulation, make=model, sample=None):
     """A plan as the scheduler leaves one (its profile kept, so it can be made again) that prefetches
     every block and keeps its activations: the plan a roomy budget picks for ``sample`` (default
-    SHORT rows) of ``make()``'s model, fixed so that the timings' pick cannot decide what a test sees."""
+    SHORT rows) of ``make()``'s model, fixed so that the timings' pick cannot decide what a test sees.
+    Those of ``model()`` on SHORT rows are made once per budget and accumulation (profiling is
+    slow; the plan is fixed); each caller gets its own copy."""
+    if make is not model or sample is not None:
+        return _keeping(backend, budget, accumulation, make, sample)
+    key = (budget, accumulation)
+    if key not in _KEEPING:
+        _KEEPING[key] = _keeping(backend, budget, accumulation, make, sample)
+    return copy.deepcopy(_KEEPING[key])
+
+
+def _keeping(backend, budget, accumulation, make, sample):
     scheduled = plan_for(make(), sample or batch(SHORT, 1), budget, backend=backend, memory_margin=0.0,
                          accumulation_steps=accumulation)
     keep = dataclasses.replace(scheduled, units=[UnitPlan("prefetch", "prefetch")] * len(scheduled.units),

@@ -59,12 +59,19 @@ def test_any_two_units_split_at_every_block():
     assert len({p.step_s for p in preds}) > 2  # the splits differ: the test could tell them apart
 
 
+# The prefetch depth each profile's full search picks (rest updated on the device in all three):
+# searched at that depth alone, the plan is the same, in a fifth of the time.
+SEARCHED_DEPTH = {"h200": 1, "uneven, deadline order, host-memory model": 2, "uneven, accumulation 4": 1}
+
+
 @pytest.mark.parametrize("name", PROFILES)
 def test_every_one_block_change_of_a_searched_plan(name):
     """The scheduler's note of each block's best alternative prices every one-block change."""
     profile = PROFILES[name]
     links = dataclasses.replace(H200_LINKS, host_GBps=88.2, host_copy_weight=0.3) if "host-memory" in name else H200_LINKS
-    plan = schedule(profile, links, 40e9, margin=0.05, explain=False)
+    plan = schedule(profile, links, 40e9, margin=0.05, explain=False, depths=(SEARCHED_DEPTH[name],),
+                    rest_optimizers=("device",))
+    assert plan.prefetch_depth == SEARCHED_DEPTH[name] and plan.rest_optimizer == "device"
     assert len(set(plan.units)) > 1  # a mixed plan: changes above, at and below each kind of block
     choices = unit_choices(allow_dha=True, device_sum=profile.accumulation_steps > 1)
     got = one_block_changes(plan, profile, links, 0.05, choices)

@@ -24,12 +24,11 @@ def _data(seed=5):
             for _ in range(STEPS)]
 
 
-def _rank(rank, port, plan_spec, clip, out_dir):
-    os.environ.update(XPU_BACKEND="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import xpu
+CASES = [("prefetch", None), ("device2+recompute", 0.5), ("dha", None), ("resident2", 0.5)]
 
-    xpu.reset_backend()
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+
+def _train(rank, case, out_dir):
+    plan_spec, clip = CASES[case]
     torch.manual_seed(0)
     model = TinyGPT()
     engine = MemFerry(model, optim=AdamW(lr=3e-3, weight_decay=0.1, max_grad_norm=clip),
@@ -43,15 +42,61 @@ def _rank(rank, port, plan_spec, clip, out_dir):
     loaded = engine.executor.bytes_h2d
     engine.close()
     torch.save({"losses": losses, "model": state["model"], "host_units": host_units, "bytes_h2d": loaded},
-               os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()  # see _failing_auto_rank
+               os.path.join(out_dir, f"rank{rank}-case{case}.pt"))
+
+
+def _auto(rank, out_dir):
+    x, y = _data()[0]
+    # Only the first rank gives a sample: the others must not profile or schedule on their own.
+    sample = (x[:2], y[:2]) if rank == 0 else None
+    torch.manual_seed(0)
+    engine = MemFerry(TinyGPT(), optim=AdamW(), plan="auto", loss_fn=lm_loss, device=rank, sample=sample,
+                      device_budget=10**9)
+    plan = engine.plan
+    engine.close()
+    torch.save({"units": plan.units, "rest": plan.rest_optimizer, "predicted": plan.predicted_step_s},
+               os.path.join(out_dir, f"auto{rank}.pt"))
+
+
+def _failing_auto(rank, out_dir):
+    x, y = _data()[0]
+    sample = (x[:2], y[:2]) if rank == 0 else None
+    try:
+        MemFerry(TinyGPT(), optim=AdamW(), plan="auto", loss_fn=lm_loss, device=rank, sample=sample, device_budget=4096)
+        outcome = "no error"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    (Path(out_dir) / f"failed{rank}.txt").write_text(outcome)
+
+
+def _rank(rank, port, out_dir):
+    """Every two-rank run of this module in one process group, one after another: a rank
+    process (spawn, torch import, rendezvous) costs more than the runs themselves."""
+    os.environ.update(XPU_BACKEND="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import xpu
+
+    xpu.reset_backend()
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    for case in range(len(CASES)):
+        _train(rank, case, out_dir)
+    _auto(rank, out_dir)
+    _failing_auto(rank, out_dir)  # last: whatever state its failure leaves cannot reach another run
+    dist.barrier()  # gloo aborts a process whose peer tore its pairs down first (1 run in 6 here)
     dist.destroy_process_group()
     leave_rank(0)  # see xpu.dist.leave_rank: a torch thread alive at shutdown can abort the rank
 
 
-@pytest.mark.parametrize("plan_spec, clip", [("prefetch", None), ("device2+recompute", 0.5), ("dha", None),
-                                             ("resident2", 0.5)])
-def test_two_ranks_equal_one_process_on_the_whole_batch(tmp_path, plan_spec, clip, cpu_backend):
+@pytest.fixture(scope="module")
+def ranks_out(tmp_path_factory):
+    """The folder the two ranks of :func:`_rank` wrote their results to."""
+    out = tmp_path_factory.mktemp("dp")
+    mp.spawn(_rank, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    return out
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{p}-{c}" for p, c in CASES])
+def test_two_ranks_equal_one_process_on_the_whole_batch(ranks_out, case, cpu_backend):
+    plan_spec, clip = CASES[case]
     torch.manual_seed(0)
     ref = TinyGPT()
     model = copy.deepcopy(ref)
@@ -66,8 +111,7 @@ def test_two_ranks_equal_one_process_on_the_whole_batch(tmp_path, plan_spec, cli
         opt.step()
         ref_losses.append(loss.item())
 
-    mp.spawn(_rank, args=(free_port(), plan_spec, clip, str(tmp_path)), nprocs=WORLD, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    ranks = [torch.load(ranks_out / f"rank{r}-case{case}.pt") for r in range(WORLD)]
     mean_losses = [sum(r["losses"][i] for r in ranks) / WORLD for i in range(STEPS)]
     assert mean_losses == pytest.approx(ref_losses, abs=1e-5, rel=1e-5)
     assert ranks[0]["losses"] != ranks[1]["losses"]  # they really trained on different data
@@ -94,58 +138,16 @@ def _single_process_bytes_h2d(backend, plan_spec):
     return loaded
 
 
-def _auto_rank(rank, port, out_dir):
-    os.environ.update(XPU_BACKEND="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import xpu
-
-    xpu.reset_backend()
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    torch.manual_seed(0)
-    x, y = _data()[0]
-    # Only the first rank gives a sample: the others must not profile or schedule on their own.
-    sample = (x[:2], y[:2]) if rank == 0 else None
-    engine = MemFerry(TinyGPT(), optim=AdamW(), plan="auto", loss_fn=lm_loss, device=rank, sample=sample,
-                      device_budget=10**9)
-    plan = engine.plan
-    engine.close()
-    torch.save({"units": plan.units, "rest": plan.rest_optimizer, "predicted": plan.predicted_step_s},
-               os.path.join(out_dir, f"auto{rank}.pt"))
-    dist.barrier()  # see _failing_auto_rank
-    dist.destroy_process_group()
-    leave_rank(0)  # see xpu.dist.leave_rank: a torch thread alive at shutdown can abort the rank
-
-
-def test_plan_auto_is_scheduled_once_and_shared_by_every_rank(tmp_path):
-    mp.start_processes(_auto_rank, args=(free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
-    plans = [torch.load(tmp_path / f"auto{r}.pt", weights_only=False) for r in range(WORLD)]
+def test_plan_auto_is_scheduled_once_and_shared_by_every_rank(ranks_out):
+    plans = [torch.load(ranks_out / f"auto{r}.pt", weights_only=False) for r in range(WORLD)]
     assert plans[0]["predicted"] is not None
     assert plans[0] == plans[1]
 
 
-def _failing_auto_rank(rank, port, out_dir):
-    os.environ.update(XPU_BACKEND="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import xpu
-
-    xpu.reset_backend()
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    x, y = _data()[0]
-    sample = (x[:2], y[:2]) if rank == 0 else None
-    try:
-        MemFerry(TinyGPT(), optim=AdamW(), plan="auto", loss_fn=lm_loss, device=rank, sample=sample, device_budget=4096)
-        outcome = "no error"
-    except Exception as exc:
-        outcome = f"{type(exc).__name__}: {exc}"
-    (Path(out_dir) / f"failed{rank}.txt").write_text(outcome)
-    dist.barrier()  # gloo aborts a process whose peer tore its pairs down first (1 run in 6 here)
-    dist.destroy_process_group()
-    leave_rank(0)  # see xpu.dist.leave_rank: a torch thread alive at shutdown can abort the rank
-
-
-def test_a_plan_the_first_rank_cannot_make_fails_every_rank_instead_of_hanging_them(tmp_path):
+def test_a_plan_the_first_rank_cannot_make_fails_every_rank_instead_of_hanging_them(ranks_out):
     """Only the first rank schedules; when no plan fits there, the others must hear of it (they
     raised nothing and waited for a plan, up to gloo's 30-minute default, before)."""
-    mp.start_processes(_failing_auto_rank, args=(free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
-    first, other = ((tmp_path / f"failed{r}.txt").read_text() for r in range(WORLD))
+    first, other = ((ranks_out / f"failed{r}.txt").read_text() for r in range(WORLD))
     assert first.startswith("NoPlanFitsError: no plan fits a device budget"), first
     assert other.startswith("RuntimeError: rank 0 could not schedule MemFerry's plan: NoPlanFitsError: no plan fits"), other
 

@@ -33,30 +33,48 @@ def _data(seed=7):
              for _ in range(ACCUM)] for _ in range(STEPS)]
 
 
-def _rank(rank, port, plan_name, clip, out_dir):
+CASES = [("prefetch", 0.05), ("dha", None), ("device", 0.05)]
+
+
+def _rank(rank, port, out_dir):
+    """Every case's two-rank run in one process group, one after another: a rank process
+    (spawn, torch import, rendezvous) costs more than a run."""
     os.environ.update(XPU_BACKEND="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), XPU_COLLECTIVE_TIMEOUT_S="60")
     import xpu
 
     xpu.reset_backend()
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    engine = MemFerry(lora_like(), optim=AdamW(**CFG, max_grad_norm=clip), plan=PLANS[plan_name](4),
-                      loss_fn=lm_loss, device=rank, accumulation_steps=ACCUM)
-    half = 2
-    for micro in _data():
-        for x, y in micro:  # each rank trains on its own half of every micro-batch
-            engine.backward(lm_loss(engine(x[rank * half:(rank + 1) * half]), y[rank * half:(rank + 1) * half]) / ACCUM)
-        engine.step()
-    state = engine.state_dict()
-    host = [(s.unit.numel, s.unit.train_numel, s.master.numel()) for s in engine.shadow.shadows if s.home == "host"]
-    engine.close()
-    torch.save({"model": state["model"], "optimizer": state["optimizer"], "host": host},
-               os.path.join(out_dir, f"rank{rank}.pt"))
+    for case, (plan_name, clip) in enumerate(CASES):
+        engine = MemFerry(lora_like(), optim=AdamW(**CFG, max_grad_norm=clip), plan=PLANS[plan_name](4),
+                          loss_fn=lm_loss, device=rank, accumulation_steps=ACCUM)
+        half = 2
+        for micro in _data():
+            for x, y in micro:  # each rank trains on its own half of every micro-batch
+                engine.backward(lm_loss(engine(x[rank * half:(rank + 1) * half]), y[rank * half:(rank + 1) * half])
+                                / ACCUM)
+            engine.step()
+        state = engine.state_dict()
+        host = [(s.unit.numel, s.unit.train_numel, s.master.numel()) for s in engine.shadow.shadows if s.home == "host"]
+        engine.close()
+        torch.save({"model": state["model"], "optimizer": state["optimizer"], "host": host},
+                   os.path.join(out_dir, f"rank{rank}-case{case}.pt"))
     dist.barrier()
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("plan_name, clip", [("prefetch", 0.05), ("dha", None), ("device", 0.05)])
-def test_two_ranks_with_frozen_parameters_equal_one_process(tmp_path, plan_name, clip):
+@pytest.fixture(scope="module")
+def ranks_out(tmp_path_factory):
+    """The folder the two ranks of :func:`_rank` wrote every case's results to."""
+    out = tmp_path_factory.mktemp("dp_frozen")
+    ctx = mp.start_processes(_rank, args=(free_port(), str(out)), nprocs=WORLD, start_method="spawn", join=False)
+    while not ctx.join(timeout=120):
+        pass
+    return out
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{p}-{c}" for p, c in CASES])
+def test_two_ranks_with_frozen_parameters_equal_one_process(ranks_out, case):
+    plan_name, clip = CASES[case]
     model = lora_like()
     opt = torch.optim.AdamW(param_groups(model, CFG["weight_decay"]), lr=CFG["lr"])
     for micro in _data():
@@ -67,11 +85,7 @@ def test_two_ranks_with_frozen_parameters_equal_one_process(tmp_path, plan_name,
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
         opt.step()
 
-    ctx = mp.start_processes(_rank, args=(free_port(), plan_name, clip, str(tmp_path)), nprocs=WORLD,
-                             start_method="spawn", join=False)
-    while not ctx.join(timeout=120):
-        pass
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    ranks = [torch.load(ranks_out / f"rank{r}-case{case}.pt") for r in range(WORLD)]
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     for name, want in model.named_parameters():
         for r in ranks:

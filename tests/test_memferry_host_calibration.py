@@ -8,6 +8,7 @@ The cpu backend's virtual devices skip the check (``host_calibration.applies``);
 turn it on and set the measured rate, so nothing depends on this machine's timing."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -48,17 +49,36 @@ def _fixed_timings(profile):
                                host_adamw_copies_s_per_param=1.5e-9, device_adamw_s_per_param=1e-11)
 
 
-@pytest.fixture
-def host_plan(cpu_backend, true_min_budget, monkeypatch):  # noqa: F811
-    """A scheduled plan with host-updated blocks, and its budget (timings fixed: the plan is the
-    same on any machine under any load)."""
-    real = profiler.profile_step
-    monkeypatch.setattr(profiler, "profile_step", lambda *a, **k: _fixed_timings(real(*a, **k)))
-    budget = int(true_min_budget * 1.1)
-    plan = plan_for(qwen2_tied(), batch(), budget, backend=cpu_backend, memory_margin=0.0)
-    monkeypatch.setattr(profiler, "profile_step", real)
+def _scheduled(budget_of, **kw):
+    """A plan scheduled on the cpu backend from a profile with fixed timings (the same on any
+    machine under any load) under ``budget_of(backend)``, and that budget."""
+    import xpu
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XPU_BACKEND", "cpu")
+        xpu.reset_backend()
+        backend = xpu.get_backend()
+        real = profiler.profile_step
+        mp.setattr(profiler, "profile_step", lambda *a, **k: _fixed_timings(real(*a, **k)))
+        budget = budget_of(backend)
+        plan = plan_for(qwen2_tied(), batch(), budget, backend=backend, memory_margin=0.0, **kw)
+        xpu.reset_backend()
+    return plan, budget
+
+
+@pytest.fixture(scope="module")
+def _host_plan(true_min_budget):  # noqa: F811
+    # made once for the module (profiling and searching): each test gets its own copy
+    plan, budget = _scheduled(lambda backend: int(true_min_budget * 1.1))
     assert any(u.optimizer == "host" for u in plan.units) or plan.rest_optimizer == "host"
     return plan, budget
+
+
+@pytest.fixture
+def host_plan(_host_plan):
+    """A scheduled plan with host-updated blocks, and its budget (timings fixed: the plan is the
+    same on any machine under any load); a copy, as no test may see another's changes."""
+    return copy.deepcopy(_host_plan)
 
 
 def test_a_host_rate_far_off_the_plan_is_calibrated_and_planned_again(cpu_backend, monkeypatch, host_plan):
@@ -168,18 +188,22 @@ def test_a_calibrated_plan_of_another_layout_is_built_and_rehearsed(cpu_backend,
     engine.close()
 
 
-@pytest.fixture
-def accumulating_plan(cpu_backend, monkeypatch):
-    """A scheduled plan of 4 micro-batches per step with host-updated blocks, and its budget
-    (timings fixed, as :func:`host_plan`'s)."""
-    real = profiler.profile_step
-    monkeypatch.setattr(profiler, "profile_step", lambda *a, **k: _fixed_timings(real(*a, **k)))
-    free = plan_for(qwen2_tied(), batch(), None, backend=cpu_backend, memory_margin=0.0, accumulation_steps=4)
-    budget = int(min_budget(free.profile, links_from_probe(cpu_backend, 0), margin=0.0) * 1.1)
-    plan = plan_for(qwen2_tied(), batch(), budget, backend=cpu_backend, memory_margin=0.0, accumulation_steps=4)
-    monkeypatch.setattr(profiler, "profile_step", real)
+@pytest.fixture(scope="module")
+def _accumulating_plan():
+    def budget(backend):
+        free = plan_for(qwen2_tied(), batch(), None, backend=backend, memory_margin=0.0, accumulation_steps=4)
+        return int(min_budget(free.profile, links_from_probe(backend, 0), margin=0.0) * 1.1)
+
+    plan, budget = _scheduled(budget, accumulation_steps=4)
     assert 0 < plan.host_earlier_s_per_param < plan.host_s_per_param
     return plan, budget
+
+
+@pytest.fixture
+def accumulating_plan(_accumulating_plan):
+    """A scheduled plan of 4 micro-batches per step with host-updated blocks, and its budget
+    (timings fixed, as :func:`host_plan`'s); a copy, made once for the module."""
+    return copy.deepcopy(_accumulating_plan)
 
 
 def test_calibrating_one_part_moves_only_that_part_of_the_plan_s_host_work(accumulating_plan, cpu_backend):

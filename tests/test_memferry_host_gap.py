@@ -17,7 +17,7 @@ from strategies.memferry.config import UnitPlan
 from strategies.memferry.cost import links_from_probe, predict
 from strategies.memferry.host_calibration import (SETTLE_TRIES, calibrated, priced_on_own_rate, repriced, step_gap,
                                                  with_gap)
-from tests.test_memferry_host_calibration import _measuring, host_plan  # noqa: F401  (a fixture)
+from tests.test_memferry_host_calibration import _host_plan, _measuring, host_plan  # noqa: F401  (fixtures)
 from tests.test_memferry_rehearsal import true_min_budget  # noqa: F401  (a fixture)
 from tests.test_memferry_scheduler_accum import batch, qwen2_tied
 

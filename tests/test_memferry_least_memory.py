@@ -43,10 +43,11 @@ def test_blocks_of_random_sizes_peak_at_the_budget_named(seed):
 
 
 def test_a_grouped_search_that_finds_nothing_falls_back_to_the_least_memory_plan():
-    """Past GROUP_ABOVE blocks the search decides blocks in groups; at the least budget of blocks
-    of random sizes no uniform group fits, and the search had raised NoPlanFitsError naming the
-    very budget it was given. The plan of least memory fits it and is returned, with a note."""
-    n = 2 * GROUP_ABOVE + 2
+    """Past GROUP_ABOVE blocks the search decides blocks in groups (here of two, the last block
+    alone); at the least budget of blocks of random sizes no uniform group fits, and the search
+    had raised NoPlanFitsError naming the very budget it was given. The plan of least memory
+    fits it and is returned, with a note."""
+    n = GROUP_ABOVE + 1
     rng = random.Random(0)
     prof, links = _fix(random_profile(rng, n)), random_links(rng)
     need = min_budget(prof, links)

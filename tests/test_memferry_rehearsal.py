@@ -44,6 +44,19 @@ def _undercounting(monkeypatch, share: float) -> None:
     monkeypatch.setattr(profiler, "profile_step", scaled)
 
 
+_FREE_PLANS: dict[int, Plan] = {}
+
+
+def free_plan(backend, accumulation_steps: int = 1) -> Plan:
+    """``plan_for`` of ``qwen2_tied()`` on ``batch()`` with no budget (margin 0): profiled and
+    scheduled once per accumulation for the module (profiling is most of a test's work here);
+    each caller gets its own copy."""
+    if accumulation_steps not in _FREE_PLANS:
+        _FREE_PLANS[accumulation_steps] = plan_for(qwen2_tied(), batch(), None, backend=backend, memory_margin=0.0,
+                                                   accumulation_steps=accumulation_steps)
+    return copy.deepcopy(_FREE_PLANS[accumulation_steps])
+
+
 @pytest.fixture(scope="module")
 def true_min_budget():
     """The smallest budget of the true profile (margin 0): a plan exists that really fits it."""
@@ -53,8 +66,8 @@ def true_min_budget():
         mp.setenv("XPU_BACKEND", "cpu")
         xpu.reset_backend()
         backend = xpu.get_backend()
-        model = qwen2_tied()
-        plan = plan_for(model, batch(), None, backend=backend, memory_margin=0.0)
+        # its own profile, not free_plan's: other modules take this fixture under patches of their own
+        plan = plan_for(qwen2_tied(), batch(), None, backend=backend, memory_margin=0.0)
         budget = min_budget(plan.profile, links_from_probe(backend, 0), margin=0.0)
         xpu.reset_backend()
     return budget
@@ -124,7 +137,7 @@ def test_rehearsing_leaves_training_exactly_as_without_it(cpu_backend, monkeypat
     (real devices; here its measurement is set to the plan's rate), so the rehearsal is
     ``RATE_STEPS`` steps."""
     x, y = batch()
-    plan = plan_for(qwen2_tied(), (x, y), None, backend=cpu_backend, memory_margin=0.0, accumulation_steps=2)
+    plan = free_plan(cpu_backend, 2)
     timed = []
     if rate_checked:
         rehearse_here(monkeypatch)
@@ -164,7 +177,7 @@ def test_the_host_rate_is_timed_over_the_last_of_three_whole_steps(cpu_backend, 
     step's last pair added by the update) and times from the second step's step() to the third's,
     comparing with the plan's rate for 3; without the check, one step of 2 shows the peak."""
     x, y = batch()
-    plan = plan_for(qwen2_tied(), (x, y), None, backend=cpu_backend, memory_margin=0.0, accumulation_steps=3)
+    plan = free_plan(cpu_backend, 3)
     rehearse_here(monkeypatch)
     monkeypatch.setattr(sum_placement, "WINDOW", -1.0)  # one plan timed: no device-summing rival rehearsed
     events: list[str] = []
@@ -213,7 +226,7 @@ def test_the_rehearsal_clock_shows_a_step_held_by_the_host(cpu_backend, monkeypa
     optimizer in it: with every host update slowed by 0.4 s, the next forward waits for the first
     block's, in both clocked steps, and the host's work counts the updates' time."""
     x, y = batch()
-    plan = plan_for(qwen2_tied(), (x, y), None, backend=cpu_backend, memory_margin=0.0)  # both blocks host-updated
+    plan = free_plan(cpu_backend)  # both blocks host-updated
     monkeypatch.setattr(rehearsal, "applies", lambda backend: True)
     monkeypatch.setattr(rehearsal, "checked_plan", lambda *args, **kwargs: None)
     slow = 0.4
@@ -246,7 +259,7 @@ def test_the_rehearsal_step_holds_what_a_training_step_holds(cpu_backend):
     that logs it does): a rehearsal that let the loss go peaked 4 bytes lower, and a plan held
     there ran out of memory in its first step."""
     x, y = batch()
-    plan = plan_for(qwen2_tied(), (x, y), None, backend=cpu_backend, memory_margin=0.0)
+    plan = free_plan(cpu_backend)
     engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=(x, y),
                       device_budget=plan.predicted_peak_bytes * 2, backend=cpu_backend, rehearse=False)
     cpu_backend.set_memory_cap(0, None)
@@ -284,7 +297,7 @@ def test_the_allocator_is_held_to_the_prediction_not_to_what_the_uncapped_cache_
     the allocator to the prediction; one that allocated more (the memory model missed) to the
     budget: a loop may hold a little more than the rehearsal did."""
     x, y = batch()
-    plan = plan_for(qwen2_tied(), (x, y), None, backend=cpu_backend, memory_margin=0.0)
+    plan = free_plan(cpu_backend)
     predicted = plan.predicted_peak_bytes
     allocated = predicted + (1 << 20) if over else predicted - (1 << 20)
     monkeypatch.setattr(rehearsal, "_rehearse",
@@ -399,7 +412,7 @@ def test_what_the_uncapped_rehearsal_left_cached_is_given_back_once_the_cap_is_h
     held cap through every step (11.0 GB reserved under a 10.6 GB hold, H100, 2026-12-05). The
     cache is given back after the hold, nothing capped after that."""
     x, y = batch()
-    plan = plan_for(qwen2_tied(), (x, y), None, backend=cpu_backend, memory_margin=0.0)
+    plan = free_plan(cpu_backend)
     calls = []
     real_cap = cpu_backend.set_memory_cap
     monkeypatch.setattr(cpu_backend, "set_memory_cap", lambda d, n: (calls.append(("cap", n)), real_cap(d, n))[1])
@@ -418,7 +431,7 @@ def test_a_clocked_step_that_a_full_collection_paused_says_so(cpu_backend, monke
     import gc
 
     x, y = batch()
-    plan = plan_for(qwen2_tied(), (x, y), None, backend=cpu_backend, memory_margin=0.0)
+    plan = free_plan(cpu_backend)
     engine = MemFerry(qwen2_tied(), optim=AdamW(lr=1e-3), plan=plan, sample=(x, y),
                       device_budget=plan.predicted_peak_bytes * 2, backend=cpu_backend, rehearse=False)
     cpu_backend.set_memory_cap(0, None)

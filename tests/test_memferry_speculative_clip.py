@@ -31,9 +31,9 @@ PLANS = {
     "resident": lambda: Plan.from_spec("resident4", 4),
 }
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
-# Gradient norms of these runs lie near 0.93-0.99: never / always / on some steps only.
+# Gradient norms of these runs are about 0.963, 0.987, 0.953: never / always / on some steps only.
 CLIPS = {"never": 10.0, "always": 0.5, "some": 0.955}
-STEPS = 5
+STEPS = 3  # enough for steps that clip and one that does not, in every case here
 
 
 def _model():
@@ -281,7 +281,7 @@ def _rank(rank, port, out_dir):
     out = {}
     for mode in ("wait", "speculative"):
         torch.manual_seed(0)
-        engine = MemFerry(TinyGPT(), optim=AdamW(lr=3e-3, weight_decay=0.1, max_grad_norm=0.95, clip_mode=mode),
+        engine = MemFerry(TinyGPT(), optim=AdamW(lr=3e-3, weight_decay=0.1, max_grad_norm=0.96, clip_mode=mode),
                           plan=DP_PLAN, loss_fn=lm_loss, device=rank)
         losses, norms = [], []
         for x, y in data:
@@ -315,11 +315,11 @@ def test_two_ranks_speculative_equals_wait(tmp_path, cpu_backend):
                 w = spec["state"][part][name]
                 pairs = [(v, w)] if part == "model" else [(v[k], w[k]) for k in ("master", "exp_avg", "exp_avg_sq")]
                 assert all(torch.equal(a, b) for a, b in pairs), (part, name)
-        n_fired = fired(wait, 0.95)
+        n_fired = fired(wait, 0.96)
         assert 0 < n_fired < STEPS, wait["norms"]
         assert spec["stats"]["clipped_steps"] == n_fired
         assert_rolled_back(spec["stats"], n_fired)
-        assert_counts(spec["stats"], 4, wait, 0.95)  # three host-homed blocks and the rest unit
+        assert_counts(spec["stats"], 4, wait, 0.96)  # three host-homed blocks and the rest unit
 
 
 def test_bench_notes_count_clipped_steps_and_rollbacks(cpu_backend):

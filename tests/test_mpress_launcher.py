@@ -132,41 +132,19 @@ def test_dry_run_prints_the_torchrun_command_and_starts_nothing(tmp_path, capsys
 
 
 def test_example_config_dry_run():
+    """The example config from the command line, with a learning rate in exponent form (a float, so
+    the config check passes it: issue 17's bad input)."""
     env = dict(os.environ, XPU_BACKEND="cpu", PYTHONPATH=str(ROOT))
     for key in ("LOCAL_RANK", "WORLD_SIZE"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, "-m", "xpu", "mpress", str(TINY), "--dry-run"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "xpu", "mpress", str(TINY), "--set", "optimizer.lr=3E-4", "--dry-run"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "-m torch.distributed.run --standalone --nproc_per_node 2 -m xpu mpress" in proc.stdout
+    assert "--set optimizer.lr=3E-4" in proc.stdout, proc.stdout
 
 
 # ---------------------------------------------------------------------------------- end to end through torchrun
-def test_two_stages_through_torchrun_match_the_unpipelined_run(tmp_path, cpu_backend):
-    cfg = _config(tmp_path)
-    env = dict(os.environ, XPU_BACKEND="cpu", PYTHONPATH=str(ROOT), XPU_COLLECTIVE_TIMEOUT_S="60")
-    for key in ("LOCAL_RANK", "WORLD_SIZE", "RANK"):
-        env.pop(key, None)
-    proc = subprocess.run([sys.executable, "-m", "xpu", "mpress", str(cfg), "--json"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    # Rank 0 printed the plan and a line per step (on stderr with --json, so stdout is the summary alone).
-    assert "-m torch.distributed.run --standalone --nproc_per_node 2" in proc.stderr
-    assert "plan (given; unlisted blocks kept):\nstage 0: block 0: host, block 1: recompute\nstage 1: block 2: peer:0" \
-        in proc.stderr, proc.stderr
-    assert "step      1/2  loss" in proc.stderr and "step      2/2  loss" in proc.stderr
-    assert summary["stages"] == 2 and len(summary["peaks"]) == 2 and all(p > 0 for p in summary["peaks"])
-    assert summary["decisions"] == {"0": {"0": "host", "1": "recompute"}, "1": {"2": "peer:0"}}
-
-    ref = reference_losses(load_config(cfg), backend=cpu_backend)
-    assert len(summary["losses"]) == len(ref) == 2
-    for step, (got, want) in enumerate(zip(summary["losses"], ref)):
-        assert abs(got - want) < 1e-6, (step, got, want)
-    assert ref[1] != ref[0]  # the second step saw an AdamW update: the optimizers agree, not just the forward
-
-
-# ---------------------------------------------------------------------------------- checkpoints
 def _mpress(cfg: Path, *args: str, backend: str = "cpu") -> dict:
     env = dict(os.environ, XPU_BACKEND=backend, PYTHONPATH=str(ROOT), XPU_COLLECTIVE_TIMEOUT_S="60")
     for key in ("LOCAL_RANK", "WORLD_SIZE", "RANK"):
@@ -177,7 +155,37 @@ def _mpress(cfg: Path, *args: str, backend: str = "cpu") -> dict:
     return {**json.loads(proc.stdout.strip().splitlines()[-1]), "log": proc.stderr}
 
 
-def test_a_checkpoint_resumes_under_another_pipeline_with_the_uninterrupted_losses(tmp_path):
+@pytest.fixture(scope="module")
+def two_stages(tmp_path_factory):
+    """One 2-stage torchrun run of MICRO for 4 steps, checkpointed at steps 2 and 4 with a CSV log:
+    compared with the unpipelined run, then resumed under another pipeline (a run costs ~10 s)."""
+    tmp = tmp_path_factory.mktemp("two-stages")
+    cfg = _config(tmp, steps=4, checkpoint={"dir": str(tmp / "run"), "every": 2}, logging={"csv": str(tmp / "log.csv")})
+    return tmp, cfg, _mpress(cfg)
+
+
+def test_two_stages_through_torchrun_match_the_unpipelined_run(two_stages, tmp_path, cpu_backend):
+    _, _, summary = two_stages
+    log = summary["log"]
+    # Rank 0 printed the plan and a line per step (on stderr with --json, so stdout is the summary alone).
+    assert "-m torch.distributed.run --standalone --nproc_per_node 2" in log
+    assert "plan (given; unlisted blocks kept):\nstage 0: block 0: host, block 1: recompute\nstage 1: block 2: peer:0" \
+        in log, log
+    assert all(f"step      {i}/4  loss" in log for i in range(1, 5)), log
+    assert summary["stages"] == 2 and len(summary["peaks"]) == 2 and all(p > 0 for p in summary["peaks"])
+    assert summary["decisions"] == {"0": {"0": "host", "1": "recompute"}, "1": {"2": "peer:0"}}
+
+    # The same config without the run's checkpoint folder and CSV log (the reference would refuse
+    # the filled folder, and append to the log).
+    ref = reference_losses(load_config(_config(tmp_path, steps=4)), backend=cpu_backend)
+    assert len(summary["losses"]) == len(ref) == 4
+    for step, (got, want) in enumerate(zip(summary["losses"], ref)):
+        assert abs(got - want) < 1e-6, (step, got, want)
+    assert ref[1] != ref[0]  # the second step saw an AdamW update: the optimizers agree, not just the forward
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+def test_a_checkpoint_resumes_under_another_pipeline_with_the_uninterrupted_losses(two_stages):
     """Two stages write step 2 and 4; three stages under GPipe resume step 2 and train steps 3-4 as the
     uninterrupted run did, and write the same weights and AdamW state, named as the unpipelined model's;
     the ``logging.csv`` rows go on from the resumed step."""
@@ -185,9 +193,8 @@ def test_a_checkpoint_resumes_under_another_pipeline_with_the_uninterrupted_loss
     from strategies.training import read_checkpoint
     from strategies.training.checkpoints import VERIFIED_ENV, verified_mark
 
+    tmp_path, cfg, full = two_stages
     csv_log = tmp_path / "log.csv"
-    cfg = _config(tmp_path, steps=4, checkpoint={"dir": str(tmp_path / "run"), "every": 2}, logging={"csv": str(csv_log)})
-    full = _mpress(cfg)
     assert [Path(p).name for p in full["checkpoints"]] == ["step-0000002.pt", "step-0000004.pt"]
     want = read_checkpoint(tmp_path / "run" / "step-0000004.pt")
     names = set(build_model("gpt", **{k: v for k, v in MICRO["model"].items() if k != "family"}).state_dict())

@@ -22,10 +22,10 @@ TINY = ROOT / "examples" / "train" / "gpt-tiny-memferry.yaml"
 MICRO = {"family": "gpt", "layers": 2, "hidden": 32, "heads": 2, "vocab": 256}
 
 
-def _xpu_train(*args: str, cwd: Path = ROOT, timeout: int = 120) -> subprocess.CompletedProcess:
+def _xpu_train(*args: str, cwd: Path = ROOT, timeout: int = 120, flags: tuple = ()) -> subprocess.CompletedProcess:
     env = dict(os.environ, XPU_BACKEND="cpu", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "xpu", "train", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([sys.executable, *flags, "-m", "xpu", "train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def _micro(**extra) -> dict:
@@ -37,22 +37,17 @@ def _micro(**extra) -> dict:
 
 
 # ---------------------------------------------------------------------------------- end to end
-def test_a_plain_run_imports_neither_transformers_nor_peft():
-    """A GPT run has no use for them, and importing them costs a process seconds: session 52's
-    LoRA code imported peft in every engine, about 3 s in each of the suite's many subprocesses."""
-    code = ("import sys; from xpu.cli import main\n"
-            f"sys.argv = ['xpu', 'train', {str(TINY)!r}, '--steps', '1', '--no-progress']\n"
-            "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-            "print(sorted(m for m in ('transformers', 'peft') if m in sys.modules))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, XPU_BACKEND="cpu",
-                          PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout[-2000:]
-
-
-def test_readme_command_trains_and_the_loss_falls():
-    proc = _xpu_train(str(TINY), "--steps", "30", "--set", "model.layers=2", "--no-progress", "--json")
+def test_readme_command_trains_and_the_loss_falls_importing_neither_transformers_nor_peft():
+    """The README's first command, run as written. ``-X importtime`` also lists every module the
+    run imports on stderr: a GPT run has no use for transformers or peft, and importing them costs
+    a process seconds (session 52's LoRA code imported peft in every engine, about 3 s in each of
+    the suite's many subprocesses). One process checks both: each start costs seconds."""
+    proc = _xpu_train(str(TINY), "--steps", "30", "--set", "model.layers=2", "--no-progress", "--json",
+                      flags=("-X", "importtime"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "xpu.cli" in imported and "torch" in imported, proc.stderr[-2000:]  # the listing is there
+    assert sorted(m for m in imported if m.split(".")[0] in ("transformers", "peft")) == []
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     losses = result["losses"]
     assert len(losses) == 30 and result["steps"] == list(range(1, 31))

@@ -108,20 +108,28 @@ def test_two_ranks_equal_one_process_with_the_doubled_batch(tmp_path, model, cpu
                                    msg=name)
 
 
-def test_local_rank_with_no_device_is_a_one_line_error(tmp_path):
-    config = _config(tmp_path, "bad", batch=2)
-    rc, stdout, stderr = _finish([_start(config, _env(RANK="1", WORLD_SIZE="8", LOCAL_RANK="7",
-                                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))])[0]
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+    """The outcomes of the refused launches below, started together (each is a process start
+    and a refusal: they need not wait for one another)."""
+    tmp_path = tmp_path_factory.mktemp("refused")
+    bad = _start(_config(tmp_path, "bad", batch=2), _env(RANK="1", WORLD_SIZE="8", LOCAL_RANK="7",
+                                                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))
+    torch_ = _start(_config(tmp_path, "torch", batch=2, strategy={"name": "torch", "options": {}}),
+                    _env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))
+    return dict(zip(("local_rank", "torch"), _finish([bad, torch_])))
+
+
+def test_local_rank_with_no_device_is_a_one_line_error(refusals):
+    rc, stdout, stderr = refusals["local_rank"]
     assert rc == 2 and stdout == ""
     assert stderr.strip().splitlines() == [
         "xpu train: error: LOCAL_RANK=7 names no device: the cpu backend has 2 device(s) (0, 1); start at most "
         "--nproc_per_node 2 processes per node"]
 
 
-def test_strategy_torch_under_torchrun_is_refused(tmp_path):
-    config = _config(tmp_path, "torch", batch=2, strategy={"name": "torch", "options": {}})
-    rc, stdout, stderr = _finish([_start(config, _env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0",
-                                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))])[0]
+def test_strategy_torch_under_torchrun_is_refused(refusals):
+    rc, stdout, stderr = refusals["torch"]
     assert rc == 2 and stdout == ""
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("xpu train: error: strategy: torch does not train data-parallel")

@@ -85,7 +85,10 @@ def test_resume_takes_the_newest_run_and_refuses_writing_among_another_runs_file
     assert res.info.start_step == 1 and read_checkpoint(tmp_path / "c" / "step-0000002.pt")["run_id"] == run_b
 
 
-def test_overwrite_flag_on_the_cli(tmp_path):
+def test_overwrite_flag_on_the_cli(cpu_backend, tmp_path):
+    """The command line refuses a used folder and ``--overwrite`` replaces its run. The run that
+    fills the folder first is the same config file trained in this process: a plain run through
+    the command line is checked in test_train_cli.py, and each process start costs seconds."""
     d = tmp_path / "ck"
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(_cfg(d, steps=1)))
     env = dict(os.environ, XPU_BACKEND="cpu", PYTHONPATH=str(ROOT))
@@ -94,13 +97,14 @@ def test_overwrite_flag_on_the_cli(tmp_path):
         return subprocess.run([sys.executable, "-m", "xpu", "train", str(tmp_path / "run.yaml"), "--no-progress", *args],
                               env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
 
-    assert xpu_train().returncode == 0
+    train(load_config(tmp_path / "run.yaml"), backend=cpu_backend)
+    old_id = read_checkpoint(d / "step-0000001.pt")["run_id"]
     refused = xpu_train()
     assert refused.returncode == 2 and refused.stdout == ""
     assert len(refused.stderr.strip().splitlines()) == 1 and "--overwrite" in refused.stderr
     again = xpu_train("--overwrite")
     assert again.returncode == 0, again.stderr
-    assert _names(d) == ["step-0000001.pt"]
+    assert _names(d) == ["step-0000001.pt"] and read_checkpoint(d / "step-0000001.pt")["run_id"] != old_id
 
 
 # ---------------------------------------------------------------------------------- 2. checksums
