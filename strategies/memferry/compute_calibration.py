@@ -10,9 +10,10 @@ waiting at most 2.2 ms a step for the host (H100, bench/results/2026-12-08-h100-
 12 % over on session 56's lease). The host's rates are calibrated on the rehearsal
 (``host_calibration.py``); this is the same for the device's compute: where the cost model's
 compute chain makes the plan's predicted step (:data:`SHARE`) and its settled rehearsal ran more
-than :data:`TOLERANCE` off the prediction, every compute time of the profile (blocks, eager figures of compiled ones, the rest)
-is scaled so the plan is priced at the rehearsed step (:func:`compute_scale`, :func:`scaled`).
-The plan's notes keep the prediction before it. Not on virtual devices (the cpu backend), as for
+than :data:`TOLERANCE` off the prediction, every compute time of the profile (blocks, the eager
+figures of compiled ones, the rest) is scaled so the plan is priced at the rehearsed step
+(:func:`compute_scale`, :func:`scaled`), and searched again on them where its step moved. The
+plan's notes keep the prediction before it. Not on virtual devices (the cpu backend), as for
 the host's rates: there the "device" and the host share the cores.
 """
 from __future__ import annotations
