@@ -20,14 +20,12 @@ from strategies.memferry.compute_calibration import LIMIT, SHARE, TOLERANCE, com
 from strategies.memferry.config import Plan, UnitPlan
 from strategies.memferry.cost import links_from_probe, predict
 from strategies.memferry.host_optimizer import HostOptimizer
+from strategies.memferry.pass_timing import TIME_FIELDS
 from strategies.memferry.planning import plan_for
 from strategies.memferry.profiler import StepProfile
 from strategies.memferry.scheduler import price
 from tests.rehearsal_here import rehearse_here
 from tests.test_memferry_scheduler_accum import batch, qwen2_tied
-
-_TIMES = ("fwd_s", "bwd_s", "bwd_selective_s", "fwd_selective_s", "recompute_s")
-
 
 def _fixed(profile: StepProfile) -> StepProfile:
     """``profile`` with fixed compute times (its bytes as measured) and a fast host: compute
@@ -101,7 +99,7 @@ def test_scaled_multiplies_every_compute_time_keeps_the_bytes_and_survives_json(
     twice = scaled(scaled(profile, 1.5), 1.2)
     assert twice.compute_scale == pytest.approx(1.8) and profile.compute_scale == 1.0
     for got, was in zip(twice.blocks + twice.eager_blocks, profile.blocks + profile.eager_blocks):
-        for k in _TIMES:
+        for k in TIME_FIELDS:
             assert getattr(got, k) == pytest.approx(1.8 * getattr(was, k))
         assert (got.act_bytes, got.param_bytes, got.bwd_extra_bytes) == (was.act_bytes, was.param_bytes,
                                                                         was.bwd_extra_bytes)

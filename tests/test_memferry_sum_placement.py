@@ -6,68 +6,21 @@ The comparison runs where the rehearsal is timed (real devices); these tests tur
 and set each plan's step time, so nothing depends on this machine's speed."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 
-import strategies.memferry.profiler as profiler
 import strategies.memferry.rehearsal as rehearsal
 import strategies.memferry.sum_placement as sum_placement
 from strategies.memferry import AdamW, MemFerry
 from strategies.memferry.cost import links_from_probe
 from strategies.memferry.host_calibration import same_layout
 from strategies.memferry.host_optimizer import HostOptimizer
-from strategies.memferry.planning import plan_for
-from strategies.memferry.scheduler import min_budget, schedule, sums_on_host_by_choice
+from strategies.memferry.scheduler import schedule, sums_on_host_by_choice
 from strategies.memferry.sum_placement import device_summed_blocks, host_summed_blocks
 from tests.rehearsal_here import rehearse_here
-from tests.test_memferry_host_calibration import _fixed_timings
+from tests.test_memferry_host_calibration import (_accumulating_plan, _host_plan,  # noqa: F401  (fixtures)
+                                                  accumulating_plan, host_plan)
 from tests.test_memferry_rehearsal import true_min_budget  # noqa: F401  (a fixture)
 from tests.test_memferry_scheduler_accum import batch, qwen2_tied
-
-
-def _scheduled(backend, budget, **kwargs):
-    """``qwen2_tied()``'s plan under ``budget`` from a profile with fixed timings (the same on any
-    machine under any load), as ``test_memferry_host_calibration``'s plans are made."""
-    real = profiler.profile_step
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(profiler, "profile_step", lambda *a, **k: _fixed_timings(real(*a, **k)))
-        return plan_for(qwen2_tied(), batch(), budget, backend=backend, memory_margin=0.0, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def accumulating_plan_once():
-    """A scheduled plan of 4 micro-batches per step with host-updated blocks, and its budget:
-    made once for the module (two profiles and searches cost more than most tests here)."""
-    import xpu
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XPU_BACKEND", "cpu")
-        xpu.reset_backend()
-        backend = xpu.get_backend()
-        free = _scheduled(backend, None, accumulation_steps=4)
-        budget = int(min_budget(free.profile, links_from_probe(backend, 0), margin=0.0) * 1.1)
-        plan = _scheduled(backend, budget, accumulation_steps=4)
-        xpu.reset_backend()
-    assert 0 < plan.host_earlier_s_per_param < plan.host_s_per_param
-    return plan, budget
-
-
-@pytest.fixture
-def accumulating_plan(accumulating_plan_once):
-    """The module's plan of 4 micro-batches, and its budget: a copy, so no test sees what
-    another's engine did to it."""
-    plan, budget = accumulating_plan_once
-    return copy.deepcopy(plan), budget
-
-
-@pytest.fixture
-def host_plan(cpu_backend, true_min_budget):  # noqa: F811
-    """A scheduled plan (one micro-batch) with host-updated blocks, and its budget."""
-    budget = int(true_min_budget * 1.1)
-    plan = _scheduled(cpu_backend, budget)
-    assert any(u.optimizer == "host" for u in plan.units) or plan.rest_optimizer == "host"
-    return plan, budget
 
 
 def _clocked(monkeypatch, host_summing_s: float, device_summing_s: float) -> list[tuple[int, bool]]:

@@ -3,12 +3,11 @@
 Why: a decoder layer run eagerly launches every elementwise op on its own and pays the host's
 time to issue each (session 54, one Qwen2-1.5B layer on an H100, 4 x 2048 tokens: forward +
 backward 7.07 ms eager, 5.20 compiled; with peft LoRA adapters 8.18 and 5.64;
-``bench/results/2026-12-07-h100-session54/call3/``). Inside MemFerry's steps it is not yet
-measured: session 55's 1.1 % on the DESIGN §3 GPT and session 56's LoRA row (3.04 s a step
-against 1.69 predicted, eager's pace) ran their blocks eagerly, the profiler having left dynamo
-skipping the block class (:class:`CompiledForward`). A 4-layer slice of the LoRA model under a
-named plan, which profiles nothing, ran compiled: 45.2 ms a step against 59.8 eager
-(``bench/results/2026-12-07-h100-session56/call2/``). Bench rows report ``compiled_runs_per_step``
+``bench/results/2026-12-07-h100-session54/call3/``). Inside MemFerry's planned steps on the
+HF Qwen2-1.5B shape with LoRA under 8 GB: 1.826 s a step against 2.836 eager
+(``bench/results/2026-12-08-h100-session57/``). Session 55's 1.1 % on the DESIGN §3 GPT and
+session 56's LoRA row had run their blocks eagerly, the profiler having left dynamo skipping the
+block class (:class:`CompiledForward`). Bench rows report ``compiled_runs_per_step``
 (:func:`compiled_runs`).
 
 What the executor relies on holds for a compiled block (``bench/scripts/probe_compile_block.py``):

@@ -22,6 +22,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from .cost import predict
+from .pass_timing import TIME_FIELDS
 
 if TYPE_CHECKING:
     from .config import Plan
@@ -40,7 +41,6 @@ TOLERANCE = 1.03
 #: The most the profile's compute times are scaled either way: beyond it the rehearsal is not
 #: believed to say what the device computes at (a disturbed lease, a step bound by something else).
 LIMIT = 1.5
-_TIMES = ("fwd_s", "bwd_s", "bwd_selective_s", "fwd_selective_s", "recompute_s")
 
 
 def compute_scale(plan: "Plan", profile: "StepProfile", links: "Links", margin: float,
@@ -76,4 +76,4 @@ def scaled(profile: "StepProfile", scale: float) -> "StepProfile":
 
 
 def _block(block: "BlockProfile", scale: float) -> "BlockProfile":
-    return dataclasses.replace(block, **{k: getattr(block, k) * scale for k in _TIMES})
+    return dataclasses.replace(block, **{k: getattr(block, k) * scale for k in TIME_FIELDS})
